@@ -1,0 +1,30 @@
+# The two commands users type: `make demo` and `make test`. Each installs what is missing first.
+PYTHON ?= python3
+STAMP := .cache/deps-installed
+
+.PHONY: deps demo test test-fast clean
+
+# Torch is never replaced when one is importable (a GPU machine keeps its CUDA build); a machine
+# without one gets the CPU build 2.13.0, never the multi-GB CUDA wheels. Triton is pinned to the
+# GPU machine's 3.6 when absent so the interpreter tests see the same language.
+$(STAMP): setup.py
+	@mkdir -p .cache
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
+	@$(PYTHON) -c "import triton" 2>/dev/null || $(PYTHON) -m pip install -q triton==3.6.0 || echo "triton not installable here; kernels fall back to PyTorch"
+	@$(PYTHON) -m pip install -q --no-build-isolation -e ".[dev]"
+	@touch $(STAMP)
+
+deps: $(STAMP)
+
+demo: deps
+	$(PYTHON) tools/demo.py
+
+test: deps
+	$(PYTHON) -m pytest -q tests
+
+# Skips the cases marked slow; for quick iteration only (CI runs `make test`).
+test-fast: deps
+	$(PYTHON) -m pytest -q -m "not slow" tests
+
+clean:
+	rm -rf .cache runs demo_out build *.egg-info

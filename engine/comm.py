@@ -1,0 +1,94 @@
+"""Every torch.distributed collective the engine uses, in one place.
+
+Keeping them here pins the API surface to what exists from torch 2.11 to 2.15: torch 2.13 deprecates
+`all_gather_into_tensor` / `reduce_scatter_tensor`, but their replacements are missing in 2.11, so the
+old names stay and only that deprecation warning is silenced, here and nowhere else.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+
+
+def _quiet():
+    ctx = warnings.catch_warnings()
+    ctx.__enter__()
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated.*")
+    warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.*deprecated.*")
+    return ctx
+
+
+def world_size(group=None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def rank(group=None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def all_reduce(t: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False):
+    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
+    """Concatenate every rank's `inp` along dim 0 into `out`."""
+    ctx = _quiet()
+    try:
+        return dist.all_gather_into_tensor(out, inp.contiguous(), group=group, async_op=async_op)
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False):
+    """Sum `inp` over ranks and keep this rank's dim-0 slice in `out`."""
+    ctx = _quiet()
+    try:
+        return dist.reduce_scatter_tensor(out, inp.contiguous(), op=op, group=group, async_op=async_op)
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False):
+    """`src` is a global rank."""
+    return dist.broadcast(t, src=src, group=group, async_op=async_op)
+
+
+def all_gather_object(obj, group=None) -> list:
+    out = [None] * world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group=None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def batch_p2p(sends: list, recvs: list, group=None) -> list:
+    """Post every (tensor, peer) send and receive at once; returns the requests to wait on.
+
+    Peers are global ranks. Batching lets gloo and nccl pair a rank's send with its neighbour's
+    receive in either order, which is what keeps 1F1B's simultaneous exchanges deadlock free.
+    """
+    ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
+    if not ops:
+        return []
+    return dist.batch_isend_irecv(ops)
+
+
+def new_group(ranks: list, backend: Optional[str] = None, timeout=None):
+    kw = {}
+    if timeout is not None:
+        kw["timeout"] = timeout
+    return dist.new_group(ranks=ranks, backend=backend, **kw)
+
+
+def destroy_group(group) -> None:
+    if dist.is_initialized() and group is not None:
+        dist.destroy_process_group(group)

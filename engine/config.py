@@ -1,0 +1,453 @@
+"""Typed run configuration: dataclasses per concern, YAML files, Megatron-LM flag names, validation.
+
+Every field of every section is a command-line flag named after it (`num_layers` -> `--num-layers`);
+YAML keys are the same names with `-` or `_`. Flags given on the command line override the file.
+All checks that can be made before any process group exists live in `validate`, and each failure is
+one `ConfigError` naming the flag, the value and the fix.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """A user mistake in flags or files; the launcher prints it as one line and exits 2."""
+
+
+def _f(default, help, *, aliases=(), choices=None, nargs=None, action=None, type=None):
+    meta = dict(help=help, aliases=aliases, choices=choices, nargs=nargs, action=action, type=type)
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = _f(2, "number of transformer layers")
+    hidden_size: int = _f(64, "model width")
+    ffn_hidden_size: Optional[int] = _f(None, "MLP width (default 4*hidden, or 8/3*hidden rounded to 64 with --swiglu)")
+    num_attention_heads: int = _f(4, "attention heads")
+    num_query_groups: Optional[int] = _f(None, "key/value heads for grouped-query attention (default: heads, i.e. MHA)")
+    kv_channels: Optional[int] = _f(None, "per-head dimension (default hidden/heads)")
+    seq_length: int = _f(64, "tokens per sample")
+    max_position_embeddings: Optional[int] = _f(None, "learned position table size (default seq-length)")
+    vocab_size: Optional[int] = _f(None, "vocabulary size (default: from the tokenizer, or 256 with --mock-data)")
+    make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this times tp")
+    normalization: str = _f("LayerNorm", "normalization layer", choices=("LayerNorm", "RMSNorm"))
+    norm_epsilon: float = _f(1e-5, "epsilon of the normalization layers")
+    position_embedding_type: str = _f("learned_absolute", "position encoding", choices=("learned_absolute", "rope"))
+    rotary_base: float = _f(10000.0, "RoPE base frequency")
+    swiglu: bool = _f(False, "SwiGLU MLP instead of GELU")
+    untie_embeddings_and_output_weights: bool = _f(False, "separate output layer instead of the tied embedding")
+    disable_bias_linear: bool = _f(False, "no biases in linear layers")
+    hidden_dropout: float = _f(0.0, "dropout on the residual branches")
+    attention_dropout: float = _f(0.0, "dropout on attention probabilities")
+    init_method_std: float = _f(0.02, "std of the normal weight init; output projections use std/sqrt(2*layers)")
+    attention_backend: str = _f("auto", "attention implementation (auto picks the fastest available)",
+                                choices=("auto", "flash", "triton", "sdpa", "local"))
+    recompute_granularity: Optional[str] = _f(None, "activation recomputation", choices=("full", "selective"))
+    recompute_num_layers: Optional[int] = _f(None, "with full recomputation: layers per stage recomputed (default all)")
+
+    def resolved_ffn_hidden_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.swiglu:
+            return 64 * ((int(8 * self.hidden_size / 3) + 63) // 64)
+        return 4 * self.hidden_size
+
+    def resolved_query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = _f(1, "tensor-parallel size", aliases=("--tp",))
+    pipeline_model_parallel_size: int = _f(1, "pipeline-parallel size", aliases=("--pp",))
+    virtual_pipeline_model_parallel_size: Optional[int] = _f(None, "model chunks per pipeline rank (interleaved 1F1B)", aliases=("--vpp",))
+    sequence_parallel: bool = _f(False, "split norms and dropout over the sequence within the TP group")
+    use_distributed_optimizer: bool = _f(False, "shard fp32 master weights and Adam state over dp (ZeRO-1)")
+    overlap_grad_reduce: bool = _f(False, "start each gradient bucket's reduction as soon as backward fills it")
+    gpus_per_node: Optional[int] = _f(None, "ranks per node (default: LOCAL_WORLD_SIZE); a TP group may not span nodes")
+    decoder_first_pipeline_num_layers: Optional[int] = _f(None, "layers on the first pipeline stage (uneven split)")
+    decoder_last_pipeline_num_layers: Optional[int] = _f(None, "layers on the last pipeline stage (uneven split)")
+    distributed_timeout_minutes: float = _f(10.0, "a collective stuck longer than this ends the job")
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = _f(1, "samples per microbatch per data-parallel rank")
+    global_batch_size: Optional[int] = _f(None, "samples per iteration over all dp ranks (default micro*dp)")
+    rampup_batch_size: Optional[list] = _f(None, "batch ramp-up: START INCREMENT SAMPLES", nargs=3, type=int)
+    train_iters: int = _f(100, "iterations to train")
+    bf16: bool = _f(False, "bf16 parameters and compute, fp32 master weights")
+    fp16: bool = _f(False, "fp16 parameters and compute with loss scaling")
+    loss_scale: Optional[float] = _f(None, "static loss scale for fp16 (default: dynamic)")
+    initial_loss_scale: float = _f(2.0 ** 16, "first dynamic loss scale for fp16")
+    seed: int = _f(1234, "random seed for weights, data order and dropout")
+    device: str = _f("auto", "auto: cuda+nccl when GPUs are visible, else cpu+gloo", choices=("auto", "cuda", "cpu"))
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = _f(3e-4, "peak learning rate")
+    min_lr: float = _f(0.0, "learning rate at the end of decay")
+    lr_decay_style: str = _f("cosine", "decay after warm-up", choices=("constant", "linear", "cosine", "wsd"))
+    lr_warmup_iters: int = _f(0, "linear warm-up iterations")
+    lr_decay_iters: Optional[int] = _f(None, "iterations over which the LR decays (default train-iters)")
+    lr_wsd_decay_iters: Optional[int] = _f(None, "with wsd: length of the final decay phase")
+    weight_decay: float = _f(0.01, "AdamW weight decay, matrices only")
+    adam_beta1: float = _f(0.9, "Adam beta1")
+    adam_beta2: float = _f(0.999, "Adam beta2")
+    adam_eps: float = _f(1e-8, "Adam epsilon")
+    clip_grad: float = _f(1.0, "clip the global gradient L2 norm to this (0: off)")
+    z_loss_weight: float = _f(0.0, "weight of the log-sum-exp auxiliary loss on the logits")
+
+
+@dataclass
+class DataConfig:
+    data_path: Optional[list] = _f(None, "[W1] PREFIX1 [W2 PREFIX2 ...]: indexed datasets and blend weights", nargs="+")
+    split: str = _f("969,30,1", "train,valid,test proportions of the documents")
+    tokenizer_model: Optional[str] = _f(None, "SentencePiece model file")
+    mock_data: bool = _f(False, "synthetic tokens that depend only on --seed and the sample index")
+    data_phases: Optional[list] = _f(None, "YAML only: list of {start_iter, weights} blend phases")
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = _f(None, "checkpoint directory to write")
+    load: Optional[str] = _f(None, "checkpoint directory to resume from (default --save)")
+    save_interval: Optional[int] = _f(None, "save every N iterations")
+    async_save: bool = _f(False, "write checkpoints in the background")
+    keep_last: Optional[int] = _f(None, "keep only the newest N checkpoints")
+    keep_every: Optional[int] = _f(None, "also keep every checkpoint whose iteration is a multiple of N")
+    ckpt_fallback: bool = _f(False, "if the newest checkpoint is damaged, load the newest complete one")
+    no_load_optim: bool = _f(False, "load model weights only")
+    exit_duration_in_mins: Optional[float] = _f(None, "save and exit after this many minutes")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = _f(1, "iterations between console lines")
+    eval_interval: Optional[int] = _f(None, "iterations between evaluations")
+    eval_iters: int = _f(10, "validation batches per evaluation")
+    tensorboard_dir: Optional[str] = _f(None, "TensorBoard event directory")
+    metrics_file: Optional[str] = _f(None, "JSON-lines metrics (default <tensorboard-dir>/metrics.jsonl or <save>/metrics.jsonl)")
+    peak_tflops: Optional[float] = _f(None, "device peak TFLOP/s for MFU (default from the device table)")
+    pipeline_trace: Optional[str] = _f(None, "write each rank's forward/backward events to this file")
+    profile: bool = _f(False, "record a torch.profiler trace")
+    profile_step_start: int = _f(10, "first profiled iteration")
+    profile_step_end: int = _f(12, "last profiled iteration")
+
+
+@dataclass
+class StabilityConfig:
+    spike_window: int = _f(50, "iterations in the rolling loss window")
+    spike_threshold: float = _f(6.0, "a loss above mean + K std of the window is a spike")
+    spike_rollback_after: int = _f(0, "roll back after N spikes within the window (0: never)")
+    spike_lr_factor: float = _f(0.5, "LR multiplier after a rollback")
+    spike_lr_steps: int = _f(100, "iterations the lowered LR lasts")
+    inject_fault: list = _f([], "KIND@ITER with KIND nan or spike (repeatable; for drills and tests)", action="append")
+
+
+SECTIONS = {
+    "model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
+    "optim": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig, "stability": StabilityConfig,
+}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
+    config_file: Optional[str] = None
+
+    def to_dict(self) -> dict:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        return cls(**{name: SECTIONS[name](**d.get(name, {})) for name in SECTIONS})
+
+    # Shorthands used all over the engine.
+    @property
+    def tp(self) -> int:
+        return self.parallel.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.parallel.pipeline_model_parallel_size
+
+    @property
+    def vpp(self) -> int:
+        return self.parallel.virtual_pipeline_model_parallel_size or 1
+
+
+def _all_fields():
+    """(section name, dataclass field) for every flag."""
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            yield section, f
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+FIELD_SECTION = {f.name: section for section, f in _all_fields()}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="Ternion: pretrain GPT/Llama models with tensor, pipeline and data parallelism. "
+                    "Run under torchrun; YAML keys are these flag names.",
+        argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", help="YAML file of flag values; command-line flags override it")
+    for section, cls in SECTIONS.items():
+        group = p.add_argument_group(section)
+        for f in dataclasses.fields(cls):
+            m = f.metadata
+            names = [flag_of(f.name), *m["aliases"]]
+            kw: dict[str, Any] = dict(dest=f.name, help=f"{m['help']} (default: {_default_of(f)})")
+            if m["action"] == "append":
+                kw["action"] = "append"
+            elif _is_bool(f):
+                kw["action"] = "store_true"
+            else:
+                kw["type"] = m["type"] or _scalar_type(f)
+                if m["nargs"]:
+                    kw["nargs"] = m["nargs"]
+                if m["choices"]:
+                    kw["choices"] = m["choices"]
+            group.add_argument(*names, **kw)
+    return p
+
+
+def _default_of(f):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _is_bool(f) -> bool:
+    return f.type in (bool, "bool")
+
+
+def _scalar_type(f):
+    t = str(f.type)
+    if "int" in t:
+        return int
+    if "float" in t:
+        return float
+    return str
+
+
+def _load_yaml(path: str) -> dict:
+    import yaml
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config: file {path!r} does not exist; pass the path of a YAML file such as configs/gpt-tiny.yaml")
+    try:
+        with open(path) as fh:
+            raw = yaml.safe_load(fh) or {}
+    except yaml.YAMLError as e:
+        line = getattr(getattr(e, "problem_mark", None), "line", None)
+        where = f" at line {line + 1}" if line is not None else ""
+        raise ConfigError(f"--config: {path} is not valid YAML{where}; fix the syntax") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config: {path} must hold a mapping of flag names to values")
+    out = {}
+    valid = list(FIELD_SECTION)
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in FIELD_SECTION:
+            near = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+            hint = f"; did you mean '{near[0].replace('_', '-')}'?" if near else "; see pretrain_gpt.py --help for valid names"
+            raise ConfigError(f"--config: unknown key '{key}' in {path}{hint}")
+        out[name] = value
+    return out
+
+
+def _coerce(name: str, value):
+    """Bring a YAML value to the field's type, or say which key is wrong."""
+    section = FIELD_SECTION[name]
+    f = next(x for x in dataclasses.fields(SECTIONS[section]) if x.name == name)
+    if value is None:
+        return None
+    if f.metadata["choices"] and value not in f.metadata["choices"]:
+        raise ConfigError(f"{flag_of(name)}: {value!r} is not one of {', '.join(f.metadata['choices'])}")
+    t = str(f.type)
+    try:
+        if _is_bool(f):
+            if not isinstance(value, bool):
+                raise ValueError
+            return value
+        if "list" in t:
+            if name == "data_phases":
+                return value
+            vals = value if isinstance(value, list) else str(value).split()
+            conv = f.metadata["type"] or str
+            return [conv(v) if conv is not str else str(v) for v in vals]
+        conv = _scalar_type(f)
+        if conv is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return conv(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{flag_of(name)}: value {value!r} is not a valid {t}; fix it in the config file") from None
+
+
+def parse_config(argv: Optional[list] = None) -> Config:
+    """Flags (and the YAML they name) -> Config. Raises ConfigError; argparse exits 2 on bad syntax."""
+    ns = vars(build_parser().parse_args(argv))
+    values = {}
+    cfg_file = ns.pop("config", None)
+    if cfg_file:
+        values.update({k: _coerce(k, v) for k, v in _load_yaml(cfg_file).items()})
+    values.update(ns)
+    cfg = Config(config_file=cfg_file)
+    for name, value in values.items():
+        setattr(getattr(cfg, FIELD_SECTION[name]), name, value)
+    return cfg
+
+
+def _err(flag: str, value, fix: str):
+    raise ConfigError(f"{flag} {value}: {fix}")
+
+
+def data_prefixes(data_path: list) -> list:
+    """`[W1] P1 [W2 P2 ...]` -> [(weight, prefix)]; a single prefix gets weight 1."""
+    if len(data_path) == 1:
+        return [(1.0, data_path[0])]
+    if len(data_path) % 2:
+        _err("--data-path", " ".join(data_path), "give either one prefix or pairs of WEIGHT PREFIX")
+    pairs = []
+    for w, p in zip(data_path[0::2], data_path[1::2]):
+        try:
+            weight = float(w)
+        except ValueError:
+            _err("--data-path", w, "expected a weight (a number) before each prefix")
+        if weight < 0:
+            _err("--data-path", w, "weights must be non-negative")
+        pairs.append((weight, p))
+    return pairs
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Every check that needs no process group. Raises ConfigError with one line."""
+    m, par, tr, opt = cfg.model, cfg.parallel, cfg.training, cfg.optim
+    tp, pp = cfg.tp, cfg.pp
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if getattr(par, name) < 1:
+            _err(flag_of(name), getattr(par, name), "must be at least 1")
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "train_iters"):
+        section = getattr(cfg, FIELD_SECTION[name])
+        if getattr(section, name) < 1:
+            _err(flag_of(name), getattr(section, name), "must be at least 1")
+    if m.num_attention_heads % tp:
+        _err("--tensor-model-parallel-size", tp,
+             f"must divide --num-attention-heads {m.num_attention_heads}; choose a tp among {_divisors(m.num_attention_heads)}")
+    groups = m.resolved_query_groups()
+    if m.num_attention_heads % groups:
+        _err("--num-query-groups", groups, f"must divide --num-attention-heads {m.num_attention_heads}")
+    if groups % tp:
+        _err("--tensor-model-parallel-size", tp,
+             f"must divide --num-query-groups {groups}; choose a tp among {_divisors(groups)}")
+    if not m.kv_channels and m.hidden_size % m.num_attention_heads:
+        _err("--hidden-size", m.hidden_size, f"must be a multiple of --num-attention-heads {m.num_attention_heads}")
+    if m.resolved_ffn_hidden_size() % tp:
+        _err("--ffn-hidden-size", m.resolved_ffn_hidden_size(), f"must be divisible by --tensor-model-parallel-size {tp}")
+    if m.position_embedding_type == "rope" and m.head_dim() % 2:
+        _err("--kv-channels", m.head_dim(), "rotary embeddings need an even head dimension")
+    if m.position_embedding_type == "learned_absolute" and (m.max_position_embeddings or m.seq_length) < m.seq_length:
+        _err("--max-position-embeddings", m.max_position_embeddings, f"must be at least --seq-length {m.seq_length}")
+    if par.sequence_parallel and m.seq_length % tp:
+        _err("--seq-length", m.seq_length, f"with --sequence-parallel it must be divisible by tp {tp}")
+    _validate_pipeline_split(cfg)
+    if world_size % (tp * pp):
+        _err("--tensor-model-parallel-size", tp,
+             f"tp {tp} x pp {pp} = {tp * pp} does not divide the world size {world_size}; "
+             f"launch a multiple of {tp * pp} processes or change --tp/--pp")
+    dp = world_size // (tp * pp)
+    gbs = tr.global_batch_size or tr.micro_batch_size * dp
+    if gbs % (tr.micro_batch_size * dp):
+        _err("--global-batch-size", gbs,
+             f"must be a multiple of --micro-batch-size {tr.micro_batch_size} x dp {dp} = {tr.micro_batch_size * dp}")
+    if tr.rampup_batch_size:
+        start, incr, _ = tr.rampup_batch_size
+        if start % (tr.micro_batch_size * dp) or incr % (tr.micro_batch_size * dp) or (gbs - start) % max(incr, 1):
+            _err("--rampup-batch-size", " ".join(map(str, tr.rampup_batch_size)),
+                 f"START and INCR must be multiples of micro x dp = {tr.micro_batch_size * dp} and reach --global-batch-size {gbs}")
+    if tr.bf16 and tr.fp16:
+        _err("--bf16", "with --fp16", "choose one precision")
+    if par.gpus_per_node and tp > par.gpus_per_node:
+        _err("--tensor-model-parallel-size", tp,
+             f"a TP group would span nodes (--gpus-per-node {par.gpus_per_node}); use tp <= {par.gpus_per_node}")
+    if par.gpus_per_node and par.gpus_per_node % tp:
+        _err("--tensor-model-parallel-size", tp,
+             f"must divide --gpus-per-node {par.gpus_per_node} so no TP group spans two nodes")
+    if opt.lr_decay_style == "wsd" and not opt.lr_wsd_decay_iters:
+        _err("--lr-decay-style", "wsd", "also give --lr-wsd-decay-iters (length of the final decay)")
+    if opt.min_lr > opt.lr:
+        _err("--min-lr", opt.min_lr, f"must not exceed --lr {opt.lr}")
+    _validate_files(cfg)
+    for spec in cfg.stability.inject_fault:
+        kind, _, it = spec.partition("@")
+        if kind not in ("nan", "spike") or not it.isdigit():
+            _err("--inject-fault", spec, "use nan@ITER or spike@ITER")
+
+
+def _validate_pipeline_split(cfg: Config) -> None:
+    m, par = cfg.model, cfg.parallel
+    pp, vpp = cfg.pp, cfg.vpp
+    first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
+    if par.virtual_pipeline_model_parallel_size is not None and par.virtual_pipeline_model_parallel_size < 1:
+        _err("--virtual-pipeline-model-parallel-size", vpp, "must be at least 1")
+    if vpp > 1 and pp < 2:
+        _err("--virtual-pipeline-model-parallel-size", vpp, "needs --pipeline-model-parallel-size of at least 2")
+    if first is None and last is None:
+        if m.num_layers % (pp * vpp):
+            _err("--num-layers", m.num_layers,
+                 f"must be divisible by pp x vpp = {pp * vpp}, or set --decoder-first/last-pipeline-num-layers")
+        return
+    if vpp > 1:
+        _err("--decoder-first-pipeline-num-layers", first, "uneven stages cannot be combined with --vpp")
+    if pp < 2:
+        _err("--decoder-first-pipeline-num-layers", first, "uneven stages need --pipeline-model-parallel-size >= 2")
+    rest = m.num_layers - (first or 0) - (last or 0)
+    middle = pp - (first is not None) - (last is not None)
+    if rest < 0 or (middle == 0 and rest) or (middle and (rest % middle or rest // middle < 1)):
+        _err("--decoder-first-pipeline-num-layers", first,
+             f"with --decoder-last-pipeline-num-layers {last} the remaining {rest} of {m.num_layers} layers "
+             f"cannot be split evenly over {middle} middle stages")
+
+
+def _validate_files(cfg: Config) -> None:
+    d = cfg.data
+    if d.tokenizer_model and not os.path.isfile(d.tokenizer_model):
+        _err("--tokenizer-model", d.tokenizer_model, "file not found; train one with tools/train_tokenizer.py")
+    if d.data_path and not d.mock_data:
+        for _, prefix in data_prefixes(d.data_path):
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(prefix + ext):
+                    _err("--data-path", prefix,
+                         f"{prefix + ext} not found; give the prefix without .bin/.idx, made by tools/preprocess_data.py")
+    if not d.data_path and not d.mock_data:
+        _err("--data-path", "(none)", "give --data-path PREFIX or use --mock-data")
+    if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
+        _err("--load", cfg.checkpoint.load, "directory not found; check the path or drop --load")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

@@ -1,0 +1,26 @@
+"""Ternion: Megatron-style 3D-parallel pretraining on PyTorch."""
+from setuptools import setup
+
+setup(
+    name="ternion",
+    version="0.1.0",
+    description="Data x tensor x pipeline parallel pretraining of GPT and Llama models on PyTorch",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    packages=["engine", "engine.data", "kernels"],
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.11",
+        "numpy",
+        "pyyaml",
+        "sentencepiece",
+        "tensorboard",
+        "safetensors",
+        "matplotlib",
+        'triton; platform_system == "Linux" and platform_machine == "x86_64"',
+    ],
+    extras_require={
+        "gpu": ["flash-attn"],
+        "dev": ["pytest", "pytest-timeout", "transformers"],
+    },
+)

@@ -1,0 +1,165 @@
+"""Run a test function on N gloo ranks in separate processes, with a hard timeout.
+
+`run_ranks(fn, world_size, *args)` calls `fn(rank, world_size, *args)` on every rank after the
+default process group exists, and returns the per-rank results. A rank that raises fails the test with
+its traceback. A test that does not finish within `timeout` seconds fails after printing every rank's
+Python stack (faulthandler on SIGUSR1), then the ranks are killed: CI never hangs.
+
+Spawning ranks costs seconds (mostly importing torch), so ranks are kept in a pool per world size and
+reused across tests; a pool that timed out or lost a rank is discarded and a fresh one is started.
+
+gloo sometimes aborts at interpreter exit after a clean teardown ("terminate called without an
+active exception"). Results are collected before teardown, so an abort at exit is tolerated after
+success, while a rank that dies or raises during a test is always a failure.
+"""
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import tempfile
+import time
+import traceback
+
+DEFAULT_TIMEOUT = float(os.environ.get("TERNION_TEST_TIMEOUT", "180"))
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, stack_dir, inbox, outbox):
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    stack_file = open(os.path.join(stack_dir, f"rank{rank}.txt"), "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        fn, args = job
+        try:
+            outbox.put((rank, True, fn(rank, world_size, *args)))
+        except BaseException:
+            outbox.put((rank, False, traceback.format_exc()))
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    finally:
+        stack_file.close()
+
+
+class RankPool:
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.stack_dir = tempfile.mkdtemp(prefix="ternion-stacks-")
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.inboxes = [ctx.Queue() for _ in range(world_size)]
+        self.outbox = ctx.Queue()
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.stack_dir, self.inboxes[r], self.outbox),
+                                  daemon=True) for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn, args, timeout: float) -> list:
+        for q in self.inboxes:
+            q.put((fn, args))
+        results, errors = {}, {}
+        deadline = time.monotonic() + timeout
+        while len(results) + len(errors) < self.world_size:
+            try:
+                rank, ok, value = self.outbox.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in results and r not in errors]
+                if dead:
+                    self.kill()
+                    raise RankFailure(f"rank(s) {dead} died (exit codes {[self.procs[r].exitcode for r in dead]}) "
+                                      f"while running {fn.__name__}" + self._stacks())
+                if time.monotonic() > deadline:
+                    stacks = self.dump_stacks()
+                    self.kill()
+                    raise RankFailure(f"{fn.__name__} did not finish within {timeout:.0f}s on {self.world_size} ranks; "
+                                      f"every rank's stack:\n{stacks}")
+                continue
+            (results if ok else errors)[rank] = value
+            if not ok:
+                # The other ranks may now wait forever in a collective: give them a moment only.
+                deadline = min(deadline, time.monotonic() + 10)
+        if errors:
+            first = min(errors)
+            raise RankFailure(f"{fn.__name__} failed on rank(s) {sorted(errors)}; rank {first}:\n{errors[first]}")
+        return [results[r] for r in range(self.world_size)]
+
+    def dump_stacks(self) -> str:
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        return self._stacks()
+
+    def _stacks(self) -> str:
+        out = []
+        for r in range(self.world_size):
+            path = os.path.join(self.stack_dir, f"rank{r}.txt")
+            text = open(path).read() if os.path.exists(path) else ""
+            out.append(f"--- rank {r} ---\n{text.strip() or '(no stack recorded)'}")
+        return "\n".join(out)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+
+    def close(self) -> None:
+        """Orderly teardown; an abort at exit after this point is the known gloo quirk and is ignored."""
+        for q in self.inboxes:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=20)
+        self.kill()
+
+
+_pools: dict[int, RankPool] = {}
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return each rank's result."""
+    pool = _pools.get(world_size)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.kill()
+        pool = _pools[world_size] = RankPool(world_size)
+    try:
+        return pool.run(fn, args, timeout)
+    except RankFailure:
+        # A failed test can leave collectives unmatched: never reuse its ranks.
+        pool.kill()
+        _pools.pop(world_size, None)
+        raise
+
+
+def close_pools() -> None:
+    for pool in list(_pools.values()):
+        pool.close()
+    _pools.clear()
+
+
+atexit.register(close_pools)
