@@ -33,7 +33,6 @@ The pieces, one module each:
 - `make_batch(dataset, indices, device=None)` / `batches(dataset, sampler, device=None)`: tensors.
 - `demo_corpus.build_demo_corpus(out_dir, vocab_size, max_files) -> (tokenizer_model, data_prefix)`.
 """
-from engine.data.batch import batches, make_batch
 from engine.data.build import build_datasets
 from engine.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter, token_dtype
 from engine.data.sampler import BatchSampler, RampupBatchSize, samples_before
@@ -43,3 +42,11 @@ __all__ = [
     "BatchSampler", "IndexedDataset", "IndexedDatasetWriter", "RampupBatchSize", "Tokenizer",
     "batches", "build_datasets", "make_batch", "samples_before", "token_dtype",
 ]
+
+
+def __getattr__(name: str):
+    # The tensor helpers load torch (seconds); the tools import this package without needing it.
+    if name in ("batches", "make_batch"):
+        from engine.data import batch
+        return getattr(batch, name)
+    raise AttributeError(f"module 'engine.data' has no attribute {name!r}")

@@ -1,0 +1,200 @@
+"""Text or JSONL in, tokenized documents out as MMIDIDX datasets (PREFIX_KEY_document.bin/.idx).
+
+The main process reads lines and writes the output in input order; worker processes parse, filter and
+encode chunks of lines, so the encoding (the expensive part) runs on every worker at once. Optional
+steps, each counted in the summary:
+- exact de-duplication: a document whose normalised text (lower case, whitespace collapsed) hashes
+  like an earlier one is dropped;
+- quality filters: fewer than `min_words` whitespace words, or more than `max_symbol_ratio` of its
+  characters neither letters, digits, underscore nor whitespace.
+Input files ending in .jsonl or .json hold one JSON object per line (the texts under `json_keys`);
+any other file is plain text with one document per line.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import re
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+
+from engine.data.indexed_dataset import IndexedDatasetWriter, token_dtype
+from engine.data.tokenizer import Tokenizer
+
+CHUNK_LINES = 256
+_SYMBOL = re.compile(r"[^\w\s]")
+
+
+@dataclass
+class Options:
+    json_keys: Sequence[str] = ("text",)
+    append_eod: bool = False
+    dedup: bool = False
+    min_words: int = 0
+    max_symbol_ratio: float = 1.0
+
+
+@dataclass
+class Summary:
+    documents: int = 0
+    kept: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    dropped: Counter = field(default_factory=Counter)
+    outputs: list = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        rate = self.documents / max(self.seconds, 1e-9)
+        out = [f"read {self.documents} documents, kept {self.kept}, {self.tokens} tokens in {self.seconds:.1f} s "
+               f"({rate:.0f} documents/s, {self.tokens / max(self.seconds, 1e-9):.0f} tokens/s)"]
+        out += [f"dropped {n}: {reason}" for reason, n in sorted(self.dropped.items())]
+        out += [f"wrote {prefix}.bin/.idx" for prefix in self.outputs]
+        return out
+
+
+def output_prefix(prefix: str, key: str) -> str:
+    return f"{prefix}_{key}_document"
+
+
+def preprocess(inputs: Sequence[str], tokenizer_model: str, prefix: str, options: Options,
+               workers: int = 1, progress: bool = True) -> Summary:
+    """Tokenize every document of `inputs` into one dataset per JSON key; returns the counts."""
+    tokenizer = Tokenizer(tokenizer_model)
+    dtype = token_dtype(tokenizer.vocab_size)
+    summary = Summary()
+    writers = {k: IndexedDatasetWriter(output_prefix(prefix, k), dtype) for k in options.json_keys}
+    seen: set[bytes] = set()
+    bar = _Progress(sum(os.path.getsize(p) for p in inputs), enabled=progress)
+    start = time.perf_counter()
+    ctx = mp.get_context("spawn" if sys.platform == "darwin" else "fork")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_model, options, dtype.str)) as pool:
+        for chunk in pool.imap(_encode_chunk, _chunks(inputs), chunksize=1):
+            nbytes, docs, dropped = chunk
+            summary.documents += len(docs) + sum(dropped.values())
+            summary.dropped.update(dropped)
+            for digest, per_key in docs:
+                if options.dedup:
+                    if digest in seen:
+                        summary.dropped["duplicate"] += 1
+                        continue
+                    seen.add(digest)
+                summary.kept += 1
+                for key, (data, length) in zip(options.json_keys, per_key):
+                    writers[key].add_raw(data, (length,))
+                    summary.tokens += length
+            bar.update(nbytes, summary.documents, summary.tokens)
+    for key, writer in writers.items():
+        writer.finalize()
+        summary.outputs.append(writer.prefix)
+    summary.seconds = time.perf_counter() - start
+    bar.close()
+    return summary
+
+
+def _chunks(inputs: Sequence[str]) -> Iterator[tuple[bool, list[bytes]]]:
+    """(is_jsonl, lines) in groups of CHUNK_LINES, file by file."""
+    for path in inputs:
+        is_json = path.endswith((".jsonl", ".json"))
+        with open(path, "rb") as f:
+            lines = []
+            for line in f:
+                lines.append(line)
+                if len(lines) == CHUNK_LINES:
+                    yield is_json, lines
+                    lines = []
+            if lines:
+                yield is_json, lines
+
+
+_worker: dict = {}
+
+
+def _init_worker(model: str, options: Options, dtype: str) -> None:
+    _worker.update(tokenizer=Tokenizer(model), options=options, dtype=np.dtype(dtype))
+
+
+def _encode_chunk(job: tuple[bool, list[bytes]]):
+    """-> (bytes read, [(digest, [(token bytes, length) per key])], Counter of drop reasons)."""
+    is_json, lines = job
+    tok, opt, dtype = _worker["tokenizer"], _worker["options"], _worker["dtype"]
+    dropped: Counter = Counter()
+    kept_texts: list[list[str]] = []
+    for line in lines:
+        if not line.strip():
+            continue
+        if is_json:
+            try:
+                record = json.loads(line)
+                texts = [record[k] for k in opt.json_keys]
+            except (ValueError, KeyError, TypeError):
+                dropped["malformed JSON or missing key"] += 1
+                continue
+            if not all(isinstance(t, str) for t in texts):
+                dropped["malformed JSON or missing key"] += 1
+                continue
+        else:
+            texts = [line.decode("utf-8", errors="replace").rstrip("\r\n")]
+        reason = _rejected(texts, opt)
+        if reason:
+            dropped[reason] += 1
+            continue
+        kept_texts.append(texts)
+    docs = []
+    per_key = [tok.encode_batch([t[k] for t in kept_texts]) for k in range(len(opt.json_keys))]
+    for d, texts in enumerate(kept_texts):
+        digest = _digest(texts) if opt.dedup else None
+        encoded = []
+        for ids in (per_key[k][d] for k in range(len(texts))):
+            if opt.append_eod:
+                ids.append(tok.eod)
+            encoded.append((np.asarray(ids, dtype=dtype).tobytes(), len(ids)))
+        docs.append((digest, encoded))
+    return sum(map(len, lines)), docs, dropped
+
+
+def _rejected(texts: list[str], opt: Options) -> Optional[str]:
+    if opt.min_words and sum(len(t.split()) for t in texts) < opt.min_words:
+        return f"fewer than {opt.min_words} words"
+    if opt.max_symbol_ratio < 1.0:
+        chars = sum(map(len, texts))
+        symbols = sum(len(t) - len(_SYMBOL.sub("", t)) for t in texts)
+        if chars and symbols / chars > opt.max_symbol_ratio:
+            return f"symbol ratio above {opt.max_symbol_ratio}"
+    return None
+
+
+def _digest(texts: list[str]) -> bytes:
+    normalised = "\x00".join(" ".join(t.lower().split()) for t in texts)
+    return hashlib.blake2b(normalised.encode("utf-8"), digest_size=16).digest()
+
+
+class _Progress:
+    """One self-overwriting stderr line: share of input read, documents/s and tokens/s."""
+
+    def __init__(self, total_bytes: int, enabled: bool):
+        self.total, self.enabled = max(total_bytes, 1), enabled
+        self.done, self.start, self.last = 0, time.perf_counter(), 0.0
+
+    def update(self, nbytes: int, docs: int, tokens: int) -> None:
+        self.done += nbytes
+        now = time.perf_counter()
+        if not self.enabled or now - self.last < 0.5:
+            return
+        self.last = now
+        frac = min(self.done / self.total, 1.0)
+        elapsed = max(now - self.start, 1e-9)
+        bar = "#" * int(frac * 30)
+        sys.stderr.write(f"\r[{bar:<30}] {frac:6.1%}  {docs} docs  {docs / elapsed:,.0f} docs/s  "
+                         f"{tokens / elapsed:,.0f} tokens/s")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.last:
+            sys.stderr.write("\n")

@@ -1,0 +1,77 @@
+"""Tokenize JSONL or text into Megatron-LM indexed datasets (PREFIX_KEY_document.bin/.idx).
+
+    python tools/preprocess_data.py --input FILE.jsonl --json-keys text --tokenizer-model FILE.model \\
+        --output-prefix PREFIX --workers N --append-eod [--dedup] [--min-words N] [--max-symbol-ratio R]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.data.preprocess import Options, preprocess  # noqa: E402
+from engine.data.tokenizer import Tokenizer  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", nargs="+", required=True,
+                   help="input files: .jsonl/.json (one JSON object per line) or plain text (one document per line)")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys to tokenize, one output per key")
+    p.add_argument("--tokenizer-model", required=True, help="SentencePiece model (tools/train_tokenizer.py)")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX_KEY_document.bin/.idx")
+    p.add_argument("--workers", type=int, default=1, help="encoding processes")
+    p.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
+    p.add_argument("--dedup", action="store_true", help="drop exact duplicates (same text after lower-casing "
+                                                        "and collapsing whitespace)")
+    p.add_argument("--min-words", type=int, default=0, help="drop documents with fewer whitespace words")
+    p.add_argument("--max-symbol-ratio", type=float, default=1.0,
+                   help="drop documents where a larger share of characters are symbols (not letters, digits, "
+                        "underscore or whitespace)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def check(args: argparse.Namespace) -> str | None:
+    """The first user mistake, as one line, or None."""
+    for path in args.input:
+        if not os.path.isfile(path):
+            return f"--input {path}: file not found"
+    if not os.path.isfile(args.tokenizer_model):
+        return f"--tokenizer-model {args.tokenizer_model}: file not found; train one with tools/train_tokenizer.py"
+    try:
+        Tokenizer(args.tokenizer_model)
+    except (OSError, RuntimeError):
+        return f"--tokenizer-model {args.tokenizer_model}: not a SentencePiece model; train one with tools/train_tokenizer.py"
+    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    if not os.path.isdir(out_dir):
+        return f"--output-prefix {args.output_prefix}: directory {out_dir} does not exist; create it first"
+    if args.workers < 1:
+        return f"--workers {args.workers}: must be at least 1"
+    if args.min_words < 0:
+        return f"--min-words {args.min_words}: must be non-negative"
+    if not 0 < args.max_symbol_ratio <= 1:
+        return f"--max-symbol-ratio {args.max_symbol_ratio}: must be in (0, 1]"
+    if len(set(args.json_keys)) != len(args.json_keys):
+        return f"--json-keys {' '.join(args.json_keys)}: each key may appear once"
+    return None
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    error = check(args)
+    if error:
+        print(f"preprocess_data.py: error: {error}", file=sys.stderr)
+        return 2
+    options = Options(json_keys=tuple(args.json_keys), append_eod=args.append_eod, dedup=args.dedup,
+                      min_words=args.min_words, max_symbol_ratio=args.max_symbol_ratio)
+    summary = preprocess(args.input, args.tokenizer_model, args.output_prefix, options,
+                         workers=args.workers, progress=not args.quiet)
+    print("\n".join(summary.lines()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
