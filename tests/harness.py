@@ -90,12 +90,16 @@ class RankPool:
                 if dead:
                     self.kill()
                     raise RankFailure(f"rank(s) {dead} died (exit codes {[self.procs[r].exitcode for r in dead]}) "
-                                      f"while running {fn.__name__}" + self._stacks())
+                                      f"while running {fn.__name__}" + self._stacks()) from None
                 if time.monotonic() > deadline:
                     stacks = self.dump_stacks()
                     self.kill()
+                    if errors:
+                        first = min(errors)
+                        raise RankFailure(f"{fn.__name__} failed on rank(s) {sorted(errors)} and the others hung; "
+                                          f"rank {first}:\n{errors[first]}\nstacks:\n{stacks}") from None
                     raise RankFailure(f"{fn.__name__} did not finish within {timeout:.0f}s on {self.world_size} ranks; "
-                                      f"every rank's stack:\n{stacks}")
+                                      f"every rank's stack:\n{stacks}") from None
                 continue
             (results if ok else errors)[rank] = value
             if not ok:

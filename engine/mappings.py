@@ -1,0 +1,115 @@
+"""Tensor-parallel communication as autograd functions, each paired with its adjoint.
+
+Forward op           | backward op         | where
+---------------------|---------------------|-----------------------------------------------
+copy                 | all-reduce          | input of a column-parallel linear (no SP)
+all-reduce           | copy                | output of a row-parallel linear (no SP)
+all-gather (seq)     | reduce-scatter (seq)| input of a column-parallel linear under SP
+reduce-scatter (seq) | all-gather (seq)    | output of a row-parallel linear under SP
+split (seq)          | all-gather (seq)    | entering the SP region from replicated activations
+all-gather (last)    | split (last)        | gathering vocab-parallel outputs
+"""
+from __future__ import annotations
+
+import torch
+
+from engine import comm
+
+
+def _size(group) -> int:
+    return comm.world_size(group) if group is not None else 1
+
+
+def _all_reduce(x, group):
+    if _size(group) == 1:
+        return x
+    x = x.contiguous()
+    comm.all_reduce(x, group)
+    return x
+
+
+def _gather_seq(x, group):
+    n = _size(group)
+    if n == 1:
+        return x
+    out = torch.empty((x.shape[0] * n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather_into(out, x, group)
+    return out
+
+
+def _reduce_scatter_seq(x, group):
+    n = _size(group)
+    if n == 1:
+        return x
+    out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.reduce_scatter_into(out, x, group)
+    return out
+
+
+def _split_seq(x, group):
+    n = _size(group)
+    if n == 1:
+        return x
+    return x.chunk(n, dim=0)[comm.rank(group)].contiguous()
+
+
+def _gather_last(x, group):
+    n = _size(group)
+    if n == 1:
+        return x
+    gathered = _gather_seq(x.movedim(-1, 0).contiguous(), group)
+    return gathered.movedim(0, -1).contiguous()
+
+
+def _split_last(x, group):
+    n = _size(group)
+    if n == 1:
+        return x
+    return x.chunk(n, dim=-1)[comm.rank(group)].contiguous()
+
+
+def _pair(fwd, bwd, name):
+    class _Op(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return fwd(x, group)
+
+        @staticmethod
+        def backward(ctx, g):
+            return bwd(g, ctx.group), None
+
+    _Op.__name__ = _Op.__qualname__ = name
+    return _Op
+
+
+_Copy = _pair(lambda x, g: x, _all_reduce, "CopyToTP")
+_Reduce = _pair(_all_reduce, lambda x, g: x, "ReduceFromTP")
+_GatherSeq = _pair(_gather_seq, _reduce_scatter_seq, "GatherFromSP")
+_ReduceScatterSeq = _pair(_reduce_scatter_seq, _gather_seq, "ReduceScatterToSP")
+_SplitSeq = _pair(_split_seq, _gather_seq, "ScatterToSP")
+_GatherLast = _pair(_gather_last, _split_last, "GatherLastDim")
+
+
+def copy_to_tp(x, group):
+    return _Copy.apply(x, group)
+
+
+def reduce_from_tp(x, group):
+    return _Reduce.apply(x, group)
+
+
+def gather_from_sp(x, group):
+    return _GatherSeq.apply(x, group)
+
+
+def reduce_scatter_to_sp(x, group):
+    return _ReduceScatterSeq.apply(x, group)
+
+
+def scatter_to_sp(x, group):
+    return _SplitSeq.apply(x, group)
+
+
+def gather_last_dim(x, group):
+    return _GatherLast.apply(x, group)

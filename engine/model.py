@@ -1,0 +1,223 @@
+"""The GPT / Llama decoder, written once from tensor-parallel layers.
+
+One class covers GPT-2/3 (LayerNorm, learned positions, GELU, biases, tied embeddings) and Llama 2/3
+(RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases, untied output). Activations are
+[s, b, h] ([s/tp, b, h] between layers under sequence parallelism). A pipeline stage or virtual chunk
+is the same class holding a subset of the layers (by global id, so parameter names do not depend on
+the layout), with the embedding on the first chunk (`pre_process`) and final norm, output layer and
+loss on the last (`post_process`).
+
+`forward(tokens=..., labels=...)` returns the mean loss over unmasked tokens; without labels it returns
+this rank's vocabulary slice of the logits ([b, s, V/tp]); a middle stage maps `hidden` to `hidden`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import mappings
+from engine.config import ModelConfig
+from engine.cross_entropy import vocab_parallel_cross_entropy
+from engine.layers import (ColumnParallelLinear, Norm, RowParallelLinear, VocabParallelEmbedding, init_weights,
+                           make_param, padded_vocab_size)
+from engine.recompute import recompute
+from kernels import dispatch
+
+WORD_EMBEDDING_KEY = "embedding.word.weight"
+
+
+def _fork(ctx, split: bool):
+    """Dropout on activations split over TP draws from the per-rank stream; replicated ones do not."""
+    return ctx.rng.fork() if split and ctx.rng is not None else contextlib.nullcontext()
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx, out_std, device, dtype):
+        super().__init__()
+        self.ctx, self.cfg = ctx, cfg
+        self.heads, self.groups, self.head_dim = cfg.num_attention_heads, cfg.resolved_query_groups(), cfg.head_dim()
+        per_group = self.heads // self.groups
+        bias = not cfg.disable_bias_linear
+        # Fused QKV in group-interleaved order [g0: q.. k v | g1: q.. k v | ...]: a row split by tp gives
+        # each rank whole groups, so the full tensor is the same for every tp.
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, self.groups * (per_group + 2) * self.head_dim, ctx,
+                                        bias=bias, std=cfg.init_method_std, device=device, dtype=dtype)
+        self.proj = RowParallelLinear(self.heads * self.head_dim, cfg.hidden_size, ctx, bias=bias, std=out_std,
+                                      device=device, dtype=dtype)
+        self.selective = cfg.recompute_granularity == "selective"
+
+    def _core(self, q, k, v):
+        p = self.cfg.attention_dropout if self.training else 0.0
+        with _fork(self.ctx, split=True):  # heads are split over TP
+            return dispatch.attention(q, k, v, causal=True, dropout_p=p, backend=self.cfg.attention_backend)
+
+    def forward(self, x, freqs):
+        qkv = self.qkv(x)
+        s, b = qkv.shape[:2]
+        per_group = self.heads // self.groups
+        qkv = qkv.view(s, b, self.groups // self.ctx.tp_size, per_group + 2, self.head_dim)
+        q = qkv[..., :per_group, :].reshape(s, b, -1, self.head_dim)
+        k, v = qkv[..., per_group, :], qkv[..., per_group + 1, :]
+        if freqs is not None:
+            q, k = dispatch.apply_rope(q, freqs), dispatch.apply_rope(k, freqs)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        out = recompute(self._core, self.ctx.rng, q, k, v) if self.selective and self.training else self._core(q, k, v)
+        return self.proj(out.transpose(0, 1).reshape(s, b, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx, out_std, device, dtype):
+        super().__init__()
+        ffn, bias = cfg.resolved_ffn_hidden_size(), not cfg.disable_bias_linear
+        self.swiglu = cfg.swiglu
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, ffn, ctx, bias=bias, std=cfg.init_method_std,
+                                        stack=2 if cfg.swiglu else 1, device=device, dtype=dtype)
+        self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, ctx, bias=bias, std=out_std, device=device, dtype=dtype)
+
+    def forward(self, x):
+        y = self.fc1(x)
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = dispatch.swiglu(gate, up)
+        else:
+            y = F.gelu(y, approximate="tanh")
+        return self.fc2(y)
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx, device, dtype):
+        super().__init__()
+        self.ctx, self.dropout = ctx, cfg.hidden_dropout
+        out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+        self.norm1 = Norm(cfg.hidden_size, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype)
+        self.attention = Attention(cfg, ctx, out_std, device, dtype)
+        self.norm2 = Norm(cfg.hidden_size, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype)
+        self.mlp = MLP(cfg, ctx, out_std, device, dtype)
+
+    def _drop(self, x):
+        if not self.training or self.dropout == 0.0:
+            return x
+        with _fork(self.ctx, split=self.ctx.sequence_parallel):
+            return F.dropout(x, self.dropout, training=True)
+
+    def forward(self, x, freqs):
+        x = x + self._drop(self.attention(self.norm1(x), freqs))
+        return x + self._drop(self.mlp(self.norm2(x)))
+
+
+class GPTModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx, *, layers: Optional[Sequence[int]] = None, pre_process: bool = True,
+                 post_process: bool = True, vocab_size: Optional[int] = None, z_loss_weight: float = 0.0,
+                 seed: int = 1234, device=None, dtype=None):
+        super().__init__()
+        self.cfg, self.ctx, self.z_loss_weight = cfg, ctx, z_loss_weight
+        self.pre_process, self.post_process = pre_process, post_process
+        self.vocab_size = vocab_size or cfg.vocab_size
+        if not self.vocab_size:
+            raise ValueError("GPTModel needs a vocabulary size (config vocab_size or the tokenizer's)")
+        self.padded_vocab = padded_vocab_size(self.vocab_size, cfg.make_vocab_size_divisible_by, ctx.tp_size)
+        self.layer_ids = list(range(cfg.num_layers) if layers is None else layers)
+        h, std = cfg.hidden_size, cfg.init_method_std
+        self.tied = not cfg.untie_embeddings_and_output_weights
+        if pre_process:
+            self.word = VocabParallelEmbedding(self.padded_vocab, self.vocab_size, h, ctx, std=std, device=device,
+                                               dtype=dtype, init_key=WORD_EMBEDDING_KEY)
+            if cfg.position_embedding_type == "learned_absolute":
+                self.position = make_param((cfg.max_position_embeddings or cfg.seq_length, h), None, ctx,
+                                           ("normal", std), device, dtype, sp_grad=True)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, device, dtype) for i in self.layer_ids})
+        if post_process:
+            self.final_norm = Norm(h, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype)
+            if not self.tied:
+                self.output = make_param((self.padded_vocab, h), 0, ctx, ("normal", std), device, dtype)
+                self.output.valid_rows = self.vocab_size
+            elif not pre_process:
+                # The last stage's copy of the tied embedding: drawn from the same stream, kept in sync by
+                # all-reducing its gradient with the first stage's.
+                self.output = make_param((self.padded_vocab, h), 0, ctx, ("normal", std), device, dtype,
+                                         init_key=WORD_EMBEDDING_KEY)
+                self.output.valid_rows = self.vocab_size
+        if self.tied and ctx.pp_size > 1:
+            for p in self._output_weight_candidates():
+                p.shared_embedding = True
+        recompute_layers = cfg.recompute_num_layers if cfg.recompute_num_layers is not None else len(self.layer_ids)
+        self.full_recompute = set(self.layer_ids[:recompute_layers]) if cfg.recompute_granularity == "full" else set()
+        if device is None or torch.device(device).type != "meta":
+            init_weights(self, ctx, seed)
+
+    def _output_weight_candidates(self):
+        if self.pre_process:
+            yield self.word.weight
+        if self.post_process and self.tied and not self.pre_process:
+            yield self.output
+
+    def output_weight(self):
+        return self.word.weight if self.tied and self.pre_process else self.output
+
+    def rope_freqs(self, seq_len: int, device) -> Optional[torch.Tensor]:
+        if self.cfg.position_embedding_type != "rope":
+            return None
+        d = self.cfg.head_dim()
+        inv = 1.0 / (self.cfg.rotary_base ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+        return torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
+
+    def embed(self, tokens):
+        x = self.word(tokens)
+        if self.cfg.position_embedding_type == "learned_absolute":
+            pos = self.position[: tokens.shape[1]]
+            if self.ctx.sequence_parallel:
+                pos = pos.chunk(self.ctx.tp_size, dim=0)[self.ctx.tp_rank]
+            x = x + pos.unsqueeze(1)
+        if self.training and self.cfg.hidden_dropout:
+            with _fork(self.ctx, split=self.ctx.sequence_parallel):
+                x = F.dropout(x, self.cfg.hidden_dropout, training=True)
+        return x
+
+    def forward(self, tokens=None, hidden=None, labels=None, loss_mask=None):
+        x = self.embed(tokens) if self.pre_process else hidden
+        seq_len = x.shape[0] * (self.ctx.tp_size if self.ctx.sequence_parallel else 1)
+        freqs = self.rope_freqs(seq_len, x.device)
+        for i in self.layer_ids:
+            layer = self.layers[str(i)]
+            if i in self.full_recompute and self.training:
+                x = recompute(layer, self.ctx.rng, x, freqs) if freqs is not None else \
+                    recompute(lambda y, layer=layer: layer(y, None), self.ctx.rng, x)
+            else:
+                x = layer(x, freqs)
+        if not self.post_process:
+            return x
+        return self.head(self.final_norm(x), labels, loss_mask)
+
+    def head(self, x, labels, loss_mask):
+        group = self.ctx.tp_group
+        x = mappings.gather_from_sp(x, group) if self.ctx.sequence_parallel else mappings.copy_to_tp(x, group)
+        logits = F.linear(x, self.output_weight())  # [s, b, V/tp]
+        if labels is None:
+            return logits.transpose(0, 1)
+        s, b, v = logits.shape
+        loss = vocab_parallel_cross_entropy(logits.reshape(s * b, v), labels.t().reshape(-1), self.ctx,
+                                            self.vocab_size, self.z_loss_weight).view(s, b).t()
+        if loss_mask is None:
+            return loss.mean()
+        loss_mask = loss_mask.float()
+        return (loss * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+
+
+def build_model_chunks(cfg, ctx, *, vocab_size: int, device=None, dtype=None) -> list:
+    """This rank's model chunks (one per virtual pipeline stage) from the run config."""
+    from engine.pipeline.partition import stage_layers
+    m, par = cfg.model, cfg.parallel
+    chunks = []
+    for c in range(ctx.vpp_size):
+        ids = stage_layers(m.num_layers, ctx.pp_size, ctx.vpp_size, ctx.pp_rank, c,
+                           par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
+        chunks.append(GPTModel(m, ctx, layers=ids, pre_process=ctx.is_first_stage and c == 0,
+                               post_process=ctx.is_last_stage and c == ctx.vpp_size - 1, vocab_size=vocab_size,
+                               z_loss_weight=cfg.optim.z_loss_weight, seed=cfg.training.seed, device=device,
+                               dtype=dtype))
+    return chunks
