@@ -1,0 +1,226 @@
+"""Packed GPT samples, blends and phases, mock data, the resumable sampler and batch tensors."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import Config, ConfigError
+from engine.data import (BatchSampler, IndexedDataset, IndexedDatasetWriter, RampupBatchSize, build_datasets,
+                         make_batch, samples_before)
+from engine.data import gpt_dataset
+from engine.data.blend import blend_indices
+from engine.data.gpt_dataset import GPTDataset, split_ranges
+from engine.data.mock import MockGPTDataset
+
+EOD = 2
+
+
+def write_dataset(prefix, num_docs, seed, low=0, high=60):
+    """Documents of random lengths (some empty) ending in EOD; returns them."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    writer = IndexedDatasetWriter(prefix, np.uint16)
+    for _ in range(num_docs):
+        n = int(rng.integers(low, high))
+        doc = np.append(rng.integers(10, 1000, size=n), EOD) if n else np.zeros(0, np.int64)
+        docs.append(doc)
+        writer.add_document(doc)
+    writer.finalize()
+    return docs
+
+
+@pytest.fixture
+def data(tmp_path):
+    prefix = str(tmp_path / "corpus")
+    return prefix, write_dataset(prefix, 200, seed=0)
+
+
+def stream_of(ds):
+    docs = [ds.indexed[int(d)] for d in ds.document_index]
+    return np.concatenate(docs).astype(np.int64)
+
+
+def test_samples_are_packed_slices_of_the_shuffled_stream_over_several_epochs(data):
+    prefix, docs = data
+    ix = IndexedDataset(prefix)
+    tokens = sum(len(d) for d in docs)
+    seq = 32
+    num_samples = 3 * tokens // seq + 5  # needs a little of a fourth epoch
+    ds = GPTDataset(ix, (0, len(docs)), seq, num_samples, seed=5)
+    assert len(ds) >= num_samples
+    assert len(ds.document_index) == 4 * len(docs)  # 3 epochs and a bit
+    for e in range(4):
+        assert sorted(ds.document_index[e * len(docs):(e + 1) * len(docs)].tolist()) == list(range(len(docs)))
+    assert sorted(ds.shuffle_index.tolist()) == list(range(len(ds)))
+    stream = stream_of(ds)
+    for i in range(len(ds)):
+        j = int(ds.shuffle_index[i])
+        sample = ds[i]
+        assert sample.dtype == np.int64 and sample.shape == (seq + 1,)
+        assert np.array_equal(sample, stream[j * seq:j * seq + seq + 1])
+    # Samples of the final, partial epoch come after all the full ones.
+    full = ((3 * tokens) - 1) // seq
+    assert set(ds.shuffle_index[:full].tolist()) == set(range(full))
+
+
+def test_indices_are_deterministic_cached_and_keyed_by_parameters(data, monkeypatch):
+    prefix, docs = data
+    ix = IndexedDataset(prefix)
+    a = GPTDataset(ix, (0, 150), 16, 100, seed=1)
+    cached = sorted(os.listdir(os.path.join(os.path.dirname(prefix), "cache")))
+    assert len(cached) == 3
+    calls = []
+    real = gpt_dataset.build_indices
+    monkeypatch.setattr(gpt_dataset, "build_indices", lambda *a, **k: calls.append(1) or real(*a, **k))
+    b = GPTDataset(ix, (0, 150), 16, 100, seed=1)
+    assert calls == []  # loaded from the cache
+    assert all(np.array_equal(a[i], b[i]) for i in range(len(a)))
+    c = GPTDataset(ix, (0, 150), 16, 100, seed=2)
+    assert calls == [1]
+    assert not all(np.array_equal(a[i], c[i]) for i in range(len(a)))
+    # Only the train documents are used.
+    assert set(a.document_index.tolist()) <= set(range(150))
+
+
+def test_split_ranges():
+    assert split_ranges("969,30,1", 1000) == [(0, 969), (969, 999), (999, 1000)]
+    assert split_ranges("1", 10) == [(0, 10), (10, 10), (10, 10)]
+    assert split_ranges("8,1,1", 50) == [(0, 40), (40, 45), (45, 50)]
+    for bad in ("a,b", "1,2,3,4", "0,0,0", "-1,2"):
+        with pytest.raises(ValueError, match="--split"):
+            split_ranges(bad, 10)
+
+
+def window_shares(source, k, window=1000):
+    onehot = np.eye(k)[source]
+    counts = np.concatenate([np.zeros((1, k)), np.cumsum(onehot, axis=0)])
+    return (counts[window:] - counts[:-window]) / window
+
+
+@pytest.mark.parametrize("weights", [[0.7, 0.3], [0.5, 0.3, 0.2], [0.05, 0.95], [1, 2, 3, 4]])
+def test_blend_shares_within_one_percent_on_every_window(weights):
+    source, within = blend_indices([(0, weights)], 20_000)
+    w = np.asarray(weights, float) / sum(weights)
+    assert np.abs(window_shares(source, len(w)) - w).max() <= 0.01
+    for k in range(len(w)):  # each source serves its samples in order, none twice
+        assert within[source == k].tolist() == list(range(int((source == k).sum())))
+
+
+def test_blend_phases_switch_at_their_sample_and_continue_each_source():
+    source, within = blend_indices([(0, [1, 0]), (3000, [0.5, 0.5]), (7000, [0, 1])], 10_000)
+    assert (source[:3000] == 0).all()
+    assert np.abs(window_shares(source[3000:7000], 2) - 0.5).max() <= 0.01
+    assert (source[7000:] == 1).all()
+    for k in range(2):
+        assert within[source == k].tolist() == list(range(int((source == k).sum())))
+
+
+def make_cfg(**data):
+    cfg = Config()
+    cfg.model.seq_length = 16
+    cfg.training.seed = 3
+    for k, v in data.items():
+        setattr(cfg.data, k, v)
+    return cfg
+
+
+def test_build_datasets_blend_with_phase_switches_at_configured_iteration(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    write_dataset(a, 300, seed=1)
+    write_dataset(b, 300, seed=2)
+    cfg = make_cfg(data_path=["0.7", a, "0.3", b], split="90,5,5",
+                   data_phases=[{"start_iter": 50, "weights": [0.0, 1.0]}])
+    cfg.training.global_batch_size = 8
+    train, valid, test = build_datasets(cfg, 800, 40, 0)
+    assert test is None and len(train) == 800 and len(valid) == 40
+    switch = 50 * 8
+    assert np.abs(window_shares(train.source[:switch], 2, window=400) - [0.7, 0.3]).max() <= 0.01
+    assert (train.source[switch:] == 1).all()
+    for i in (0, 1, 2, switch - 1, switch, 799):
+        src = train.datasets[int(train.source[i])]
+        assert np.array_equal(train[i], src[int(train.within[i])])
+        assert train[i].shape == (17,)
+    # Valid draws from the valid documents of both sources, with the --data-path weights.
+    assert set(valid.source.tolist()) == {0, 1}
+    assert set(valid.datasets[0].document_index.tolist()) <= set(range(270, 285))
+
+    ramp = RampupBatchSize(4, 4, 64, 8)
+    train_ramp, _, _ = build_datasets(cfg, 800, 0, 0, global_batch_size=ramp)
+    switch = samples_before(50, ramp)
+    assert switch < 400 and (train_ramp.source[switch:] == 1).all()
+    assert abs((train_ramp.source[:switch] == 0).mean() - 0.7) < 0.01
+
+
+def test_build_datasets_reports_user_mistakes(tmp_path):
+    a = str(tmp_path / "a")
+    write_dataset(a, 20, seed=1)
+    cases = [
+        (make_cfg(data_path=[str(tmp_path / "missing")]), "--data-path"),
+        (make_cfg(data_path=[a], split="100,0,0"), "valid split"),
+        (make_cfg(data_path=["1", a, "1", a], data_phases=[{"start_iter": 5, "weights": [1]}]), "data_phases"),
+        (make_cfg(data_path=["1", a, "1", a], data_phases=[{"start_iter": 5, "weights": [1, 1]}]), "global-batch-size"),
+        (make_cfg(data_path=["1", a, "1", a], data_phases=[{"start": 5}]), "data_phases"),
+    ]
+    for cfg, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            build_datasets(cfg, 10, 10, 0)
+
+
+def test_mock_data_depends_only_on_seed_and_index_and_is_learnable():
+    cfg = make_cfg(mock_data=True)
+    cfg.model.vocab_size = 100
+    train, valid, test = build_datasets(cfg, 1000, 10, 0)
+    again = MockGPTDataset(16, 100, 5000, seed=3)  # a different length changes nothing
+    assert all(np.array_equal(train[i], again[i]) for i in (0, 7, 999))
+    other_seed = MockGPTDataset(16, 100, 1000, seed=4)
+    assert not np.array_equal(train[7], other_seed[7])
+    assert test is None and not np.array_equal(train[0], valid[0])
+    samples = np.stack([train[i] for i in range(200)])
+    assert samples.dtype == np.int64 and samples.min() >= 0 and samples.max() < 100
+    # Most next tokens follow from the previous two (the pattern); a few are noise.
+    step = (samples[:, 1:-1] - samples[:, :-2]) % 100
+    predicted = (samples[:, 1:-1] + step) % 100
+    hit = (predicted == samples[:, 2:]).mean()
+    assert 0.6 < hit < 0.95
+
+
+def test_sampler_resume_is_exact_and_dp_slices_partition_each_batch():
+    gbs, mbs, dp = 12, 2, 3
+    uninterrupted = BatchSampler(0, gbs, mbs, 1, dp)
+    first = [next(uninterrupted) for _ in range(10)]
+    resumed = BatchSampler(5 * gbs, gbs, mbs, 1, dp)
+    assert [next(resumed) for _ in range(5)] == first[5:]
+    assert resumed.state_dict() == {"consumed_samples": 10 * gbs}
+    for consumed in (0, 36):
+        ranks = [next(BatchSampler(consumed, gbs, mbs, r, dp)) for r in range(dp)]
+        flat = [i for rank in ranks for mb in rank for i in mb]
+        assert sorted(flat) == list(range(consumed, consumed + gbs))  # disjoint and covering
+        assert all(len(mb) == mbs for rank in ranks for mb in rank) and all(len(r) == 2 for r in ranks)
+
+
+def test_sampler_with_batch_size_rampup_resumes_between_any_two_iterations():
+    ramp = RampupBatchSize(4, 4, 48, 16)
+    sizes = [ramp(i) for i in range(12)]
+    assert sizes[0] == 4 and sizes[-1] == 16 and sizes == sorted(sizes)
+    dp = 2
+    full = {r: [next(s) for _ in range(12)] for r, s in ((r, BatchSampler(0, ramp, 2, r, dp)) for r in range(dp))}
+    for it in range(12):
+        consumed = samples_before(it, ramp)
+        batch = sorted(i for r in range(dp) for mb in full[r][it] for i in mb)
+        assert batch == list(range(consumed, consumed + sizes[it]))
+        for r in range(dp):
+            assert next(BatchSampler(consumed, ramp, 2, r, dp)) == full[r][it]
+    with pytest.raises(ValueError, match="between two global batches"):
+        BatchSampler(6, ramp, 2, 0, dp)
+    bounded = BatchSampler(0, 4, 2, 0, 2, total_samples=10)
+    assert len(list(bounded)) == 2
+
+
+def test_make_batch_shifts_labels_by_one():
+    ds = MockGPTDataset(8, 50, 10, seed=0)
+    batch = make_batch(ds, [3, 4])
+    assert batch["tokens"].shape == (2, 8) and batch["tokens"].dtype == torch.long
+    assert batch["loss_mask"].dtype == torch.float32 and bool((batch["loss_mask"] == 1).all())
+    assert torch.equal(batch["labels"][0], torch.from_numpy(ds[3][1:]))
+    assert torch.equal(batch["tokens"][1], torch.from_numpy(ds[4][:-1]))
