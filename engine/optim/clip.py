@@ -1,0 +1,48 @@
+"""The global gradient L2 norm over tp, pp and dp, each parameter element counted exactly once.
+
+A rank sums the squares of the gradient pieces it is responsible for, then the sums are added over
+the groups that hold different pieces:
+- tp: TP-sharded parameters (`p.tp_axis` set) hold different slices on every TP rank and are summed;
+  parameters replicated over TP hold the same gradient on every TP rank and count on TP rank 0 only.
+- pp: stages hold different layers and are summed; the embedding tied between the first and last
+  stage (`p.shared_embedding`) counts on the first stage only.
+- dp: replicas hold the same reduced gradients, except under the distributed optimizer, where each
+  holds its own shard and the shards are summed.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine import comm
+
+
+def counts_toward_norm(p, ctx) -> bool:
+    if getattr(p, "shared_embedding", False) and not ctx.is_first_stage:
+        return False
+    if getattr(p, "tp_axis", None) is None and ctx.tp_rank != 0:
+        return False
+    return True
+
+
+def global_grad_norm(grads: list, ctx, *, sharded_over_dp: bool, device) -> float:
+    """L2 norm of the whole model's gradient; `grads` are this rank's counted pieces (inf/nan propagate)."""
+    if grads:
+        sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum()
+    else:
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+    groups = [(ctx.tp_group, ctx.tp_size), (ctx.pp_group, ctx.pp_size)]
+    if sharded_over_dp:
+        groups.append((ctx.dp_group, ctx.dp_size))
+    for group, size in groups:
+        if size > 1:
+            comm.all_reduce(sq, group=group)
+    return math.sqrt(sq.item())
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """Megatron's rule: scale by max_norm / (norm + 1e-6) when that is below 1; `max_norm` 0 disables."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))

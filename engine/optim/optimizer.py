@@ -1,0 +1,198 @@
+"""Mixed-precision AdamW over the grad buffer, replicated or sharded over dp (ZeRO-1).
+
+Each trainable parameter has an entry: the flat range [start, end) of its elements this rank updates
+(all of them, or its shard under the distributed optimizer), an fp32 master copy of that range and the
+matching slice of its fp32 main grad. In fp32 without sharding the master is the parameter itself.
+A step: global grad norm -> skip on inf/nan (loss scaler updated) -> unscale and clip in one
+multiply -> AdamW on the masters -> masters copied into the model's parameters, all-gathered over dp
+per bucket when sharded.
+
+Optimizer state is kept per parameter name: `state_dict()["params"][name]` holds `range`, `numel`,
+`exp_avg`, `exp_avg_sq` and, where the master is not the parameter itself, `master`, all flat fp32
+tensors over `range`. `load_state_dict` accepts either the same ranges or whole tensors (range
+[0, numel]), which is what a checkpoint resharded over dp provides.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engine import comm
+from engine.optim import adamw
+from engine.optim.clip import clip_coefficient, counts_toward_norm, global_grad_norm
+from engine.optim.grad_buffer import DEFAULT_BUCKET_NUMEL, GradBuffer
+from engine.optim.loss_scaler import LossScaler
+
+
+@dataclass
+class StepResult:
+    updated: bool      # False when the step was skipped for inf/nan gradients
+    grad_norm: float   # global L2 norm before clipping, loss scale removed
+    loss_scale: float  # the scale the next step's loss is multiplied by
+
+
+@dataclass
+class _Entry:
+    name: str
+    param: torch.nn.Parameter
+    start: int
+    end: int
+    master: torch.Tensor
+    owns_master: bool
+
+
+def param_names(model_chunks: list) -> dict:
+    """id(param) -> name; with several chunks (interleaved pipeline) names get a `chunk{i}.` prefix."""
+    names = {}
+    for i, chunk in enumerate(model_chunks):
+        prefix = f"chunk{i}." if len(model_chunks) > 1 else ""
+        for name, p in chunk.named_parameters():
+            names.setdefault(id(p), prefix + name)
+    return names
+
+
+class Optimizer:
+    def __init__(self, cfg, model_chunks: list, ctx, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
+        par, opt = cfg.parallel, cfg.optim
+        self.ctx = ctx
+        self.distributed = par.use_distributed_optimizer
+        self.clip_grad = opt.clip_grad
+        self.scaler = LossScaler.from_config(cfg.training)
+        self.buffer = GradBuffer(model_chunks, ctx, distributed=self.distributed,
+                                 overlap=par.overlap_grad_reduce, bucket_numel=bucket_numel)
+        self.steps = 0
+        names = param_names(model_chunks)
+        self._entries = []
+        for p in self.buffer.params:
+            r = self.buffer.local_range(p)
+            if r is None:
+                continue
+            flat = p.detach().view(-1)
+            owns = self.distributed or p.dtype != torch.float32
+            master = flat[r[0]:r[1]].to(torch.float32, copy=True) if owns else flat
+            master.grad = p.main_grad.view(-1)[r[0]:r[1]]
+            self._entries.append(_Entry(names[id(p)], p, r[0], r[1], master, owns))
+        groups = [dict(params=[e.master for e in self._entries if e.param.ndim >= 2], weight_decay=opt.weight_decay),
+                  dict(params=[e.master for e in self._entries if e.param.ndim < 2], weight_decay=0.0)]
+        groups = [g for g in groups if g["params"]]
+        # A dp rank can own no element at all of a tiny model; it still joins every collective.
+        self.adam = adamw.make_adamw(groups, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
+                                     device=self.buffer.data.device) if groups else None
+        self._gather_out = {}
+
+    # --- the step, in the order the trainer calls it -------------------------------------------
+    def start_step(self, num_microbatches: int) -> None:
+        """Zero the main grads and expect `num_microbatches` backward passes before the reduction."""
+        self.buffer.start_step(num_microbatches)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        scale = self.scaler.scale
+        return loss * scale if scale != 1.0 else loss
+
+    def finish_grad_sync(self) -> None:
+        self.buffer.finish()
+
+    def step(self, lr: float) -> StepResult:
+        scale = self.scaler.scale
+        counted = [e.master.grad for e in self._entries if counts_toward_norm(e.param, self.ctx)]
+        norm = global_grad_norm(counted, self.ctx, sharded_over_dp=self.distributed,
+                                device=self.buffer.data.device) / scale
+        found_inf = not math.isfinite(norm)
+        self.scaler.update(found_inf)
+        if found_inf:
+            return StepResult(False, norm, self.scaler.scale)
+        factor = clip_coefficient(norm, self.clip_grad) / scale
+        if factor != 1.0:
+            self.buffer.scale_local_grads(factor)
+        if self.adam is not None:
+            for group in self.adam.param_groups:
+                group["lr"] = lr
+            self.adam.step()
+        self.steps += 1
+        self._publish()
+        return StepResult(True, norm, self.scaler.scale)
+
+    def _publish(self) -> None:
+        """Copy the updated masters into the model's parameters (all-gathered over dp when sharded)."""
+        if not self.distributed:
+            for e in self._entries:
+                if e.owns_master:
+                    e.param.detach().view(-1).copy_(e.master)
+            return
+        by_bucket = {}
+        for e in self._entries:
+            bucket, off = self.buffer.offset_in_bucket(e.param)
+            by_bucket.setdefault(bucket.index, []).append((e, off))
+        for bucket in self.buffer.buckets:
+            out = self._gather_buffer(bucket)
+            lo, hi = self.buffer.shard_bounds(bucket)
+            for e, off in by_bucket.get(bucket.index, []):
+                out[off + e.start:off + e.end].copy_(e.master)
+            if self.buffer.dp_size > 1:
+                comm.all_gather_into(out, out[lo:hi], group=self.ctx.dp_group)
+            for p in bucket.params:
+                _, off = self.buffer.offset_in_bucket(p)
+                p.detach().view(-1).copy_(out[off:off + p.numel()])
+
+    def _gather_buffer(self, bucket) -> torch.Tensor:
+        """One reusable all-gather target per dtype, as large as the largest bucket of that dtype."""
+        size = max(b.size for b in self.buffer.buckets if b.dtype == bucket.dtype)
+        buf = self._gather_out.get(bucket.dtype)
+        if buf is None:
+            buf = self._gather_out[bucket.dtype] = torch.empty(size, dtype=bucket.dtype, device=self.buffer.data.device)
+        return buf[:bucket.size]
+
+    # --- state ---------------------------------------------------------------------------------
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: its own fp32 masters and the Adam state."""
+        tensors = [e.master for e in self._entries if e.owns_master]
+        if self.adam is not None:
+            tensors += adamw.state_tensors(self.adam)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def state_dict(self) -> dict:
+        params = {}
+        for e in self._entries:
+            entry = {"range": (e.start, e.end), "numel": e.param.numel(), "shape": tuple(e.param.shape)}
+            entry["exp_avg"], entry["exp_avg_sq"] = adamw.moments(self.adam, e.master)
+            if e.owns_master:
+                entry["master"] = e.master
+            params[e.name] = entry
+        return {"step": self.steps, "scaler": self.scaler.state_dict(), "distributed": self.distributed,
+                "params": params}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load moments and masters (from matching ranges or whole tensors); load the model weights first."""
+        for e in self._entries:
+            saved = state["params"].get(e.name)
+            if saved is None:
+                raise KeyError(f"optimizer state has no entry for parameter {e.name!r}")
+            exp_avg, exp_avg_sq = adamw.moments(self.adam, e.master)
+            exp_avg.copy_(self._slice(saved, "exp_avg", e))
+            exp_avg_sq.copy_(self._slice(saved, "exp_avg_sq", e))
+            if e.owns_master:
+                source = self._slice(saved, "master", e) if "master" in saved else e.param.detach().view(-1)[e.start:e.end]
+                e.master.copy_(source)
+        self.steps = int(state["step"])
+        if self.adam is not None:
+            adamw.set_step(self.adam, self.steps)
+        self.scaler.load_state_dict(state["scaler"])
+
+    @staticmethod
+    def _slice(saved: dict, key: str, e: _Entry) -> torch.Tensor:
+        t = saved[key].reshape(-1)
+        start, end = saved.get("range", (0, t.numel()))
+        if (start, end) == (e.start, e.end):
+            return t
+        if (start, end) == (0, e.param.numel()):
+            return t[e.start:e.end]
+        raise ValueError(f"optimizer state of {e.name!r} covers elements [{start}, {end}) but this rank updates "
+                         f"[{e.start}, {e.end}); reshard the checkpoint or give whole tensors")
+
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 masters from the model's parameters (after loading weights without optimizer state)."""
+        for e in self._entries:
+            if e.owns_master:
+                e.master.copy_(e.param.detach().view(-1)[e.start:e.end])
