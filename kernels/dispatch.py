@@ -1,0 +1,184 @@
+"""The one place the model picks an implementation for each fused op: Triton on CUDA, PyTorch elsewhere.
+
+Every function here has the same meaning on every device; `kernels.reference` defines it. The Triton
+modules are imported lazily, on the first CUDA tensor, so this module imports cleanly without triton
+and a CPU run never compiles anything. Attention has several backends; `resolve_attention_backend`
+turns the `--attention-backend` choice into the one that will run (the trainer logs it at start).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from kernels import reference
+
+ATTENTION_BACKENDS = ("auto", "flash", "triton", "sdpa", "local")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # a broken install is as good as none: fall back to the references
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _triton_module(name: str):
+    return importlib.import_module(f"kernels.{name}")
+
+
+def _on_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda and triton_available()
+
+
+def rms_norm(x, weight, eps):
+    if _on_triton(x):
+        return _triton_module("norm_triton").rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def layer_norm(x, weight, bias, eps):
+    if _on_triton(x):
+        return _triton_module("norm_triton").layer_norm(x, weight, bias, eps)
+    return reference.layer_norm(x, weight, bias, eps)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    """Returns (rms_norm(x + residual), x + residual) in one pass over memory."""
+    if _on_triton(x):
+        return _triton_module("norm_triton").add_rms_norm(x, residual, weight, eps)
+    return reference.add_rms_norm(x, residual, weight, eps)
+
+
+def add_layer_norm(x, residual, weight, bias, eps):
+    """Returns (layer_norm(x + residual), x + residual) in one pass over memory."""
+    if _on_triton(x):
+        return _triton_module("norm_triton").add_layer_norm(x, residual, weight, bias, eps)
+    return reference.add_layer_norm(x, residual, weight, bias, eps)
+
+
+def apply_rope(x, freqs):
+    """x [s, b, n, d], freqs [s, d/2] fp32 angles; rotate-half convention."""
+    if _on_triton(x):
+        return _triton_module("rope_triton").apply_rope(x, freqs)
+    return reference.apply_rope(x, freqs)
+
+
+def swiglu(gate, up):
+    if _on_triton(gate):
+        return _triton_module("swiglu_triton").swiglu(gate, up)
+    return reference.swiglu(gate, up)
+
+
+def ce_stats(logits, target, vocab_start, valid_cols):
+    """Per-row (max, sum exp(logit - max), target logit or 0) over this shard's valid columns, all fp32 [N]."""
+    if _on_triton(logits):
+        return _triton_module("ce_triton").ce_stats(logits, target, vocab_start, valid_cols)
+    return reference.ce_stats(logits, target, vocab_start, valid_cols)
+
+
+def ce_grad(logits, target, vocab_start, valid_cols, lse, coef_softmax, coef_onehot, inplace=False):
+    """coef_softmax * softmax(logits) - coef_onehot * onehot(target), in logits.dtype; overwrites logits if inplace."""
+    if _on_triton(logits):
+        return _triton_module("ce_triton").ce_grad(logits, target, vocab_start, valid_cols, lse, coef_softmax,
+                                                   coef_onehot, inplace)
+    return reference.ce_grad(logits, target, vocab_start, valid_cols, lse, coef_softmax, coef_onehot, inplace)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """Single-device cross-entropy with optional z-loss (PaLM, arXiv:2204.02311): lse - logit_t + w * lse^2."""
+
+    @staticmethod
+    def forward(ctx, logits, target, z_loss_weight, inplace_backward):
+        local_max, sumexp, target_logit = ce_stats(logits, target, 0, logits.shape[1])
+        lse = local_max + sumexp.log()
+        ctx.save_for_backward(logits, target, lse)
+        ctx.z_loss_weight, ctx.inplace_backward = z_loss_weight, inplace_backward
+        return lse - target_logit + z_loss_weight * lse * lse
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, target, lse = ctx.saved_tensors
+        grad_loss = grad_loss.float()
+        coef_softmax = grad_loss * (1.0 + 2.0 * ctx.z_loss_weight * lse)
+        grad = ce_grad(logits, target, 0, logits.shape[1], lse, coef_softmax, grad_loss, inplace=ctx.inplace_backward)
+        return grad, None, None, None
+
+
+def cross_entropy(logits, target, z_loss_weight=0.0, inplace_backward=False):
+    """Per-token loss [N] fp32 for logits [N, V]. inplace_backward writes the gradient over the logits
+    (no second [N, V] buffer), so the logits must not be used after backward."""
+    return _CrossEntropy.apply(logits, target, z_loss_weight, inplace_backward)
+
+
+def resolve_attention_backend(name: str, device, dropout_p: float = 0.0, dtype: Optional[torch.dtype] = None) -> str:
+    """The concrete backend `attention(..., backend=name)` runs on `device`; ValueError if it cannot run there."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    half = dtype is None or dtype in (torch.float16, torch.bfloat16)
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend {name!r} is unknown; choose one of {', '.join(ATTENTION_BACKENDS)}")
+    if name == "flash":
+        if not flash_attn_available():
+            raise ValueError("--attention-backend flash needs the flash-attn package, which is not installed; "
+                             "pip install flash-attn, or use --attention-backend auto")
+        if not cuda or not half:
+            raise ValueError(f"--attention-backend flash runs only on CUDA in fp16/bf16, not {device.type} "
+                             f"{dtype}; use --attention-backend auto")
+    if name == "triton":
+        if not cuda or not triton_available():
+            raise ValueError(f"--attention-backend triton needs a CUDA device and the triton package "
+                             f"(device {device.type}, triton {'present' if triton_available() else 'missing'}); "
+                             f"use --attention-backend auto")
+        if dropout_p > 0.0:
+            raise ValueError("--attention-backend triton does not implement attention dropout; set "
+                             "--attention-dropout 0 or use --attention-backend sdpa")
+    if name != "auto":
+        return name
+    if cuda and half and flash_attn_available():
+        return "flash"
+    if cuda and triton_available() and dropout_p == 0.0:
+        return "triton"
+    return "sdpa"
+
+
+def _sdpa(q, k, v, causal, dropout_p, softmax_scale):
+    group = q.shape[2] // k.shape[2]
+    # SDPA wants [b, heads, s, d]; grouped-query heads are handled by enable_gqa (torch >= 2.5).
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         dropout_p=dropout_p, is_causal=causal, scale=softmax_scale,
+                                         enable_gqa=group > 1)
+    return out.transpose(1, 2)
+
+
+def attention(q, k, v, causal=True, dropout_p=0.0, backend="auto", softmax_scale=None):
+    """q [b, s, nq, d], k and v [b, s, nkv, d] (query head j uses kv head j // (nq // nkv)) -> [b, s, nq, d]."""
+    chosen = resolve_attention_backend(backend, q.device, dropout_p, q.dtype)
+    if chosen == "flash":
+        from flash_attn import flash_attn_func
+        return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal)
+    if chosen == "triton":
+        return _triton_module("flash_triton").flash_attention(q, k, v, causal, softmax_scale)
+    if chosen == "sdpa":
+        return _sdpa(q, k, v, causal, dropout_p, softmax_scale)
+    return reference.attention(q, k, v, causal, dropout_p, softmax_scale)
+
+
+def kernel_report(device, attention_backend: str = "auto") -> dict:
+    """Which implementation each op uses on `device`, for the start-up banner."""
+    fused = "triton" if torch.device(device).type == "cuda" and triton_available() else "reference"
+    report = {op: fused for op in ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm", "apply_rope",
+                                   "swiglu", "cross_entropy")}
+    report["attention"] = resolve_attention_backend(attention_backend, device)
+    return report

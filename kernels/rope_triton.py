@@ -1,0 +1,64 @@
+"""Rotary position embedding in Triton (rotate-half convention, pairs (i, i + d/2)).
+
+One program per (position, batch) row rotates all heads of that row, so cos/sin of the row's angles are
+computed once and reused across heads. The backward pass is the same rotation by the negated angle.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_kernel(X, FREQS, Y, B, stride_xs, stride_xb, stride_xh, stride_f, NH, HALF, sign,
+                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    pos = pid // B
+    bat = pid % B
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < NH) & (dims < HALF)
+    theta = tl.load(FREQS + pos * stride_f + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+    cos = tl.cos(theta)
+    sin = tl.sin(theta) * sign
+    x_row = X + pos.to(tl.int64) * stride_xs + bat.to(tl.int64) * stride_xb + heads * stride_xh + dims
+    x1 = tl.load(x_row, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + HALF, mask=mask, other=0.0).to(tl.float32)
+    # Output is contiguous [s, b, n, d].
+    y_row = Y + pid.to(tl.int64) * NH * 2 * HALF + heads * 2 * HALF + dims
+    tl.store(y_row, (x1 * cos - x2 * sin).to(Y.dtype.element_ty), mask=mask)
+    tl.store(y_row + HALF, (x2 * cos + x1 * sin).to(Y.dtype.element_ty), mask=mask)
+
+
+def _rotate(x: torch.Tensor, freqs: torch.Tensor, sign: float) -> torch.Tensor:
+    s, b, n, d = x.shape
+    if d % 2:
+        raise ValueError(f"rotary embedding needs an even head dim, got {d}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty((s, b, n, d), dtype=x.dtype, device=x.device)
+    block_h = triton.next_power_of_2(n)
+    block_d = triton.next_power_of_2(d // 2)
+    warps = min(max(block_h * block_d // 256, 1), 8)
+    _rope_kernel[(s * b,)](x, freqs, y, b, x.stride(0), x.stride(1), x.stride(2), freqs.stride(0), n, d // 2, sign,
+                           BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps)
+    return y
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, freqs):
+        ctx.save_for_backward(freqs)
+        return _rotate(x, freqs, 1.0)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (freqs,) = ctx.saved_tensors
+        return _rotate(dy, freqs, -1.0), None
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    if freqs.stride(-1) != 1:
+        freqs = freqs.contiguous()
+    return _Rope.apply(x, freqs)

@@ -1,0 +1,301 @@
+"""Every fused kernel against its PyTorch reference, values and gradients.
+
+Without a GPU the Triton kernels run on CPU under Triton's interpreter at tiny shapes (fp32); with one
+they run compiled on CUDA, and the `gpu` cases add real sizes in bf16/fp16. Budget: about 60 s on a
+2-core CPU machine.
+"""
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    # Must precede the definition of any @triton.jit function: the decorator picks the interpreter then.
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        from triton.runtime import interpreter as _interp
+
+        # Triton 3.6's interpreter holds scalars as 1-element arrays and int()s them for `range` bounds,
+        # which numpy >= 2.4 rejects; .item() is what it means.
+        _orig_patch = _interp._patch_lang_tensor
+
+        def _patch_lang_tensor(tensor, scope):
+            _orig_patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+        _interp._patch_lang_tensor = _patch_lang_tensor
+    except ImportError:
+        pass
+    for _name in ("norm_triton", "rope_triton", "swiglu_triton", "ce_triton", "flash_triton"):
+        if f"kernels.{_name}" in sys.modules:
+            importlib.reload(sys.modules[f"kernels.{_name}"])
+
+from kernels import dispatch, reference  # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+needs_triton = pytest.mark.skipif(not dispatch.triton_available(), reason="triton is not installed")
+
+
+def gpu_test(fn):
+    """Real-size case: needs CUDA and triton; skipped, with the reason, elsewhere."""
+    fn = needs_triton(fn)
+    fn = pytest.mark.skipif(not CUDA, reason="no CUDA device: real-size kernel checks need a GPU")(fn)
+    return pytest.mark.gpu(fn)
+
+
+def _tk(name):
+    return importlib.import_module(f"kernels.{name}")
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def _rel_err(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def _compare(fn_test, fn_ref, inputs, grad_seed=0, tol=1e-5, constant=()):
+    """Runs both functions on copies of `inputs`, backpropagates the same random cotangents, and checks
+    the outputs and every input gradient agree (relative Frobenius error). The reference runs on fp32
+    copies, so for half-precision inputs it is the more accurate of the two. Inputs whose index is in
+    `constant` get no gradient."""
+    diff = [isinstance(t, torch.Tensor) and t.is_floating_point() and i not in constant for i, t in enumerate(inputs)]
+    a_in = [_leaf(t) if d else t for t, d in zip(inputs, diff)]
+    b_in = [_leaf(t.float()) if d else t for t, d in zip(inputs, diff)]
+    out_a, out_b = fn_test(*a_in), fn_ref(*b_in)
+    out_a = out_a if isinstance(out_a, tuple) else (out_a,)
+    out_b = out_b if isinstance(out_b, tuple) else (out_b,)
+    gen = torch.Generator(device="cpu").manual_seed(grad_seed)
+    cots = [torch.randn(o.shape, generator=gen).to(o.device) for o in out_a]
+    for oa, ob in zip(out_a, out_b):
+        assert oa.shape == ob.shape
+        assert _rel_err(oa, ob) < tol, f"output mismatch {_rel_err(oa, ob)}"
+    torch.autograd.backward(out_a, [c.to(o.dtype) for c, o in zip(cots, out_a)])
+    torch.autograd.backward(out_b, [c.to(o.dtype) for c, o in zip(cots, out_b)])
+    for i, (ta, tb) in enumerate(zip(a_in, b_in)):
+        if isinstance(ta, torch.Tensor) and ta.requires_grad:
+            assert ta.grad is not None and _rel_err(ta.grad, tb.grad) < tol, f"grad {i} mismatch"
+
+
+NORMS = {
+    "rms": (lambda m: m.rms_norm, lambda x, r, w, b: (x, w, 1e-5)),
+    "layer": (lambda m: m.layer_norm, lambda x, r, w, b: (x, w, b, 1e-5)),
+    "layer_nobias": (lambda m: m.layer_norm, lambda x, r, w, b: (x, w, None, 1e-5)),
+    "add_rms": (lambda m: m.add_rms_norm, lambda x, r, w, b: (x, r, w, 1e-5)),
+    "add_layer": (lambda m: m.add_layer_norm, lambda x, r, w, b: (x, r, w, b, 1e-5)),
+}
+
+
+def _norm_inputs(shape, dtype, device):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(shape, generator=g) * 3 + 1).to(device, dtype)
+    r = torch.randn(shape, generator=g).to(device, dtype)
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(device, dtype)
+    b = (0.1 * torch.randn(shape[-1], generator=g)).to(device, dtype)
+    return x, r, w, b
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", sorted(NORMS))
+def test_norms_match_reference(variant):
+    pick, args = NORMS[variant]
+    # 48 is not a power of two: exercises the masked tail of the row.
+    inputs = _norm_inputs((2, 3, 48), torch.float32, DEVICE)
+    _compare(pick(_tk("norm_triton")), pick(reference), list(args(*inputs)))
+
+
+@needs_triton
+def test_rope_matches_reference_on_strided_input():
+    g = torch.Generator().manual_seed(2)
+    big = torch.randn(5, 2, 3, 24, generator=g).to(DEVICE)
+    x = big[..., 4:20]  # [s, b, n, 16] view with a head stride of 24, as a slice of a fused qkv tensor
+    freqs = (torch.rand(5, 8, generator=g) * 6).to(DEVICE)
+    _compare(_tk("rope_triton").apply_rope, reference.apply_rope, [x, freqs], constant=(1,))
+
+
+@needs_triton
+def test_swiglu_matches_reference_on_chunked_input():
+    g = torch.Generator().manual_seed(3)
+    fused = torch.randn(3, 4, 80, generator=g).to(DEVICE) * 3
+    gate, up = fused.chunk(2, dim=-1)
+    _compare(_tk("swiglu_triton").swiglu, reference.swiglu, [gate, up])
+
+
+def _ce_case(n, v, valid, vocab_start, device, dtype=torch.float32):
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(n, v, generator=g) * 4).to(device, dtype)
+    # Half the targets fall inside this shard [vocab_start, vocab_start + valid), half outside it.
+    inside = vocab_start + torch.randint(0, valid, (n,), generator=g)
+    outside = torch.randint(0, max(vocab_start, 1), (n,), generator=g)
+    target = torch.where((torch.arange(n) % 2 == 0) | (vocab_start == 0), inside, outside).to(device)
+    return logits, target
+
+
+def _ce_explicit(logits, target, vocab_start, valid):
+    x = logits[:, :valid].double()
+    m = x.amax(1)
+    local = target - vocab_start
+    inside = (local >= 0) & (local < valid)
+    t = torch.where(inside, x.gather(1, local.clamp(0, valid - 1)[:, None])[:, 0], torch.zeros_like(m))
+    return m, (x - m[:, None]).exp().sum(1), t
+
+
+@needs_triton
+def test_ce_stats_and_grad_match_reference():
+    n, v, valid, start = 6, 70, 64, 128
+    logits, target = _ce_case(n, v, valid, start, DEVICE)
+    logits[:, valid:] = 1e4  # padding columns must be ignored even when huge
+    ce = _tk("ce_triton")
+    got = ce.ce_stats(logits, target, start, valid)
+    for a, b, c in zip(got, reference.ce_stats(logits, target, start, valid), _ce_explicit(logits, target, start, valid)):
+        assert _rel_err(a, c) < 1e-6 and _rel_err(b, c) < 1e-6
+    m, s, _ = got
+    lse = m + s.log()
+    coef_s = torch.linspace(0.5, 1.5, n, device=DEVICE)
+    coef_o = torch.linspace(1.0, 2.0, n, device=DEVICE)
+    grad = ce.ce_grad(logits, target, start, valid, lse, coef_s, coef_o)
+    ref = reference.ce_grad(logits, target, start, valid, lse, coef_s, coef_o)
+    expect = torch.zeros(n, v, dtype=torch.float64, device=DEVICE)
+    expect[:, :valid] = (logits[:, :valid].double() - lse[:, None].double()).exp() * coef_s[:, None].double()
+    rows = torch.arange(n, device=DEVICE)[::2]
+    expect[rows, target[rows] - start] -= coef_o[rows].double()
+    assert _rel_err(grad, expect) < 1e-6 and _rel_err(ref, expect) < 1e-6
+    assert torch.all(grad[:, valid:] == 0)
+    same = ce.ce_grad(logits, target, start, valid, lse, coef_s, coef_o, inplace=True)
+    assert same.data_ptr() == logits.data_ptr() and _rel_err(same, expect) < 1e-6
+
+
+@pytest.mark.parametrize("z_loss", [0.0, 1e-2])
+def test_cross_entropy_matches_torch(z_loss):
+    logits, target = _ce_case(5, 33, 33, 0, DEVICE)
+    ref_in = _leaf(logits).double().detach().requires_grad_(True)
+    lse = ref_in.logsumexp(1)
+    expect = F.cross_entropy(ref_in, target, reduction="none") + z_loss * lse ** 2
+    got_in = _leaf(logits)
+    got = dispatch.cross_entropy(got_in, target, z_loss_weight=z_loss)
+    weights = torch.linspace(0.1, 1.0, 5, device=DEVICE)
+    (got * weights).sum().backward()
+    (expect * weights).sum().backward()
+    assert _rel_err(got, expect) < 1e-5 and _rel_err(got_in.grad, ref_in.grad) < 1e-5
+
+
+def _qkv(b, s, nq, nkv, d, device, dtype=torch.float32, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, s, n, d, generator=g).to(device, dtype) for n in (nq, nkv, nkv)]
+
+
+@needs_triton
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", [(2, 40, 4, 2, 16), (1, 33, 2, 2, 64)], ids=["gqa-d16", "mha-d64"])
+def test_flash_attention_matches_reference(causal, shape):
+    q, k, v = _qkv(*shape, DEVICE)
+    fa = _tk("flash_triton")
+    out, lse = fa.forward(q, k, v, causal)
+    assert _rel_err(lse, reference.attention_lse(q, k, causal)) < 1e-5
+    assert _rel_err(out, reference.attention(q, k, v, causal)) < 1e-5
+    _compare(lambda *t: fa.flash_attention(*t, causal=causal, softmax_scale=0.3),
+             lambda *t: reference.attention(*t, causal=causal, softmax_scale=0.3), [q, k, v])
+
+
+def test_resolve_attention_backend():
+    assert dispatch.resolve_attention_backend("auto", "cpu") == "sdpa"
+    assert dispatch.resolve_attention_backend("local", "cpu") == "local"
+    with pytest.raises(ValueError, match="unknown"):
+        dispatch.resolve_attention_backend("xformers", "cpu")
+    with pytest.raises(ValueError, match="triton"):
+        dispatch.resolve_attention_backend("triton", "cpu")
+    with pytest.raises(ValueError, match="flash"):
+        dispatch.resolve_attention_backend("flash", "cpu")
+    report = dispatch.kernel_report("cpu")
+    assert report["rms_norm"] == "reference" and report["attention"] == "sdpa"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_sdpa_and_local_backends_agree(causal):
+    q, k, v = _qkv(2, 12, 6, 2, 8, "cpu")
+    _compare(lambda *t: dispatch.attention(*t, causal=causal, backend="sdpa", softmax_scale=0.5),
+             lambda *t: dispatch.attention(*t, causal=causal, backend="local", softmax_scale=0.5), [q, k, v])
+
+
+@pytest.mark.parametrize("backend", ["local", "sdpa"])
+def test_attention_dropout(backend):
+    q, k, v = _qkv(1, 16, 2, 1, 8, "cpu")
+    plain = dispatch.attention(q, k, v, backend=backend)
+    torch.manual_seed(0)
+    a = dispatch.attention(q, k, v, dropout_p=0.5, backend=backend)
+    torch.manual_seed(0)
+    b = dispatch.attention(q, k, v, dropout_p=0.5, backend=backend)
+    torch.manual_seed(1)
+    c = dispatch.attention(q, k, v, dropout_p=0.5, backend=backend)
+    assert torch.equal(a, b) and not torch.allclose(a, plain) and not torch.allclose(a, c)
+
+
+def test_dispatch_on_cpu_uses_references():
+    x, r, w, b = _norm_inputs((3, 16), torch.float32, "cpu")
+    assert torch.equal(dispatch.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+    y, s = dispatch.add_layer_norm(x, r, w, b, 1e-6)
+    assert torch.equal(s, x + r) and torch.equal(y, reference.layer_norm(x + r, w, b, 1e-6))
+    assert torch.equal(dispatch.swiglu(x, r), F.silu(x) * r)
+
+
+# ---- real sizes on a GPU ------------------------------------------------------------------------------
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("variant", sorted(NORMS))
+def test_gpu_norms(variant, dtype):
+    pick, args = NORMS[variant]
+    inputs = _norm_inputs((4, 1024, 4096), dtype, "cuda")
+    _compare(pick(dispatch), pick(reference), list(args(*inputs)), tol=1e-2)
+
+
+@gpu_test
+def test_gpu_rope_and_swiglu():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2048, 2, 32, 128, generator=g).to("cuda", torch.bfloat16)
+    freqs = torch.outer(torch.arange(2048.0), 10000.0 ** (-torch.arange(0, 128, 2) / 128)).cuda()
+    _compare(dispatch.apply_rope, reference.apply_rope, [x, freqs], tol=1e-2, constant=(1,))
+    gate, up = torch.randn(2, 4096, 2 * 11008, generator=g).to("cuda", torch.bfloat16).chunk(2, dim=-1)
+    _compare(dispatch.swiglu, reference.swiglu, [gate, up], tol=1e-2)
+
+
+@gpu_test
+def test_gpu_cross_entropy_128k_values_and_memory():
+    n, v = 4096, 131072
+    logits, target = _ce_case(n, v, v - 100, 0, "cuda", torch.bfloat16)
+    stats = dispatch.ce_stats(logits, target, 0, v - 100)
+    for a, b in zip(stats, reference.ce_stats(logits, target, 0, v - 100)):
+        assert _rel_err(a, b) < 1e-5
+    ref_loss = F.cross_entropy(logits.float(), target, reduction="none")
+    x = _leaf(logits)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = dispatch.cross_entropy(x, target, inplace_backward=True)
+    loss.sum().backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra <= n * v * 4 / 4, f"cross-entropy used {extra / 2**20:.0f} MiB beyond the logits"
+    assert _rel_err(loss, ref_loss) < 1e-3
+    expect = torch.softmax(logits.float(), 1)
+    expect[torch.arange(n), target] -= 1
+    assert _rel_err(x.grad, expect) < 1e-2
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("s", [1024, 1000])
+def test_gpu_flash_attention(s, causal, d, dtype):
+    q, k, v = _qkv(2, s, 8, 2, d, "cuda", dtype)
+    out, lse = _tk("flash_triton").forward(q, k, v, causal)
+    assert _rel_err(lse, reference.attention_lse(q, k, causal)) < 1e-3
+    _compare(lambda *t: dispatch.attention(*t, causal=causal, backend="triton"),
+             lambda *t: reference.attention(*t, causal=causal), [q, k, v], tol=2e-2)
