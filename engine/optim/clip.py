@@ -32,7 +32,11 @@ def global_grad_norm(grads: list, ctx, *, sharded_over_dp: bool, device) -> floa
         sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum()
     else:
         sq = torch.zeros((), dtype=torch.float32, device=device)
-    groups = [(ctx.tp_group, ctx.tp_size), (ctx.pp_group, ctx.pp_size)]
+    mp_group = getattr(ctx, "mp_group", None)
+    if mp_group is not None:
+        groups = [(mp_group, ctx.tp_size * ctx.pp_size)]
+    else:
+        groups = [(ctx.tp_group, ctx.tp_size), (ctx.pp_group, ctx.pp_size)]
     if sharded_over_dp:
         groups.append((ctx.dp_group, ctx.dp_size))
     for group, size in groups:

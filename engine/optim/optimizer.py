@@ -44,12 +44,16 @@ class _Entry:
 
 
 def param_names(model_chunks: list) -> dict:
-    """id(param) -> name; with several chunks (interleaved pipeline) names get a `chunk{i}.` prefix."""
-    names = {}
+    """id(param) -> its name in its chunk (the model names layers by global id, so chunks do not clash)."""
+    names, taken = {}, set()
     for i, chunk in enumerate(model_chunks):
-        prefix = f"chunk{i}." if len(model_chunks) > 1 else ""
         for name, p in chunk.named_parameters():
-            names.setdefault(id(p), prefix + name)
+            if id(p) in names:
+                continue
+            if name in taken:
+                raise ValueError(f"parameter name {name!r} appears in two model chunks; names must be unique per rank")
+            names[id(p)] = name
+            taken.add(name)
     return names
 
 
