@@ -28,7 +28,10 @@ import numpy as np
 from engine.data.indexed_dataset import IndexedDatasetWriter, token_dtype
 from engine.data.tokenizer import Tokenizer
 
+# Work is handed to workers in chunks of at most this many lines or bytes: large enough to amortise
+# the inter-process traffic, small enough to keep every worker busy until the end.
 CHUNK_LINES = 256
+CHUNK_BYTES = 256 * 1024
 _SYMBOL = re.compile(r"[^\w\s]")
 
 
@@ -99,16 +102,17 @@ def preprocess(inputs: Sequence[str], tokenizer_model: str, prefix: str, options
 
 
 def _chunks(inputs: Sequence[str]) -> Iterator[tuple[bool, list[bytes]]]:
-    """(is_jsonl, lines) in groups of CHUNK_LINES, file by file."""
+    """(is_jsonl, lines) in chunks of CHUNK_LINES lines or CHUNK_BYTES bytes, file by file."""
     for path in inputs:
         is_json = path.endswith((".jsonl", ".json"))
         with open(path, "rb") as f:
-            lines = []
+            lines, size = [], 0
             for line in f:
                 lines.append(line)
-                if len(lines) == CHUNK_LINES:
+                size += len(line)
+                if len(lines) == CHUNK_LINES or size >= CHUNK_BYTES:
                     yield is_json, lines
-                    lines = []
+                    lines, size = [], 0
             if lines:
                 yield is_json, lines
 

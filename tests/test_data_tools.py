@@ -1,0 +1,118 @@
+"""tools/train_tokenizer.py, tools/preprocess_data.py and the demo corpus, run as users run them."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from engine.data import IndexedDataset, Tokenizer
+from engine.data.demo_corpus import build_demo_corpus, stdlib_sources
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly box jaunty "
+         "nymphs near 2048 bright lamps and 31 old towers").split()
+
+
+def run_tool(name, *args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", name), *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small JSONL corpus with a duplicate, a short document, a symbol-heavy one and a broken line."""
+    d = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice(WORDS, size=int(rng.integers(20, 80)))) for _ in range(300)]
+    texts.append(texts[10].upper().replace(" ", "  "))  # duplicate after normalisation
+    texts.append("too short")
+    texts.append("#$%& {}[]<> ;;;; @@@@ ~~~ !!! ??? a b c d e f g h i j k l m n o p")
+    path = d / "corpus.jsonl"
+    with open(path, "w") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t, "title": t[:12]}) + "\n")
+        f.write("{not json\n")
+    result = run_tool("train_tokenizer.py", "--input", path, "--vocab-size", 400, "--model-prefix", d / "tok")
+    assert result.returncode == 0, result.stderr
+    return d, path, texts, result.stdout
+
+
+def test_tokenizer_training_specials_roundtrip_and_fertility(corpus):
+    d, _, _, stdout = corpus
+    assert "fertility:" in stdout and "3 held-out documents" in stdout
+    fert = float(stdout.split("fertility:")[1].split()[0])
+    assert 1.0 <= fert < 3.0
+    tok = Tokenizer(str(d / "tok.model"))
+    assert (tok.bos, tok.eod, tok.pad) == (1, 2, 3) and tok.vocab_size <= 400
+    text = "the  lazy\tdog 12345 naïve ☃ 漢字\nnext line"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text  # byte fallback and no normalisation: lossless
+    pieces = tok.sp.id_to_piece(tok.encode("2048"))
+    assert [p for p in pieces if p != "▁"] == ["2", "0", "4", "8"]  # digits split
+
+
+def test_preprocess_matches_direct_encoding_with_eod(corpus, tmp_path):
+    d, path, texts, _ = corpus
+    out = tmp_path / "out"
+    result = run_tool("preprocess_data.py", "--input", path, "--json-keys", "text", "title",
+                      "--tokenizer-model", d / "tok.model", "--output-prefix", out, "--workers", 2,
+                      "--append-eod", "--quiet")
+    assert result.returncode == 0, result.stderr
+    tok = Tokenizer(str(d / "tok.model"))
+    for key in ("text", "title"):
+        ds = IndexedDataset(f"{out}_{key}_document")
+        assert len(ds) == len(texts) and ds.dtype == np.uint16
+        for i in (0, 1, 150, len(texts) - 1):
+            expected = tok.encode(texts[i] if key == "text" else texts[i][:12]) + [tok.eod]
+            assert ds[i].tolist() == expected
+    assert "dropped 1: malformed JSON or missing key" in result.stdout
+
+
+def test_preprocess_dedup_and_filters_are_counted(corpus, tmp_path):
+    d, path, texts, _ = corpus
+    out = tmp_path / "filtered"
+    result = run_tool("preprocess_data.py", "--input", path, "--tokenizer-model", d / "tok.model",
+                      "--output-prefix", out, "--workers", 1, "--append-eod", "--dedup", "--min-words", 5,
+                      "--max-symbol-ratio", 0.3, "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert "dropped 1: duplicate" in result.stdout
+    assert "dropped 1: fewer than 5 words" in result.stdout
+    assert "dropped 1: symbol ratio above 0.3" in result.stdout
+    assert len(IndexedDataset(f"{out}_text_document")) == len(texts) - 3
+
+
+def test_tools_report_user_mistakes_in_one_line(corpus, tmp_path):
+    d, path, _, _ = corpus
+    cases = [
+        ("preprocess_data.py", ["--input", path, "--tokenizer-model", tmp_path / "none.model",
+                                "--output-prefix", tmp_path / "x"], "--tokenizer-model"),
+        ("preprocess_data.py", ["--input", tmp_path / "none.jsonl", "--tokenizer-model", d / "tok.model",
+                                "--output-prefix", tmp_path / "x"], "--input"),
+        ("preprocess_data.py", ["--input", path, "--tokenizer-model", d / "tok.model",
+                                "--output-prefix", tmp_path / "no" / "x"], "--output-prefix"),
+        ("preprocess_data.py", ["--input", path, "--tokenizer-model", path, "--output-prefix", tmp_path / "x"],
+         "not a SentencePiece model"),
+        ("train_tokenizer.py", ["--input", path, "--vocab-size", 100, "--model-prefix", tmp_path / "t"],
+         "--vocab-size"),
+    ]
+    for tool, args, flag in cases:
+        result = run_tool(tool, *args)
+        assert result.returncode == 2, (tool, args, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and flag in lines[0] and "Traceback" not in result.stderr
+
+
+def test_demo_corpus_builds_from_stdlib_and_is_cached(tmp_path):
+    model, prefix = build_demo_corpus(str(tmp_path), vocab_size=512, max_files=25)
+    tok = Tokenizer(model)
+    ds = IndexedDataset(prefix)
+    assert len(ds) == 25 and ds.num_tokens > 10_000
+    with open(stdlib_sources(25)[0], encoding="utf-8") as f:
+        assert tok.decode(ds[0].tolist()[:-1]) == f.read()
+    assert ds[0][-1] == tok.eod
+    start = time.perf_counter()
+    assert build_demo_corpus(str(tmp_path), vocab_size=512, max_files=25) == (model, prefix)
+    assert time.perf_counter() - start < 0.5
