@@ -1,0 +1,153 @@
+"""Loss-spike guard and fault injection: what the trainer does when a step goes bad.
+
+Each iteration the trainer asks `SpikeGuard.check(iteration, loss, grad_norm)` and acts on the answer:
+- "ok": step as usual.
+- "skip": the loss or gradient norm is NaN/inf; do not apply the update (zero the gradients).
+- "spike": the loss is above mean + k·std of the last `window` accepted losses; the step is applied
+  (clipping bounds it) but the loss is kept out of the window so one outlier does not widen the band.
+- "rollback": the `rollback_after`-th spike within `window` iterations; reload the newest checkpoint,
+  call `guard.rolled_back(loaded_iteration)` on the live guard (do not load the guard's state from the
+  checkpoint you roll back to), and scale the LR by `guard.lr_multiplier(iteration)` from then on.
+
+Fault drills (`--inject-fault KIND@ITER`): `parse_faults` gives {iteration: kind}; the trainer pops the
+entry when it reaches that iteration (so a rolled-back replay does not fire it again) and applies
+`poison_loss` ("nan": the loss becomes NaN, so the gradients do too) or `corrupt_batch` ("spike").
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from engine.config import ConfigError
+
+OK, SKIP, SPIKE, ROLLBACK = "ok", "skip", "spike", "rollback"
+MIN_HISTORY = 10  # accepted losses needed before a mean and std mean anything
+# Floor on the std, relative to the mean: a nearly flat window would otherwise call noise a spike.
+REL_STD_FLOOR = 1e-3
+FAULT_KINDS = ("nan", "spike")
+SPIKE_SEED = 0x5EED  # the fixed seed of corrupt_batch's noise, so a drill is reproducible
+
+
+@dataclass(frozen=True)
+class Decision:
+    """`kind` is one of ok, skip, spike, rollback; `info` goes into the metrics event record."""
+    kind: str
+    info: dict = field(default_factory=dict)
+
+    @property
+    def apply_update(self) -> bool:
+        return self.kind != SKIP
+
+
+class SpikeGuard:
+    def __init__(self, window: int = 50, threshold_k: float = 6.0, rollback_after: int = 0,
+                 lr_factor: float = 0.5, lr_steps: int = 100):
+        if window < 2:
+            raise ConfigError(f"--spike-window {window}: needs at least 2 iterations to measure a spread")
+        self.window, self.k, self.rollback_after = window, threshold_k, rollback_after
+        self.lr_factor, self.lr_steps = lr_factor, lr_steps
+        self.losses: deque = deque(maxlen=window)
+        self.spike_iterations: list[int] = []
+        self.skipped = 0
+        self.spikes = 0
+        self.rollbacks = 0
+        self.lr_low_from: Optional[int] = None  # first iteration run with the lowered LR
+
+    @classmethod
+    def from_config(cls, stability) -> "SpikeGuard":
+        """From engine.config.StabilityConfig."""
+        return cls(stability.spike_window, stability.spike_threshold, stability.spike_rollback_after,
+                   stability.spike_lr_factor, stability.spike_lr_steps)
+
+    def threshold(self) -> Optional[float]:
+        """The loss above which the next step is a spike, or None while the history is too short."""
+        if len(self.losses) < min(MIN_HISTORY, self.window):
+            return None
+        mean = statistics.fmean(self.losses)
+        std = max(statistics.pstdev(self.losses, mean), REL_STD_FLOOR * abs(mean))
+        return mean + self.k * std
+
+    def check(self, iteration: int, loss: float, grad_norm: Optional[float] = None) -> Decision:
+        loss = float(loss)
+        if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(float(grad_norm))):
+            self.skipped += 1
+            return Decision(SKIP, {"loss": _finite_or_str(loss), "grad_norm": _finite_or_str(grad_norm)})
+        limit = self.threshold()
+        if limit is None or loss <= limit:
+            self.losses.append(loss)
+            return Decision(OK)
+        self.spikes += 1
+        self.spike_iterations = [i for i in self.spike_iterations if i > iteration - self.window] + [iteration]
+        info = {"loss": loss, "threshold": limit, "spikes_in_window": len(self.spike_iterations)}
+        if self.rollback_after and len(self.spike_iterations) >= self.rollback_after:
+            self.rollbacks += 1
+            self.spike_iterations = []
+            self.lr_low_from = iteration + 1  # moved by rolled_back() when a checkpoint is reloaded
+            return Decision(ROLLBACK, info)
+        return Decision(SPIKE, info)
+
+    def rolled_back(self, loaded_iteration: int) -> None:
+        """The trainer reloaded the checkpoint of `loaded_iteration`: lower the LR from the step after it."""
+        self.lr_low_from = loaded_iteration + 1
+
+    def lr_multiplier(self, iteration: int) -> float:
+        if self.lr_low_from is not None and self.lr_low_from <= iteration < self.lr_low_from + self.lr_steps:
+            return self.lr_factor
+        return 1.0
+
+    def state_dict(self) -> dict:
+        return {"losses": list(self.losses), "spike_iterations": list(self.spike_iterations),
+                "skipped": self.skipped, "spikes": self.spikes, "rollbacks": self.rollbacks,
+                "lr_low_from": self.lr_low_from}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.losses = deque(state["losses"], maxlen=self.window)
+        self.spike_iterations = list(state["spike_iterations"])
+        self.skipped, self.spikes, self.rollbacks = state["skipped"], state["spikes"], state["rollbacks"]
+        self.lr_low_from = state["lr_low_from"]
+
+
+def _finite_or_str(x):
+    """JSON has no NaN or inf; keep them readable in event records."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else str(x)
+
+
+def parse_faults(specs: list) -> dict:
+    """["nan@20", "spike@40"] -> {20: "nan", 40: "spike"}. Raises ConfigError naming a bad spec."""
+    faults: dict = {}
+    for spec in specs or []:
+        kind, _, it = str(spec).partition("@")
+        if kind not in FAULT_KINDS or not it.isdigit():
+            raise ConfigError(f"--inject-fault {spec}: use nan@ITER or spike@ITER (ITER a positive integer)")
+        if int(it) in faults:
+            raise ConfigError(f"--inject-fault {spec}: iteration {it} already has a fault; use one per iteration")
+        faults[int(it)] = kind
+    return faults
+
+
+def poison_loss(loss: torch.Tensor) -> torch.Tensor:
+    """The "nan" drill: the loss (and through backward every gradient) becomes NaN."""
+    return loss * float("nan")
+
+
+def corrupt_batch(batch: dict, vocab_size: int, seed: int = SPIKE_SEED) -> dict:
+    """The "spike" drill: tokens and labels replaced by uniform noise from a fixed seed.
+
+    A model that has learned anything (loss well below ln V) predicts noise badly, so the loss jumps to
+    at least about ln(vocab_size). A fresh model is already near ln V: inject spikes after warm-up.
+    The loss mask is kept. Same seed, same noise, on every rank and every run.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out = dict(batch)
+    for key in ("tokens", "labels"):
+        t = batch[key]
+        out[key] = torch.randint(0, vocab_size, tuple(t.shape), generator=gen, dtype=t.dtype).to(t.device)
+    return out
