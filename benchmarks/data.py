@@ -37,10 +37,10 @@ def bench_index(num_docs: int, seq_length: int) -> None:
     doc, sample, shuffle = build_indices(lengths, np.arange(num_docs), seq_length, num_samples, seed=1234)
     took = time.perf_counter() - start
     print(f"index build: {num_docs:,} documents, {tokens:,} tokens -> {len(shuffle):,} samples of "
-          f"{seq_length} in {took:.2f} s")
+          f"{seq_length} in {took:.3f} s")
     start = time.perf_counter()
     blend_indices([(0, [0.5, 0.3, 0.2]), (num_samples // 2, [0.2, 0.3, 0.5])], num_samples)
-    print(f"blend index: 3 sources, 2 phases, {num_samples:,} samples in {time.perf_counter() - start:.2f} s")
+    print(f"blend index: 3 sources, 2 phases, {num_samples:,} samples in {time.perf_counter() - start:.3f} s")
 
 
 

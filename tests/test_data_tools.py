@@ -71,6 +71,19 @@ def test_preprocess_matches_direct_encoding_with_eod(corpus, tmp_path):
     assert "dropped 1: malformed JSON or missing key" in result.stdout
 
 
+def test_preprocess_plain_text_has_one_document_per_line(corpus, tmp_path):
+    d, _, texts, _ = corpus
+    path = tmp_path / "lines.txt"
+    path.write_text("\n".join(texts[:20]) + "\n\n")
+    out = tmp_path / "plain"
+    result = run_tool("preprocess_data.py", "--input", path, "--tokenizer-model", d / "tok.model",
+                      "--output-prefix", out, "--quiet")
+    assert result.returncode == 0, result.stderr
+    ds = IndexedDataset(f"{out}_text_document")
+    tok = Tokenizer(str(d / "tok.model"))
+    assert [ds[i].tolist() for i in range(len(ds))] == [tok.encode(t) for t in texts[:20]]  # no EOD asked
+
+
 def test_preprocess_dedup_and_filters_are_counted(corpus, tmp_path):
     d, path, texts, _ = corpus
     out = tmp_path / "filtered"

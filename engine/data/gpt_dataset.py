@@ -123,6 +123,7 @@ def _save(stem: str, arrays) -> None:
 
     A read-only data directory only costs the rebuild next time, so failures to write are ignored.
     """
+    tmp = None
     try:
         os.makedirs(os.path.dirname(stem), exist_ok=True)
         for name, array in zip(_NAMES, arrays):
@@ -130,5 +131,7 @@ def _save(stem: str, arrays) -> None:
             with os.fdopen(fd, "wb") as f:
                 np.save(f, array)
             os.replace(tmp, f"{stem}-{name}.npy")
+            tmp = None
     except OSError:
-        pass
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)
