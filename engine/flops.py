@@ -1,0 +1,119 @@
+"""FLOPs of a training iteration, GPU presets, and model FLOPs utilization (MFU).
+
+The count is the one used by the Megatron papers (Narayanan et al. 2021, "Efficient Large-Scale
+Language Model Training on GPU Clusters", eq. 3; Korthikanti et al. 2022, sec. 6), generalised to
+grouped-query attention, SwiGLU and untied heads: every matrix multiply costs 2 FLOPs per
+multiply-add, the backward pass costs twice the forward, and for a GPT-3-shaped model
+
+    model FLOPs = 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)).
+
+Causal-attention convention: attention scores and attention-times-values are counted over the FULL
+s×s matrix (4·b·s²·h forward FLOPs per layer), not half of it for the causal mask. This is the
+convention of the published numbers the layout planner is checked against (Megatron papers, PaLM's
+MFU appendix); the trainer's MFU log line and the planner both use this module, so they agree.
+
+"Model FLOPs" never include recomputation; "hardware FLOPs" add the recomputed forward work
+(full recomputation: the whole transformer forward again, giving Narayanan's
+96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)); selective: the attention core forward again).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from engine.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator and the links around it, as a DGX/HGX-class node provides them.
+
+    peak_tflops: dense bf16 tensor-core peak (no sparsity). memory_gib: memory the device reports.
+    hbm_tbps: memory bandwidth, TB/s. nvlink_gbps / network_gbps: per-GPU bandwidth in Gbit/s, one
+    direction, inside a node and to other nodes (one NIC per GPU, as in DGX systems).
+    """
+    name: str
+    peak_tflops: float
+    memory_gib: float
+    hbm_tbps: float
+    nvlink_gbps: float
+    network_gbps: float
+
+
+# Sources: NVIDIA data sheets (A100 Tensor Core GPU, 2021; H100, 2023; H200, 2024; HGX B200, 2024)
+# for peak dense bf16, memory and HBM bandwidth; NVLink 3/4/5 = 600/900/1800 GB/s both directions
+# per GPU (so 2400/3600/7200 Gbit/s one way); DGX A100 has 8x 200 Gb/s HDR NICs, DGX H100/H200/B200
+# 8x 400 Gb/s NDR. H100 PCIe has no NVSwitch: GPUs talk over PCIe Gen5 x16 (64 GB/s one way).
+# Memory is what the device reports in GiB (e.g. 81559 MiB for H100 80GB).
+GPU_PRESETS = {
+    "a100-40g": GPUSpec("a100-40g", 312.0, 40.0, 1.555, 2400.0, 200.0),
+    "a100-80g": GPUSpec("a100-80g", 312.0, 80.0, 2.039, 2400.0, 200.0),
+    "h100-sxm": GPUSpec("h100-sxm", 989.0, 79.6, 3.35, 3600.0, 400.0),
+    "h100-pcie": GPUSpec("h100-pcie", 756.0, 79.6, 2.0, 512.0, 400.0),
+    "h200": GPUSpec("h200", 989.0, 140.4, 4.8, 3600.0, 400.0),
+    "b200": GPUSpec("b200", 2250.0, 179.0, 8.0, 7200.0, 400.0),
+}
+
+# torch.cuda.get_device_name() substrings -> preset, most specific first.
+_DEVICE_NAMES = (
+    ("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"), ("H200", "h200"), ("B200", "b200"),
+    ("A100-SXM4-40GB", "a100-40g"), ("A100-PCIE-40GB", "a100-40g"), ("A100", "a100-80g"),
+)
+
+
+def detect_gpu(device_name: str) -> Optional[GPUSpec]:
+    """The preset for a CUDA device name such as 'NVIDIA H100 80GB HBM3', or None if unknown."""
+    for needle, key in _DEVICE_NAMES:
+        if needle.lower() in device_name.lower():
+            return GPU_PRESETS[key]
+    return None
+
+
+def padded_vocab_size(model: ModelConfig, tp: int = 1) -> int:
+    """Vocabulary padded up to a multiple of make_vocab_size_divisible_by x tp, as the engine pads it."""
+    multiple = model.make_vocab_size_divisible_by * tp
+    vocab = model.vocab_size or 256
+    return -(-vocab // multiple) * multiple
+
+
+def layer_matmul_params(model: ModelConfig) -> int:
+    """Weights of one layer's four matrix multiplies (QKV, attention output, fc1, fc2)."""
+    h, d = model.hidden_size, model.head_dim()
+    nq, nkv = model.num_attention_heads, model.resolved_query_groups()
+    ffn = model.resolved_ffn_hidden_size()
+    mlp_in = 2 * ffn if model.swiglu else ffn
+    return h * (nq + 2 * nkv) * d + nq * d * h + mlp_in * h + ffn * h
+
+
+def forward_flops_per_sequence(model: ModelConfig, seq_length: int, tp: int = 1) -> dict:
+    """Forward FLOPs of one sequence, split into the parts recomputation treats differently."""
+    s, l = seq_length, model.num_layers
+    linear = 2 * s * layer_matmul_params(model) * l
+    attention = 4 * s * s * model.num_attention_heads * model.head_dim() * l  # full s², see module doc
+    logits = 2 * s * model.hidden_size * padded_vocab_size(model, tp)
+    return {"linear": linear, "attention": attention, "logits": logits}
+
+
+def flops_per_iteration(model: ModelConfig, global_batch_size: int, seq_length: int,
+                        recompute: Optional[str] = None, tp: int = 1) -> float:
+    """FLOPs of one training iteration over all GPUs.
+
+    recompute None gives model FLOPs (for MFU); "selective" or "full" adds the recomputed forward
+    work (hardware FLOPs, what the GPUs actually execute).
+    """
+    f = forward_flops_per_sequence(model, seq_length, tp)
+    total = 3 * (f["linear"] + f["attention"] + f["logits"])
+    if recompute == "full":
+        total += f["linear"] + f["attention"]
+    elif recompute == "selective":
+        total += f["attention"]
+    return float(total * global_batch_size)
+
+
+def tflops_per_gpu(flops: float, seconds: float, num_gpus: int) -> float:
+    return flops / seconds / num_gpus / 1e12
+
+
+def mfu(flops: float, seconds: float, num_gpus: int, peak_tflops: float) -> float:
+    """Model FLOPs utilization: achieved model FLOP/s per GPU over the device's dense bf16 peak."""
+    return tflops_per_gpu(flops, seconds, num_gpus) / peak_tflops

@@ -1,0 +1,222 @@
+"""Parameters and memory per GPU for a parallel layout, analytically (no model is built).
+
+Parameters follow the structure engine/model.py builds: embedding [V_pad, h] split over tp (and
+learned positions [max_pos, h] replicated), per layer two norms (replicated), fused QKV and fc1
+column-parallel, attention output and fc2 row-parallel with their biases replicated, a final norm
+and the output layer [V_pad, h] on the last stage (when the embedding is tied and pp > 1, the last
+stage holds its own copy of the embedding).
+
+Activations per layer are Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", sec. 4, Table 2), written out tensor by tensor so that grouped-query attention
+and SwiGLU are covered. For a GPT-3-shaped layer (MHA, GELU MLP of 4h, 2-byte activations) it gives
+exactly the paper's entries:
+
+    no parallelism               s·b·h·(34 + 5·a·s/h)
+    tensor parallel              s·b·h·(10 + 24/t + 5·a·s/(h·t))
+    tensor + sequence parallel   s·b·h/t·(34 + 5·a·s/h)
+    tp + selective recompute     s·b·h·(10 + 24/t)
+    tp + sp + selective          s·b·h/t·34
+    full recompute               2·s·b·h (and /t with sp)
+
+With flash attention the 5·a·s²·b score term is never stored (only the output is), so it is dropped
+whatever the recomputation. Dropout masks (2·s·b·h) are kept in the count even at dropout 0: they are
+part of the published formula and act as a small margin.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from engine.config import ModelConfig
+from engine.flops import padded_vocab_size
+
+# Bytes per parameter, as engine/optim allocates them: 2-byte weights in bf16/fp16, an fp32 main-grad
+# buffer (microbatch gradients accumulate in fp32), Adam m and v in fp32, and an fp32 master copy
+# whenever the weights are not fp32 or the state is sharded (a shard cannot alias the weights).
+# Mixed precision thus costs 18 B/param, or 6 + 12/dp with the distributed optimizer, as in
+# Megatron-LM's distributed-optimizer guide.
+PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+GRAD_BYTES = 4
+ADAM_MOMENT_BYTES = 8
+MASTER_BYTES = 4
+
+# Output layer and cross entropy on the last stage, per logit: bf16 logits (2), fp32 log-softmax kept
+# for backward (4) and its fp32 gradient (4), alive at once at the start of the backward pass.
+LOGIT_BYTES = 10
+
+# Not counted by the tensors above: the allocator's fragmentation and rounding (fraction of what is
+# allocated; PyTorch's caching allocator typically reserves 5-15% more than it allocates), and a fixed
+# reserve for the CUDA context, cuBLAS workspaces and NCCL buffers (~1.5-2.5 GiB per process).
+MEMORY_FRAGMENTATION = 0.10
+MEMORY_RESERVED_GIB = 2.0
+
+GIB = 2.0 ** 30
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+    micro_batch_size: int = 1
+    recompute: str = "none"            # none | selective | full
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    first_stage_layers: Optional[int] = None   # uneven pipeline split (--decoder-first-pipeline-num-layers)
+    last_stage_layers: Optional[int] = None
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+def stage_layer_counts(num_layers: int, layout: Layout) -> list:
+    """Layers per (pipeline rank, model chunk), the split engine/pipeline/partition.py makes."""
+    p, v = layout.pp, layout.vpp
+    first, last = layout.first_stage_layers, layout.last_stage_layers
+    if first is None and last is None:
+        per_chunk = num_layers // (p * v)
+        return [[per_chunk] * v for _ in range(p)]
+    middle = p - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    per_middle = rest // middle if middle else 0
+    counts = [[per_middle] for _ in range(p)]
+    if first is not None:
+        counts[0] = [first]
+    if last is not None:
+        counts[-1] = [last]
+    return counts
+
+
+def layer_params(model: ModelConfig, tp: int) -> int:
+    """Parameters of one transformer layer held by one tensor-parallel rank."""
+    h, d = model.hidden_size, model.head_dim()
+    nq, nkv = model.num_attention_heads, model.resolved_query_groups()
+    ffn = model.resolved_ffn_hidden_size()
+    fc1_out = 2 * ffn if model.swiglu else ffn
+    bias = not model.disable_bias_linear
+    norm = h * (2 if model.normalization == "LayerNorm" else 1)
+    qkv = (nq + 2 * nkv) * d * (h + bias) // tp
+    proj = h * nq * d // tp + bias * h
+    fc1 = fc1_out * (h + bias) // tp
+    fc2 = h * ffn // tp + bias * h
+    return 2 * norm + qkv + proj + fc1 + fc2
+
+
+def embedding_params(model: ModelConfig, tp: int) -> int:
+    h = model.hidden_size
+    positions = (model.max_position_embeddings or model.seq_length) * h \
+        if model.position_embedding_type == "learned_absolute" else 0
+    return padded_vocab_size(model, tp) * h // tp + positions
+
+
+def head_params(model: ModelConfig, tp: int, pp: int) -> int:
+    """Final norm and output layer (or the tied embedding's copy on the last stage when pp > 1)."""
+    h = model.hidden_size
+    norm = h * (2 if model.normalization == "LayerNorm" else 1)
+    needs_copy = model.untie_embeddings_and_output_weights or pp > 1
+    return norm + (padded_vocab_size(model, tp) * h // tp if needs_copy else 0)
+
+
+def params_per_rank(model: ModelConfig, layout: Layout) -> list:
+    """Parameters held by each pipeline rank (any tensor-parallel rank: they hold equal counts)."""
+    counts = stage_layer_counts(model.num_layers, layout)
+    per_layer = layer_params(model, layout.tp)
+    out = []
+    for r, chunks in enumerate(counts):
+        n = sum(chunks) * per_layer
+        if r == 0:
+            n += embedding_params(model, layout.tp)
+        if r == layout.pp - 1:
+            n += head_params(model, layout.tp, layout.pp)
+        out.append(n)
+    return out
+
+
+def layer_activation_bytes(model: ModelConfig, seq_length: int, micro_batch: int, tp: int = 1,
+                           sequence_parallel: bool = False, recompute: str = "none",
+                           flash_attention: bool = False) -> float:
+    """Activation bytes one layer keeps for backward, for one microbatch on one tp rank."""
+    s, b, h = seq_length, micro_batch, model.hidden_size
+    sp = tp if sequence_parallel else 1
+    if recompute == "full":
+        return 2 * s * b * h / sp
+    d, nq, nkv = model.head_dim(), model.num_attention_heads, model.resolved_query_groups()
+    ffn = model.resolved_ffn_hidden_size()
+    # Not split by tp (split by sp): two norm inputs (4), QKV input (2), MLP input (2), two dropout masks (2).
+    replicated = 10 * s * b * h
+    # Split by tp: Q and K for the scores, V, the attention output (projection input), the MLP
+    # hidden activations (GELU: fc1 output and GELU output; SwiGLU: gate+up output and their product).
+    mlp = (6 if model.swiglu else 4) * ffn * s * b
+    split = 2 * s * b * (nq * d + nkv * d) + 2 * s * b * nkv * d + 2 * s * b * nq * d + mlp
+    # Softmax output (2), its dropout mask (1) and dropout output (2) per score.
+    scores = 0 if (flash_attention or recompute == "selective") else 5 * nq * s * s * b
+    return replicated / sp + (split + scores) / tp
+
+
+def in_flight_chunks(num_microbatches: int, pp: int, vpp: int, rank: int) -> int:
+    """Model-chunk forward passes whose activations rank `rank` holds at its peak.
+
+    1F1B: rank r runs pp - r warm-up forwards before its first backward. Interleaved (Narayanan 2021,
+    sec. 2.2.2, as scheduled by Megatron-LM): 2·(pp - r - 1) + (vpp - 1)·pp + 1 chunk forwards, which
+    for rank 0 is Korthikanti's factor (1 + (pp - 1)/(pp·vpp)) in units of the rank's layers.
+    """
+    if vpp == 1:
+        return min(num_microbatches, pp - rank)
+    return min(num_microbatches * vpp, 2 * (pp - rank - 1) + (vpp - 1) * pp + 1)
+
+
+@dataclass
+class Memory:
+    """Bytes on the most loaded GPU."""
+    rank: int
+    params: int
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+
+    @property
+    def allocated(self) -> float:
+        """What torch.cuda.max_memory_allocated should report."""
+        return self.weights + self.grads + self.optimizer + self.activations + self.logits
+
+    @property
+    def total(self) -> float:
+        """Device memory the process needs: allocated plus fragmentation plus the fixed reserve."""
+        return self.allocated * (1 + MEMORY_FRAGMENTATION) + MEMORY_RESERVED_GIB * GIB
+
+
+def state_bytes(params: int, layout: Layout, precision: str) -> tuple:
+    """(weights, gradients, optimizer state) bytes for `params` parameters on one GPU."""
+    shard = layout.dp if layout.distributed_optimizer else 1
+    master = MASTER_BYTES if (precision != "fp32" or layout.distributed_optimizer) else 0
+    return (params * PARAM_BYTES[precision], params * GRAD_BYTES,
+            params * (ADAM_MOMENT_BYTES + master) / shard)
+
+
+def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_microbatches: int,
+                   precision: str = "bf16", flash_attention: bool = True) -> Memory:
+    """Peak memory of the pipeline rank that needs the most."""
+    counts = stage_layer_counts(model.num_layers, layout)
+    params = params_per_rank(model, layout)
+    act_layer = layer_activation_bytes(model, seq_length, layout.micro_batch_size, layout.tp,
+                                       layout.sequence_parallel, layout.recompute, flash_attention)
+    # Full recomputation rebuilds one layer's complete activations during its backward pass.
+    workspace = 0.0
+    if layout.recompute == "full":
+        workspace = layer_activation_bytes(model, seq_length, layout.micro_batch_size, layout.tp,
+                                           layout.sequence_parallel, "none", flash_attention)
+    logits = LOGIT_BYTES * seq_length * layout.micro_batch_size * padded_vocab_size(model, layout.tp) / layout.tp
+    best = None
+    for r, chunks in enumerate(counts):
+        layers_per_chunk = sum(chunks) / len(chunks)
+        acts = in_flight_chunks(num_microbatches, layout.pp, layout.vpp, r) * layers_per_chunk * act_layer
+        acts += workspace if sum(chunks) else 0.0
+        mem = Memory(r, params[r], *state_bytes(params[r], layout, precision), acts,
+                     logits if r == layout.pp - 1 else 0.0)
+        if best is None or mem.allocated > best.allocated:
+            best = mem
+    return best

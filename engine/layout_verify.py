@@ -1,0 +1,41 @@
+"""Check the planner's analytic parameter counts against the model the engine really builds.
+
+Every pipeline rank's model chunks are built with the trainer's own `build_model_chunks` on the meta
+device (shapes only, no memory, no process group) and their distinct parameters are counted.
+"""
+from __future__ import annotations
+
+from engine.config import Config
+from engine.layout_memory import Layout, params_per_rank
+
+
+def meta_params_per_rank(cfg: Config, layout: Layout) -> list:
+    """Parameters held by each pipeline rank (tensor-parallel rank 0) of the model built on meta."""
+    from engine.model import build_model_chunks
+    from engine.topology import ParallelContext
+    par = cfg.parallel
+    saved = (par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
+    par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers = \
+        layout.first_stage_layers, layout.last_stage_layers
+    try:
+        counts = []
+        for r in range(layout.pp):
+            ctx = ParallelContext.virtual(tp=layout.tp, pp=layout.pp, dp=1, vpp=layout.vpp, pp_rank=r,
+                                          sequence_parallel=layout.sequence_parallel)
+            chunks = build_model_chunks(cfg, ctx, vocab_size=cfg.model.vocab_size or 256, device="meta")
+            unique = {id(p): p.numel() for chunk in chunks for p in chunk.parameters()}
+            counts.append(sum(unique.values()))
+        return counts
+    finally:
+        par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers = saved
+
+
+def verify(cfg: Config, layout: Layout) -> tuple:
+    """(ok, report lines): analytic and meta-device parameter counts per pipeline rank."""
+    analytic = params_per_rank(cfg.model, layout)
+    built = meta_params_per_rank(cfg, layout)
+    lines = [f"tp {layout.tp} pp {layout.pp} vpp {layout.vpp}: parameters per GPU (tp rank 0)",
+             f"{'pp rank':>8} {'analytic':>15} {'meta device':>15}  match"]
+    for r, (a, b) in enumerate(zip(analytic, built)):
+        lines.append(f"{r:>8} {a:>15,} {b:>15,}  {'yes' if a == b else 'NO'}")
+    return analytic == built, lines

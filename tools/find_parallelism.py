@@ -1,0 +1,245 @@
+"""Pick a parallel layout: rank (tp, pp, vpp, dp, micro batch, recomputation, ...) for a model on N GPUs.
+
+    python tools/find_parallelism.py --config configs/gpt3-175b.yaml --num-gpus 1024 --gpu a100-80g \\
+        --global-batch-size 1536
+    python tools/find_parallelism.py --config configs/llama3-8b.yaml --num-gpus 8 --tp 2 --pp 1
+    python tools/find_parallelism.py --config configs/llama3-8b.yaml --num-gpus 64 --tokens 15e12
+
+The memory and time model is engine/layout_model.py (constants and sources documented there);
+--verify builds every pipeline stage on the meta device and checks the analytic parameter counts.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.config import ConfigError, parse_config, validate  # noqa: E402
+from engine.flops import GPU_PRESETS, flops_per_iteration  # noqa: E402
+from engine.layout_memory import GIB, Layout, params_per_rank  # noqa: E402
+from engine.layout_model import Software, chinchilla_optimal, estimate, rank_layouts  # noqa: E402
+
+
+class UsageError(Exception):
+    """A mistake on the command line; printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"{message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="find_parallelism.py", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="model YAML (the trainer's --config file)")
+    p.add_argument("--num-gpus", type=int, help="GPUs in the job (required except with --verify)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tp stays inside a node (default 8)")
+    p.add_argument("--gpu", choices=sorted(GPU_PRESETS), default="h100-sxm", help="GPU preset (default h100-sxm)")
+    p.add_argument("--gpu-tflops", type=float, help="override: dense bf16 peak TFLOP/s per GPU")
+    p.add_argument("--gpu-memory-gb", type=float, help="override: memory per GPU, GiB")
+    p.add_argument("--intra-node-gbps", type=float, help="override: NVLink bandwidth per GPU, one direction, Gbit/s")
+    p.add_argument("--inter-node-gbps", type=float, help="override: network bandwidth per GPU, one direction, Gbit/s")
+    p.add_argument("--global-batch-size", type=int, help="samples per iteration (default: the config's)")
+    p.add_argument("--seq-length", type=int, help="tokens per sample (default: the config's)")
+    p.add_argument("--top", type=int, default=10, help="rows to show (default 10)")
+    p.add_argument("--json", action="store_true", help="print a JSON list of layouts instead of a table")
+    one = p.add_argument_group("evaluate one layout (give at least --tp and --pp)")
+    one.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int)
+    one.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int)
+    one.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", dest="vpp", type=int)
+    one.add_argument("--micro-batch-size", type=int)
+    one.add_argument("--recompute-granularity", choices=("none", "selective", "full"))
+    plan = p.add_argument_group("compute planning")
+    plan.add_argument("--tokens", type=float, help="training tokens, e.g. 300e9")
+    plan.add_argument("--chinchilla", action="store_true", help="train on 20 tokens per parameter (Hoffmann et al. 2022)")
+    p.add_argument("--verify", action="store_true",
+                   help="build each pipeline stage on the meta device and check the analytic parameter counts")
+    return p
+
+
+def _gpu(args):
+    spec = GPU_PRESETS[args.gpu]
+    overrides = {"peak_tflops": args.gpu_tflops, "memory_gib": args.gpu_memory_gb,
+                 "nvlink_gbps": args.intra_node_gbps, "network_gbps": args.inter_node_gbps}
+    for flag, value in overrides.items():
+        if value is not None and value <= 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    return dataclasses.replace(spec, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _precision(cfg) -> str:
+    return "bf16" if cfg.training.bf16 else "fp16" if cfg.training.fp16 else "fp32"
+
+
+def _check(args, cfg):
+    if args.num_gpus is None:
+        raise UsageError("--num-gpus is required (the GPUs of the job), e.g. --num-gpus 64")
+    if args.num_gpus < 1 or args.gpus_per_node < 1:
+        raise UsageError("--num-gpus and --gpus-per-node must be at least 1")
+    if args.num_gpus > args.gpus_per_node and args.num_gpus % args.gpus_per_node:
+        raise UsageError(f"--num-gpus {args.num_gpus} is not a multiple of --gpus-per-node {args.gpus_per_node}; "
+                         "use whole nodes")
+    if (args.tp is None) != (args.pp is None):
+        raise UsageError("give both --tp and --pp to evaluate one layout, or neither to rank all layouts")
+    if args.global_batch_size is not None and args.global_batch_size < 1:
+        raise UsageError("--global-batch-size must be at least 1")
+    if args.tokens is not None and args.tokens <= 0:
+        raise UsageError("--tokens must be positive")
+
+
+def _given_layout(args, cfg, batch) -> Layout:
+    """The one layout asked for, checked by the trainer's own validation."""
+    c = dataclasses.replace(cfg)
+    c.parallel = dataclasses.replace(cfg.parallel, tensor_model_parallel_size=args.tp,
+                                     pipeline_model_parallel_size=args.pp,
+                                     virtual_pipeline_model_parallel_size=args.vpp or cfg.parallel.virtual_pipeline_model_parallel_size)
+    c.training = dataclasses.replace(cfg.training, global_batch_size=batch,
+                                     micro_batch_size=args.micro_batch_size or cfg.training.micro_batch_size)
+    c.data = dataclasses.replace(cfg.data, mock_data=True)
+    c.checkpoint = dataclasses.replace(cfg.checkpoint, load=None)
+    if args.num_gpus % (args.tp * args.pp):
+        raise UsageError(f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp} does not divide --num-gpus {args.num_gpus}")
+    if args.tp > args.gpus_per_node:
+        raise UsageError(f"--tp {args.tp} exceeds --gpus-per-node {args.gpus_per_node}; a TP group stays in a node")
+    validate(c, args.num_gpus)
+    dp = args.num_gpus // (args.tp * args.pp)
+    recompute = args.recompute_granularity or cfg.model.recompute_granularity or "none"
+    return Layout(args.tp, args.pp, dp, c.vpp, c.training.micro_batch_size, recompute,
+                  cfg.parallel.sequence_parallel or args.tp > 1, cfg.parallel.use_distributed_optimizer or dp > 1,
+                  c.parallel.decoder_first_pipeline_num_layers, c.parallel.decoder_last_pipeline_num_layers)
+
+
+def torchrun_command(args, layout: Layout, batch: int, seq: int, precision: str) -> str:
+    nodes = max(1, args.num_gpus // args.gpus_per_node)
+    per_node = min(args.num_gpus, args.gpus_per_node)
+    cmd = ["torchrun", f"--nnodes {nodes}", f"--nproc-per-node {per_node}"]
+    if nodes > 1:
+        cmd += ["--rdzv-backend c10d", "--rdzv-endpoint $MASTER_ADDR:29500"]
+    cmd += ["launch/pretrain_gpt.py", f"--config {args.config}",
+            f"--tensor-model-parallel-size {layout.tp}", f"--pipeline-model-parallel-size {layout.pp}"]
+    if layout.vpp > 1:
+        cmd.append(f"--virtual-pipeline-model-parallel-size {layout.vpp}")
+    if layout.first_stage_layers is not None:
+        cmd += [f"--decoder-first-pipeline-num-layers {layout.first_stage_layers}",
+                f"--decoder-last-pipeline-num-layers {layout.last_stage_layers}"]
+    cmd += [f"--micro-batch-size {layout.micro_batch_size}", f"--global-batch-size {batch}", f"--seq-length {seq}",
+            f"--gpus-per-node {args.gpus_per_node}"]
+    if layout.sequence_parallel:
+        cmd.append("--sequence-parallel")
+    if layout.recompute != "none":
+        cmd.append(f"--recompute-granularity {layout.recompute}")
+    if layout.distributed_optimizer:
+        cmd.append("--use-distributed-optimizer")
+    if layout.dp > 1:
+        cmd.append("--overlap-grad-reduce")
+    if precision != "fp32":
+        cmd.append(f"--{precision}")
+    return " ".join(cmd)
+
+
+def _verify(args, cfg) -> int:
+    """Analytic vs meta-device parameter counts for the config's layout (or --tp/--pp/--vpp)."""
+    from engine.layout_verify import verify
+    par = cfg.parallel
+    tp, pp = args.tp or cfg.tp, args.pp or cfg.pp
+    vpp = args.vpp or (cfg.vpp if args.pp is None else 1)
+    c = dataclasses.replace(cfg)
+    c.parallel = dataclasses.replace(par, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     virtual_pipeline_model_parallel_size=vpp)
+    c.data = dataclasses.replace(cfg.data, mock_data=True)
+    c.checkpoint = dataclasses.replace(cfg.checkpoint, load=None)
+    c.training = dataclasses.replace(cfg.training, global_batch_size=None)
+    validate(c, tp * pp)
+    first, last = (par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers) \
+        if args.pp is None else (None, None)
+    ok, lines = verify(c, Layout(tp, pp, 1, vpp, first_stage_layers=first, last_stage_layers=last))
+    print("\n".join(lines))
+    print("analytic counts match the model" if ok else "MISMATCH between the analytic count and the model")
+    return 0 if ok else 1
+
+
+def _plan(args, cfg, est, batch, seq) -> dict:
+    """Compute planning for the best layout: FLOPs, days, GPU-hours, Chinchilla-optimal size."""
+    n_params = sum(params_per_rank(cfg.model, Layout()))
+    tokens = 20.0 * n_params if args.chinchilla else args.tokens
+    flops = flops_per_iteration(cfg.model, batch, seq) / (batch * seq) * tokens
+    days = tokens / est.tokens_per_s / 86400
+    opt_n, opt_d = chinchilla_optimal(flops)
+    return dict(params=n_params, tokens=tokens, training_flops=flops, days=days,
+                gpu_hours=days * 24 * args.num_gpus, chinchilla_params=opt_n, chinchilla_tokens=opt_d)
+
+
+def _table(rows) -> str:
+    head = ("tp", "pp", "vpp", "dp", "mb", "sp", "dopt", "recompute", "mem GiB", "fits", "step s",
+            "tokens/s", "TFLOP/s", "MFU")
+    lines = [head]
+    for e in rows:
+        lay = e.layout
+        vpp = f"{lay.first_stage_layers}/../{lay.last_stage_layers}" if lay.first_stage_layers is not None else lay.vpp
+        lines.append((lay.tp, lay.pp, vpp, lay.dp, lay.micro_batch_size, "y" if lay.sequence_parallel else "-",
+                      "y" if lay.distributed_optimizer else "-", lay.recompute, f"{e.memory.total / GIB:.1f}",
+                      "yes" if e.fits else "NO", f"{e.step_time_s:.3f}", f"{e.tokens_per_s:,.0f}",
+                      f"{e.tflops_per_gpu:.1f}", f"{e.mfu * 100:.1f}%"))
+    widths = [max(len(str(r[i])) for r in lines) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in lines)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = parse_config(["--config", args.config])
+    if args.verify:
+        return _verify(args, cfg)
+    _check(args, cfg)
+    batch = args.global_batch_size or cfg.training.global_batch_size
+    if not batch:
+        raise UsageError(f"{args.config} sets no global_batch_size; pass --global-batch-size")
+    seq = args.seq_length or cfg.model.seq_length
+    cfg.model.seq_length = seq
+    gpu, precision = _gpu(args), _precision(cfg)
+    sw = Software(precision=precision)
+    if args.tp is not None:
+        rows = [estimate(cfg.model, _given_layout(args, cfg, batch), gpu, batch, seq, args.gpus_per_node, sw)]
+    else:
+        rows = rank_layouts(cfg.model, args.num_gpus, gpu, batch, seq, args.gpus_per_node, sw)
+        if not rows:
+            raise UsageError(f"no valid layout of {args.config} on {args.num_gpus} GPUs with global batch {batch}: "
+                             "try a global batch divisible by more data-parallel sizes, or another --num-gpus")
+    plan = _plan(args, cfg, rows[0], batch, seq) if (args.tokens or args.chinchilla) else None
+    shown = rows[:max(1, args.top)]
+    if args.json:
+        out = [dict(e.to_dict(), **({"plan": plan} if plan and i == 0 else {})) for i, e in enumerate(shown)]
+        print(json.dumps(out, indent=1))
+        return 0
+    fitting = sum(e.fits for e in rows)
+    print(f"{cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
+          f"{sum(params_per_rank(cfg.model, Layout())) / 1e9:.2f}B params on {args.num_gpus} x {gpu.name} "
+          f"({gpu.peak_tflops:.0f} TFLOP/s, {gpu.memory_gib:.0f} GiB); global batch {batch} x {seq} tokens, {precision}")
+    print(f"{len(rows)} layout(s) evaluated, {fitting} fit in memory\n")
+    print(_table(shown))
+    best = rows[0]
+    if best.fits:
+        print("\nbest layout:\n  " + torchrun_command(args, best.layout, batch, seq, precision))
+    else:
+        print("\nno layout fits in memory: add GPUs, lower the batch per GPU, or use a larger-memory --gpu")
+    if plan:
+        print(f"\ncompute plan for the best layout: {plan['tokens']:.3g} tokens, {plan['training_flops']:.3g} FLOPs, "
+              f"{plan['days']:.1f} days on {args.num_gpus} GPUs, {plan['gpu_hours']:,.0f} GPU-hours\n"
+              f"Chinchilla-optimal for this budget (~20 tokens/param): {plan['chinchilla_params'] / 1e9:.2f}B params "
+              f"on {plan['chinchilla_tokens']:.3g} tokens (this model: {plan['params'] / 1e9:.2f}B)")
+    return 0
+
+
+def cli(argv=None) -> int:
+    try:
+        return main(argv)
+    except (UsageError, ConfigError) as e:
+        print(f"find_parallelism.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
