@@ -82,6 +82,16 @@ def batch_p2p(sends: list, recvs: list, group=None) -> list:
     return dist.batch_isend_irecv(ops)
 
 
+def isend(t: torch.Tensor, peer: int, group=None, tag: int = 0):
+    """Non-blocking send to global rank `peer`; returns the work handle."""
+    return dist.isend(t.contiguous(), dst=peer, group=group, tag=tag)
+
+
+def irecv(t: torch.Tensor, peer: int, group=None, tag: int = 0):
+    """Non-blocking receive from global rank `peer` into `t`; returns the work handle."""
+    return dist.irecv(t, src=peer, group=group, tag=tag)
+
+
 def new_group(ranks: list, backend: Optional[str] = None, timeout=None):
     kw = {}
     if timeout is not None:

@@ -1,0 +1,176 @@
+"""Pipeline partitioning, schedules and execution against the unpipelined run (fp32, CPU, gloo)."""
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine import comm
+from engine.config import Config, ConfigError, ModelConfig
+from engine.model import GPTModel, build_model_chunks
+from engine.pipeline import schedules
+from engine.pipeline.partition import stage_layers, stage_sizes
+from engine.topology import ParallelContext, build_context
+from harness import run_ranks
+
+VOCAB, SEQ, MICRO = 96, 8, 2
+
+
+# ---------------------------------------------------------------- partitioning and schedule shape
+
+def test_even_uneven_and_interleaved_partitions():
+    assert [stage_layers(8, 4, 1, r, 0) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert stage_sizes(10, 4, first=1, last=3) == [1, 3, 3, 3]
+    assert stage_layers(10, 4, 1, 3, 0, first=1, last=3) == [7, 8, 9]
+    # interleaved: chunk c on pipeline rank r holds virtual stage c*pp + r
+    assert stage_layers(8, 2, 2, 0, 0) == [0, 1] and stage_layers(8, 2, 2, 1, 0) == [2, 3]
+    assert stage_layers(8, 2, 2, 0, 1) == [4, 5] and stage_layers(8, 2, 2, 1, 1) == [6, 7]
+    for pp, vpp in ((2, 1), (4, 1), (2, 2), (4, 2)):
+        ids = sorted(i for r in range(pp) for c in range(vpp) for i in stage_layers(16, pp, vpp, r, c))
+        assert ids == list(range(16))
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 4), (4, 8), (4, 3), (8, 16)])
+def test_1f1b_holds_at_most_pp_minus_rank_microbatches(pp, m):
+    for r in range(pp):
+        order = schedules.schedule_order(pp, 1, r, m)
+        assert sorted(o for o in order if o[0] == "F") == [("F", 0, i) for i in range(m)]
+        assert schedules.max_in_flight(order) <= pp - r
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(2, 2, 4), (4, 2, 8), (4, 2, 4), (4, 3, 12), (8, 2, 16)])
+def test_interleaved_holds_at_most_warmup_plus_one(pp, vpp, m):
+    for r in range(pp):
+        order = schedules.schedule_order(pp, vpp, r, m)
+        bound = schedules.warmup_count(pp, vpp, r, m) + 1  # the documented bound
+        assert schedules.max_in_flight(order) <= bound
+        assert len(order) == 2 * m * vpp
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(2, 1, 4), (4, 1, 8), (4, 1, 16), (8, 1, 32), (2, 2, 4), (4, 2, 8), (4, 4, 16), (8, 2, 16)])
+def test_replayed_bubble_is_textbook(pp, vpp, m):
+    sim = schedules.simulate(pp, vpp, m, t_forward=1.0, t_backward=2.0)
+    assert sim["bubble"] == pytest.approx((pp - 1) / (vpp * m), abs=1e-9)
+
+
+def test_impossible_interleaving_rejected_and_few_microbatches_warned():
+    with pytest.raises(ConfigError, match="multiple of pp"):
+        schedules.check_schedule(4, 2, 6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        schedules.check_schedule(4, 1, 2)
+    assert any("microbatches" in str(w.message) for w in caught)
+
+
+# ---------------------------------------------------------------- execution equals the unpipelined run
+
+def model_cfg(tied: bool) -> ModelConfig:
+    return ModelConfig(num_layers=8, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=SEQ,
+                       vocab_size=VOCAB, make_vocab_size_divisible_by=16, normalization="RMSNorm",
+                       position_embedding_type="rope", swiglu=True, disable_bias_linear=not tied,
+                       untie_embeddings_and_output_weights=not tied)
+
+
+def global_batch(step: int, n: int):
+    g = torch.Generator().manual_seed(1000 + step % 3)  # three batches, revisited: the loss falls
+    t = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+    return [{"tokens": t[i:i + MICRO, :-1], "labels": t[i:i + MICRO, 1:]} for i in range(0, n, MICRO)]
+
+
+def finalize_grads(chunks, ctx):
+    """What the optimizer's grad sync does: SP partial sums over tp, tied copies over stages, mean over dp."""
+    for model in chunks:
+        for p in model.parameters():
+            if p.grad is None:
+                continue
+            if getattr(p, "sequence_parallel_grad", False):
+                comm.all_reduce(p.grad, ctx.tp_group)
+            if getattr(p, "shared_embedding", False) and ctx.embedding_group is not None:
+                comm.all_reduce(p.grad, ctx.embedding_group)
+            if ctx.dp_size > 1:
+                comm.all_reduce(p.grad, ctx.dp_group)
+                p.grad /= ctx.dp_size
+
+
+def full_grad(p, ctx):
+    g = p.grad
+    if p.tp_axis is not None and ctx.tp_size > 1:
+        parts = [torch.empty_like(g) for _ in range(ctx.tp_size)]
+        dist.all_gather(parts, g.contiguous(), group=ctx.tp_group)
+        g = torch.cat(parts, dim=p.tp_axis)
+    rows = getattr(p, "valid_rows", None)
+    return g[:rows] if rows is not None else g
+
+
+def _layout(rank, world, tp, pp, vpp, tied, steps, microbatches):
+    cfg = Config()
+    cfg.model = model_cfg(tied)
+    cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = tp, pp
+    cfg.parallel.virtual_pipeline_model_parallel_size = vpp
+    cfg.parallel.sequence_parallel = tp > 1
+    cfg.training.seed = 9
+    ctx = build_context(world, rank, tp, pp, vpp, sequence_parallel=tp > 1, seed=9)
+    chunks = build_model_chunks(cfg, ctx, vocab_size=VOCAB)
+    ref = GPTModel(model_cfg(tied), ParallelContext(), seed=9, vocab_size=VOCAB)
+    params = [p for c in chunks for p in c.parameters()]
+    opt, ref_opt = torch.optim.SGD(params, lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    shape = (SEQ // tp if tp > 1 else SEQ, MICRO, cfg.model.hidden_size)
+    failures, curve, ref_curve = [], [], []
+    name = f"tp{tp} pp{pp} vpp{vpp} dp{ctx.dp_size} {'tied' if tied else 'untied'}"
+    for step in range(steps):
+        mbs = global_batch(step, microbatches * MICRO * ctx.dp_size)
+        mine = mbs[ctx.dp_rank * microbatches:(ctx.dp_rank + 1) * microbatches]
+        opt.zero_grad()
+        loss = schedules.run(chunks, mine, ctx, shape=shape, dtype=torch.float32, device="cpu")
+        finalize_grads(chunks, ctx)
+        ref_opt.zero_grad()
+        ref_losses = []
+        for mb in mbs:
+            mb_loss = ref(mb["tokens"], labels=mb["labels"])
+            (mb_loss / len(mbs)).backward()
+            ref_losses.append(mb_loss.item())
+        ref_loss = sum(ref_losses) / len(ref_losses)
+        if step == 0:
+            ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+            if abs(loss - ref_loss) > 1e-5:
+                failures.append(f"{name}: loss {loss} vs {ref_loss}")
+            for c in chunks:
+                for n, p in c.named_parameters():
+                    want = ref_grads["word.weight" if n == "output" and tied else n]
+                    got = full_grad(p, ctx)
+                    err = (got - want).abs().max().item()
+                    if err > 1e-5 * want.abs().max().item() + 1e-8:
+                        failures.append(f"{name}: grad {n} err {err:.3g}")
+        opt.step()
+        ref_opt.step()
+        curve.append(loss)
+        ref_curve.append(ref_loss)
+    ctx.destroy()
+    if steps > 1:
+        diff = max(abs(a - b) for a, b in zip(curve, ref_curve))
+        if diff > 1e-4:
+            failures.append(f"{name}: {steps}-step curve differs by {diff}")
+        if not curve[-1] < curve[0]:
+            failures.append(f"{name}: loss did not fall {curve}")
+    return failures
+
+
+LAYOUTS_8 = [  # (tp, pp, vpp, tied, steps, microbatches per dp rank)
+    (2, 2, 1, True, 20, 4), (2, 4, 2, False, 20, 4),  # 20-step curves: 1F1B tied, interleaved untied
+    (2, 2, 2, True, 1, 4), (2, 4, 1, False, 1, 4), (1, 4, 2, True, 1, 8), (1, 2, 2, False, 1, 2),
+    (2, 2, 1, False, 1, 1),  # fewer microbatches than stages: warned, still correct
+]
+
+
+def _all_layouts(rank, world):
+    failures = []
+    for layout in LAYOUTS_8:
+        failures += _layout(rank, world, *layout)
+    return failures
+
+
+@pytest.mark.slow
+def test_pipelined_loss_gradients_and_curves_equal_unpipelined():
+    results = run_ranks(_all_layouts, 8, timeout=600)
+    problems = sorted({f for r in results for f in r})
+    assert not problems, "\n".join(problems)
