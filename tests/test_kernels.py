@@ -5,6 +5,8 @@ they run compiled on CUDA, and the `gpu` cases add real sizes in bf16/fp16. Budg
 2-core CPU machine.
 """
 import importlib
+import importlib.util
+import json
 import os
 import sys
 
@@ -151,6 +153,7 @@ def test_ce_stats_and_grad_match_reference():
     n, v, valid, start = 6, 70, 64, 128
     logits, target = _ce_case(n, v, valid, start, DEVICE)
     logits[:, valid:] = 1e4  # padding columns must be ignored even when huge
+    target[1] = start + valid + 2  # an id that lands in this shard's padding belongs to no column
     ce = _tk("ce_triton")
     got = ce.ce_stats(logits, target, start, valid)
     for a, b, c in zip(got, reference.ce_stats(logits, target, start, valid), _ce_explicit(logits, target, start, valid)):
@@ -299,3 +302,18 @@ def test_gpu_flash_attention(s, causal, d, dtype):
     assert _rel_err(lse, reference.attention_lse(q, k, causal)) < 1e-3
     _compare(lambda *t: dispatch.attention(*t, causal=causal, backend="triton"),
              lambda *t: reference.attention(*t, causal=causal), [q, k, v], tol=2e-2)
+
+
+def test_benchmark_script_runs_and_writes_json(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location(
+        "kernels_benchmark", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernels.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    ops = "rms_norm,cross_entropy" if CUDA else "rms_norm,attention_d64"
+    assert bench.main(["--out", str(out), "--ops", ops, "--reps", "1"]) == 0
+    report = json.loads(out.read_text())
+    assert report["device"] and {r["kernel"] for r in report["results"]} == set(ops.split(","))
+    assert all("error" not in r and r["fwd_ms"] > 0 for r in report["results"])
+    assert "rms_norm" in capsys.readouterr().out
+    assert bench.main(["--ops", "nope"]) == 2
