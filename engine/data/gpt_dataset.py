@@ -7,8 +7,8 @@ model sees every token as a target once. Three index arrays describe this (the s
 GPTDataset, built here with vectorised numpy):
 - document index: the document order over all epochs;
 - sample index: for each cut, (position in the document index, token offset in that document);
-- shuffle index: the order samples are served in. The last, partial epoch is shuffled on its own, so
-  a run that needs only part of it draws a uniform subset of it rather than favouring earlier epochs.
+- shuffle index: the order samples are served in. The last, partial epoch is shuffled on its own and
+  served after all full epochs, so no document comes round again before every other one has.
 The arrays are cached as .npy files under `cache/` beside the data, named by a hash of everything they
 depend on, so every rank and every later run loads them instead of rebuilding.
 """
@@ -71,7 +71,11 @@ def build_indices(sequence_lengths: np.ndarray, sequences: np.ndarray, seq_lengt
 
 
 class GPTDataset:
-    """`ds[i]` -> np.int64 array of seq_length + 1 tokens; deterministic for (data, documents, seed)."""
+    """`ds[i]` -> np.int64 array of seq_length + 1 tokens; deterministic for (data, documents, seed).
+
+    `documents` is the range [first, end) of document ids this split draws from; len(ds) may exceed
+    `num_samples` (the rest of the last epoch's cuts).
+    """
 
     def __init__(self, indexed: IndexedDataset, documents: tuple[int, int], seq_length: int,
                  num_samples: int, seed: int, cache_dir: str | None = None):

@@ -76,6 +76,7 @@ def preprocess(inputs: Sequence[str], tokenizer_model: str, prefix: str, options
     seen: set[bytes] = set()
     bar = _Progress(sum(os.path.getsize(p) for p in inputs), enabled=progress)
     start = time.perf_counter()
+    # fork starts workers in milliseconds and they touch nothing but the tokenizer; macOS lacks a safe fork.
     ctx = mp.get_context("spawn" if sys.platform == "darwin" else "fork")
     with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_model, options, dtype.str)) as pool:
         for chunk in pool.imap(_encode_chunk, _chunks(inputs), chunksize=1):
