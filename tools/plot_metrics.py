@@ -100,10 +100,9 @@ def plot(runs: list, labels: list, out: str) -> None:
                 drawn, values = True, values + ys
             if key == "lm_loss":
                 drawn |= _loss_extras(ax, run, label, colour)
-            for ev in run["events"]:
-                if ev["event"] in EVENT_STYLE:
-                    c, style = EVENT_STYLE[ev["event"]]
-                    ax.axvline(ev["iteration"], color=c, ls=style, lw=0.9, alpha=0.7)
+        for ev in (ev for run in runs for ev in run["events"] if drawn and ev["event"] in EVENT_STYLE):
+            c, style = EVENT_STYLE[ev["event"]]
+            ax.axvline(ev["iteration"], color=c, ls=style, lw=0.9, alpha=0.7)
         if log and values and min(values) > 0:
             ax.set_yscale("log")
         if key == "mfu" and drawn:

@@ -1,0 +1,171 @@
+"""Draw a pipeline schedule from the trainer's trace (--pipeline-trace) as a timeline PNG.
+
+    python tools/plot_pipeline.py TRACE --out FILE.png
+
+TRACE is a JSON-lines file, a directory of them, or the prefix of per-rank files TRACE.rank{R}.jsonl
+(TRACE may end in .jsonl). Each line is one forward or backward pass of one microbatch:
+    {"rank": R, "pp_rank": P, "kind": "F"|"B", "microbatch": M, "chunk": C, "start": t0, "end": t1}
+with wall-clock times (time.time(), seconds). One row per rank, forward and backward in two colours,
+later virtual-pipeline chunks in lighter shades, microbatch numbers inside boxes wide enough to hold
+them. Gaps are idle time: each rank's bubble is the share of the traced span it spent idle.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.colors import to_rgb  # noqa: E402
+from matplotlib.patches import Patch, Rectangle  # noqa: E402
+
+FIELDS = ("rank", "pp_rank", "kind", "microbatch", "chunk", "start", "end")
+COLOURS = {"F": "#1f77b4", "B": "#ff7f0e"}
+OTHER_COLOUR = "#7f7f7f"
+FIG_WIDTH_IN, DPI = 15.0, 110
+CHAR_WIDTH_PX = 7.0  # width of one digit at the label font size, to decide whether a number fits
+
+
+class UsageError(Exception):
+    pass
+
+
+def trace_files(trace: str) -> list:
+    """The files a TRACE argument names: itself, the .jsonl files in it, or its per-rank siblings."""
+    if os.path.isfile(trace):
+        return [trace]
+    if os.path.isdir(trace):
+        files = sorted(glob.glob(os.path.join(trace, "*.jsonl")))
+    else:
+        stems = {trace, trace[:-len(".jsonl")] if trace.endswith(".jsonl") else trace}
+        files = sorted({f for stem in stems for f in glob.glob(glob.escape(stem) + ".rank*.jsonl")})
+    if not files:
+        raise UsageError(f"{trace}: no trace found (looked for the file, *.jsonl in it as a directory, and "
+                         f"{trace}.rank*.jsonl); run training with --pipeline-trace {trace}")
+    return files
+
+
+def load_events(files: list) -> list:
+    events, bad = [], 0
+    for path in files:
+        with open(path) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    e = json.loads(line)
+                    events.append({**e, **{k: e[k] for k in FIELDS}})
+                except (ValueError, KeyError, TypeError):
+                    bad += 1
+    if bad:
+        print(f"skipped {bad} lines that are not trace events with {', '.join(FIELDS)}", file=sys.stderr)
+    if not events:
+        raise UsageError(f"{', '.join(files)}: no trace events; is this a --pipeline-trace file?")
+    return events
+
+
+def busy_time(intervals: list) -> float:
+    """Length of the union of (start, end) intervals."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    return total + (cur_end - cur_start if cur_end is not None else 0.0)
+
+
+def bubble_fractions(events: list) -> dict:
+    """{rank: idle share of the global traced span [first start, last end]}."""
+    t0, t1 = min(e["start"] for e in events), max(e["end"] for e in events)
+    span = max(t1 - t0, 1e-12)
+    by_rank = defaultdict(list)
+    for e in events:
+        by_rank[e["rank"]].append((e["start"], e["end"]))
+    return {r: 1.0 - busy_time(iv) / span for r, iv in by_rank.items()}
+
+
+def ideal_bubble(events: list) -> float:
+    """(p-1)/(v·m + p-1): the 1F1B (interleaved when v > 1) bubble with equal-length passes
+    (Narayanan et al. 2021, sec. 2.2), for comparison with the measured one."""
+    p = len({e["pp_rank"] for e in events})
+    v = len({e["chunk"] for e in events})
+    m = len({e["microbatch"] for e in events})
+    return (p - 1) / (v * m + p - 1)
+
+
+def _shade(colour: str, chunk: int, chunks: int) -> tuple:
+    """Chunk 0 in the full colour, later chunks mixed towards white."""
+    mix = 0.6 * chunk / max(chunks - 1, 1) if chunks > 1 else 0.0
+    return tuple(c + (1.0 - c) * mix for c in to_rgb(colour))
+
+
+def plot(events: list, out: str) -> None:
+    t0 = min(e["start"] for e in events)
+    span = max(e["end"] for e in events) - t0
+    scale, unit = (1e3, "ms") if span < 10 else (1.0, "s")
+    ranks = sorted({(e["pp_rank"], e["rank"]) for e in events})
+    row = {rank: i for i, (_, rank) in enumerate(ranks)}
+    chunks = len({e["chunk"] for e in events})
+    bubbles = bubble_fractions(events)
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH_IN, 1.2 + 0.45 * len(ranks)))
+    px_per_unit = FIG_WIDTH_IN * DPI * 0.85 / max(span * scale, 1e-12)
+    for e in events:
+        x, w = (e["start"] - t0) * scale, (e["end"] - e["start"]) * scale
+        y = row[e["rank"]]
+        colour = _shade(COLOURS.get(e["kind"], OTHER_COLOUR), e["chunk"], chunks)
+        ax.add_patch(Rectangle((x, y - 0.4), w, 0.8, facecolor=colour, edgecolor="white", lw=0.5))
+        label = str(e["microbatch"])
+        if w * px_per_unit > CHAR_WIDTH_PX * (len(label) + 1):
+            ax.text(x + w / 2, y, label, ha="center", va="center", fontsize=8,
+                    color="white" if e["chunk"] * 2 < chunks else "black")
+    ax.set_xlim(0, span * scale)
+    ax.set_ylim(len(ranks) - 0.5, -0.5)
+    ax.set_yticks(range(len(ranks)))
+    ax.set_yticklabels([f"rank {r} · pp {p}  ({100 * bubbles[r]:.0f}% idle)" for p, r in ranks], fontsize=9)
+    ax.set_xlabel(f"time ({unit}) from the first event")
+    mean_bubble = sum(bubbles.values()) / len(bubbles)
+    micro = len({e["microbatch"] for e in events})
+    ax.set_title(f"pipeline schedule: {len(ranks)} ranks, {micro} microbatches, {chunks} chunk(s) per rank — "
+                 f"bubble {100 * mean_bubble:.1f}% measured (mean), {100 * ideal_bubble(events):.1f}% ideal 1F1B")
+    handles = [Patch(color=COLOURS["F"], label="forward"), Patch(color=COLOURS["B"], label="backward")]
+    handles += [Patch(color=_shade(OTHER_COLOUR, c, chunks), label=f"chunk {c} (shade)")
+                for c in range(chunks)] if chunks > 1 else []
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.4 / len(ranks)),
+              ncol=len(handles), fontsize=9, frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=DPI)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("trace", metavar="TRACE", help="trace file, directory, or prefix of TRACE.rank{R}.jsonl files")
+    p.add_argument("--out", required=True, help="PNG to write")
+    args = p.parse_args(argv)
+    try:
+        out_dir = os.path.dirname(os.path.abspath(args.out))
+        if not os.path.isdir(out_dir):
+            raise UsageError(f"--out {args.out}: directory {out_dir} does not exist; create it first")
+        events = load_events(trace_files(args.trace))
+    except UsageError as e:
+        print(f"plot_pipeline.py: error: {e}", file=sys.stderr)
+        return 2
+    plot(events, args.out)
+    bubbles = bubble_fractions(events)
+    print(f"wrote {args.out} ({len(events)} passes on {len(bubbles)} ranks, "
+          f"mean bubble {100 * sum(bubbles.values()) / len(bubbles):.1f}%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
