@@ -1,0 +1,35 @@
+"""Sharded, self-describing, atomically published checkpoints that load under any layout.
+
+On disk (see shared INTERFACE.md, "Checkpoints on disk"):
+    <save>/latest_checkpointed_iteration.txt          the newest complete iteration, written last
+    <save>/iter_0000100/metadata.json                 layout, config, iteration, consumed samples, extra
+                                                      state (scheduler, sampler, ...), loss scaler and
+                                                      optimizer step, every tensor's global shape and
+                                                      split (tp axis and shard files, pp rank, vpp chunk,
+                                                      dp ranges of optimizer state), RNG states per rank,
+                                                      size and sha256 of every file
+    <save>/iter_0000100/model_tpTT_ppPP.safetensors   the model slice of one (tp, pp) rank
+    <save>/iter_0000100/optim_tpTT_ppPP[_dpDDD].safetensors   fp32 Adam moments (+ master weights),
+                                                      flat per parameter, per dp rank under the
+                                                      distributed optimizer
+Replicated tensors are stored once (tp rank 0), the tied embedding once (first stage).
+
+Trainer API (every rank calls each one):
+    save_checkpoint(save_dir, iteration, model_chunks, optimizer, ctx, cfg, extra_state, async_save=False)
+    load_checkpoint(load_dir, model_chunks, optimizer, ctx, cfg=None, fallback=False, load_optim=True)
+        -> extra_state (with "iteration") or None when there is nothing to load
+    finalize_async()              wait for the background save in flight (call before exiting)
+    latest_iteration(save_dir)    -> int or None
+    PreemptionHandler(exit_duration_in_mins, device=...).should_stop()   collective, once per step
+`extra_state` must be JSON-serializable. Damaged or missing checkpoints raise engine.config.ConfigError
+with one line naming the file. Tools: `CheckpointReader` reads any slice of a saved tensor;
+`load_merged` loads tools/merge_ckpt.py's native output into model chunks.
+"""
+from engine.checkpoint.loader import latest_iteration, load_checkpoint
+from engine.checkpoint.merged import load_merged
+from engine.checkpoint.preemption import PreemptionHandler
+from engine.checkpoint.reader import CheckpointReader
+from engine.checkpoint.saver import finalize_async, save_checkpoint
+
+__all__ = ["save_checkpoint", "load_checkpoint", "finalize_async", "latest_iteration", "PreemptionHandler",
+           "CheckpointReader", "load_merged"]

@@ -1,0 +1,141 @@
+"""Durable file primitives: a streaming safetensors writer that checksums as it writes, fsync'd
+atomic text files, and the folder names of a checkpoint directory.
+
+The writer follows the published safetensors layout (github.com/huggingface/safetensors, "Format"):
+an 8-byte little-endian header length, a JSON header mapping each name to dtype, shape and byte
+offsets (padded with spaces to a multiple of 8), then the raw little-endian bytes. Writing it here
+instead of calling `safetensors.torch.save_file` lets a file be produced one tensor at a time (peak
+memory: one tensor), hashed on the way out and fsync'd before anyone is told it exists.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+from typing import Iterable, Optional
+
+import torch
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+METADATA_FILE = "metadata.json"
+_ITER_RE = re.compile(r"^iter_(\d{7})$")
+
+DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+               torch.bool: "BOOL"}
+DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in DTYPE_CODES}
+
+
+def iter_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach().contiguous().cpu().reshape(-1)
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def write_safetensors(path: str, specs: list, tensors: Iterable, metadata: Optional[dict] = None) -> str:
+    """Write `tensors` ((name, tensor) pairs, in the order of `specs`: (name, dtype, shape)); fsync; return sha256.
+
+    The header is written first from `specs`, so each tensor can be produced and dropped in turn.
+    """
+    header, offset = {}, 0
+    for name, dtype, shape in specs:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    digest = hashlib.sha256()
+    with open(path, "wb") as fh:
+        def put(data):
+            fh.write(data)
+            digest.update(data)
+        put(struct.pack("<Q", len(raw)))
+        put(raw)
+        expected = iter(specs)
+        for name, t in tensors:
+            want_name, want_dtype, want_shape = next(expected)
+            if name != want_name or t.dtype != want_dtype or tuple(t.shape) != tuple(want_shape):
+                raise ValueError(f"{path}: tensor {name} {t.dtype} {tuple(t.shape)} does not match its header entry "
+                                 f"{want_name} {want_dtype} {tuple(want_shape)}")
+            put(_tensor_bytes(t))
+            del t  # keep at most one produced tensor alive
+        if next(expected, None) is not None:
+            raise ValueError(f"{path}: fewer tensors than header entries")
+        fh.flush()
+        os.fsync(fh.fileno())
+    return digest.hexdigest()
+
+
+def sha256_file(path: str, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Temporary file, fsync, rename over `path`, fsync the folder: readers see the old or the new text."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_json_durable(path: str, obj) -> None:
+    with open(path, "w") as fh:
+        json.dump(obj, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_latest(save_dir: str) -> Optional[int]:
+    path = os.path.join(save_dir, LATEST_FILE)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    return int(text) if text.isdigit() else None
+
+
+def list_iterations(save_dir: str) -> list:
+    """Iterations with a finished folder (renamed into place), ascending; contents are not checked here."""
+    if not os.path.isdir(save_dir):
+        return []
+    found = [int(m.group(1)) for m in map(_ITER_RE.match, os.listdir(save_dir)) if m]
+    return sorted(i for i in found if os.path.isdir(os.path.join(save_dir, iter_dir_name(i))))
+
+
+def remove_tree(path: str) -> None:
+    """Rename out of the checkpoint namespace first, so a crash mid-delete leaves nothing that looks like one."""
+    if not os.path.exists(path):
+        return
+    doomed = f"{path}.deleting{os.getpid()}"
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def remove_stale(save_dir: str) -> None:
+    """Leftovers of saves or deletions that a crash interrupted."""
+    for name in os.listdir(save_dir):
+        if ".tmp" in name or ".deleting" in name or ".replaced" in name:
+            path = os.path.join(save_dir, name)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)

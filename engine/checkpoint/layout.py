@@ -1,0 +1,103 @@
+"""Where each tensor of a checkpoint lives, and how a rank of any layout finds its slice.
+
+Every tensor has a global name (the model's parameter names already are layout independent: layers
+are keyed by global id) and a global shape, split over TP on at most one axis into equal parts. Two
+twists are handled here and nowhere else:
+- the last pipeline stage's copy of a tied embedding is the same tensor as the first stage's word
+  embedding: it is stored once, under `word.weight`, and loaded from there;
+- the vocabulary is padded to a multiple that depends on tp, so when the padded sizes differ only
+  the first `valid_rows` rows are carried over and the new padding is zero.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+TIED_EMBEDDING = "word.weight"
+
+
+@dataclass
+class LocalTensor:
+    """One parameter of this rank, with what is needed to place it in the global tensor."""
+    chunk: int
+    local_name: str  # the name in its model chunk (and in the optimizer's state)
+    name: str        # the global name it is stored under
+    param: torch.nn.Parameter
+    writer: bool     # this rank stores it (one copy per global tensor slice)
+
+    @property
+    def tp_axis(self) -> Optional[int]:
+        return getattr(self.param, "tp_axis", None)
+
+    @property
+    def full_shape(self) -> tuple:
+        return tuple(getattr(self.param, "full_shape", self.param.shape))
+
+    @property
+    def valid_rows(self) -> Optional[int]:
+        return getattr(self.param, "valid_rows", None)
+
+
+def local_tensors(model_chunks: list, ctx) -> list:
+    """This rank's parameters in chunk order, each once, with global names and who writes them."""
+    out, seen = [], set()
+    for c, chunk in enumerate(model_chunks):
+        for local_name, p in chunk.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            shared_copy = getattr(p, "shared_embedding", False) and local_name != TIED_EMBEDDING
+            name = TIED_EMBEDDING if shared_copy else local_name
+            replicated = getattr(p, "tp_axis", None) is None
+            writer = ctx.dp_rank == 0 and not shared_copy and (ctx.tp_rank == 0 or not replicated)
+            out.append(LocalTensor(c, local_name, name, p, writer))
+    return out
+
+
+def tp_bounds(dim: int, tp_size: int, tp_rank: int) -> tuple:
+    per = dim // tp_size
+    return tp_rank * per, (tp_rank + 1) * per
+
+
+def assemble(saved: dict, target_shape: tuple, tp_size: int, tp_rank: int, read: Callable,
+             dtype: torch.dtype) -> torch.Tensor:
+    """This rank's slice (of a global tensor of `target_shape` split `tp_size` ways) from saved shards.
+
+    `saved`: the tensor's metadata entry (shape, tp_axis, valid_rows, and one shard per saved tp rank).
+    `read(shard, lo, hi)` returns rows [lo, hi) along the tp axis of saved shard `shard` (its own
+    coordinates), or the whole shard when the tensor is replicated (lo = hi = None).
+    """
+    axis, saved_shape = saved["tp_axis"], tuple(saved["shape"])
+    _check_shapes(saved, target_shape)
+    if axis is None:
+        return read(0, None, None).to(dtype)
+    lo, hi = tp_bounds(target_shape[axis], tp_size, tp_rank)
+    local_shape = list(target_shape)
+    local_shape[axis] = hi - lo
+    same_dim = saved_shape[axis] == target_shape[axis]
+    limit = hi if same_dim else min(hi, saved["valid_rows"])
+    saved_tp = len(saved["shards"])
+    per_old = saved_shape[axis] // saved_tp
+    pieces = []
+    for s in range(saved_tp):
+        a, b = max(lo, s * per_old), min(limit, (s + 1) * per_old)
+        if a < b:
+            pieces.append((a, b, read(s, a - s * per_old, b - s * per_old)))
+    if len(pieces) == 1 and (pieces[0][0], pieces[0][1]) == (lo, hi):
+        return pieces[0][2].to(dtype)  # the common case: one saved shard covers the slice exactly
+    out = torch.zeros(local_shape, dtype=dtype)
+    for a, b, piece in pieces:
+        out.narrow(axis, a - lo, b - a).copy_(piece)
+    return out
+
+
+def _check_shapes(saved: dict, target_shape: tuple) -> None:
+    saved_shape = tuple(saved["shape"])
+    if len(saved_shape) != len(target_shape):
+        raise ValueError(f"shape {saved_shape} in the checkpoint, {target_shape} in the model")
+    for d, (a, b) in enumerate(zip(saved_shape, target_shape)):
+        vocab_axis = d == 0 and saved.get("valid_rows") is not None and saved["tp_axis"] == 0
+        if a != b and not (vocab_axis and min(a, b) >= saved["valid_rows"]):
+            raise ValueError(f"shape {saved_shape} in the checkpoint, {target_shape} in the model")

@@ -1,0 +1,138 @@
+"""Offline conversions of a saved checkpoint, one tensor at a time: merge into one unsharded file, or
+split into another (tp, pp) layout. Used by tools/merge_ckpt.py.
+
+Native merged format: `model.safetensors` holding every global tensor whole, with the vocabulary
+padding removed (so it does not depend on any tp), and `config.json` holding the run config, the
+vocabulary size and the iteration. `load_merged` puts it into model chunks of any layout.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from engine.checkpoint import files
+from engine.checkpoint.layout import assemble, local_tensors
+from engine.checkpoint.reader import CheckpointReader
+from engine.checkpoint.saver import build_metadata, publish
+from engine.config import Config, ConfigError
+from engine.topology import ParallelContext
+
+MERGED_WEIGHTS = "model.safetensors"
+MERGED_CONFIG = "config.json"
+MERGED_FORMAT = "ternion-merged"
+
+
+def unpadded(reader: CheckpointReader, name: str) -> tuple:
+    """(shape, dtype) of a global tensor without vocabulary padding."""
+    entry = reader.tensors[name]
+    shape = list(entry["shape"])
+    if entry.get("valid_rows") is not None:
+        shape[0] = entry["valid_rows"]
+    return tuple(shape), files.DTYPE_NAMES[entry["dtype"]]
+
+
+def full_unpadded(reader: CheckpointReader, name: str) -> torch.Tensor:
+    """A whole global tensor; only the valid vocabulary rows are read, so the peak is one unpadded tensor."""
+    shape, dtype = unpadded(reader, name)
+    return reader.model_slice(name, shape, 1, 0, dtype)
+
+
+def merge_native(reader: CheckpointReader, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    names = sorted(reader.tensors)
+    specs = [(n, dtype, shape) for n, shape, dtype in ((n, *unpadded(reader, n)) for n in names)]
+    files.write_safetensors(os.path.join(out_dir, MERGED_WEIGHTS), specs,
+                            ((n, full_unpadded(reader, n)) for n in names), metadata={"format": "pt"})
+    config = {"format": MERGED_FORMAT, "iteration": reader.iteration, "vocab_size": reader.meta["vocab_size"],
+              "config": reader.meta["config"]}
+    files.write_json_durable(os.path.join(out_dir, MERGED_CONFIG), config)
+
+
+@torch.no_grad()
+def load_merged(path: str, model_chunks: list, ctx) -> dict:
+    """Load a native merged checkpoint (a folder from merge_ckpt.py) into model chunks; return its config.json."""
+    from safetensors import safe_open
+    weights, cfg_path = os.path.join(path, MERGED_WEIGHTS), os.path.join(path, MERGED_CONFIG)
+    if not (os.path.isfile(weights) and os.path.isfile(cfg_path)):
+        raise ConfigError(f"{path} is not a merged checkpoint ({MERGED_WEIGHTS} and {MERGED_CONFIG} expected); "
+                          "make one with tools/merge_ckpt.py")
+    with open(cfg_path) as fh:
+        config = json.load(fh)
+    handle = safe_open(weights, framework="pt")
+    for lt in local_tensors(model_chunks, ctx):
+        if lt.name not in handle.keys():
+            raise ConfigError(f"{weights} has no tensor {lt.name}; the model flags differ from the merged model's")
+        view = handle.get_slice(lt.name)
+        saved = {"shape": list(view.get_shape()), "tp_axis": lt.tp_axis, "valid_rows": lt.valid_rows, "shards": [0]}
+
+        def read(_, lo, hi, view=view, axis=lt.tp_axis):
+            return view[:] if lo is None else view[(slice(None),) * axis + (slice(lo, hi),)]
+        try:
+            value = assemble(saved, lt.full_shape, ctx.tp_size, ctx.tp_rank, read, lt.param.dtype)
+        except ValueError as e:
+            raise ConfigError(f"{weights}: tensor {lt.name}: {e}; use the model flags of the merged model") from None
+        lt.param.detach().copy_(value)
+    return config
+
+
+def split(reader: CheckpointReader, out_dir: str, tp: int, pp: int) -> None:
+    """Write the checkpoint again for layout tp x pp (dp 1, replicated optimizer), in the usual format."""
+    from engine.model import build_model_chunks
+    cfg = Config.from_dict(reader.meta["config"])
+    cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = tp, pp
+    cfg.parallel.virtual_pipeline_model_parallel_size = None
+    cfg.parallel.use_distributed_optimizer = False
+    cfg.parallel.decoder_first_pipeline_num_layers = cfg.parallel.decoder_last_pipeline_num_layers = None
+    if cfg.model.num_layers % pp:
+        raise ConfigError(f"--target-pp {pp}: must divide the model's {cfg.model.num_layers} layers")
+    for name, size in (("num_attention_heads", cfg.model.num_attention_heads),
+                       ("num_query_groups", cfg.model.resolved_query_groups()),
+                       ("ffn_hidden_size", cfg.model.resolved_ffn_hidden_size())):
+        if size % tp:
+            raise ConfigError(f"--target-tp {tp}: must divide the model's {name} {size}")
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(out_dir, files.iter_dir_name(reader.iteration) + ".tmp")
+    os.makedirs(tmp, exist_ok=True)
+    everyone, checksums = [], {}
+    with_optim = reader.optimizer is not None
+    for rank in range(tp * pp):
+        vctx = ParallelContext.virtual(tp=tp, pp=pp, tp_rank=rank % tp, pp_rank=rank // tp)
+        chunks = build_model_chunks(cfg, vctx, vocab_size=reader.meta["vocab_size"], device="meta")
+        desc = {"rank": rank, "model": {}, "optim": {}, "files": [], "rng": {}}
+        t, p = vctx.tp_rank, vctx.pp_rank
+        mine = [lt for lt in local_tensors(chunks, vctx) if lt.writer]
+        model_file, optim_file = f"model_tp{t:02d}_pp{p:02d}.safetensors", f"optim_tp{t:02d}_pp{p:02d}.safetensors"
+        specs, producers, opt_specs, opt_producers = [], [], [], []
+        for lt in mine:
+            dtype = files.DTYPE_NAMES[reader.tensors[lt.name]["dtype"]]
+            specs.append((lt.name, dtype, tuple(lt.param.shape)))
+            producers.append(lambda lt=lt, dtype=dtype: reader.model_slice(lt.name, lt.full_shape, tp, t, dtype))
+            desc["model"][lt.name] = dict(shape=list(lt.full_shape), dtype=str(dtype).removeprefix("torch."),
+                                          tp_axis=lt.tp_axis, valid_rows=lt.valid_rows, tp_rank=t, file=model_file,
+                                          pp_rank=p, vpp_chunk=lt.chunk)
+            saved = reader.meta.get("optimizer_tensors", {}).get(lt.name) if with_optim else None
+            if saved is None:
+                continue
+            for key in saved["keys"]:
+                opt_specs.append((f"{lt.name}/{key}", torch.float32, (lt.param.numel(),)))
+                opt_producers.append(lambda lt=lt, key=key: reader.optimizer_slice(
+                    lt.name, key, lt.full_shape, tp, t).reshape(-1))
+            desc["optim"][lt.name] = dict(shape=list(lt.full_shape), tp_axis=lt.tp_axis, valid_rows=lt.valid_rows,
+                                          keys=saved["keys"], tp_rank=t, file=optim_file,
+                                          range=[0, lt.param.numel()])
+        for name, sp, prod in ((model_file, specs, producers), (optim_file, opt_specs, opt_producers)):
+            if not sp:
+                continue
+            path = os.path.join(tmp, name)
+            sha = files.write_safetensors(path, sp, ((s[0], f()) for s, f in zip(sp, prod)))
+            checksums[name] = {"bytes": os.path.getsize(path), "sha256": sha}
+            desc["files"].append(name)
+        if with_optim:
+            desc["optimizer"] = dict(reader.optimizer, distributed=False)
+        everyone.append(desc)
+    ctx = ParallelContext.virtual(tp=tp, pp=pp)
+    meta = build_metadata(everyone, reader.iteration, ctx, cfg.to_dict(), reader.meta.get("extra_state"))
+    meta["files"] = checksums
+    publish(out_dir, tmp, reader.iteration, meta)

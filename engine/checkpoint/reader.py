@@ -1,0 +1,134 @@
+"""Read one saved iteration: its metadata, integrity checks, and any slice of any tensor for any layout.
+
+Model tensors are read with safetensors' lazy slices, so a rank touches only the rows it needs.
+Optimizer state is saved as flat pieces (dp ranges of each tp shard under the distributed
+optimizer): the pieces of a shard are joined and reshaped before the same slicing applies.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+from safetensors import safe_open
+
+from engine.checkpoint import files
+from engine.checkpoint.layout import assemble
+from engine.config import ConfigError
+
+FORMAT = "ternion-checkpoint"
+
+
+class CheckpointReader:
+    def __init__(self, path: str):
+        self.path = path
+        meta_path = os.path.join(path, files.METADATA_FILE)
+        if not os.path.isfile(meta_path):
+            raise ConfigError(f"checkpoint {path} is incomplete: {meta_path} is missing; "
+                              "load another iteration or use --ckpt-fallback")
+        try:
+            with open(meta_path) as fh:
+                self.meta = json.load(fh)
+        except (OSError, ValueError):
+            raise ConfigError(f"checkpoint file {meta_path} is damaged (not valid JSON); "
+                              "use --ckpt-fallback to load the previous checkpoint") from None
+        if self.meta.get("format") != FORMAT:
+            raise ConfigError(f"{meta_path} is not a Ternion checkpoint's metadata (format {self.meta.get('format')!r})")
+        self._handles: dict = {}
+        self._joined: dict = {}
+
+    # --- what is in it -------------------------------------------------------------------------
+    @property
+    def iteration(self) -> int:
+        return int(self.meta["iteration"])
+
+    @property
+    def tensors(self) -> dict:
+        return self.meta["tensors"]
+
+    @property
+    def optimizer(self) -> Optional[dict]:
+        return self.meta.get("optimizer")
+
+    def check_files(self, names) -> Optional[str]:
+        """None when every named file is present with its recorded size and sha256; else one line naming the file."""
+        for name in sorted(set(names)):
+            rec = self.meta["files"].get(name)
+            path = os.path.join(self.path, name)
+            if rec is None:
+                return f"checkpoint {self.path} lists no checksum for {name}; the metadata is damaged"
+            if not os.path.isfile(path):
+                return f"checkpoint file {path} is missing"
+            size = os.path.getsize(path)
+            if size != rec["bytes"]:
+                return f"checkpoint file {path} is truncated or altered ({size} bytes, {rec['bytes']} expected)"
+            if files.sha256_file(path) != rec["sha256"]:
+                return f"checkpoint file {path} is damaged (sha256 mismatch)"
+        return None
+
+    def files_for(self, names, with_optimizer: bool) -> set:
+        """The files holding these global tensors (and their optimizer state)."""
+        out = set()
+        for name in names:
+            out.update(self.tensors[name]["shards"])
+            opt = self.meta.get("optimizer_tensors", {}).get(name) if with_optimizer else None
+            if opt:
+                out.update(piece["file"] for shard in opt["shards"] for piece in shard)
+        return out
+
+    # --- reading slices ------------------------------------------------------------------------
+    def _handle(self, name: str):
+        if name not in self._handles:
+            self._handles[name] = safe_open(os.path.join(self.path, name), framework="pt")
+        return self._handles[name]
+
+    def model_slice(self, name: str, target_shape: tuple, tp_size: int, tp_rank: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+        entry = self.tensors[name]
+        axis = entry["tp_axis"]
+
+        def read(shard, lo, hi):
+            view = self._handle(entry["shards"][shard]).get_slice(name)
+            if lo is None:
+                return view[:]
+            return view[(slice(None),) * axis + (slice(lo, hi),)]
+        return assemble(entry, tuple(target_shape), tp_size, tp_rank, read, dtype)
+
+    def full(self, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The whole global tensor as saved (vocabulary padding of the saving layout included)."""
+        entry = self.tensors[name]
+        dtype = dtype or files.DTYPE_NAMES[entry["dtype"]]
+        return self.model_slice(name, tuple(entry["shape"]), 1, 0, dtype)
+
+    def optimizer_slice(self, name: str, key: str, target_shape: tuple, tp_size: int,
+                        tp_rank: int) -> Optional[torch.Tensor]:
+        """This rank's slice of one optimizer tensor (`exp_avg`, `exp_avg_sq`, `master`), or None if not saved."""
+        entry = self.meta.get("optimizer_tensors", {}).get(name)
+        if entry is None or key not in entry["keys"]:
+            return None
+        axis = entry["tp_axis"]
+
+        def read(shard, lo, hi):
+            whole = self._join(name, key, shard, entry)
+            return whole if lo is None else whole.narrow(axis, lo, hi - lo)
+        return assemble(entry, tuple(target_shape), tp_size, tp_rank, read, torch.float32)
+
+    def _join(self, name: str, key: str, shard: int, entry: dict) -> torch.Tensor:
+        """One saved tp shard of an optimizer tensor, joined from its dp pieces."""
+        cache_key = (name, key, shard)
+        if cache_key not in self._joined:
+            shape = list(entry["shape"])
+            if entry["tp_axis"] is not None:
+                shape[entry["tp_axis"]] //= len(entry["shards"])
+            flat = torch.empty(torch.Size(shape).numel(), dtype=torch.float32)
+            covered = 0
+            for piece in entry["shards"][shard]:
+                lo, hi = piece["range"]
+                flat[lo:hi] = self._handle(piece["file"]).get_tensor(f"{name}/{key}")
+                covered += hi - lo
+            if covered != flat.numel():
+                raise ConfigError(f"checkpoint {self.path}: optimizer state of {name} covers {covered} of "
+                                  f"{flat.numel()} elements; the metadata is damaged")
+            self._joined = {cache_key: flat.view(shape)}  # keep one: readers go tensor by tensor
+        return self._joined[cache_key]
