@@ -40,9 +40,10 @@ GRAD_BYTES = 4
 ADAM_MOMENT_BYTES = 8
 MASTER_BYTES = 4
 
-# Output layer and cross entropy on the last stage, per logit: bf16 logits (2), fp32 log-softmax kept
-# for backward (4) and its fp32 gradient (4), alive at once at the start of the backward pass.
-LOGIT_BYTES = 10
+# Output layer and cross entropy on the last stage, per logit: the 2-byte logits are the only
+# vocabulary-sized tensor (engine/cross_entropy.py reduces them chunk by chunk and writes the gradient
+# in place over them).
+LOGIT_BYTES = 2
 
 # Not counted by the tensors above: the allocator's fragmentation and rounding (fraction of what is
 # allocated; PyTorch's caching allocator typically reserves 5-15% more than it allocates), and a fixed
@@ -177,11 +178,12 @@ class Memory:
     optimizer: float
     activations: float
     logits: float
+    transient: float  # the largest weight's own gradient, alive until the hook adds it to the fp32 buffer
 
     @property
     def allocated(self) -> float:
         """What torch.cuda.max_memory_allocated should report."""
-        return self.weights + self.grads + self.optimizer + self.activations + self.logits
+        return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.transient
 
     @property
     def total(self) -> float:
@@ -209,14 +211,20 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
     if layout.recompute == "full":
         workspace = layer_activation_bytes(model, seq_length, layout.micro_batch_size, layout.tp,
                                            layout.sequence_parallel, "none", flash_attention)
-    logits = LOGIT_BYTES * seq_length * layout.micro_batch_size * padded_vocab_size(model, layout.tp) / layout.tp
+    vocab_shard = padded_vocab_size(model, layout.tp) // layout.tp
+    logits = LOGIT_BYTES * seq_length * layout.micro_batch_size * vocab_shard
+    ffn = model.resolved_ffn_hidden_size() * (2 if model.swiglu else 1)
+    largest_layer_weight = max(ffn, (model.num_attention_heads + 2 * model.resolved_query_groups())
+                               * model.head_dim()) * model.hidden_size // layout.tp
     best = None
     for r, chunks in enumerate(counts):
         layers_per_chunk = sum(chunks) / len(chunks)
         acts = in_flight_chunks(num_microbatches, layout.pp, layout.vpp, r) * layers_per_chunk * act_layer
         acts += workspace if sum(chunks) else 0.0
+        ends = r == 0 or r == layout.pp - 1
+        largest = max(largest_layer_weight if sum(chunks) else 0, vocab_shard * model.hidden_size if ends else 0)
         mem = Memory(r, params[r], *state_bytes(params[r], layout, precision), acts,
-                     logits if r == layout.pp - 1 else 0.0)
+                     logits if r == layout.pp - 1 else 0.0, largest * PARAM_BYTES[precision])
         if best is None or mem.allocated > best.allocated:
             best = mem
     return best

@@ -15,13 +15,13 @@ were fitted to the held-in published runs listed in tests/test_find_parallelism.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, asdict
+from dataclasses import asdict, dataclass
 from typing import Iterator, Optional
 
 from engine.config import ModelConfig
 from engine.flops import GPUSpec, flops_per_iteration, padded_vocab_size
-from engine.layout_memory import (GIB, Layout, Memory, layer_activation_bytes, memory_per_gpu,
-                                  params_per_rank, stage_layer_counts, GRAD_BYTES, PARAM_BYTES)
+from engine.layout_memory import (GIB, GRAD_BYTES, PARAM_BYTES, Layout, Memory, layer_activation_bytes,
+                                  memory_per_gpu, params_per_rank, stage_layer_counts)
 
 # Fraction of the dense peak the layer GEMMs of a training step reach, large-shape limit. A100:
 # fitted (0.74; it folds in launch gaps and small kernels the model does not list). Hopper and
@@ -43,6 +43,9 @@ UNFUSED_SCORE_TRAFFIC = 9
 # Element-wise work (norms, bias, activation, dropout, residual adds, rotary) moves about twice the
 # bytes it stores for backward (each saved tensor is written once and read once); backward twice that.
 ELEMENTWISE_TRAFFIC = 2.0
+# Bytes moved per logit by the loss, forward and backward: the max/sum-exp pass and the gradient pass
+# read the 2-byte logits, the gradient is written, the output GEMMs' epilogues and fp32 temporaries.
+CROSS_ENTROPY_TRAFFIC = 20
 HBM_EFFICIENCY = 0.8          # achievable fraction of HBM bandwidth for streaming kernels (STREAM-like)
 # NCCL bus bandwidth as a fraction of the link's (nccl-tests on DGX A100/H100: ~230 of 300 GB/s
 # NVLink, ~ 20-22 of 25 GB/s per HDR NIC), and per-collective latency.
@@ -84,12 +87,11 @@ class Estimate:
 
     def to_dict(self) -> dict:
         d = asdict(self.layout)
-        d["recompute"] = self.layout.recompute
         d.update(
             memory_gb_per_gpu=round(self.memory.total / GIB, 2),
             allocated_gb=round(self.memory.allocated / GIB, 2),
             memory_breakdown_gb={k: round(getattr(self.memory, k) / GIB, 2)
-                                 for k in ("weights", "grads", "optimizer", "activations", "logits")},
+                                 for k in ("weights", "grads", "optimizer", "activations", "logits", "transient")},
             params_most_loaded_rank=self.memory.params, fits=self.fits,
             step_time_s=round(self.step_time_s, 4), tokens_per_s=round(self.tokens_per_s, 1),
             tflops_per_gpu=round(self.tflops_per_gpu, 1), hw_tflops_per_gpu=round(self.hw_tflops_per_gpu, 1),
@@ -128,11 +130,10 @@ class _Costs:
     embed: float
     head: float
     p2p: float
-    gemm_share: dict = field(default_factory=dict)
 
 
 def _costs(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: Software,
-           nvlink: _Link, net: _Link, pp_link: _Link) -> _Costs:
+           nvlink: _Link, pp_link: _Link) -> _Costs:
     t, b, s, h = layout.tp, layout.micro_batch_size, seq, model.hidden_size
     d, nq, nkv = model.head_dim(), model.num_attention_heads, model.resolved_query_groups()
     ffn = model.resolved_ffn_hidden_size()
@@ -156,7 +157,7 @@ def _costs(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: Softw
     bwd = 2 * gemm + attn_bwd + 2 * elementwise + tp_comm
     recompute = {"full": fwd, "selective": attn_fwd}.get(layout.recompute, 0.0)
     vocab = padded_vocab_size(model, t)
-    logits_traffic = 2 * 10 * tokens * vocab / t / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
+    logits_traffic = CROSS_ENTROPY_TRAFFIC * tokens * vocab / t / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
     head = 3 * gemm_seconds(tokens, vocab / t, h, gpu) + logits_traffic + 2 * _all_reduce(2 * tokens * h, t, nvlink)
     embed = 2 * _all_reduce(2 * tokens * h, t, nvlink)
     # Megatron's scatter-gather optimisation (or sequence parallelism) sends 1/t of the activations.
@@ -170,15 +171,15 @@ def _links(layout: Layout, gpu: GPUSpec, gpus_per_node: int) -> tuple:
     # Rank order is tp fastest, then dp, then pp: a dp group stays in a node while tp·dp fits in it,
     # and neighbouring pipeline stages are tp·dp ranks apart.
     inside = layout.tp * layout.dp <= gpus_per_node
-    return nvlink, net, (nvlink if inside else net), (nvlink if inside else net)
+    return nvlink, (nvlink if inside else net), (nvlink if inside else net)
 
 
 def estimate(model: ModelConfig, layout: Layout, gpu: GPUSpec, global_batch: int, seq: int,
              gpus_per_node: int = 8, software: Software = Software()) -> Estimate:
     """Memory and step time of one layout (which must be valid: see candidate_layouts)."""
     m = global_batch // (layout.dp * layout.micro_batch_size)
-    nvlink, net, dp_link, pp_link = _links(layout, gpu, gpus_per_node)
-    c = _costs(model, layout, seq, gpu, software, nvlink, net, pp_link)
+    nvlink, dp_link, pp_link = _links(layout, gpu, gpus_per_node)
+    c = _costs(model, layout, seq, gpu, software, nvlink, pp_link)
     counts = stage_layer_counts(model.num_layers, layout)
     layer = c.layer_fwd + c.layer_bwd + c.layer_recompute
     stage_times, stage_bwd = [], []

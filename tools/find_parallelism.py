@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-length", type=int, help="tokens per sample (default: the config's)")
     p.add_argument("--top", type=int, default=10, help="rows to show (default 10)")
     p.add_argument("--json", action="store_true", help="print a JSON list of layouts instead of a table")
-    one = p.add_argument_group("evaluate one layout (give at least --tp and --pp)")
+    one = p.add_argument_group("evaluate one layout (give at least --tp and --pp; sequence parallelism is "
+                               "assumed when tp > 1, the distributed optimizer when dp > 1)")
     one.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int)
     one.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int)
     one.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", dest="vpp", type=int)
@@ -92,24 +93,29 @@ def _check(args, cfg):
 
 
 def _given_layout(args, cfg, batch) -> Layout:
-    """The one layout asked for, checked by the trainer's own validation."""
-    c = dataclasses.replace(cfg)
-    c.parallel = dataclasses.replace(cfg.parallel, tensor_model_parallel_size=args.tp,
-                                     pipeline_model_parallel_size=args.pp,
-                                     virtual_pipeline_model_parallel_size=args.vpp or cfg.parallel.virtual_pipeline_model_parallel_size)
-    c.training = dataclasses.replace(cfg.training, global_batch_size=batch,
-                                     micro_batch_size=args.micro_batch_size or cfg.training.micro_batch_size)
-    c.data = dataclasses.replace(cfg.data, mock_data=True)
-    c.checkpoint = dataclasses.replace(cfg.checkpoint, load=None)
+    """The one layout asked for, checked by the trainer's own validation. Sequence parallelism is on
+    whenever tp > 1 and the distributed optimizer whenever dp > 1 (both only save memory)."""
     if args.num_gpus % (args.tp * args.pp):
         raise UsageError(f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp} does not divide --num-gpus {args.num_gpus}")
     if args.tp > args.gpus_per_node:
         raise UsageError(f"--tp {args.tp} exceeds --gpus-per-node {args.gpus_per_node}; a TP group stays in a node")
-    validate(c, args.num_gpus)
+    par = cfg.parallel
+    keep_split = args.pp == cfg.pp and args.vpp is None  # the config's vpp / uneven stages still apply
     dp = args.num_gpus // (args.tp * args.pp)
+    c = dataclasses.replace(cfg)
+    c.parallel = dataclasses.replace(
+        par, tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size if keep_split else args.vpp,
+        decoder_first_pipeline_num_layers=par.decoder_first_pipeline_num_layers if keep_split else None,
+        decoder_last_pipeline_num_layers=par.decoder_last_pipeline_num_layers if keep_split else None,
+        sequence_parallel=args.tp > 1, use_distributed_optimizer=dp > 1, gpus_per_node=args.gpus_per_node)
+    c.training = dataclasses.replace(cfg.training, global_batch_size=batch,
+                                     micro_batch_size=args.micro_batch_size or cfg.training.micro_batch_size)
+    c.data = dataclasses.replace(cfg.data, mock_data=True)
+    c.checkpoint = dataclasses.replace(cfg.checkpoint, load=None)
+    validate(c, args.num_gpus)
     recompute = args.recompute_granularity or cfg.model.recompute_granularity or "none"
-    return Layout(args.tp, args.pp, dp, c.vpp, c.training.micro_batch_size, recompute,
-                  cfg.parallel.sequence_parallel or args.tp > 1, cfg.parallel.use_distributed_optimizer or dp > 1,
+    return Layout(args.tp, args.pp, dp, c.vpp, c.training.micro_batch_size, recompute, args.tp > 1, dp > 1,
                   c.parallel.decoder_first_pipeline_num_layers, c.parallel.decoder_last_pipeline_num_layers)
 
 
@@ -222,7 +228,7 @@ def main(argv=None) -> int:
     print(_table(shown))
     best = rows[0]
     if best.fits:
-        print("\nbest layout:\n  " + torchrun_command(args, best.layout, batch, seq, precision))
+        print(("\ncommand line:\n  " if args.tp else "\nbest layout:\n  ") + torchrun_command(args, best.layout, batch, seq, precision))
     else:
         print("\nno layout fits in memory: add GPUs, lower the batch per GPU, or use a larger-memory --gpu")
     if plan:
