@@ -176,11 +176,12 @@ PUBLISHED += [(f"175B on {g}", f"Narayanan 2021 Table 2 PTD-P 175B, {g} GPUs", g
                "full", False, r, "hw", True) for g, r in ((384, 153), (768, 149), (1536, 141))]
 PUBLISHED += [(f"530B on {g}", f"Narayanan 2021 Table 2 PTD-P 530B, {g} GPUs", gpt(105, 20480, 128), 8, 35, g, 2240,
                "full", False, r, "hw", True) for g, r in ((560, 171), (1120, 167), (2240, 159))]
-PUBLISHED += [(f"{n} sp+selective", f"Korthikanti 2022 Table 5 {n}", gpt(l, h, a), 8, pp, g, g, "selective", True,
+PUBLISHED += [(f"{n} sp+selective", f"Korthikanti 2022 Table 5 {n}", gpt(l, h, a), 8, pp, g, batch, "selective", True,
                mfu * 3.12, "model", True)
-              for n, l, h, a, pp, g, mfu in (("22B", 48, 6144, 64, 1, 8, 41.5), ("175B", 96, 12288, 96, 8, 64, 51.4),
-                                             ("530B", 105, 20480, 128, 35, 280, 56.0),
-                                             ("1T", 128, 25600, 160, 64, 512, 56.3))]
+              for n, l, h, a, pp, g, batch, mfu in (("22B", 48, 6144, 64, 1, 8, 4, 41.5),
+                                                    ("175B", 96, 12288, 96, 8, 64, 64, 51.4),
+                                                    ("530B", 105, 20480, 128, 35, 280, 280, 56.0),
+                                                    ("1T", 128, 25600, 160, 64, 512, 512, 56.3))]
 PUBLISHED += [("GPT-3 175B on 1024", "Narayanan 2021 sec. 5.1 (layout not given: best tp 8)", gpt(96, 12288, 96), 8,
                None, 1024, 1536, "full", False, 140.0, "hw", True)]
 
