@@ -1,0 +1,143 @@
+"""Sample a continuation of a prompt from a trained model, on one process.
+
+    python tools/generate.py --load DIR_OR_MERGED --prompt TEXT [--max-new-tokens N] [--top-k K]
+                             [--temperature T] [--seed S] [--tokenizer-model FILE] [--device cpu|cuda]
+
+--load is a merged checkpoint (tools/merge_ckpt.py --format native: model.safetensors + config.json)
+or a run's --save directory (its latest checkpoint is read directly, any layout). The model and
+tokenizer settings come from the saved run config; --tokenizer-model overrides the tokenizer path.
+Top-k of 0 or 1 decodes greedily; otherwise the next token is drawn from the k most likely ones at the
+given temperature, from a generator seeded with --seed. Generation stops after N tokens or at the end-
+of-document token. Without a KV cache each step re-runs the (at most seq-length) context: fine for
+checking a model, not for serving one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.config import Config, ConfigError  # noqa: E402
+from engine.data.tokenizer import Tokenizer  # noqa: E402
+from engine.model import GPTModel  # noqa: E402
+from engine.topology import ParallelContext  # noqa: E402
+
+
+def load_model(path: str, device: str = "cpu") -> tuple:
+    """(model in eval mode, run Config, vocab size) from a merged checkpoint or a --save directory."""
+    from engine.checkpoint import files, load_merged
+    from engine.checkpoint.layout import local_tensors
+    from engine.checkpoint.merged import MERGED_CONFIG, MERGED_WEIGHTS
+    if not os.path.isdir(path):
+        raise ConfigError(f"--load {path}: directory not found; give a merged checkpoint (tools/merge_ckpt.py "
+                          "--out) or a run's --save directory")
+    merged = os.path.isfile(os.path.join(path, MERGED_CONFIG))
+    if merged:
+        with open(os.path.join(path, MERGED_CONFIG)) as fh:
+            saved = json.load(fh)
+        run_config, vocab_size = saved.get("config"), saved.get("vocab_size")
+        if not isinstance(run_config, dict) or not vocab_size:
+            raise ConfigError(f"--load {path}: {MERGED_CONFIG} lacks the run config or vocab_size; "
+                              "write it again with tools/merge_ckpt.py")
+    elif files.read_latest(path) is not None or files.list_iterations(path):
+        from tools.merge_ckpt import open_checkpoint
+        reader = open_checkpoint(path, None)
+        run_config, vocab_size = reader.meta["config"], reader.meta["vocab_size"]
+    else:
+        raise ConfigError(f"--load {path}: neither a merged checkpoint ({MERGED_WEIGHTS} + {MERGED_CONFIG}) nor "
+                          "a checkpoint directory; merge one with tools/merge_ckpt.py")
+    cfg = Config.from_dict(run_config)
+    ctx = ParallelContext()
+    # Built with its random init on the CPU: parameters carry the layout attributes the loaders read,
+    # which moving a meta-device model to real storage would drop.
+    model = GPTModel(cfg.model, ctx, vocab_size=vocab_size)
+    if merged:
+        load_merged(path, [model], ctx)
+    else:
+        with torch.no_grad():
+            for lt in local_tensors([model], ctx):
+                lt.param.copy_(reader.model_slice(lt.name, lt.full_shape, 1, 0, lt.param.dtype))
+    return model.to(device).eval(), cfg, vocab_size
+
+
+@torch.no_grad()
+def generate(model, prompt: list, max_new_tokens: int, vocab_size: int, max_length: int, top_k: int = 0,
+             temperature: float = 1.0, generator: Optional[torch.Generator] = None,
+             stop_token: Optional[int] = None) -> list:
+    """New token ids after `prompt` (greedy when top_k <= 1). The context is cut to the last max_length."""
+    device = next(model.parameters()).device
+    tokens, new = list(prompt), []
+    for _ in range(max_new_tokens):
+        context = torch.tensor([tokens[-max_length:]], dtype=torch.long, device=device)
+        logits = model(context)[0, -1, :vocab_size].float()  # columns past vocab_size are padding
+        if top_k <= 1:
+            nxt = int(logits.argmax())
+        else:
+            values, indices = torch.topk(logits / temperature, min(top_k, vocab_size))
+            choice = torch.multinomial(torch.softmax(values, -1).cpu(), 1, generator=generator)
+            nxt = int(indices[int(choice)])
+        new.append(nxt)
+        tokens.append(nxt)
+        if nxt == stop_token:
+            break
+    return new
+
+
+def tokenizer_path(cfg: Config, override: Optional[str], load: str) -> str:
+    """--tokenizer-model, else the run's, found as given or beside the checkpoint."""
+    path = override or cfg.data.tokenizer_model
+    if not path:
+        raise ConfigError("--tokenizer-model: the run used no tokenizer (mock data?); pass the .model file")
+    for candidate in (path, os.path.join(load, os.path.basename(path))):
+        if os.path.isfile(candidate):
+            return candidate
+    flag = "--tokenizer-model" if override else "tokenizer"
+    raise ConfigError(f"{flag} {path}: file not found; pass --tokenizer-model FILE.model")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--load", required=True, help="merged checkpoint directory or a run's --save directory")
+    p.add_argument("--prompt", required=True, help="text to continue (empty: start a new document)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 or 1: greedy")
+    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature for sampling")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the sampling generator")
+    p.add_argument("--tokenizer-model", help="SentencePiece model (default: the one the run trained with)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)")
+    args = p.parse_args(argv)
+    try:
+        if args.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+        if args.top_k < 0:
+            raise ConfigError(f"--top-k {args.top_k}: must be 0 (greedy) or more")
+        if args.temperature <= 0:
+            raise ConfigError(f"--temperature {args.temperature}: must be positive; use --top-k 0 for greedy")
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no GPU visible; use --device cpu")
+        model, cfg, vocab_size = load_model(args.load, args.device)
+        tok = Tokenizer(tokenizer_path(cfg, args.tokenizer_model, args.load))
+    except ConfigError as e:
+        print(f"generate.py: error: {e}", file=sys.stderr)
+        return 2
+    prompt = tok.encode(args.prompt) or [tok.eod]
+    max_length = cfg.model.seq_length
+    if cfg.model.position_embedding_type == "learned_absolute":
+        max_length = min(max_length, cfg.model.max_position_embeddings or max_length)
+    gen = torch.Generator().manual_seed(args.seed)
+    new = generate(model, prompt, args.max_new_tokens, vocab_size, max_length, args.top_k, args.temperature,
+                   gen, stop_token=tok.eod)
+    # Decode prompt and continuation together so the first new word keeps its leading space.
+    head, full = tok.decode(prompt), tok.decode(prompt + new)
+    print(full[len(head):] if full.startswith(head) else tok.decode(new))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
