@@ -10,7 +10,8 @@ T_stage sums, per layer: the matrix multiplies at a fraction of peak that grows 
 matrix sizes, the attention core, memory-bound element-wise work, and the tensor-parallel
 collectives over NVLink; plus the pipeline point-to-point sends over the network, the embedding and
 the output layer. Every constant is named below with where it comes from; the ones marked "fitted"
-were fitted to the held-in published runs listed in tests/test_find_parallelism.py.
+were fitted to the held-in published runs listed in tests/test_find_parallelism.py. Compute is
+costed at the tensor-core (bf16) peak whatever the precision; fp32 changes only the bytes.
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ from engine.layout_memory import (GIB, GRAD_BYTES, PARAM_BYTES, Layout, Memory, 
 
 # Fraction of the dense peak the layer GEMMs of a training step reach, large-shape limit. A100:
 # fitted (0.74; it folds in launch gaps and small kernels the model does not list). Hopper and
-# Blackwell reach a smaller fraction of their higher peaks (cuBLAS on large bf16 shapes: ~85% of peak
-# on A100, ~75% on H100, ~70% on B200), so their values are the A100 fit scaled by those ratios.
+# Blackwell reach a smaller fraction of their higher peaks (cuBLAS on large bf16 shapes, roughly: 85%
+# of peak on A100, 75% on H100, 70% on B200), so their values are the A100 fit scaled by those ratios;
+# no published Hopper/Blackwell run is in the tests, so treat those as estimates.
 GEMM_EFFICIENCY = {"a100-40g": 0.74, "a100-80g": 0.74, "h100-sxm": 0.65, "h100-pcie": 0.65,
                    "h200": 0.65, "b200": 0.61}
 GEMM_EFFICIENCY_DEFAULT = 0.65
@@ -42,6 +44,7 @@ FLASH_BACKWARD_RATIO = 2.5
 UNFUSED_SCORE_TRAFFIC = 9
 # Element-wise work (norms, bias, activation, dropout, residual adds, rotary) moves about twice the
 # bytes it stores for backward (each saved tensor is written once and read once); backward twice that.
+# (2 was also the best of 1-3 when fitting the two constants above.)
 ELEMENTWISE_TRAFFIC = 2.0
 # Bytes moved per logit by the loss, forward and backward: the max/sum-exp pass and the gradient pass
 # read the 2-byte logits, the gradient is written, the output GEMMs' epilogues and fp32 temporaries.
