@@ -285,6 +285,7 @@ def test_compute_planning(capsys):
     (["--config", "configs/llama3-8b.yaml", "--num-gpus", "8", "--tp", "2"], "--pp"),
     (["--config", "configs/llama3-8b.yaml"], "--num-gpus"),
     (["--config", "configs/llama3-8b.yaml", "--num-gpus", "8", "--gpu", "tpu"], "--gpu"),
+    (["--config", "configs/llama3-8b.yaml", "--num-gpus", "8", "--gpu-tflops", "-3"], "--gpu-tflops"),
 ])
 def test_cli_mistakes_one_line_exit_2(argv, needle, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)

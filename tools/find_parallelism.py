@@ -64,12 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _gpu(args):
     spec = GPU_PRESETS[args.gpu]
-    overrides = {"peak_tflops": args.gpu_tflops, "memory_gib": args.gpu_memory_gb,
-                 "nvlink_gbps": args.intra_node_gbps, "network_gbps": args.inter_node_gbps}
-    for flag, value in overrides.items():
-        if value is not None and value <= 0:
-            raise UsageError(f"--{flag.replace('_', '-')} must be positive, got {value}")
-    return dataclasses.replace(spec, **{k: v for k, v in overrides.items() if v is not None})
+    flags = {"peak_tflops": "gpu_tflops", "memory_gib": "gpu_memory_gb", "nvlink_gbps": "intra_node_gbps",
+             "network_gbps": "inter_node_gbps"}
+    overrides = {field: getattr(args, flag) for field, flag in flags.items() if getattr(args, flag) is not None}
+    for field, value in overrides.items():
+        if value <= 0:
+            raise UsageError(f"--{flags[field].replace('_', '-')} must be positive, got {value}")
+    return dataclasses.replace(spec, **overrides)
 
 
 def _precision(cfg) -> str:
