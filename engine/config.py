@@ -376,9 +376,9 @@ def validate(cfg: Config, world_size: int) -> None:
         _err("--seq-length", m.seq_length, f"with --sequence-parallel it must be divisible by tp {tp}")
     _validate_pipeline_split(cfg)
     if world_size % (tp * pp):
-        _err("--tensor-model-parallel-size", tp,
-             f"tp {tp} x pp {pp} = {tp * pp} does not divide the world size {world_size}; "
-             f"launch a multiple of {tp * pp} processes or change --tp/--pp")
+        flag, value = ("--pipeline-model-parallel-size", pp) if pp > 1 else ("--tensor-model-parallel-size", tp)
+        _err(flag, value, f"tp {tp} x pp {pp} = {tp * pp} does not divide the world size {world_size}; "
+                          f"launch a multiple of {tp * pp} processes or change --tp/--pp")
     dp = world_size // (tp * pp)
     gbs = tr.global_batch_size or tr.micro_batch_size * dp
     if gbs % (tr.micro_batch_size * dp):
@@ -437,7 +437,7 @@ def _validate_files(cfg: Config) -> None:
     d = cfg.data
     if d.tokenizer_model and not os.path.isfile(d.tokenizer_model):
         _err("--tokenizer-model", d.tokenizer_model, "file not found; train one with tools/train_tokenizer.py")
-    if d.data_path and not d.mock_data:
+    if d.data_path:
         for _, prefix in data_prefixes(d.data_path):
             for ext in (".bin", ".idx"):
                 if not os.path.isfile(prefix + ext):

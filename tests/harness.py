@@ -45,6 +45,7 @@ def _worker(rank, world_size, port, stack_dir, inbox, outbox):
     stack_file = open(os.path.join(stack_dir, f"rank{rank}.txt"), "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    outbox.put((rank, True, "ready"))
     while True:
         job = inbox.get()
         if job is None:
@@ -73,6 +74,20 @@ class RankPool:
                                   daemon=True) for r in range(world_size)]
         for p in self.procs:
             p.start()
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 300.0) -> None:
+        """A test's clock starts once every rank is up: spawning is slow on a loaded machine."""
+        ready, deadline = 0, time.monotonic() + timeout
+        while ready < self.world_size:
+            try:
+                self.outbox.get(timeout=0.5)
+                ready += 1
+            except queue.Empty:
+                if time.monotonic() > deadline or not self.alive():
+                    self.kill()
+                    raise RankFailure(f"{self.world_size} ranks did not start within {timeout:.0f}s "
+                                      f"(exit codes {[p.exitcode for p in self.procs]})") from None
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -111,10 +126,14 @@ class RankPool:
         return [results[r] for r in range(self.world_size)]
 
     def dump_stacks(self) -> str:
-        for p in self.procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGUSR1)
-        time.sleep(1.0)
+        alive = [r for r, p in enumerate(self.procs) if p.is_alive()]
+        for r in alive:
+            os.kill(self.procs[r].pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 15  # a loaded machine may take a while to schedule every rank
+        paths = [os.path.join(self.stack_dir, f"rank{r}.txt") for r in alive]
+        while time.monotonic() < deadline and not all(os.path.getsize(p) > 0 for p in paths if os.path.exists(p)):
+            time.sleep(0.1)
+        time.sleep(0.2)  # let the last lines of each dump land
         return self._stacks()
 
     def _stacks(self) -> str:
