@@ -54,7 +54,7 @@ def test_deadlock_fails_within_timeout_with_every_stack():
     elapsed = time.monotonic() - start
     msg = str(info.value)
     print(msg)
-    assert elapsed < 20, elapsed
+    assert elapsed < 30, elapsed  # 5 s timeout + stack collection, with room for a loaded machine
     assert "did not finish within 5s" in msg
     assert "--- rank 0 ---" in msg and "--- rank 1 ---" in msg
     assert msg.count("_deadlock") >= 2, "both ranks' stacks must show the deadlocked frame"
