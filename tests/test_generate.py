@@ -12,7 +12,7 @@ from engine.config import Config
 from engine.data.tokenizer import train_sentencepiece
 from engine.model import GPTModel
 from engine.topology import ParallelContext
-from tests.harness import run_ranks
+from harness import run_ranks
 from tools import generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
