@@ -158,8 +158,8 @@ def format_log_line(record: dict) -> str:
     """One compact console line from a training record; fields that are absent or None are left out.
 
     Besides the TRAIN_KEYS it reads the optional keys train_iters, consumed_tokens (else
-    consumed_samples is shown), tokens_per_sec_per_gpu, mem_peak_gb and iter_time_s (with train_iters
-    it gives the ETA).
+    consumed_samples is shown), tokens_per_sec_per_gpu, mem_peak_gb, iter_time_s and eta_s (else the
+    ETA is the remaining iterations times iter_time_s).
     """
     r = {k: _clean(v) for k, v in record.items()}
     have = lambda key: r.get(key) is not None  # noqa: E731
@@ -189,6 +189,8 @@ def format_log_line(record: dict) -> str:
         parts.append(f"mem {r['mem_peak_gb']:.1f} GiB")
     if have("iter_time_s"):
         parts.append(f"{1000 * r['iter_time_s']:.0f} ms/it")
-        if total:
-            parts.append(f"ETA {_duration(max(total - r['iteration'], 0) * r['iter_time_s'])}")
+    if have("eta_s"):
+        parts.append(f"ETA {_duration(r['eta_s'])}")
+    elif have("iter_time_s") and total:
+        parts.append(f"ETA {_duration(max(total - r['iteration'], 0) * r['iter_time_s'])}")
     return " | ".join(parts)

@@ -111,5 +111,6 @@ def test_format_log_line(tmp_path):
     for piece in ("iter 4/10", "tokens 2.5M", "loss 2.3457", "lr 1.000e-03", "gnorm 0.500", "skipped 1",
                   "tok/s", "/gpu)", "TFLOP/s/gpu", "MFU", "mem 1.5 GiB", "500 ms/it", "ETA 0m03s"):
         assert piece in line, (piece, line)
+    assert "ETA 1h01m" in format_log_line({**rec, "eta_s": 3700.0})
     bare = format_log_line({"iteration": 7, "lm_loss": float("nan"), "mfu": None})
     assert bare == "iter 7 | loss nan"
