@@ -195,12 +195,12 @@ def _run_layout(rank, world, tp, pp, vpp, sp, distributed, overlap, steps, refer
 
 
 class _Wide(nn.Module):
-    def __init__(self):
+    def __init__(self, dtype=torch.bfloat16):
         super().__init__()
-        self.a = nn.Parameter(_randn((96, 128), "wide", "a").to(torch.bfloat16))
-        self.a_bias = nn.Parameter(_randn((96,), "wide", "ab").to(torch.bfloat16))
-        self.b = nn.Parameter(_randn((128, 96), "wide", "b").to(torch.bfloat16))
-        self.norm = nn.Parameter(torch.ones(128, dtype=torch.bfloat16))
+        self.a = nn.Parameter(_randn((96, 128), "wide", "a").to(dtype))
+        self.a_bias = nn.Parameter(_randn((96,), "wide", "ab").to(dtype))
+        self.b = nn.Parameter(_randn((128, 96), "wide", "b").to(dtype))
+        self.norm = nn.Parameter(torch.ones(128, dtype=dtype))
 
 
 def _bf16_cfg(distributed):
@@ -271,8 +271,36 @@ def _state_bytes_and_resharding(rank, world):
         ctx.destroy()
 
 
+def _fp16_overflow_on_one_rank(rank, world):
+    """An inf in one dp rank's gradient makes every rank skip, halve the scale and keep its parameters."""
+    from engine.optim import LossScaler
+    for distributed in (True, False):
+        ctx = build_context(world, rank, 1, 1)
+        try:
+            cfg = Config()
+            cfg.training.fp16, cfg.parallel.use_distributed_optimizer = True, distributed
+            model = _Wide(torch.float16)
+            opt = build_optimizer(cfg, [model], ctx, bucket_numel=5000)
+            opt.scaler = LossScaler(4096.0, dynamic=True, hysteresis=1)
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            opt.start_step(1)
+            loss = sum((p.float() * _randn(p.shape, "g16", n).float()).sum() for n, p in model.named_parameters())
+            if rank == world - 1:
+                loss = loss + model.b[5, 7].float() * float("inf")
+            opt.scale_loss(loss).backward()
+            opt.finish_grad_sync()
+            result = opt.step(1e-3)
+            assert not result.updated and result.loss_scale == 2048.0, result
+            for n, p in model.named_parameters():
+                assert torch.equal(p.detach(), before[n]), n
+            assert opt.state_dict()["step"] == 0
+        finally:
+            ctx.destroy()
+
+
 def _world4(rank, world):
     reference = _reference(2)
+    _fp16_overflow_on_one_rank(rank, world)
     buckets = {"ratio": _state_bytes_and_resharding(rank, world)}
     layouts = [  # tp, pp, vpp, sp, distributed, overlap
         (2, 1, 1, True, True, True), (2, 1, 1, False, False, False), (2, 1, 1, True, False, True),
