@@ -1,0 +1,66 @@
+"""The launcher's first five minutes: user mistakes end fast with one clear line, before any process group.
+
+Under torchrun the worker exits 2 after printing the line once (rank 0); torchrun itself then reports
+the worker's exit code 2 and exits 1 (torchrun's own convention, outside our control). Run directly,
+`python launch/pretrain_gpt.py` exits 2.
+"""
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ERROR = "pretrain_gpt.py: error:"
+
+
+def launch(args, torchrun_procs=None, timeout=60):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    if torchrun_procs:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(torchrun_procs),
+               "--master_port", "29541", "launch/pretrain_gpt.py", *args]
+    else:
+        cmd = [sys.executable, "launch/pretrain_gpt.py", *args]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+def our_lines(proc):
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith(ERROR)]
+
+
+def test_tp_that_does_not_divide_heads_under_torchrun_fails_fast_with_one_line():
+    proc, elapsed = launch(["--config", "configs/gpt-tiny.yaml", "--tp", "3"], torchrun_procs=2)
+    lines = our_lines(proc)
+    assert len(lines) == 1, proc.stderr
+    assert "--tensor-model-parallel-size 3" in lines[0] and "choose a tp among" in lines[0]
+    assert "exitcode  : 2" in proc.stderr, "each worker must exit 2"
+    assert proc.returncode != 0
+    assert elapsed < 10, f"took {elapsed:.1f}s"
+    # torchrun prints its own report; no frame of ours (a traceback from the worker) may appear in it
+    assert 'pretrain_gpt.py", line' not in proc.stderr and "engine/" not in proc.stderr, proc.stderr
+
+
+def test_direct_launch_mistakes_exit_2_with_their_own_line(tmp_path):
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("num_layers: 2\nhiden_size: 64\n")
+    cases = [
+        (["--config", "configs/gpt-tiny.yaml", "--tp", "3"], "--tensor-model-parallel-size 3"),
+        (["--config", "configs/gpt-tiny.yaml", "--mock-data", "--pp", "4"], "--pipeline-model-parallel-size 4"),
+        (["--config", str(bad_yaml)], "unknown key 'hiden_size'"),
+        (["--config", "configs/gpt-tiny.yaml", "--data-path", str(tmp_path / "corpus")], "--data-path"),
+    ]
+    for args, needle in cases:
+        proc, elapsed = launch(args)
+        assert proc.returncode == 2, (args, proc.returncode, proc.stderr)
+        lines = our_lines(proc)
+        assert len(lines) == 1 and needle in lines[0], (args, proc.stderr)
+        assert "Traceback" not in proc.stderr, proc.stderr
+        assert elapsed < 10, (args, elapsed)
+
+
+def test_world_size_not_tp_times_pp_times_dp_under_torchrun():
+    proc, _ = launch(["--config", "configs/gpt-tiny.yaml", "--mock-data", "--pp", "4"], torchrun_procs=2)
+    lines = our_lines(proc)
+    assert len(lines) == 1 and "does not divide the world size 2" in lines[0], proc.stderr
+    assert "exitcode  : 2" in proc.stderr
