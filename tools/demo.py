@@ -46,7 +46,7 @@ def losses(metrics_file: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "demo_out"))
-    ap.add_argument("--iters", type=int, default=80, help="total training iterations (half before the resume)")
+    ap.add_argument("--iters", type=int, default=240, help="total training iterations (half before the resume)")
     args = ap.parse_args()
     import torch
     from engine.data.demo_corpus import build_demo_corpus
@@ -82,7 +82,7 @@ def main() -> int:
     run([sys.executable, "tools/merge_ckpt.py", "--load", ckpt, "--out", merged])
     for prompt in ("def ", "import os\n", "class "):
         run([sys.executable, "tools/generate.py", "--load", merged, "--tokenizer-model", tokenizer,
-             "--prompt", prompt, "--max-new-tokens", "40", "--top-k", "1"])
+             "--prompt", prompt, "--max-new-tokens", "48", "--top-k", "8", "--temperature", "0.8"])
 
     step("5/5 loss curve and pipeline timeline")
     metrics = os.path.join(tb, "metrics.jsonl")
