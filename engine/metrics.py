@@ -182,7 +182,8 @@ def format_log_line(record: dict) -> str:
         per_gpu = f" ({_si(r['tokens_per_sec_per_gpu'])}/gpu)" if have("tokens_per_sec_per_gpu") else ""
         parts.append(f"{_si(r['tokens_per_sec'])} tok/s{per_gpu}")
     if have("tflops_per_gpu"):
-        parts.append(f"{r['tflops_per_gpu']:.1f} TFLOP/s/gpu")
+        t = r["tflops_per_gpu"]
+        parts.append(f"{t:.1f} TFLOP/s/gpu" if t >= 10 else f"{t:.3g} TFLOP/s/gpu")
     if have("mfu"):
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
     if have("mem_peak_gb"):

@@ -146,3 +146,18 @@ def test_plot_pipeline_reads_file_and_per_rank_files(tmp_path, capsys):
     assert plot_pipeline.main([str(tmp_path / "nothing"), "--out", str(tmp_path / "x.png")]) == 2
     err = capsys.readouterr().err.strip()
     assert "no trace found" in err and len(err.splitlines()) == 1
+
+
+def test_plot_pipeline_draws_one_traced_iteration(tmp_path, capsys):
+    slow_first = [{**e, "iteration": 1, "end": e["end"] + 5.0} for e in simulate(2, 4)]
+    second = [{**e, "iteration": 2, "start": e["start"] + 10.0, "end": e["end"] + 10.0} for e in simulate(2, 4)]
+    picked, it = plot_pipeline.select_iteration(slow_first + second, None)
+    assert it == 2 and picked == second
+    assert plot_pipeline.select_iteration(slow_first + second, 1)[0] == slow_first
+    assert plot_pipeline.select_iteration(simulate(2, 4), None)[1] is None
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(e) + "\n" for e in slow_first + second))
+    assert plot_pipeline.main([str(trace), "--out", str(tmp_path / "p.png")]) == 0
+    assert "mean bubble 20.0%" in capsys.readouterr().out  # (p-1)/(m+p-1) of iteration 2 alone
+    assert plot_pipeline.main([str(trace), "--out", str(tmp_path / "p.png"), "--iteration", "7"]) == 2
+    assert "traced iterations: 1, 2" in capsys.readouterr().err

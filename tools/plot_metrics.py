@@ -103,7 +103,7 @@ def plot(runs: list, labels: list, out: str) -> None:
         for ev in (ev for run in runs for ev in run["events"] if drawn and ev["event"] in EVENT_STYLE):
             c, style = EVENT_STYLE[ev["event"]]
             ax.axvline(ev["iteration"], color=c, ls=style, lw=0.9, alpha=0.7)
-        if log and values and min(values) > 0:
+        if log and values and min(values) > 0 and max(values) > 20 * min(values):  # log helps only wide ranges
             ax.set_yscale("log")
         if key == "mfu" and drawn:
             ax.yaxis.set_major_formatter(PercentFormatter(1.0))

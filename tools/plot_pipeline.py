@@ -5,7 +5,8 @@
 TRACE is a JSON-lines file, a directory of them, or the prefix of per-rank files TRACE.rank{R}.jsonl
 (TRACE may end in .jsonl). Each line is one forward or backward pass of one microbatch:
     {"rank": R, "pp_rank": P, "kind": "F"|"B", "microbatch": M, "chunk": C, "start": t0, "end": t1}
-with wall-clock times (time.time(), seconds). One row per rank, forward and backward in two colours,
+with wall-clock times (time.time(), seconds), and optionally "iteration": then one iteration is drawn
+(--iteration N, default the last traced). One row per rank, forward and backward in two colours,
 later virtual-pipeline chunks in lighter shades, microbatch numbers inside boxes wide enough to hold
 them. Gaps are idle time: each rank's bubble is the share of the traced span it spent idle.
 """
@@ -70,6 +71,23 @@ def load_events(files: list) -> list:
     return events
 
 
+def select_iteration(events: list, iteration) -> tuple:
+    """(events of one iteration, its number) when events carry "iteration"; else (all events, None).
+
+    The default is the last traced iteration: the first one includes warm-up and start-up waits.
+    """
+    traced = sorted({e["iteration"] for e in events if "iteration" in e})
+    if not traced:
+        if iteration is not None:
+            raise UsageError(f"--iteration {iteration}: this trace does not record iterations; drop the flag")
+        return events, None
+    pick = traced[-1] if iteration is None else iteration
+    if pick not in traced:
+        raise UsageError(f"--iteration {iteration}: not in the trace; traced iterations: "
+                         f"{', '.join(map(str, traced))}")
+    return [e for e in events if e.get("iteration") == pick], pick
+
+
 def busy_time(intervals: list) -> float:
     """Length of the union of (start, end) intervals."""
     total, cur_start, cur_end = 0.0, None, None
@@ -108,7 +126,7 @@ def _shade(colour: str, chunk: int, chunks: int) -> tuple:
     return tuple(c + (1.0 - c) * mix for c in to_rgb(colour))
 
 
-def plot(events: list, out: str) -> None:
+def plot(events: list, out: str, iteration=None) -> None:
     t0 = min(e["start"] for e in events)
     span = max(e["end"] for e in events) - t0
     scale, unit = (1e3, "ms") if span < 10 else (1.0, "s")
@@ -116,7 +134,7 @@ def plot(events: list, out: str) -> None:
     row = {rank: i for i, (_, rank) in enumerate(ranks)}
     chunks = len({e["chunk"] for e in events})
     bubbles = bubble_fractions(events)
-    fig, ax = plt.subplots(figsize=(FIG_WIDTH_IN, 1.2 + 0.45 * len(ranks)))
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH_IN, max(2.6, 1.2 + 0.45 * len(ranks))))
     px_per_unit = FIG_WIDTH_IN * DPI * 0.85 / max(span * scale, 1e-12)
     for e in events:
         x, w = (e["start"] - t0) * scale, (e["end"] - e["start"]) * scale
@@ -134,13 +152,13 @@ def plot(events: list, out: str) -> None:
     ax.set_xlabel(f"time ({unit}) from the first event")
     mean_bubble = sum(bubbles.values()) / len(bubbles)
     micro = len({e["microbatch"] for e in events})
-    ax.set_title(f"pipeline schedule: {len(ranks)} ranks, {micro} microbatches, {chunks} chunk(s) per rank — "
+    which = f"iteration {iteration}: " if iteration is not None else ""
+    ax.set_title(f"pipeline schedule, {which}{len(ranks)} ranks, {micro} microbatches, {chunks} chunk(s) per rank — "
                  f"bubble {100 * mean_bubble:.1f}% measured (mean), {100 * ideal_bubble(events):.1f}% ideal 1F1B")
     handles = [Patch(color=COLOURS["F"], label="forward"), Patch(color=COLOURS["B"], label="backward")]
     handles += [Patch(color=_shade(OTHER_COLOUR, c, chunks), label=f"chunk {c} (shade)")
                 for c in range(chunks)] if chunks > 1 else []
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.4 / len(ranks)),
-              ncol=len(handles), fontsize=9, frameon=False)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=9, frameon=False)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=DPI)
@@ -151,16 +169,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace", metavar="TRACE", help="trace file, directory, or prefix of TRACE.rank{R}.jsonl files")
     p.add_argument("--out", required=True, help="PNG to write")
+    p.add_argument("--iteration", type=int, help="iteration to draw when the trace records them (default: last)")
     args = p.parse_args(argv)
     try:
         out_dir = os.path.dirname(os.path.abspath(args.out))
         if not os.path.isdir(out_dir):
             raise UsageError(f"--out {args.out}: directory {out_dir} does not exist; create it first")
-        events = load_events(trace_files(args.trace))
+        events, iteration = select_iteration(load_events(trace_files(args.trace)), args.iteration)
     except UsageError as e:
         print(f"plot_pipeline.py: error: {e}", file=sys.stderr)
         return 2
-    plot(events, args.out)
+    plot(events, args.out, iteration)
     bubbles = bubble_fractions(events)
     print(f"wrote {args.out} ({len(events)} passes on {len(bubbles)} ranks, "
           f"mean bubble {100 * sum(bubbles.values()) / len(bubbles):.1f}%)")
