@@ -1,5 +1,5 @@
 """Ternion: Megatron-style 3D-parallel pretraining on PyTorch."""
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="ternion",
@@ -7,7 +7,7 @@ setup(
     description="Data x tensor x pipeline parallel pretraining of GPT and Llama models on PyTorch",
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
-    packages=["engine", "engine.data", "kernels"],
+    packages=find_packages(include=["engine", "engine.*", "kernels", "kernels.*"]),
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.11",
