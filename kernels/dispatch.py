@@ -146,9 +146,10 @@ def resolve_attention_backend(name: str, device, dropout_p: float = 0.0, dtype: 
                              "--attention-dropout 0 or use --attention-backend sdpa")
     if name != "auto":
         return name
+    # fp32 goes to SDPA: both fused kernels would compute it in tf32 (flash-attn refuses it outright).
     if cuda and half and flash_attn_available():
         return "flash"
-    if cuda and triton_available() and dropout_p == 0.0:
+    if cuda and half and triton_available() and dropout_p == 0.0:
         return "triton"
     return "sdpa"
 
