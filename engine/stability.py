@@ -6,8 +6,8 @@ Each iteration the trainer asks `SpikeGuard.check(iteration, loss, grad_norm)` a
 - "spike": the loss is above mean + k·std of the last `window` accepted losses; the step is applied
   (clipping bounds it) but the loss is kept out of the window so one outlier does not widen the band.
 - "rollback": the `rollback_after`-th spike within `window` iterations; reload the newest checkpoint,
-  call `guard.rolled_back(loaded_iteration)` on the live guard (do not load the guard's state from the
-  checkpoint you roll back to), and scale the LR by `guard.lr_multiplier(iteration)` from then on.
+  then call `guard.rolled_back(loaded_iteration)` (after restoring the guard's saved state, if the
+  trainer restores it), and keep scaling the LR by `guard.lr_multiplier(iteration)`.
 
 Fault drills (`--inject-fault KIND@ITER`): `parse_faults` gives {iteration: kind}; the trainer pops the
 entry when it reaches that iteration (so a rolled-back replay does not fire it again) and applies

@@ -123,6 +123,9 @@ def main(argv=None) -> int:
             raise ConfigError("--device cuda: no GPU visible; use --device cpu")
         model, cfg, vocab_size = load_model(args.load, args.device)
         tok = Tokenizer(tokenizer_path(cfg, args.tokenizer_model, args.load))
+        if tok.vocab_size > vocab_size:
+            raise ConfigError(f"--tokenizer-model {tok.model_path}: {tok.vocab_size} pieces but the model has "
+                              f"{vocab_size}; use the tokenizer the model was trained with")
     except ConfigError as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2
