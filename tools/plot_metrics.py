@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import sys
-from collections import defaultdict
 
 import matplotlib
 
