@@ -63,13 +63,14 @@ class GradBuffer:
             p.main_grad = self.data[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
         self._counts = [0] * len(self.params)
         self._num_microbatches = None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(self._hook(i))
 
     def _layout(self, model_chunks: list, bucket_numel: int, pad: int) -> None:
-        seen, current, end = set(), [], 0
+        seen, current, current_numel, end = set(), [], 0, 0
 
         def close():
-            nonlocal current, end
+            nonlocal current, current_numel, end
             if not current:
                 return
             start = end
@@ -81,7 +82,7 @@ class GradBuffer:
                 end += p.numel()
             end = start + -(-(end - start) // pad) * pad
             self.buckets.append(Bucket(len(self.buckets), current, start, end))
-            current = []
+            current, current_numel = [], 0
 
         # Reverse order approximates the order in which backward completes gradients.
         for chunk in reversed(model_chunks):
@@ -93,7 +94,8 @@ class GradBuffer:
                 if current and (alone or p.dtype != current[0].dtype):
                     close()
                 current.append(p)
-                if alone or sum(q.numel() for q in current) >= bucket_numel:
+                current_numel += p.numel()
+                if alone or current_numel >= bucket_numel:
                     close()
             close()  # a bucket never spans two model chunks
 
@@ -198,8 +200,3 @@ class GradBuffer:
         for b in self.buckets:
             lo, hi = self.shard_bounds(b)
             b.data[lo:hi].mul_(factor)
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
