@@ -219,7 +219,8 @@ def _table(report) -> str:
     lines = [f"device: {report['device']}  dtype: {report['dtype']}  torch {report['torch']}  "
              f"triton {report['triton']}  flash-attn {report['flash_attn']}"]
     lines += [f"note: {n}" for n in report["notes"]]
-    lines.append(f"{'kernel':<16}{'impl':<16}{'fwd ms':>10}{'fwd rate':>16}{'bwd ms':>10}{'bwd rate':>16}{'peak MiB':>10}")
+    lines.append(f"{'kernel':<16}{'impl':<16}{'fwd ms':>10}{'fwd rate':>16}{'bwd ms':>10}{'bwd rate':>16}"
+                 f"{'peak MiB':>10}")
     for r in report["results"]:
         if "error" in r:
             lines.append(f"{r['kernel']:<16}{r['impl']:<16}  error: {r['error']}")

@@ -33,7 +33,8 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, lo, hi, o
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         n_ok = cols < S
-        kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None],
+                     other=0.0)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
         if MASK:
             keep = n_ok[None, :]
@@ -223,30 +224,31 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, sm_scale,
                    False, CAUSAL, D, BLOCK_N, PRECISION)
     dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, sks, svs, hi_full, hi, offs_m, offs_d, S, qk_scale,
                    True, CAUSAL, D, BLOCK_N, PRECISION)
-    tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
-             mask=io_mask)
+    tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=io_mask)
 
 
-def _configs(d: int, on_gpu: bool):
+def _configs(d: int, dtype: torch.dtype, on_gpu: bool):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the forward, dK/dV and dQ kernels.
 
     Each kernel's outer block is a multiple of its inner block (the diagonal logic relies on it). The GPU
     choices are the spill-free (or nearly: dK/dV at d=128 spills 40 bytes) ones among those compiled for
-    sm_90 with ptxas -v; the interpreter gets small blocks so tests cross several blocks, partial
-    blocks and the diagonal on tiny inputs.
+    sm_90 with ptxas -v; fp32 and wide heads get small tiles to fit shared memory. The interpreter gets
+    small blocks so tests cross several blocks, partial blocks and the diagonal on tiny inputs.
     """
     if not on_gpu:
         return (32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1)
+    if d > 128 or dtype == torch.float32:
+        return (64, 32, 4, 2), (32, 32, 4, 2), (64, 32, 4, 2)
     if d <= 64:
         return (128, 64, 4, 3), (32, 128, 8, 2), (128, 64, 8, 3)
-    if d <= 128:
-        return (128, 64, 8, 3), (64, 64, 8, 3), (128, 64, 8, 3)
-    return (64, 32, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2)
+    return (128, 64, 8, 3), (64, 64, 8, 3), (128, 64, 8, 3)
 
 
 def _precision(q):
-    # fp32 inputs get true fp32 products (tl.dot would otherwise use tf32); half types ignore this.
-    return "ieee" if q.dtype == torch.float32 else "tf32"
+    # fp32 inputs get three-pass tf32 products, fp32-accurate on tensor cores (plain tf32 keeps only a
+    # 10-bit mantissa; "ieee" falls back to FMA loops that spill heavily). Half types ignore this.
+    return "tf32x3" if q.dtype == torch.float32 else "tf32"
 
 
 def _strides(t):
@@ -273,7 +275,7 @@ def forward(q, k, v, causal=True, softmax_scale=None):
     b, s, nq, d = q.shape
     nkv = k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    (bm, bn, warps, stages), _, _ = _configs(d, q.is_cuda)
+    (bm, bn, warps, stages), _, _ = _configs(d, q.dtype, q.is_cuda)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((b, nq, s), dtype=torch.float32, device=q.device)
     _attn_fwd[(triton.cdiv(s, bm), b * nq)](
@@ -289,7 +291,7 @@ def backward(do, q, k, v, out, lse, causal=True, softmax_scale=None):
     b, s, nq, d = q.shape
     nkv = k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    _, (m1, n1, warps1, stages1), (m2, n2, warps2, stages2) = _configs(d, q.is_cuda)
+    _, (m1, n1, warps1, stages1), (m2, n2, warps2, stages2) = _configs(d, q.dtype, q.is_cuda)
     block_d = max(16, triton.next_power_of_2(d))
     delta = torch.empty_like(lse)
     _attn_bwd_delta[(triton.cdiv(s, DELTA_BLOCK), b * nq)](out, do, delta, *_strides(out), *_strides(do), nq, s,
@@ -300,11 +302,13 @@ def backward(do, q, k, v, out, lse, causal=True, softmax_scale=None):
     _attn_bwd_dkdv[(triton.cdiv(s, n1), b * nkv)](
         q, k, v, do, dk, dv, lse, delta, scale, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         *_strides(dk), *_strides(dv), nq, nkv, nq // nkv, s,
-        CAUSAL=causal, D=d, BLOCK_M=m1, BLOCK_N=n1, BLOCK_D=block_d, PRECISION=_precision(q), num_warps=warps1, num_stages=stages1)
+        CAUSAL=causal, D=d, BLOCK_M=m1, BLOCK_N=n1, BLOCK_D=block_d, PRECISION=_precision(q),
+        num_warps=warps1, num_stages=stages1)
     _attn_bwd_dq[(triton.cdiv(s, m2), b * nq)](
         q, k, v, do, dq, lse, delta, scale, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
         nq, nq // nkv, s,
-        CAUSAL=causal, D=d, BLOCK_M=m2, BLOCK_N=n2, BLOCK_D=block_d, PRECISION=_precision(q), num_warps=warps2, num_stages=stages2)
+        CAUSAL=causal, D=d, BLOCK_M=m2, BLOCK_N=n2, BLOCK_D=block_d, PRECISION=_precision(q),
+        num_warps=warps2, num_stages=stages2)
     return dq, dk, dv
 
 

@@ -157,7 +157,8 @@ def test_ce_stats_and_grad_match_reference():
     target[1] = start + valid + 2  # an id that lands in this shard's padding belongs to no column
     ce = _tk("ce_triton")
     got = ce.ce_stats(logits, target, start, valid)
-    for a, b, c in zip(got, reference.ce_stats(logits, target, start, valid), _ce_explicit(logits, target, start, valid)):
+    explicit = _ce_explicit(logits, target, start, valid)
+    for a, b, c in zip(got, reference.ce_stats(logits, target, start, valid), explicit):
         assert _rel_err(a, c) < 1e-6 and _rel_err(b, c) < 1e-6
     m, s, _ = got
     lse = m + s.log()
@@ -218,6 +219,13 @@ def test_resolve_attention_backend():
         dispatch.resolve_attention_backend("flash", "cpu")
     report = dispatch.kernel_report("cpu")
     assert report["rms_norm"] == "reference" and report["attention"] == "sdpa"
+    if dispatch.triton_available():  # resolution needs no GPU, only the device's kind
+        assert dispatch.resolve_attention_backend("triton", "cuda") == "triton"
+        assert dispatch.resolve_attention_backend("auto", "cuda", dtype=torch.float32) == "sdpa"
+        assert dispatch.resolve_attention_backend("auto", "cuda", dropout_p=0.1) in ("flash", "sdpa")
+        assert dispatch.resolve_attention_backend("auto", "cuda", dtype=torch.bfloat16) in ("flash", "triton")
+        with pytest.raises(ValueError, match="dropout"):
+            dispatch.resolve_attention_backend("triton", "cuda", dropout_p=0.1)
 
 
 @pytest.mark.parametrize("causal", [True, False])
