@@ -27,20 +27,20 @@ def samples_before(iteration: int, global_batch_size: BatchSize) -> int:
 class RampupBatchSize:
     """Megatron-LM's --rampup-batch-size START INCR SAMPLES as a function of the iteration.
 
-    The size starts at START and grows by INCR each time another SAMPLES / ((final - START) / INCR)
-    samples have been consumed, until it reaches the final global batch size.
+    The size as a function of consumed samples is engine.optim.schedule.RampupBatchSize's (one
+    definition for the sampler, the accumulation steps and the LR); here it is unrolled per iteration.
     """
 
     def __init__(self, start: int, increment: int, ramp_samples: int, global_batch_size: int):
-        steps = max((global_batch_size - start) // max(increment, 1), 1)
-        per_step = ramp_samples / steps
+        from engine.optim.schedule import RampupBatchSize as SampleRamp  # imported late: it loads torch
+        by_samples = SampleRamp(start, increment, ramp_samples, global_batch_size)
         self.final = global_batch_size
         self.ramp: list[int] = []  # sizes of the iterations before the final size is reached
-        consumed, size = 0, start
+        consumed, size = 0, by_samples.global_batch_size_at(0)
         while size < global_batch_size:
             self.ramp.append(size)
             consumed += size
-            size = min(start + int(consumed // per_step) * increment, global_batch_size)
+            size = by_samples.global_batch_size_at(consumed)
 
     def __call__(self, iteration: int) -> int:
         return self.ramp[iteration] if iteration < len(self.ramp) else self.final

@@ -74,7 +74,7 @@ class RampupBatchSize:
 
     def global_batch_size_at(self, consumed_samples: int) -> int:
         increments = (self.target - self.start) // self.increment if self.increment else 0
-        if increments <= 0 or consumed_samples > self.samples:
+        if increments <= 0 or self.samples <= 0 or consumed_samples > self.samples:
             return self.target
         steps = int(consumed_samples / (self.samples / increments))
         return min(self.start + steps * self.increment, self.target)
