@@ -37,7 +37,7 @@ def _ce_stats(LOGITS, TARGET, MAX, SUMEXP, TLOGIT, stride_row, vocab_start, vali
 
 
 @triton.jit
-def _ce_grad(LOGITS, OUT, TARGET, LSE, COEF_S, COEF_O, stride_row, stride_out, vocab_start, valid_cols, V,
+def _ce_grad(LOGITS, OUT, TARGET, LSE, COEF_S, COEF_O, stride_row, stride_out, vocab_start, valid_cols, n_cols,
              BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -47,7 +47,7 @@ def _ce_grad(LOGITS, OUT, TARGET, LSE, COEF_S, COEF_O, stride_row, stride_out, v
     local = tl.load(TARGET + row) - vocab_start
     g -= tl.where((cols == local) & valid, tl.load(COEF_O + row), 0.0)
     # Padding columns get exactly 0 (exp(-inf) is 0; the target is never a padding column).
-    tl.store(OUT + row * stride_out + cols, g.to(OUT.dtype.element_ty), mask=cols < V)
+    tl.store(OUT + row * stride_out + cols, g.to(OUT.dtype.element_ty), mask=cols < n_cols)
 
 
 def _check(logits, valid_cols):

@@ -11,11 +11,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _rope_kernel(X, FREQS, Y, B, stride_xs, stride_xb, stride_xh, stride_f, NH, HALF, sign,
+def _rope_kernel(X, FREQS, Y, BATCH, stride_xs, stride_xb, stride_xh, stride_f, NH, HALF, sign,
                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
-    pos = pid // B
-    bat = pid % B
+    pos = pid // BATCH
+    bat = pid % BATCH
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
     mask = (heads < NH) & (dims < HALF)

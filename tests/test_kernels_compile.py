@@ -1,0 +1,89 @@
+"""Every Triton kernel, at the launch configuration a GPU run uses, compiles for Hopper (sm_90) and fits
+its shared memory; no GPU needed (triton ships ptxas). This is the only check of the compiled path on a
+machine without one: the interpreter skips code generation, layouts and shared-memory planning.
+
+The compilation runs in a fresh process: @triton.jit reads TRITON_INTERPRET at import, and a process
+that has run the interpreter (tests/test_kernels.py does on CPU) cannot compile afterwards.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:  # the ahead-of-time API moved
+    pytestmark = pytest.mark.skip(reason="this triton has no ASTSource/GPUTarget ahead-of-time API")
+
+HOPPER_SHARED_BYTES = 232448  # 227 KiB of opt-in dynamic shared memory per block on H100/H200
+FP32_POINTERS = {"MEAN", "RSTD", "LSE", "DELTA", "MAX", "SUMEXP", "TLOGIT", "COEF_S", "COEF_O", "DW_PART",
+                 "DB_PART", "FREQS"}
+SIZES = {"BATCH", "H", "M", "N", "S", "NQ", "NKV", "NH", "HALF", "GROUP"}  # upper-case scalars
+
+
+def _signature(fn, dtype, constexprs):
+    """Triton types for each argument, from the naming convention of kernels/: upper-case names other
+    than sizes are pointers (fp32 for statistics, int64 for targets), batch strides are 64-bit."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name == "TARGET":
+            sig[name] = "*i64"
+        elif name in FP32_POINTERS:
+            sig[name] = "*fp32"
+        elif name.isupper() and name not in SIZES:
+            sig[name] = "*" + dtype
+        elif name in ("sm_scale", "eps", "sign"):
+            sig[name] = "fp32"
+        elif name.startswith("s") and name.endswith("b") and len(name) <= 5:
+            sig[name] = "i64"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def _compile(fn, dtype, constexprs, warps, stages):
+    src = ASTSource(fn, _signature(fn, dtype, constexprs), constexprs=constexprs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    assert kernel.asm["cubin"], f"{fn.__name__}: no cubin"
+    assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, f"{fn.__name__}: {kernel.metadata.shared} bytes shared"
+
+
+@pytest.mark.slow  # about a minute on 2 cores: ptxas runs once per kernel variant
+def test_kernels_compile_for_sm90():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, os.path.abspath(__file__)], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def compile_all():
+    from kernels import ce_triton, flash_triton, norm_triton, rope_triton, swiglu_triton
+    dt = "bf16"
+    for rms in (True, False):
+        flags = dict(IS_RMS=rms, HAS_BIAS=not rms, BLOCK=8192)
+        _compile(norm_triton._norm_fwd, dt, dict(HAS_RES=True, **flags), 16, 3)
+        _compile(norm_triton._norm_bwd, dt, dict(HAS_DSUM=True, **flags), 16, 3)
+    _compile(rope_triton._rope_kernel, dt, dict(BLOCK_H=32, BLOCK_D=64), 8, 3)
+    _compile(swiglu_triton._swiglu_fwd, dt, dict(BLOCK=swiglu_triton.BLOCK), 4, 3)
+    _compile(swiglu_triton._swiglu_bwd, dt, dict(BLOCK=swiglu_triton.BLOCK), 4, 3)
+    _compile(ce_triton._ce_stats, dt, dict(BLOCK_V=ce_triton.BLOCK_V), 8, 3)
+    _compile(ce_triton._ce_grad, dt, dict(BLOCK_V=ce_triton.BLOCK_V), 8, 3)
+    for d in (64, 128):
+        fwd, dkdv, dq = flash_triton._configs(d, torch.bfloat16, True)
+        for kernel, (bm, bn, warps, stages) in ((flash_triton._attn_fwd, fwd), (flash_triton._attn_bwd_dkdv, dkdv),
+                                                (flash_triton._attn_bwd_dq, dq)):
+            _compile(kernel, dt, dict(CAUSAL=True, D=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, PRECISION="tf32"),
+                     warps, stages)
+        _compile(flash_triton._attn_bwd_delta, dt, dict(D=d, BLOCK_M=flash_triton.DELTA_BLOCK, BLOCK_D=d), 4, 3)
+
+
+if __name__ == "__main__":
+    compile_all()
