@@ -58,8 +58,9 @@ def _attn_fwd(Q, K, V, O, LSE, sm_scale,
               NQ, GROUP, S,
               CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # Grid is (heads, query blocks); the last query blocks carry the most causal work, so start there.
+    pid_bh = tl.program_id(0)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     b = (pid_bh // NQ).to(tl.int64)
     h = pid_bh % NQ
     hk = h // GROUP
@@ -134,8 +135,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, sm_scale,
                    NQ, NKV, GROUP, S,
                    CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # Grid is (kv heads, key blocks); the first key blocks carry the most causal work and launch first.
+    pid_bh = tl.program_id(0)
+    pid_n = tl.program_id(1)
     b = (pid_bh // NKV).to(tl.int64)
     hk = pid_bh % NKV
     start_n = pid_n * BLOCK_N
@@ -195,8 +197,9 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, sm_scale,
                  NQ, GROUP, S,
                  CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # Grid is (heads, query blocks); the last query blocks carry the most causal work, so start there.
+    pid_bh = tl.program_id(0)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     b = (pid_bh // NQ).to(tl.int64)
     h = pid_bh % NQ
     hk = h // GROUP
@@ -278,7 +281,7 @@ def forward(q, k, v, causal=True, softmax_scale=None):
     (bm, bn, warps, stages), _, _ = _configs(d, q.dtype, q.is_cuda)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((b, nq, s), dtype=torch.float32, device=q.device)
-    _attn_fwd[(triton.cdiv(s, bm), b * nq)](
+    _attn_fwd[(b * nq, triton.cdiv(s, bm))](
         q, k, v, out, lse, scale, *_strides(q), *_strides(k), *_strides(v), *_strides(out), nq, nq // nkv, s,
         CAUSAL=causal, D=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, triton.next_power_of_2(d)), PRECISION=_precision(q),
         num_warps=warps, num_stages=stages)
@@ -299,12 +302,12 @@ def backward(do, q, k, v, out, lse, causal=True, softmax_scale=None):
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    _attn_bwd_dkdv[(triton.cdiv(s, n1), b * nkv)](
+    _attn_bwd_dkdv[(b * nkv, triton.cdiv(s, n1))](
         q, k, v, do, dk, dv, lse, delta, scale, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         *_strides(dk), *_strides(dv), nq, nkv, nq // nkv, s,
         CAUSAL=causal, D=d, BLOCK_M=m1, BLOCK_N=n1, BLOCK_D=block_d, PRECISION=_precision(q),
         num_warps=warps1, num_stages=stages1)
-    _attn_bwd_dq[(triton.cdiv(s, m2), b * nq)](
+    _attn_bwd_dq[(b * nq, triton.cdiv(s, m2))](
         q, k, v, do, dq, lse, delta, scale, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
         nq, nq // nkv, s,
         CAUSAL=causal, D=d, BLOCK_M=m2, BLOCK_N=n2, BLOCK_D=block_d, PRECISION=_precision(q),
