@@ -163,13 +163,23 @@ class RankPool:
 _pools: dict[int, RankPool] = {}
 
 
+def _start_pool(world_size: int, attempts: int = 3) -> RankPool:
+    """A fresh pool; a port taken by another process between choosing and binding it gets a retry."""
+    for attempt in range(attempts):
+        try:
+            return RankPool(world_size)
+        except RankFailure:
+            if attempt == attempts - 1:
+                raise
+
+
 def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return each rank's result."""
     pool = _pools.get(world_size)
     if pool is None or not pool.alive():
         if pool is not None:
             pool.kill()
-        pool = _pools[world_size] = RankPool(world_size)
+        pool = _pools[world_size] = _start_pool(world_size)
     try:
         return pool.run(fn, args, timeout)
     except RankFailure:
