@@ -176,10 +176,12 @@ def attention(q, k, v, causal=True, dropout_p=0.0, backend="auto", softmax_scale
     return reference.attention(q, k, v, causal, dropout_p, softmax_scale)
 
 
-def kernel_report(device, attention_backend: str = "auto") -> dict:
-    """Which implementation each op uses on `device`, for the start-up banner."""
+def kernel_report(device, attention_backend: str = "auto", dropout_p: float = 0.0,
+                  dtype: Optional[torch.dtype] = None) -> dict:
+    """Which implementation each op uses on `device`, for the start-up banner (attention as resolved for
+    the training dropout and activation dtype; dtype None means fp16/bf16)."""
     fused = "triton" if torch.device(device).type == "cuda" and triton_available() else "reference"
     report = {op: fused for op in ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm", "apply_rope",
                                    "swiglu", "cross_entropy")}
-    report["attention"] = resolve_attention_backend(attention_backend, device)
+    report["attention"] = resolve_attention_backend(attention_backend, device, dropout_p, dtype)
     return report
