@@ -16,10 +16,10 @@ from harness import run_ranks
 VOCAB, SEQ, MICRO, GLOBAL_MICROBATCHES, STEPS = 100, 16, 2, 4, 20
 
 
-def _cfg(tp=1, pp=1, dp_optimizer=False, overlap=False, sp=False):
+def _cfg(tp=1, pp=1, dp_optimizer=False, overlap=False, sp=False, recompute=None):
     cfg = Config()
     cfg.model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB,
-                            make_vocab_size_divisible_by=16)
+                            make_vocab_size_divisible_by=16, recompute_granularity=recompute)
     cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = tp, pp
     cfg.parallel.sequence_parallel = sp
     cfg.parallel.use_distributed_optimizer, cfg.parallel.overlap_grad_reduce = dp_optimizer, overlap
@@ -61,8 +61,8 @@ def _single_rank_curve():
     return curve
 
 
-def _train(rank, world, tp, pp, overlap, reference):
-    cfg = _cfg(tp, pp, dp_optimizer=True, overlap=overlap, sp=tp > 1)
+def _train(rank, world, tp, pp, overlap, reference, recompute=None):
+    cfg = _cfg(tp, pp, dp_optimizer=True, overlap=overlap, sp=tp > 1, recompute=recompute)
     ctx = build_context(world, rank, tp, pp, sequence_parallel=tp > 1, seed=cfg.training.seed)
     try:
         chunks = build_model_chunks(cfg, ctx, vocab_size=VOCAB)
@@ -70,7 +70,7 @@ def _train(rank, world, tp, pp, overlap, reference):
         per_rank = GLOBAL_MICROBATCHES // ctx.dp_size
         shape = (SEQ // tp if tp > 1 else SEQ, MICRO, cfg.model.hidden_size)
         failures = []
-        name = f"tp{tp} pp{pp} dp{ctx.dp_size} overlap={overlap}"
+        name = f"tp{tp} pp{pp} dp{ctx.dp_size} overlap={overlap} recompute={recompute}"
         for step in range(STEPS):
             mine = _microbatches(step)[ctx.dp_rank * per_rank:(ctx.dp_rank + 1) * per_rank]
             opt.start_step(len(mine))
@@ -101,7 +101,9 @@ def _world4(rank, world, reference):
 
 
 def _world8(rank, world, reference):
-    return [f for overlap in (True, False) for f in _train(rank, world, 2, 2, overlap, reference)]
+    """With and without overlap; full and selective recomputation must not move the curve either."""
+    runs = ((True, None), (False, None), (True, "full"), (False, "selective"))
+    return [f for overlap, recompute in runs for f in _train(rank, world, 2, 2, overlap, reference, recompute)]
 
 
 @pytest.fixture(scope="module")
@@ -117,5 +119,5 @@ def test_tp2_dp2_and_dp4_distributed_optimizer_follow_single_rank(reference):
 
 
 def test_tp2_pp2_dp2_distributed_optimizer_follows_single_rank(reference):
-    problems = sorted({f for r in run_ranks(_world8, 8, reference, timeout=300) for f in r})
+    problems = sorted({f for r in run_ranks(_world8, 8, reference, timeout=480) for f in r})
     assert not problems, "\n".join(problems)
