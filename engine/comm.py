@@ -69,19 +69,6 @@ def barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
-def batch_p2p(sends: list, recvs: list, group=None) -> list:
-    """Post every (tensor, peer) send and receive at once; returns the requests to wait on.
-
-    Peers are global ranks. Batching lets gloo and nccl pair a rank's send with its neighbour's
-    receive in either order, which is what keeps 1F1B's simultaneous exchanges deadlock free.
-    """
-    ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
-    if not ops:
-        return []
-    return dist.batch_isend_irecv(ops)
-
-
 def isend(t: torch.Tensor, peer: int, group=None, tag: int = 0):
     """Non-blocking send to global rank `peer`; returns the work handle."""
     return dist.isend(t.contiguous(), dst=peer, group=group, tag=tag)
