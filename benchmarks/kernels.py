@@ -1,6 +1,6 @@
 """Times each fused kernel against PyTorch: achieved GB/s for the bandwidth-bound ops, TFLOP/s for attention.
 
-    python benchmarks/kernels.py [--out FILE.json] [--ops rms_norm,attention,...] [--reps N]
+    python benchmarks/kernels.py [--out FILE.json] [--ops rms_norm,swiglu,...] [--reps N] [--dtype D] [--quick]
 
 On a GPU it compares the Triton kernels with PyTorch eager and torch.compile (and, for attention, with
 every SDPA backend and flash-attn when installed) at training sizes. Without one it times the PyTorch
@@ -124,8 +124,8 @@ def _attention_case(b, s, nq, nkv, d, dtype, device):
     return impls, {"sdpa": [qt, kt, vt], "default": [q, k, v]}, flops, 2.5 * flops
 
 
-def _cases(device, dtype):
-    if device == "cuda":
+def _cases(device, dtype, quick=False):
+    if device == "cuda" and not quick:
         return {
             "rms_norm": lambda: _norm_case("rms_norm", 16384, 8192, dtype, device),
             "layer_norm": lambda: _norm_case("layer_norm", 16384, 8192, dtype, device),
@@ -173,7 +173,7 @@ def _measure(name, impl, fn, leaves, fwd_work, bwd_work, reps, cuda):
     return row
 
 
-def run(ops, reps, dtype_name):
+def run(ops, reps, dtype_name, quick=False):
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = getattr(torch, dtype_name) if cuda else torch.float32
@@ -183,7 +183,7 @@ def run(ops, reps, dtype_name):
         notes.append("Triton kernels need CUDA and triton: timing the PyTorch references against eager only")
     if not cuda:
         notes.append("torch.compile is skipped on CPU (its C++ build would dominate a smoke run)")
-    cases = _cases(device, dtype)
+    cases = _cases(device, dtype, quick)
     for name in ops or list(cases):
         if name not in cases:
             continue
@@ -238,6 +238,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ops", default="", help="comma-separated subset of kernels (default: all)")
     parser.add_argument("--reps", type=int, default=20, help="timed repetitions per measurement")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"), help="GPU dtype")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes on any device (a smoke run)")
     args = parser.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
     known = set(_cases("cuda", torch.float32)) | set(_cases("cpu", torch.float32))
@@ -247,7 +248,7 @@ def main(argv=None) -> int:
             else f"got {args.reps}, need at least 1"
         print(f"benchmarks/kernels.py: {'--ops' if unknown else '--reps'}: {what}", file=sys.stderr)
         return 2
-    report = run(ops, args.reps, args.dtype)
+    report = run(ops, args.reps, args.dtype, args.quick)
     print(_table(report))
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

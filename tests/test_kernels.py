@@ -1,8 +1,8 @@
 """Every fused kernel against its PyTorch reference, values and gradients.
 
 Without a GPU the Triton kernels run on CPU under Triton's interpreter at tiny shapes (fp32); with one
-they run compiled on CUDA, and the `gpu` cases add real sizes in bf16/fp16. Budget: about 60 s on a
-2-core CPU machine.
+they run compiled on CUDA, and the `gpu` cases add real sizes in bf16/fp16. Budget: about 15 s on a
+2-core CPU machine (tests/test_kernels_compile.py adds a slow ~30-60 s ahead-of-time compile check).
 """
 import importlib
 import importlib.util
@@ -334,8 +334,8 @@ def test_benchmark_script_runs_and_writes_json(tmp_path, capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "bench.json"
-    ops = "rms_norm,cross_entropy" if CUDA else "rms_norm,attention_d64"
-    assert bench.main(["--out", str(out), "--ops", ops, "--reps", "1"]) == 0
+    ops = "rms_norm,attention_d64"
+    assert bench.main(["--out", str(out), "--ops", ops, "--reps", "1", "--quick"]) == 0
     report = json.loads(out.read_text())
     assert report["device"] and {r["kernel"] for r in report["results"]} == set(ops.split(","))
     assert all("error" not in r and r["fwd_ms"] > 0 for r in report["results"])
