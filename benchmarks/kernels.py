@@ -57,16 +57,16 @@ def _norm_case(kind, m, h, dtype, device):
     if kind == "rms_norm":
         impls = {"triton": lambda: dispatch.rms_norm(x, w, EPS), "reference": lambda: reference.rms_norm(x, w, EPS),
                  "eager": lambda: F.rms_norm(x, (h,), w, EPS)}
-        return impls, [x, w], 2 * es, 3 * es
+        return impls, [x, w], 2 * es, 3 * es, {"shape": [m, h]}
     if kind == "layer_norm":
         impls = {"triton": lambda: dispatch.layer_norm(x, w, b, EPS),
                  "reference": lambda: reference.layer_norm(x, w, b, EPS),
                  "eager": lambda: F.layer_norm(x, (h,), w, b, EPS)}
-        return impls, [x, w, b], 2 * es, 3 * es
+        return impls, [x, w, b], 2 * es, 3 * es, {"shape": [m, h]}
     impls = {"triton": lambda: dispatch.add_rms_norm(x, r, w, EPS),
              "reference": lambda: reference.add_rms_norm(x, r, w, EPS),
              "eager": lambda: (lambda s: (F.rms_norm(s, (h,), w, EPS), s))(x + r)}
-    return impls, [x, r, w], 4 * es, 4 * es
+    return impls, [x, r, w], 4 * es, 4 * es, {"shape": [m, h]}
 
 
 def _rope_case(s, b, n, d, dtype, device):
@@ -76,7 +76,7 @@ def _rope_case(s, b, n, d, dtype, device):
     # No built-in RoPE op exists; "eager" is the reference formula, which is what a model would write.
     impls["eager"] = impls["reference"]
     es = x.numel() * x.element_size()
-    return impls, [x], 2 * es, 2 * es
+    return impls, [x], 2 * es, 2 * es, {"shape": [s, b, n, d]}
 
 
 def _swiglu_case(m, h, dtype, device):
@@ -84,7 +84,7 @@ def _swiglu_case(m, h, dtype, device):
     impls = {"triton": lambda: dispatch.swiglu(gate, up), "reference": lambda: reference.swiglu(gate, up),
              "eager": lambda: F.silu(gate) * up}
     es = gate.numel() * gate.element_size()
-    return impls, [gate, up], 3 * es, 5 * es
+    return impls, [gate, up], 3 * es, 5 * es, {"shape": [m, h]}
 
 
 def _ce_case(n, v, dtype, device):
@@ -96,7 +96,7 @@ def _ce_case(n, v, dtype, device):
              # Last, because its backward overwrites the logits: the extra memory is then O(rows).
              "triton-inplace": lambda: dispatch.cross_entropy(logits, target, inplace_backward=True)}
     es = logits.numel() * logits.element_size()
-    return impls, [logits], es, 2 * es
+    return impls, [logits], es, 2 * es, {"shape": [n, v], "fp32_logits_mib": n * v * 4 / 2**20}
 
 
 def _attention_case(b, s, nq, nkv, d, dtype, device):
@@ -121,7 +121,7 @@ def _attention_case(b, s, nq, nkv, d, dtype, device):
         impls["sdpa"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
     flops = 4 * b * nq * s * s * d / 2  # causal: half the score matrix
     # Each impl differentiates its own leaves; SDPA's are the transposed, expanded copies.
-    return impls, {"sdpa": [qt, kt, vt], "default": [q, k, v]}, flops, 2.5 * flops
+    return impls, {"sdpa": [qt, kt, vt], "default": [q, k, v]}, flops, 2.5 * flops, {"shape": [b, s, nq, nkv, d]}
 
 
 def _cases(device, dtype, quick=False):
@@ -169,6 +169,7 @@ def _measure(name, impl, fn, leaves, fwd_work, bwd_work, reps, cuda):
     unit, scale = ("tflops", 1e-12) if name.startswith("attention") else ("gbps", 1e-9)
     row[f"fwd_{unit}"] = round(fwd_work * scale / (row["fwd_ms"] * 1e-3), 2)
     row[f"bwd_{unit}"] = round(bwd_work * scale / (row["bwd_ms"] * 1e-3), 2)
+    row[f"fwd_bwd_{unit}"] = round((fwd_work + bwd_work) * scale / ((row["fwd_ms"] + row["bwd_ms"]) * 1e-3), 2)
     row["fwd_ms"], row["bwd_ms"] = round(row["fwd_ms"], 4), round(row["bwd_ms"], 4)
     return row
 
@@ -187,7 +188,7 @@ def run(ops, reps, dtype_name, quick=False):
     for name in ops or list(cases):
         if name not in cases:
             continue
-        impls, leaves, fwd_work, bwd_work = cases[name]()
+        impls, leaves, fwd_work, bwd_work, meta = cases[name]()
         if cuda:
             impls.pop("reference")
             if "eager" in impls and not name.startswith("attention"):
@@ -198,7 +199,7 @@ def run(ops, reps, dtype_name, quick=False):
         for impl, fn in impls.items():
             own = leaves if isinstance(leaves, list) else leaves["sdpa" if impl.startswith("sdpa") else "default"]
             try:
-                rows.append(_measure(name, impl, fn, own, fwd_work, bwd_work, reps, cuda))
+                rows.append({**_measure(name, impl, fn, own, fwd_work, bwd_work, reps, cuda), **meta})
             except Exception as exc:  # one backend failing (unsupported shape, compile error) must not stop the rest
                 rows.append({"kernel": name, "impl": impl, "error": f"{type(exc).__name__}: {exc}"[:200]})
         if cuda:
@@ -232,6 +233,31 @@ def _table(report) -> str:
     return "\n".join(lines)
 
 
+def _targets(report) -> list:
+    """The issue's acceptance figures, checked against this run's Triton rows (GPU runs only)."""
+    rows = {(r["kernel"], r["impl"]): r for r in report["results"] if "error" not in r}
+    lines = []
+    for kernel in ("rms_norm", "layer_norm", "rope", "swiglu"):
+        r = rows.get((kernel, "triton"))
+        if r:
+            verdict = "meets" if r["fwd_gbps"] >= 2600 else "misses"
+            lines.append(f"target {kernel} forward >= 2600 GB/s: {r['fwd_gbps']:.0f} GB/s, {verdict}")
+    r = rows.get(("attention_d128", "triton"))
+    sdpa = [v for (k, impl), v in rows.items() if k == "attention_d128" and impl.startswith("sdpa")]
+    if r and sdpa:
+        best = min(sdpa, key=lambda x: x["fwd_ms"] + x["bwd_ms"])
+        verdict = "meets" if r["fwd_ms"] + r["bwd_ms"] <= best["fwd_ms"] + best["bwd_ms"] else "misses"
+        lines.append(f"target attention d128 fwd+bwd <= best SDPA ({best['impl']}): "
+                     f"{r['fwd_bwd_tflops']:.0f} vs {best['fwd_bwd_tflops']:.0f} TFLOP/s, {verdict}")
+    r = rows.get(("cross_entropy", "triton-inplace"))
+    if r and "peak_extra_mib" in r:
+        limit = r["fp32_logits_mib"] / 4
+        verdict = "meets" if r["peak_extra_mib"] <= limit else "misses"
+        lines.append(f"target cross-entropy extra memory <= {limit:.0f} MiB (a quarter of fp32 logits): "
+                     f"{r['peak_extra_mib']:.0f} MiB, {verdict}")
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="kernels_benchmark.json", help="JSON report path")
@@ -249,7 +275,10 @@ def main(argv=None) -> int:
         print(f"benchmarks/kernels.py: {'--ops' if unknown else '--reps'}: {what}", file=sys.stderr)
         return 2
     report = run(ops, args.reps, args.dtype, args.quick)
+    report["targets"] = _targets(report)
     print(_table(report))
+    for line in report["targets"]:
+        print(line)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"wrote {args.out}")
