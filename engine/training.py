@@ -1,6 +1,15 @@
 """The training loop: get batch, forward-backward schedule, reduce grads, step, log, evaluate, save.
 
-`Trainer` builds everything from the config and the parallel context; `Trainer.train()` is the loop.
+`Trainer` builds everything from the config and the parallel context; `Trainer.train()` is the loop and
+`Trainer.iterate()` one pass of it (the benchmark drives it step by step). Every rank runs the same
+control flow: the loss is known on every rank and the gradient norm is global, so the stability guard
+decides the same thing everywhere and no rank is left waiting in a collective the others skipped.
+
+Iterations count from 1: the step that takes the model from iteration k-1 to k is "iteration k" in the
+console, the metrics file and `--inject-fault KIND@k`.
+
+`Trainer.phase` names the work in progress and the process groups it talks to; the launcher prints it
+when a collective fails (a dead or stuck peer), so the one error line says where the job was.
 """
 from __future__ import annotations
 
@@ -11,13 +20,15 @@ import time
 
 import torch
 
-from engine import checkpoint, comm, flops
+from engine import checkpoint, comm
 from engine.data import BatchSampler, RampupBatchSize, build_datasets, make_batch, samples_before
+from engine.layout_memory import GIB, Layout, memory_per_gpu
 from engine.metrics import MetricsWriter, format_log_line, peak_memory_gb, peak_tflops, throughput
 from engine.model import build_model_chunks
 from engine.optim import build_optimizer, lr_at
+from engine.optim.optimizer import StepResult
 from engine.pipeline import schedules
-from engine.stability import ROLLBACK, SpikeGuard, corrupt_batch, parse_faults, poison_loss
+from engine.stability import ROLLBACK, SKIP, SPIKE, SpikeGuard, corrupt_batch, parse_faults, poison_loss
 
 
 def resolve_vocab_size(cfg) -> int:
@@ -31,10 +42,15 @@ def model_dtype(cfg):
     return torch.bfloat16 if cfg.training.bf16 else torch.float16 if cfg.training.fp16 else torch.float32
 
 
+def precision_name(cfg) -> str:
+    return "bf16" if cfg.training.bf16 else "fp16" if cfg.training.fp16 else "fp32"
+
+
 class Trainer:
     def __init__(self, cfg, ctx, device, log=print):
         self.cfg, self.ctx, self.device, self.log = cfg, ctx, device, log
-        tr, par = cfg.training, cfg.parallel
+        tr = cfg.training
+        self.phase = "building the model and optimizer"
         self.vocab_size = resolve_vocab_size(cfg)
         self.dtype = model_dtype(cfg)
         self.chunks = build_model_chunks(cfg, ctx, vocab_size=self.vocab_size, device=device, dtype=self.dtype)
@@ -43,9 +59,14 @@ class Trainer:
         self.batch_size = (RampupBatchSize(*tr.rampup_batch_size, self.gbs) if tr.rampup_batch_size else self.gbs)
         seq = cfg.model.seq_length
         self.shape = (seq // ctx.tp_size if ctx.sequence_parallel else seq, tr.micro_batch_size, cfg.model.hidden_size)
+        self.phase = "building the datasets"
+        train_samples = samples_before(tr.train_iters, self.batch_size)
+        if cfg.stability.spike_rollback_after:
+            # A rollback skips the data it was on instead of replaying it: room for one run's worth of skips.
+            train_samples *= 2
         eval_runs = (tr.train_iters // cfg.logging.eval_interval + 1) if cfg.logging.eval_interval else 0
         self.train_ds, self.valid_ds, _ = build_datasets(
-            cfg, samples_before(tr.train_iters, self.batch_size), eval_runs * cfg.logging.eval_iters * self.gbs, 0)
+            cfg, train_samples, eval_runs * cfg.logging.eval_iters * self.gbs, 0)
         self.guard = SpikeGuard.from_config(cfg.stability)
         self.faults = parse_faults(cfg.stability.inject_fault)
         self.iteration, self.consumed, self.skipped = 0, 0, 0
@@ -55,18 +76,32 @@ class Trainer:
         self.metrics = MetricsWriter(cfg, ctx.rank, start_iteration=self.iteration)
         self.peak = peak_tflops(cfg, torch.device(device))
         self.preemption = checkpoint.PreemptionHandler(cfg.checkpoint.exit_duration_in_mins, device=device)
+        self.profiler = None
+        self.profiled = False
+        self.phase = "starting"
 
     # ------------------------------------------------------------------ state
-    def resume(self) -> bool:
-        load_dir = self.cfg.checkpoint.load or self.save_dir
-        if not load_dir or checkpoint.latest_iteration(load_dir) is None:
-            return False
+    def checkpoint_source(self):
+        """Where to resume from: --save when it holds a checkpoint (a restarted job), else --load."""
+        if self.save_dir and checkpoint.latest_iteration(self.save_dir) is not None:
+            return self.save_dir
+        load = self.cfg.checkpoint.load
+        return load if load and checkpoint.latest_iteration(load) is not None else None
+
+    def _load(self, load_dir):
+        self.phase = f"loading the checkpoint in {load_dir} (all ranks)"
         extra = checkpoint.load_checkpoint(load_dir, self.chunks, self.optimizer, self.ctx, self.cfg,
                                            fallback=self.cfg.checkpoint.ckpt_fallback,
                                            load_optim=not self.cfg.checkpoint.no_load_optim)
+        if extra is not None:
+            self.iteration, self.consumed = extra["iteration"], extra["consumed_samples"]
+        return extra
+
+    def resume(self) -> bool:
+        load_dir = self.checkpoint_source()
+        extra = self._load(load_dir) if load_dir else None
         if extra is None:
             return False
-        self.iteration, self.consumed = extra["iteration"], extra["consumed_samples"]
         self.skipped = extra.get("skipped", 0)
         if "guard" in extra:
             self.guard.load_state_dict(extra["guard"])
@@ -74,24 +109,32 @@ class Trainer:
         return True
 
     def save(self) -> None:
+        self.phase = f"saving the checkpoint of iteration {self.iteration} (all ranks)"
         extra = {"consumed_samples": self.consumed, "skipped": self.skipped, "guard": self.guard.state_dict(),
                  "data": {"consumed_samples": self.consumed}}
         checkpoint.save_checkpoint(self.save_dir, self.iteration, self.chunks, self.optimizer, self.ctx, self.cfg,
                                    extra, async_save=self.cfg.checkpoint.async_save)
 
     def rollback(self) -> None:
-        """Reload the newest checkpoint, skip the data the spike came from, lower the LR for a while."""
-        spike_consumed = self.consumed
+        """Reload the newest checkpoint, skip the data the spike came from, lower the LR for a while.
+
+        The live guard and skip count are kept (not the checkpoint's): they record what happened.
+        """
+        spike_iteration, spike_consumed = self.iteration, self.consumed
         checkpoint.finalize_async()
-        if not self.resume():
-            self.log("rollback requested but no checkpoint exists; continuing")
+        load_dir = self.checkpoint_source()
+        if load_dir is None or self._load(load_dir) is None:
+            self.metrics.log_event(spike_iteration, "rollback_impossible", reason="no checkpoint to roll back to")
+            self.log(f"iteration {spike_iteration}: rollback requested but no checkpoint exists; continuing")
             return
         self.guard.rolled_back(self.iteration)
         self.consumed = spike_consumed  # the batches since the checkpoint are not replayed
-        self.metrics.log_event(self.iteration, "rollback", resumed_iteration=self.iteration,
-                               skipped_to_samples=spike_consumed)
-        self.log(f"rolled back to iteration {self.iteration}; data skipped to sample {spike_consumed}; "
-                 f"LR x{self.guard.lr_multiplier(self.iteration + 1)}")
+        lr_until = self.iteration + self.guard.lr_steps
+        self.metrics.log_event(spike_iteration, "rollback", resumed_iteration=self.iteration,
+                               skipped_to_samples=spike_consumed, lr_factor=self.guard.lr_factor,
+                               lr_factor_until_iteration=lr_until, rollbacks=self.guard.rollbacks)
+        self.log(f"iteration {spike_iteration}: rolled back to the checkpoint of iteration {self.iteration}; "
+                 f"data skipped to sample {spike_consumed}; LR x{self.guard.lr_factor} through iteration {lr_until}")
 
     # ------------------------------------------------------------------ one step
     def microbatches(self, dataset, consumed: int, global_batch: int) -> list:
@@ -103,6 +146,12 @@ class Trainer:
         return self.batch_size(self.iteration) if callable(self.batch_size) else self.batch_size
 
     def train_step(self):
+        """Forward-backward over this iteration's microbatches, grad reduction, optimizer step.
+
+        A non-finite loss skips the optimizer step outright (the gradients cannot be trusted even when
+        their norm is finite); a non-finite gradient norm makes the optimizer skip it.
+        """
+        ctx = self.ctx
         gbs = self.global_batch()
         mbs = self.microbatches(self.train_ds, self.consumed, gbs)
         fault = self.faults.pop(self.iteration + 1, None)
@@ -114,75 +163,132 @@ class Trainer:
         scale = self.optimizer.scale_loss
         if fault == "nan":
             scale = lambda loss: poison_loss(self.optimizer.scale_loss(loss))  # noqa: E731
-        loss = schedules.run(self.chunks, mbs, self.ctx, shape=self.shape, dtype=self.dtype, device=self.device,
+        self.phase = (f"forward/backward schedule of iteration {self.iteration + 1} (pipeline send/recv in pp "
+                      f"group {ctx.pp_ranks}, tensor-parallel collectives in tp group {ctx.tp_ranks})")
+        loss = schedules.run(self.chunks, mbs, ctx, shape=self.shape, dtype=self.dtype, device=self.device,
                              scale_loss=scale, trace=self.trace)
+        self.phase = f"gradient reduction of iteration {self.iteration + 1} (dp group {ctx.dp_ranks})"
         self.optimizer.finish_grad_sync()
         if fault == "nan":
             loss = float("nan")
-        position = self.iteration
-        lr = lr_at(position, self.cfg.optim, self.cfg.training.train_iters) * self.guard.lr_multiplier(self.iteration + 1)
-        result = self.optimizer.step(lr)
+        lr = lr_at(self.iteration, self.cfg.optim, self.cfg.training.train_iters) * \
+            self.guard.lr_multiplier(self.iteration + 1)
+        self.phase = (f"optimizer step of iteration {self.iteration + 1} (grad-norm all-reduce over the model's "
+                      f"groups, parameter all-gather in dp group {ctx.dp_ranks})")
+        if math.isfinite(loss):
+            result = self.optimizer.step(lr)
+        else:
+            result = StepResult(False, float("nan"), self.optimizer.scaler.scale)
         self.iteration += 1
         self.consumed += gbs
         return loss, lr, result, gbs
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        ctx = self.ctx
+        self.phase = (f"evaluation at iteration {self.iteration} (pipeline send/recv in pp group {ctx.pp_ranks}, "
+                      f"tp group {ctx.tp_ranks}, dp group {ctx.dp_ranks})")
         for model in self.chunks:
             model.eval()
-        losses, start = [], (self.iteration // self.cfg.logging.eval_interval - 1) * self.cfg.logging.eval_iters * self.gbs
-        for i in range(self.cfg.logging.eval_iters):
+        lg = self.cfg.logging
+        losses, start = [], (self.iteration // lg.eval_interval - 1) * lg.eval_iters * self.gbs
+        for i in range(lg.eval_iters):
             mbs = self.microbatches(self.valid_ds, (start + i * self.gbs) % max(len(self.valid_ds) - self.gbs + 1, 1),
                                     self.gbs)
-            losses.append(schedules.run(self.chunks, mbs, self.ctx, shape=self.shape, dtype=self.dtype,
+            losses.append(schedules.run(self.chunks, mbs, ctx, shape=self.shape, dtype=self.dtype,
                                         device=self.device, forward_only=True))
         return sum(losses) / len(losses)
 
     # ------------------------------------------------------------------ the loop
-    def train(self) -> None:
+    def iterate(self) -> bool:
+        """One iteration: step, stability guard, metrics, then roll back or evaluate and save as due.
+
+        Returns False when the run must stop now (pre-emption signal or --exit-duration-in-mins).
+        """
         cfg = self.cfg
         tr, lg, ck = cfg.training, cfg.logging, cfg.checkpoint
-        tokens_per_sample = cfg.model.seq_length
-        start_time, last = time.time(), time.time()
-        while self.iteration < tr.train_iters:
-            loss, lr, result, gbs = self.train_step()
-            decision = self.guard.check(self.iteration, loss, result.grad_norm)
-            if not result.updated or decision.kind == "skip":
-                self.skipped += 1
-                self.metrics.log_event(self.iteration, "skip", loss=loss, grad_norm=result.grad_norm)
-            elif decision.kind in ("spike", ROLLBACK):
-                self.metrics.log_event(self.iteration, "spike", loss=loss, threshold=self.guard.threshold())
-            now = time.time()
-            record = {"iteration": self.iteration, "train_iters": tr.train_iters, "consumed_samples": self.consumed,
-                      "consumed_tokens": self.consumed * tokens_per_sample, "lm_loss": loss, "lr": lr,
-                      "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
-                      "skipped": self.skipped, "mem_peak_gb": peak_memory_gb(torch.device(self.device)),
-                      "eta_s": (now - start_time) / max(self.iteration, 1) * (tr.train_iters - self.iteration)}
-            record.update(throughput(cfg, gbs, now - last, self.ctx.world_size, self.peak))
-            last = now
-            self.metrics.log_train(record)
-            if self.iteration % lg.log_interval == 0 and self.ctx.rank == 0:
-                self.log(format_log_line(record))
-            if decision.kind == ROLLBACK and self.save_dir:
-                self.rollback()
-                continue
-            if lg.eval_interval and self.iteration % lg.eval_interval == 0 and self.valid_ds is not None:
-                vloss = self.evaluate()
-                self.metrics.log_valid(self.iteration, vloss)
-                if self.ctx.rank == 0:
-                    self.log(f"validation at iteration {self.iteration}: loss {vloss:.4f} "
-                             f"ppl {math.exp(min(vloss, 20)):.2f}")
-            stop = self.preemption.should_stop()
-            if self.save_dir and ((ck.save_interval and self.iteration % ck.save_interval == 0) or stop):
-                self.save()
-            if stop:
-                self.log(f"stopping at iteration {self.iteration} (pre-emption signal or --exit-duration-in-mins)")
-                break
-        if self.save_dir and self.iteration == tr.train_iters and checkpoint.latest_iteration(self.save_dir) != self.iteration:
+        self._profile_start()
+        start = time.time()
+        loss, lr, result, gbs = self.train_step()
+        decision = self.guard.check(self.iteration, loss, result.grad_norm)
+        self.phase = f"pre-emption check after iteration {self.iteration} (all-reduce over all ranks)"
+        stop = self.preemption.should_stop()
+        seconds = time.time() - start
+        self._report(decision, loss, result)
+        record = {"iteration": self.iteration, "train_iters": tr.train_iters, "consumed_samples": self.consumed,
+                  "consumed_tokens": self.consumed * cfg.model.seq_length, "lm_loss": loss, "lr": lr,
+                  "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped": self.skipped,
+                  "spikes": self.guard.spikes, "rollbacks": self.guard.rollbacks,
+                  "mem_peak_gb": peak_memory_gb(torch.device(self.device))}
+        record.update(throughput(cfg, gbs, seconds, self.ctx.world_size, self.peak))
+        self.metrics.log_train(record)
+        if self.iteration % lg.log_interval == 0:
+            self.log(format_log_line(record))
+        self._profile_stop()
+        rolled_back = decision.kind == ROLLBACK
+        if rolled_back:
+            self.rollback()
+        elif lg.eval_interval and self.iteration % lg.eval_interval == 0 and self.valid_ds is not None:
+            vloss = self.evaluate()
+            self.metrics.log_valid(self.iteration, vloss)
+            self.log(f"validation at iteration {self.iteration}: loss {vloss:.4f} ppl {math.exp(min(vloss, 20)):.2f}")
+        due = ck.save_interval and self.iteration % ck.save_interval == 0 and not rolled_back  # not a re-save
+        if self.save_dir and (due or stop):
             self.save()
+        if stop:
+            self.log(f"stopping at iteration {self.iteration}: {self.preemption.reason}; checkpoint saved")
+        return not stop
+
+    def _report(self, decision, loss: float, result) -> None:
+        """Count and log what the guard decided (every rank decides the same; rank 0 writes)."""
+        if not result.updated or decision.kind == SKIP:
+            self.skipped += 1
+            reason = "non-finite loss" if not math.isfinite(loss) else "non-finite gradient norm"
+            self.metrics.log_event(self.iteration, "skip", reason=reason, loss=loss, grad_norm=result.grad_norm,
+                                   skipped=self.skipped)
+            self.log(f"iteration {self.iteration}: step skipped ({reason}); {self.skipped} skipped so far")
+        elif decision.kind in (SPIKE, ROLLBACK):
+            self.metrics.log_event(self.iteration, "spike", **decision.info)
+            self.log(f"iteration {self.iteration}: loss spike {loss:.4f} above {decision.info['threshold']:.4f} "
+                     f"({decision.info['spikes_in_window']} in the window)")
+
+    def train(self) -> None:
+        cfg = self.cfg
+        while self.iteration < cfg.training.train_iters and self.iterate():
+            pass
+        if self.save_dir and self.iteration == cfg.training.train_iters and \
+                checkpoint.latest_iteration(self.save_dir) != self.iteration:
+            self.save()
+        self.phase = "finishing the last asynchronous checkpoint save"
         checkpoint.finalize_async()
+        self._profile_stop(force=True)
         self.write_trace()
         self.metrics.close()
+        self.preemption.restore()
+        self.phase = "tearing down"
+
+    # ------------------------------------------------------------------ profiling and traces
+    def _profile_start(self) -> None:
+        """Start torch.profiler before the step numbered --profile-step-start (or later, on a resumed run)."""
+        lg = self.cfg.logging
+        if not lg.profile or self.profiler is not None or self.profiled:
+            return
+        if lg.profile_step_start <= self.iteration + 1 <= lg.profile_step_end:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.device(self.device).type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+            self.profiler.start()
+
+    def _profile_stop(self, force: bool = False) -> None:
+        """After --profile-step-end: write the trace (one file per rank) into --tensorboard-dir."""
+        if self.profiler is None or not (force or self.iteration >= self.cfg.logging.profile_step_end):
+            return
+        self.profiler.stop()
+        out = self.cfg.logging.tensorboard_dir
+        torch.profiler.tensorboard_trace_handler(out, worker_name=f"rank{self.ctx.rank}")(self.profiler)
+        self.profiler, self.profiled = None, True
+        self.log(f"profiler trace of iterations {self.cfg.logging.profile_step_start}-{self.iteration} written to {out}")
 
     def write_trace(self) -> None:
         if self.trace is None:
@@ -195,17 +301,59 @@ class Trainer:
                                      "chunk": chunk, "start": t0, "end": t1}) + "\n")
 
 
+# ---------------------------------------------------------------------- start-up banner
+def stage_parameters(chunks, ctx) -> list:
+    """Parameters of each pipeline stage, whole tensors (tp shards counted once), the tied embedding's copy
+    on the last stage not counted. Collective: every rank calls it (all_gather_object over all ranks)."""
+    mine = sum(math.prod(getattr(p, "full_shape", p.shape)) for c in chunks for p in c.parameters()
+               if not (getattr(p, "shared_embedding", False) and not ctx.is_first_stage))
+    per_stage = [0] * ctx.pp_size
+    for pp_rank, tp_rank, dp_rank, count in comm.all_gather_object((ctx.pp_rank, ctx.tp_rank, ctx.dp_rank, mine)):
+        if tp_rank == 0 and dp_rank == 0:
+            per_stage[pp_rank] = count
+    return per_stage
+
+
+def memory_estimate(cfg, ctx, global_batch: int, attention: str):
+    """engine.layout_memory's estimate for this run's layout (the busiest pipeline stage)."""
+    par, tr, m = cfg.parallel, cfg.training, cfg.model
+    layout = Layout(tp=ctx.tp_size, pp=ctx.pp_size, dp=ctx.dp_size, vpp=ctx.vpp_size,
+                    micro_batch_size=tr.micro_batch_size, recompute=m.recompute_granularity or "none",
+                    sequence_parallel=ctx.sequence_parallel, distributed_optimizer=par.use_distributed_optimizer,
+                    first_stage_layers=par.decoder_first_pipeline_num_layers,
+                    last_stage_layers=par.decoder_last_pipeline_num_layers)
+    microbatches = global_batch // (tr.micro_batch_size * ctx.dp_size)
+    return memory_per_gpu(m, layout, m.seq_length, microbatches, precision_name(cfg),
+                          flash_attention=attention != "local")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2 ** 20:.2f} MiB"
+
+
 def banner(cfg, ctx, trainer, layout: str) -> str:
-    """Start-up summary printed by rank 0: layout, parameters, batch arithmetic, kernels."""
+    """Start-up summary (rank 0 prints it): layout, parameters per stage, batch arithmetic, memory, kernels.
+
+    Collective (the per-stage parameter count is gathered from every rank): every rank calls it.
+    """
     from kernels import dispatch
-    local = sum(p.numel() for c in trainer.chunks for p in c.parameters())
-    total = flops.count_parameters(cfg.model, trainer.vocab_size) if hasattr(flops, "count_parameters") else None
+    trainer.phase = "start-up banner (all_gather_object over all ranks)"
+    per_stage = stage_parameters(trainer.chunks, ctx)
     tr = cfg.training
     accum = trainer.gbs // (tr.micro_batch_size * ctx.dp_size)
+    kernels = dispatch.kernel_report(torch.device(trainer.device), cfg.model.attention_backend)
+    mem = memory_estimate(cfg, ctx, trainer.gbs, kernels["attention"])
+    ramp = f" (ramp-up: {' '.join(map(str, tr.rampup_batch_size))})" if tr.rampup_batch_size else ""
+    stages = ", ".join(f"stage {i}: {n:,}" for i, n in enumerate(per_stage))
     lines = [f"Ternion: world {ctx.world_size} = tp {ctx.tp_size} x pp {ctx.pp_size} x dp {ctx.dp_size}"
              f"{f' (vpp {ctx.vpp_size})' if ctx.vpp_size > 1 else ''}, sequence parallel {ctx.sequence_parallel}",
              layout,
-             f"parameters on rank 0 (pp stage 0): {local:,}" + (f"; model total {total:,}" if total else ""),
-             f"batch: micro {tr.micro_batch_size} x dp {ctx.dp_size} x accumulation {accum} = global {trainer.gbs}",
-             f"kernels: {json.dumps(dispatch.kernel_report(torch.device(trainer.device), cfg.model.attention_backend))}"]
+             f"parameters: {sum(per_stage):,} in total; per pipeline stage: {stages}",
+             f"batch: micro {tr.micro_batch_size} x dp {ctx.dp_size} x accumulation {accum} = global "
+             f"{trainer.gbs}{ramp}; {trainer.gbs * cfg.model.seq_length:,} tokens per iteration",
+             f"memory per GPU (estimate, busiest stage {mem.rank}, {precision_name(cfg)}): {_size(mem.total)} = "
+             f"{_size(mem.allocated)} allocated (weights {_size(mem.weights)}, grads {_size(mem.grads)}, optimizer "
+             f"{_size(mem.optimizer)}, activations {_size(mem.activations)}, logits {_size(mem.logits)}) "
+             f"+ allocator slack and the CUDA-context reserve",
+             f"kernels: {json.dumps(kernels)}"]
     return "\n".join(lines)

@@ -3,12 +3,19 @@
 Order of work: parse and validate every flag (a user mistake ends here with one line and exit 2,
 before any process group exists), pick the device and backend, build the process groups, then hand
 over to engine.training.Trainer. Teardown is ordered (barrier, destroy) so gloo exits cleanly.
+
+Failures once the groups exist: a collective that fails (a peer died, or stalled past
+--distributed-timeout-minutes, after which gloo raises inside the collective) ends this rank with one
+line naming the operation and its group and exit code 1, at once and without the teardown barrier, so
+no rank waits on a dead peer and torchrun (--max-restarts) can restart the job, which then resumes from
+the latest checkpoint. Any other exception is printed with its traceback and ends the rank the same way.
 """
 from __future__ import annotations
 
 import datetime
 import os
 import sys
+import traceback
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,6 +33,58 @@ def _fail(message: str, rank: int) -> int:
     return 2
 
 
+def _check_run_flags(cfg) -> None:
+    """Checks of the launcher's own flags (the engine's are in engine.config.validate)."""
+    lg = cfg.logging
+    if lg.profile and not lg.tensorboard_dir:
+        raise ConfigError("--profile: the trace is written into the TensorBoard directory; add --tensorboard-dir DIR")
+    if lg.profile and not 1 <= lg.profile_step_start <= lg.profile_step_end:
+        raise ConfigError(f"--profile-step-start {lg.profile_step_start}: must be at least 1 and at most "
+                          f"--profile-step-end {lg.profile_step_end}")
+    if cfg.parallel.distributed_timeout_minutes <= 0:
+        raise ConfigError(f"--distributed-timeout-minutes {cfg.parallel.distributed_timeout_minutes}: must be "
+                          f"positive (e.g. 10)")
+
+
+def _is_collective_failure(error: BaseException) -> bool:
+    import torch.distributed as dist
+    text = str(error)
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and any(
+        marker in text for marker in ("gloo", "Gloo", "NCCL", "Connection closed", "Connection reset", "Timed out",
+                                      "timed out", "Broken pipe")))
+
+
+def _die(error: BaseException, rank: int, where: str, timeout_minutes: float) -> None:
+    """One line naming the failed operation, then exit 1 at once: no teardown barrier a dead peer would block."""
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    if _is_collective_failure(error):
+        print(f"pretrain_gpt.py: rank {rank}: collective failed during {where}: {first[:300]} "
+              f"(a peer rank died or stalled; --distributed-timeout-minutes {timeout_minutes:g}); stopping",
+              file=sys.stderr, flush=True)
+    else:
+        traceback.print_exc()
+        print(f"pretrain_gpt.py: rank {rank}: {type(error).__name__} during {where}: {first[:300]}; stopping",
+              file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def _restart_store(rank: int, world: int, timeout):
+    """The rendezvous store of a torchrun worker, its keys prefixed by the restart attempt (else None).
+
+    torchrun's agent keeps one store for the whole job; after a restart, the new workers would read the
+    addresses the failed attempt's workers published there and fail to connect to dead peers.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        return None
+    import torch.distributed as dist
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                         is_master=rank == 0 and not agent_hosts_it, timeout=timeout, multi_tenant=True)
+    return dist.PrefixStore(f"ternion/attempt_{attempt}", base)
+
+
 def main(argv=None) -> int:
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     try:
@@ -33,6 +92,7 @@ def main(argv=None) -> int:
         if cfg.parallel.gpus_per_node is None and "LOCAL_WORLD_SIZE" in os.environ:
             cfg.parallel.gpus_per_node = _env_int("LOCAL_WORLD_SIZE", world)
         validate(cfg, world)
+        _check_run_flags(cfg)
         from engine.training import resolve_vocab_size
         if not cfg.model.vocab_size:
             cfg.model.vocab_size = resolve_vocab_size(cfg)
@@ -56,12 +116,15 @@ def main(argv=None) -> int:
     timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     if "MASTER_ADDR" not in os.environ:  # plain `python launch/pretrain_gpt.py`: a world of one
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-    ctx = None
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                            store=_restart_store(rank, world, timeout))
+    ctx = trainer = None
+    where = "building the process groups"
     try:
         par = cfg.parallel
         ctx = build_context(world, rank, cfg.tp, cfg.pp, cfg.vpp, par.sequence_parallel, par.gpus_per_node,
                             par.distributed_timeout_minutes, cfg.training.seed, "cuda" if use_cuda else "cpu")
+        where = "building the model, optimizer and data"
         log = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)
         with warnings.catch_warnings():
             if rank != 0:
@@ -71,6 +134,8 @@ def main(argv=None) -> int:
             trainer.train()
     except ConfigError as e:
         return _fail(str(e), rank)
+    except Exception as e:  # noqa: BLE001 - every failure must end this rank now, never hang in teardown
+        _die(e, rank, trainer.phase if trainer is not None else where, cfg.parallel.distributed_timeout_minutes)
     finally:
         if dist.is_initialized():
             dist.barrier()
