@@ -21,18 +21,17 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         from triton.runtime import interpreter as _interp
-
-        # Triton 3.6's interpreter holds scalars as 1-element arrays and int()s them for `range` bounds,
-        # which numpy >= 2.4 rejects; .item() is what it means.
-        _orig_patch = _interp._patch_lang_tensor
-
+    except ImportError:
+        _interp = None
+    # Triton 3.6's interpreter holds scalars as 1-element arrays and int()s them for `range` bounds,
+    # which numpy >= 2.4 rejects; .item() is what it means.
+    _orig_patch = getattr(_interp, "_patch_lang_tensor", None)
+    if _orig_patch is not None:
         def _patch_lang_tensor(tensor, scope):
             _orig_patch(tensor, scope)
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
         _interp._patch_lang_tensor = _patch_lang_tensor
-    except ImportError:
-        pass
     for _name in ("norm_triton", "rope_triton", "swiglu_triton", "ce_triton", "flash_triton"):
         if f"kernels.{_name}" in sys.modules:
             importlib.reload(sys.modules[f"kernels.{_name}"])
