@@ -397,6 +397,9 @@ def validate(cfg: Config, world_size: int) -> None:
     if par.gpus_per_node and par.gpus_per_node % tp:
         _err("--tensor-model-parallel-size", tp,
              f"must divide --gpus-per-node {par.gpus_per_node} so no TP group spans two nodes")
+    if m.attention_backend == "triton" and m.attention_dropout > 0:
+        _err("--attention-backend", "triton", "the Triton flash kernel has no dropout; use --attention-dropout 0 "
+                                              "or --attention-backend sdpa")
     if opt.lr_decay_style == "wsd" and not opt.lr_wsd_decay_iters:
         _err("--lr-decay-style", "wsd", "also give --lr-wsd-decay-iters (length of the final decay)")
     if opt.min_lr > opt.lr:
