@@ -78,6 +78,7 @@ class Trainer:
         self.preemption = checkpoint.PreemptionHandler(cfg.checkpoint.exit_duration_in_mins, device=device)
         self.profiler = None
         self.profiled = False
+        self.last_record = None  # the latest training record (for callers that drive iterate())
         self.phase = "starting"
 
     # ------------------------------------------------------------------ state
@@ -222,6 +223,7 @@ class Trainer:
                   "mem_peak_gb": peak_memory_gb(torch.device(self.device))}
         record.update(throughput(cfg, gbs, seconds, self.ctx.world_size, self.peak))
         self.metrics.log_train(record)
+        self.last_record = record
         if self.iteration % lg.log_interval == 0:
             self.log(format_log_line(record))
         self._profile_stop()
