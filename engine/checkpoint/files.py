@@ -108,6 +108,12 @@ def write_json_durable(path: str, obj) -> None:
         os.fsync(fh.fileno())
 
 
+def write_json_atomic(path: str, obj) -> None:
+    """Durable, and never seen half written by a reader polling for `path`."""
+    write_json_durable(path + ".part", obj)
+    os.replace(path + ".part", path)
+
+
 def read_latest(save_dir: str) -> Optional[int]:
     path = os.path.join(save_dir, LATEST_FILE)
     if not os.path.isfile(path):

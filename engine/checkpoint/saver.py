@@ -24,7 +24,7 @@ import torch
 from engine.checkpoint import files, rng
 from engine.checkpoint.layout import local_tensors
 from engine.checkpoint.reader import FORMAT
-from engine.checkpoint.sync import gather_objects, barrier
+from engine.checkpoint.sync import any_rank, gather_objects
 
 _MARKER = ".done.rank{:05d}.json"
 _pending: Optional["_Save"] = None
@@ -53,18 +53,26 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks: list, optimizer
         job.thread.start()
         return
     job.run()
-    job.raise_if_failed()
-    barrier()  # every rank returns once the checkpoint is published
+    _agree(job)  # every rank returns once the checkpoint is published, or every rank raises
 
 
 def finalize_async() -> None:
-    """Wait for the save in flight, if any; raise if it failed. Call before exiting."""
+    """Wait for the save in flight, if any; raise if it failed. Every rank calls it (before exiting too).
+
+    The barrier matters: only rank 0 publishes, so the others must not look for the checkpoint earlier.
+    """
     global _pending
     job, _pending = _pending, None
     if job is None:
         return
     job.thread.join()
-    job.raise_if_failed()
+    _agree(job)
+
+
+def _agree(job: "_Save") -> None:
+    if any_rank(job.error is not None):
+        job.error = job.error or "another rank failed to write its part"
+        job.raise_if_failed()
 
 
 def _copy(t: torch.Tensor, copy: bool) -> torch.Tensor:
@@ -177,7 +185,7 @@ class _Save:
         except Exception as e:  # reported by raise_if_failed; a crashed writer must not kill training silently
             self.error = f"{type(e).__name__}: {e}"
             if self.rank != 0:
-                files.write_json_durable(os.path.join(self.tmp, _MARKER.format(self.rank)), {"error": self.error})
+                files.write_json_atomic(os.path.join(self.tmp, _MARKER.format(self.rank)), {"error": self.error})
 
     def _write_shards(self) -> None:
         if not self.shards:
@@ -189,7 +197,7 @@ class _Save:
             sha = files.write_safetensors(path, specs, items)
             done[name] = {"bytes": os.path.getsize(path), "sha256": sha}
         self.shards = None  # drop the copies as soon as they are on disk
-        files.write_json_durable(os.path.join(self.tmp, _MARKER.format(self.rank)), done)
+        files.write_json_atomic(os.path.join(self.tmp, _MARKER.format(self.rank)), done)
 
     def _publish(self) -> None:
         self.meta["files"] = self._collect_markers()
