@@ -19,14 +19,18 @@ from typing import Iterable, Optional
 
 import torch
 
+from engine.config import ConfigError
+
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 METADATA_FILE = "metadata.json"
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
+_STALE_RE = re.compile(r"^(iter_\d{7}\.(tmp|deleting\d+)|" + re.escape(LATEST_FILE) + r"\.tmp\d+)$")
 
 DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                torch.bool: "BOOL"}
 DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in DTYPE_CODES}
+_CODE_DTYPES = {code: d for d, code in DTYPE_CODES.items()}
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -80,6 +84,57 @@ def write_safetensors(path: str, specs: list, tensors: Iterable, metadata: Optio
         fh.flush()
         os.fsync(fh.fileno())
     return digest.hexdigest()
+
+
+class TensorFile:
+    """Reads tensors, or row ranges of them, from a safetensors file with plain reads.
+
+    Plain reads rather than safetensors' mmap: mapped pages would stay in the process's resident
+    set until the file is closed, so a merge of the whole model would look (and be counted) as large
+    as the model. Here memory is exactly the tensors asked for.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fh = open(path, "rb", buffering=0)
+        try:
+            (size,) = struct.unpack("<Q", self._fh.read(8))
+            header = json.loads(self._fh.read(size))
+        except (struct.error, ValueError):
+            raise ConfigError(f"{path} is not a readable safetensors file (damaged header)") from None
+        header.pop("__metadata__", None)
+        self.entries, self._start = header, 8 + size
+
+    def keys(self) -> list:
+        return list(self.entries)
+
+    def shape(self, key: str) -> tuple:
+        return tuple(self.entries[key]["shape"])
+
+    def read(self, key: str, axis: Optional[int] = None, lo: Optional[int] = None, hi: Optional[int] = None):
+        """The tensor `key`, or its slice [lo, hi) along `axis`."""
+        entry = self.entries[key]
+        dtype, shape = _CODE_DTYPES[entry["dtype"]], list(entry["shape"])
+        begin, end = entry["data_offsets"]
+        if axis is None or (lo, hi) == (0, shape[axis]):
+            return self._read_bytes(begin, end - begin).view(dtype).view(shape)
+        if torch.Size(shape[:axis]).numel() == 1:  # a contiguous block of rows
+            row = (end - begin) // shape[axis]
+            out_shape = shape[:axis] + [hi - lo] + shape[axis + 1:]
+            return self._read_bytes(begin + lo * row, (hi - lo) * row).view(dtype).view(out_shape)
+        whole = self._read_bytes(begin, end - begin).view(dtype).view(shape)
+        return whole.narrow(axis, lo, hi - lo).contiguous()
+
+    def _read_bytes(self, offset: int, nbytes: int) -> torch.Tensor:
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        view, done = memoryview(out.numpy()), 0
+        self._fh.seek(self._start + offset)
+        while done < nbytes:
+            got = self._fh.readinto(view[done:])
+            if not got:
+                raise ConfigError(f"{self.path} is truncated (a tensor runs past the end of the file)")
+            done += got
+        return out
 
 
 def sha256_file(path: str, chunk: int = 1 << 22) -> str:
@@ -140,8 +195,8 @@ def remove_tree(path: str) -> None:
 
 
 def remove_stale(save_dir: str) -> None:
-    """Leftovers of saves or deletions that a crash interrupted."""
+    """Leftovers of saves or deletions that a crash interrupted (only names this module makes)."""
     for name in os.listdir(save_dir):
-        if ".tmp" in name or ".deleting" in name or ".replaced" in name:
+        if _STALE_RE.match(name):
             path = os.path.join(save_dir, name)
             shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)

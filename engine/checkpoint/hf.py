@@ -34,13 +34,13 @@ def architecture(cfg: Config) -> str:
                       "(LayerNorm, learned positions, GELU, biases, tied embeddings, MHA); use --format native")
 
 
-def _split_qkv(qkv: torch.Tensor, m) -> tuple:
-    """Group-interleaved fused rows -> (q, k, v) rows in head order; works for weights and biases."""
+def _qkv_rows(m, part=None) -> torch.Tensor:
+    """Row indices taking the group-interleaved fused QKV to q, k or v (part 0, 1, 2), or all three in turn."""
     groups, d = m.resolved_query_groups(), m.head_dim()
     per = m.num_attention_heads // groups
-    x = qkv.view(groups, per + 2, d, *qkv.shape[1:])
-    rest = qkv.shape[1:]
-    return (x[:, :per].reshape(-1, *rest), x[:, per].reshape(-1, *rest), x[:, per + 1].reshape(-1, *rest))
+    rows = torch.arange(groups * (per + 2) * d).view(groups, per + 2, d)
+    q, k, v = rows[:, :per].reshape(-1), rows[:, per].reshape(-1), rows[:, per + 1].reshape(-1)
+    return torch.cat((q, k, v)) if part is None else (q, k, v)[part]
 
 
 def _llama(reader: CheckpointReader, cfg: Config) -> tuple:
@@ -105,17 +105,16 @@ def _gpt2(reader: CheckpointReader, cfg: Config) -> tuple:
 
 
 def _transform(t: torch.Tensor, how, m) -> torch.Tensor:
+    """One copy at most besides the transpose: peak memory stays near two copies of the tensor."""
     if how is None:
         return t
     kind, arg = how
-    if kind == "qkv":
-        return _split_qkv(t, m)[arg]
     if kind == "stack":
         return t[arg]
     if kind == "t":
-        return t.t()
-    cat = torch.cat(_split_qkv(t, m), dim=0)
-    return cat.t() if kind == "qkv_cat_t" else cat
+        return t.t().contiguous()
+    picked = t.index_select(0, _qkv_rows(m, arg if kind == "qkv" else None))
+    return picked.t().contiguous() if kind == "qkv_cat_t" else picked
 
 
 def _out_shape(shape: tuple, how, m) -> tuple:

@@ -53,22 +53,21 @@ def merge_native(reader: CheckpointReader, out_dir: str) -> None:
 @torch.no_grad()
 def load_merged(path: str, model_chunks: list, ctx) -> dict:
     """Load a native merged checkpoint (a folder from merge_ckpt.py) into model chunks; return its config.json."""
-    from safetensors import safe_open
     weights, cfg_path = os.path.join(path, MERGED_WEIGHTS), os.path.join(path, MERGED_CONFIG)
     if not (os.path.isfile(weights) and os.path.isfile(cfg_path)):
         raise ConfigError(f"{path} is not a merged checkpoint ({MERGED_WEIGHTS} and {MERGED_CONFIG} expected); "
                           "make one with tools/merge_ckpt.py")
     with open(cfg_path) as fh:
         config = json.load(fh)
-    handle = safe_open(weights, framework="pt")
+    weights_file = files.TensorFile(weights)
     for lt in local_tensors(model_chunks, ctx):
-        if lt.name not in handle.keys():
+        if lt.name not in weights_file.entries:
             raise ConfigError(f"{weights} has no tensor {lt.name}; the model flags differ from the merged model's")
-        view = handle.get_slice(lt.name)
-        saved = {"shape": list(view.get_shape()), "tp_axis": lt.tp_axis, "valid_rows": lt.valid_rows, "shards": [0]}
+        saved = {"shape": list(weights_file.shape(lt.name)), "tp_axis": lt.tp_axis, "valid_rows": lt.valid_rows,
+                 "shards": [0]}
 
-        def read(_, lo, hi, view=view, axis=lt.tp_axis):
-            return view[:] if lo is None else view[(slice(None),) * axis + (slice(lo, hi),)]
+        def read(_, lo, hi, name=lt.name, axis=lt.tp_axis):
+            return weights_file.read(name, axis, lo, hi)
         try:
             value = assemble(saved, lt.full_shape, ctx.tp_size, ctx.tp_rank, read, lt.param.dtype)
         except ValueError as e:

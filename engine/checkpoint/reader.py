@@ -1,6 +1,6 @@
 """Read one saved iteration: its metadata, integrity checks, and any slice of any tensor for any layout.
 
-Model tensors are read with safetensors' lazy slices, so a rank touches only the rows it needs.
+Model tensors are read slice by slice (files.TensorFile), so a rank reads only the rows it needs.
 Optimizer state is saved as flat pieces (dp ranges of each tp shard under the distributed
 optimizer): the pieces of a shard are joined and reshaped before the same slicing applies.
 """
@@ -11,8 +11,6 @@ import os
 from typing import Optional
 
 import torch
-from safetensors import safe_open
-
 from engine.checkpoint import files
 from engine.checkpoint.layout import assemble
 from engine.config import ConfigError
@@ -78,9 +76,9 @@ class CheckpointReader:
         return out
 
     # --- reading slices ------------------------------------------------------------------------
-    def _handle(self, name: str):
+    def _file(self, name: str) -> files.TensorFile:
         if name not in self._handles:
-            self._handles[name] = safe_open(os.path.join(self.path, name), framework="pt")
+            self._handles[name] = files.TensorFile(os.path.join(self.path, name))
         return self._handles[name]
 
     def model_slice(self, name: str, target_shape: tuple, tp_size: int, tp_rank: int,
@@ -89,10 +87,7 @@ class CheckpointReader:
         axis = entry["tp_axis"]
 
         def read(shard, lo, hi):
-            view = self._handle(entry["shards"][shard]).get_slice(name)
-            if lo is None:
-                return view[:]
-            return view[(slice(None),) * axis + (slice(lo, hi),)]
+            return self._file(entry["shards"][shard]).read(name, axis, lo, hi)
         return assemble(entry, tuple(target_shape), tp_size, tp_rank, read, dtype)
 
     def full(self, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -125,7 +120,7 @@ class CheckpointReader:
             covered = 0
             for piece in entry["shards"][shard]:
                 lo, hi = piece["range"]
-                flat[lo:hi] = self._handle(piece["file"]).get_tensor(f"{name}/{key}")
+                flat[lo:hi] = self._file(piece["file"]).read(f"{name}/{key}")
                 covered += hi - lo
             if covered != flat.numel():
                 raise ConfigError(f"checkpoint {self.path}: optimizer state of {name} covers {covered} of "

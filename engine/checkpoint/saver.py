@@ -113,8 +113,8 @@ def _snapshot(model_chunks: list, optimizer, ctx, copy: bool) -> tuple:
             desc["optim"][lt.name] = dict(shape=list(lt.full_shape), tp_axis=lt.tp_axis, valid_rows=lt.valid_rows,
                                           keys=keys, tp_rank=t, file=optim_file, range=list(entry["range"]))
         desc["optimizer"] = {"distributed": distributed, "step": int(state["step"]), "scaler": state["scaler"]}
-    if copy and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()  # the pinned copies above are asynchronous
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # the pinned device-to-host copies above are asynchronous
     desc["files"] = sorted(shards)
     return shards, desc
 
