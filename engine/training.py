@@ -227,18 +227,18 @@ class Trainer:
         if self.iteration % lg.log_interval == 0:
             self.log(format_log_line(record))
         self._profile_stop()
-        rolled_back = decision.kind == ROLLBACK
-        if rolled_back:
+        if decision.kind == ROLLBACK:
             self.rollback()
         elif lg.eval_interval and self.iteration % lg.eval_interval == 0 and self.valid_ds is not None:
             vloss = self.evaluate()
             self.metrics.log_valid(self.iteration, vloss)
             self.log(f"validation at iteration {self.iteration}: loss {vloss:.4f} ppl {math.exp(min(vloss, 20)):.2f}")
-        due = ck.save_interval and self.iteration % ck.save_interval == 0 and not rolled_back  # not a re-save
-        if self.save_dir and (due or stop):
-            self.save()
+        due = ck.save_interval and self.iteration % ck.save_interval == 0
+        if self.save_dir and (due or stop) and checkpoint.latest_iteration(self.save_dir) != self.iteration:
+            self.save()  # (after a rollback the iteration reached is the checkpoint's: no re-save)
         if stop:
-            self.log(f"stopping at iteration {self.iteration}: {self.preemption.reason}; checkpoint saved")
+            saved = "; checkpoint saved" if self.save_dir else "; no --save, nothing saved"
+            self.log(f"stopping at iteration {self.iteration}: {self.preemption.reason}{saved}")
         return not stop
 
     def _report(self, decision, loss: float, result) -> None:
@@ -253,6 +253,9 @@ class Trainer:
             self.metrics.log_event(self.iteration, "spike", **decision.info)
             self.log(f"iteration {self.iteration}: loss spike {loss:.4f} above {decision.info['threshold']:.4f} "
                      f"({decision.info['spikes_in_window']} in the window)")
+        if self.guard.lr_multiplier(self.iteration) == 1.0 and self.guard.lr_multiplier(self.iteration - 1) != 1.0:
+            self.metrics.log_event(self.iteration, "lr_restored")
+            self.log(f"iteration {self.iteration}: the lowered LR period after the rollback is over")
 
     def train(self) -> None:
         cfg = self.cfg

@@ -252,7 +252,7 @@ def drills(tmp_path_factory):
     args = TINY + ["--pp", "2", "--train-iters", "12", "--lr", "0.02", "--lr-warmup-iters", "0",
                    "--lr-decay-style", "constant", "--save", str(out), "--save-interval", "1",
                    "--inject-fault", "nan@3", "--inject-fault", "spike@9", "--spike-window", "5",
-                   "--spike-threshold", "2", "--spike-rollback-after", "1", "--spike-lr-factor", "0.5"]
+                   "--spike-threshold", "2", "--spike-rollback-after", "1", "--spike-lr-factor", "0.5", "--spike-lr-steps", "2"]
     code, output, _ = launch(args, 2)
     assert code == 0, output[-8000:]
     return {"dir": out, "output": output, "records": read_records(str(out / "metrics.jsonl"))}
@@ -296,5 +296,16 @@ def test_spike_fault_rolls_back_skips_its_data_and_lowers_the_lr(drills):
     assert redo["consumed_samples"] == 10 * 16, "the spiking batch was replayed instead of skipped"
     assert redo["lr"] == pytest.approx(0.01) and nines[0]["lr"] == pytest.approx(0.02)
     assert redo["lm_loss"] < spikes[0]["threshold"] and redo["rollbacks"] == 1
+    lr = {r["iteration"]: r["lr"] for r in train}  # the last record of each iteration
+    assert (lr[10], lr[11], lr[12]) == pytest.approx((0.01, 0.02, 0.02)), "LR x0.5 for 2 steps (9, 10), then back"
+    assert [r["iteration"] for r in records if r.get("event") == "lr_restored"] == [11]
     assert train[-1]["iteration"] == 12
     assert "rolled back to the checkpoint of iteration 8" in drills["output"]
+
+
+def test_profile_without_a_tensorboard_dir_is_refused_before_any_process_group():
+    proc = subprocess.run([sys.executable, "launch/pretrain_gpt.py", *TINY, "--profile"], cwd=ROOT, text=True,
+                          capture_output=True, timeout=60, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == ("pretrain_gpt.py: error: --profile: the trace is written into the TensorBoard "
+                                   "directory; add --tensorboard-dir DIR")
