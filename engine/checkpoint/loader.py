@@ -19,14 +19,19 @@ import torch
 from engine.checkpoint import files, rng
 from engine.checkpoint.layout import local_tensors
 from engine.checkpoint.reader import CheckpointReader
-from engine.checkpoint.saver import finalize_async
+from engine.checkpoint.saver import finalize_async, in_flight
 from engine.checkpoint.sync import gather_objects
 from engine.config import ConfigError
 
 
 def latest_iteration(save_dir: str) -> Optional[int]:
-    """The iteration `latest_checkpointed_iteration.txt` names, or None."""
-    return files.read_latest(save_dir)
+    """The iteration `latest_checkpointed_iteration.txt` names, or None.
+
+    An async save still in flight counts as done: every rank gets the same answer whether or not
+    rank 0's writer has published it yet (finalize_async, or the next save or load, completes it).
+    """
+    pending = in_flight(save_dir)
+    return pending if pending is not None else files.read_latest(save_dir)
 
 
 def load_checkpoint(load_dir: str, model_chunks: list, optimizer, ctx, cfg=None, fallback: bool = False,

@@ -59,7 +59,7 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks: list, optimizer
 def finalize_async() -> None:
     """Wait for the save in flight, if any; raise if it failed. Every rank calls it (before exiting too).
 
-    The barrier matters: only rank 0 publishes, so the others must not look for the checkpoint earlier.
+    It ends with a collective: only rank 0 publishes, so no rank may look for the checkpoint earlier.
     """
     global _pending
     job, _pending = _pending, None
@@ -67,6 +67,14 @@ def finalize_async() -> None:
         return
     job.thread.join()
     _agree(job)
+
+
+def in_flight(save_dir: str) -> Optional[int]:
+    """The iteration of the async save to `save_dir` still in flight from this process, or None."""
+    job = _pending
+    if job is None or os.path.abspath(job.save_dir) != os.path.abspath(save_dir):
+        return None
+    return job.iteration
 
 
 def _agree(job: "_Save") -> None:

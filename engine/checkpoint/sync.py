@@ -12,10 +12,6 @@ def gather_objects(obj) -> list:
     return comm.all_gather_object(obj) if dist.is_initialized() else [obj]
 
 
-def barrier() -> None:
-    comm.barrier()
-
-
 def any_rank(flag: bool, device="cpu") -> bool:
     """True on every rank when `flag` is true on at least one."""
     if not dist.is_initialized():
