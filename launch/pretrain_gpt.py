@@ -138,10 +138,13 @@ def main(argv=None) -> int:
         _die(e, rank, trainer.phase if trainer is not None else where, cfg.parallel.distributed_timeout_minutes)
     finally:
         if dist.is_initialized():
-            dist.barrier()
-            if ctx is not None:
-                ctx.destroy()
-            dist.destroy_process_group()
+            try:
+                dist.barrier()
+                if ctx is not None:
+                    ctx.destroy()
+                dist.destroy_process_group()
+            except Exception as e:  # noqa: BLE001 - a peer that died after this rank finished
+                _die(e, rank, "the teardown barrier (all ranks)", cfg.parallel.distributed_timeout_minutes)
     return 0
 
 
