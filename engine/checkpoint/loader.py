@@ -37,7 +37,11 @@ def latest_iteration(save_dir: str) -> Optional[int]:
 def load_checkpoint(load_dir: str, model_chunks: list, optimizer, ctx, cfg=None, fallback: bool = False,
                     load_optim: bool = True) -> Optional[dict]:
     """Load into `model_chunks` (and `optimizer`); return the saved extra_state plus `iteration`, or None
-    when `load_dir` holds no checkpoint. Raises ConfigError (one line naming the file) on damage."""
+    when `load_dir` holds no checkpoint. Raises ConfigError (one line naming the file) on damage.
+
+    The iteration loaded is the one `latest_checkpointed_iteration.txt` names (the newest iteration
+    folder if that file is gone); with `fallback`, older complete ones are tried when it is damaged.
+    """
     finalize_async()
     if not os.path.isdir(load_dir):
         raise ConfigError(f"--load {load_dir}: directory not found; check the path or drop --load")
@@ -45,12 +49,15 @@ def load_checkpoint(load_dir: str, model_chunks: list, optimizer, ctx, cfg=None,
     if not candidates:
         return None
     tensors = local_tensors(model_chunks, ctx)
+    ranges = {}  # local name -> the flat range of it this rank's optimizer updates
+    if optimizer is not None and load_optim:
+        ranges = {name: tuple(e["range"]) for name, e in optimizer.state_dict()["params"].items()}
     for n, iteration in enumerate(candidates):
         path = os.path.join(load_dir, files.iter_dir_name(iteration))
-        reader, problem = _open_and_check(path, tensors, optimizer is not None and load_optim)
+        reader, problem = _open_and_check(path, tensors, ranges, ctx)
         problems = [p for p in gather_objects(problem) if p]
         if not problems:
-            return _load(reader, tensors, model_chunks, optimizer, ctx, load_optim)
+            return _load(reader, tensors, optimizer, ranges, ctx)
         if n + 1 == len(candidates):
             hint = "" if fallback else "; use --ckpt-fallback to load the newest complete checkpoint instead"
             raise ConfigError(problems[0] + hint)
@@ -67,7 +74,7 @@ def _candidates(load_dir: str, fallback: bool) -> list:
     return [latest] + [i for i in done if i != latest] if fallback else [latest]
 
 
-def _open_and_check(path: str, tensors: list, with_optimizer: bool) -> tuple:
+def _open_and_check(path: str, tensors: list, ranges: dict, ctx) -> tuple:
     """(reader or None, None or one line saying what is wrong) for this rank's part."""
     try:
         reader = CheckpointReader(path)
@@ -83,23 +90,27 @@ def _open_and_check(path: str, tensors: list, with_optimizer: bool) -> tuple:
         if saved != lt.full_shape and (saved[1:] != lt.full_shape[1:] or rows is None):
             return None, (f"checkpoint {path}: tensor {lt.name} has shape {saved} but the model's is "
                           f"{lt.full_shape}; use the model flags it was saved with")
-    with_optimizer = with_optimizer and reader.optimizer is not None
-    if with_optimizer:
-        lacking = [lt.name for lt in tensors if lt.name not in reader.meta["optimizer_tensors"]]
-        if lacking:
-            return None, (f"checkpoint {path} has no optimizer state for {lacking[0]}; load with --no-load-optim")
-    return reader, reader.check_files(reader.files_for([lt.name for lt in tensors], with_optimizer))
+    needed = reader.model_files(lt.name for lt in tensors)
+    if ranges and reader.optimizer is not None:
+        for lt in tensors:
+            if lt.local_name not in ranges:
+                continue
+            if lt.name not in reader.meta["optimizer_tensors"]:
+                return None, f"checkpoint {path} has no optimizer state for {lt.name}; load with --no-load-optim"
+            piece = reader.optimizer_piece(lt.name, lt.full_shape, ctx.tp_size, ctx.tp_rank, ranges[lt.local_name])
+            needed |= {piece["file"]} if piece else reader.optimizer_files(lt.name)
+    return reader, reader.check_files(needed)
 
 
 @torch.no_grad()
-def _load(reader: CheckpointReader, tensors: list, model_chunks: list, optimizer, ctx, load_optim: bool) -> dict:
+def _load(reader: CheckpointReader, tensors: list, optimizer, ranges: dict, ctx) -> dict:
     for lt in tensors:
         value = reader.model_slice(lt.name, lt.full_shape, ctx.tp_size, ctx.tp_rank, lt.param.dtype)
         lt.param.detach().copy_(value.view(lt.param.shape))
     if optimizer is not None:
-        if load_optim and reader.optimizer is not None:
+        if ranges and reader.optimizer is not None:
             optimizer.load_state_dict({"step": reader.optimizer["step"], "scaler": reader.optimizer["scaler"],
-                                       "params": _LazyOptimizerState(reader, tensors, ctx)})
+                                       "params": _LazyOptimizerState(reader, tensors, ranges, ctx)})
         else:
             optimizer.reload_model_params()
     layout, states = reader.meta["layout"], reader.meta.get("rng") or []
@@ -113,22 +124,27 @@ def _load(reader: CheckpointReader, tensors: list, model_chunks: list, optimizer
 
 
 class _LazyOptimizerState(Mapping):
-    """Per-parameter optimizer state read when the optimizer asks for it, so one tensor is in memory at a time."""
+    """Per-parameter optimizer state, read when the optimizer asks for it: one tensor in memory at a time.
 
-    def __init__(self, reader: CheckpointReader, tensors: list, ctx):
-        self.reader, self.ctx = reader, ctx
-        self.by_local = {lt.local_name: lt for lt in tensors}
+    Unchanged split: this rank's saved piece as is. Otherwise: the whole tp slice, resharded (the
+    optimizer keeps its own dp range of it).
+    """
+
+    def __init__(self, reader: CheckpointReader, tensors: list, ranges: dict, ctx):
+        self.reader, self.ranges, self.ctx = reader, ranges, ctx
+        self.by_local = {lt.local_name: lt for lt in tensors if lt.local_name in ranges}
 
     def __getitem__(self, local_name: str) -> dict:
-        lt = self.by_local[local_name]
-        entry = {"range": (0, lt.param.numel())}
+        lt, ctx = self.by_local[local_name], self.ctx
+        piece = self.reader.optimizer_piece(lt.name, lt.full_shape, ctx.tp_size, ctx.tp_rank, self.ranges[local_name])
+        entry = {"range": tuple(piece["range"]) if piece else (0, lt.param.numel())}
         for key in ("exp_avg", "exp_avg_sq", "master"):
-            value = self.reader.optimizer_slice(lt.name, key, lt.full_shape, self.ctx.tp_size, self.ctx.tp_rank)
+            if piece:
+                value = self.reader.read_piece(lt.name, key, piece)
+            else:
+                value = self.reader.optimizer_slice(lt.name, key, lt.full_shape, ctx.tp_size, ctx.tp_rank)
             if value is not None:
                 entry[key] = value.reshape(-1)
-        if "exp_avg" not in entry:
-            raise ConfigError(f"checkpoint {self.reader.path} has no optimizer state for {lt.name}; "
-                              "load with --no-load-optim")
         return entry
 
     def __iter__(self):

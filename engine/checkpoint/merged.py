@@ -92,8 +92,9 @@ def split(reader: CheckpointReader, out_dir: str, tp: int, pp: int) -> None:
         if size % tp:
             raise ConfigError(f"--target-tp {tp}: must divide the model's {name} {size}")
     os.makedirs(out_dir, exist_ok=True)
+    files.remove_stale(out_dir)
     tmp = os.path.join(out_dir, files.iter_dir_name(reader.iteration) + ".tmp")
-    os.makedirs(tmp, exist_ok=True)
+    os.makedirs(tmp)
     everyone, checksums = [], {}
     with_optim = reader.optimizer is not None
     for rank in range(tp * pp):

@@ -65,15 +65,30 @@ class CheckpointReader:
                 return f"checkpoint file {path} is damaged (sha256 mismatch)"
         return None
 
-    def files_for(self, names, with_optimizer: bool) -> set:
-        """The files holding these global tensors (and their optimizer state)."""
-        out = set()
-        for name in names:
-            out.update(self.tensors[name]["shards"])
-            opt = self.meta.get("optimizer_tensors", {}).get(name) if with_optimizer else None
-            if opt:
-                out.update(piece["file"] for shard in opt["shards"] for piece in shard)
-        return out
+    def model_files(self, names) -> set:
+        return {f for name in names for f in self.tensors[name]["shards"]}
+
+    def optimizer_files(self, name: str) -> set:
+        entry = self.meta["optimizer_tensors"][name]
+        return {piece["file"] for shard in entry["shards"] for piece in shard}
+
+    def optimizer_piece(self, name: str, target_shape: tuple, tp_size: int, tp_rank: int,
+                        flat_range: tuple) -> Optional[dict]:
+        """The saved piece holding exactly `flat_range` of this rank's slice when the split is unchanged
+        (same tp, shape and dp range): the usual resume reads it alone, not every dp rank's piece."""
+        entry = self.meta.get("optimizer_tensors", {}).get(name)
+        if entry is None or tuple(entry["shape"]) != tuple(target_shape):
+            return None
+        axis = entry["tp_axis"]
+        if axis is not None and len(entry["shards"]) != tp_size:
+            return None
+        shard = entry["shards"][tp_rank if axis is not None else 0]
+        return next((piece for piece in shard if tuple(piece["range"]) == tuple(flat_range)), None)
+
+    def read_piece(self, name: str, key: str, piece: dict) -> Optional[torch.Tensor]:
+        if key not in self.meta["optimizer_tensors"][name]["keys"]:
+            return None
+        return self._file(piece["file"]).read(f"{name}/{key}")
 
     # --- reading slices ------------------------------------------------------------------------
     def _file(self, name: str) -> files.TensorFile:

@@ -96,7 +96,7 @@ def _snapshot(model_chunks: list, optimizer, ctx, copy: bool) -> tuple:
     t, d, p = ctx.tp_rank, ctx.dp_rank, ctx.pp_rank
     model_file = f"model_tp{t:02d}_pp{p:02d}.safetensors"
     shards: dict = {}
-    desc = {"rank": ctx.rank, "coords": [t, p, d], "model": {}, "optim": {}, "files": []}
+    desc = {"rank": ctx.rank, "model": {}, "optim": {}, "files": []}
     tensors = local_tensors(model_chunks, ctx)
     for lt in tensors:
         if not lt.writer:
@@ -192,8 +192,11 @@ class _Save:
                 self._publish()
         except Exception as e:  # reported by raise_if_failed; a crashed writer must not kill training silently
             self.error = f"{type(e).__name__}: {e}"
-            if self.rank != 0:
-                files.write_json_atomic(os.path.join(self.tmp, _MARKER.format(self.rank)), {"error": self.error})
+            if self.rank != 0:  # tell rank 0 now rather than let it wait for the timeout
+                try:
+                    files.write_json_atomic(os.path.join(self.tmp, _MARKER.format(self.rank)), {"error": self.error})
+                except OSError:
+                    pass
 
     def _write_shards(self) -> None:
         if not self.shards:
@@ -230,7 +233,6 @@ class _Save:
                     raise TimeoutError(f"ranks {sorted(waiting)} did not finish writing within {self.timeout:.0f}s")
                 time.sleep(0.005)
         return checksums
-
 
 
 def publish(save_dir: str, tmp: str, iteration: int, meta: dict, keep_last=None, keep_every=None) -> None:
