@@ -293,7 +293,8 @@ class Trainer:
         out = self.cfg.logging.tensorboard_dir
         torch.profiler.tensorboard_trace_handler(out, worker_name=f"rank{self.ctx.rank}")(self.profiler)
         self.profiler, self.profiled = None, True
-        self.log(f"profiler trace of iterations {self.cfg.logging.profile_step_start}-{self.iteration} written to {out}")
+        first = self.cfg.logging.profile_step_start
+        self.log(f"profiler trace of iterations {first}-{self.iteration} written to {out}")
 
     def write_trace(self) -> None:
         if self.trace is None:

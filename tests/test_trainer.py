@@ -252,7 +252,8 @@ def drills(tmp_path_factory):
     args = TINY + ["--pp", "2", "--train-iters", "12", "--lr", "0.02", "--lr-warmup-iters", "0",
                    "--lr-decay-style", "constant", "--save", str(out), "--save-interval", "1",
                    "--inject-fault", "nan@3", "--inject-fault", "spike@9", "--spike-window", "5",
-                   "--spike-threshold", "2", "--spike-rollback-after", "1", "--spike-lr-factor", "0.5", "--spike-lr-steps", "2"]
+                   "--spike-threshold", "2", "--spike-rollback-after", "1", "--spike-lr-factor", "0.5",
+                   "--spike-lr-steps", "2"]
     code, output, _ = launch(args, 2)
     assert code == 0, output[-8000:]
     return {"dir": out, "output": output, "records": read_records(str(out / "metrics.jsonl"))}
