@@ -144,6 +144,7 @@ def run(own, cfg) -> dict:
     try:
         ctx = build_context(1, 0, 1, 1, 1, False, None, None, cfg.training.seed, "cuda" if use_cuda else "cpu")
         trainer = Trainer(cfg, ctx, device, log=lambda _msg: None)
+        trainer.start()
         plain = PlainLoop(cfg, ctx, trainer, device)
         sync = torch.cuda.synchronize if use_cuda else (lambda: None)
         times = {"engine": [], "plain": []}

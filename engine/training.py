@@ -1,7 +1,8 @@
 """The training loop: get batch, forward-backward schedule, reduce grads, step, log, evaluate, save.
 
-`Trainer` builds everything from the config and the parallel context; `Trainer.train()` is the loop and
-`Trainer.iterate()` one pass of it (the benchmark drives it step by step). Every rank runs the same
+`Trainer` builds everything from the config and the parallel context, `Trainer.start()` resumes from the
+latest checkpoint, `Trainer.train()` is the loop and `Trainer.iterate()` one pass of it (the benchmark
+drives it step by step). Every rank runs the same
 control flow: the loss is known on every rank and the gradient norm is global, so the stability guard
 decides the same thing everywhere and no rank is left waiting in a collective the others skipped.
 
@@ -72,14 +73,22 @@ class Trainer:
         self.iteration, self.consumed, self.skipped = 0, 0, 0
         self.trace = [] if cfg.logging.pipeline_trace else None
         self.save_dir = cfg.checkpoint.save
-        self.resume()
-        self.metrics = MetricsWriter(cfg, ctx.rank, start_iteration=self.iteration)
         self.peak = peak_tflops(cfg, torch.device(device))
-        self.preemption = checkpoint.PreemptionHandler(cfg.checkpoint.exit_duration_in_mins, device=device)
-        self.profiler = None
+        self.metrics = self.preemption = self.profiler = None
         self.profiled = False
         self.last_record = None  # the latest training record (for callers that drive iterate())
-        self.phase = "starting"
+        self.phase = "built; not started"
+
+    def start(self) -> None:
+        """Resume from the latest checkpoint if there is one, open the metrics, catch pre-emption signals.
+
+        Separate from the constructor so that a failure while loading shows in `phase`. `train()` calls it
+        when the caller has not.
+        """
+        self.resume()
+        self.metrics = MetricsWriter(self.cfg, self.ctx.rank, start_iteration=self.iteration)
+        self.preemption = checkpoint.PreemptionHandler(self.cfg.checkpoint.exit_duration_in_mins, device=self.device)
+        self.phase = "started"
 
     # ------------------------------------------------------------------ state
     def checkpoint_source(self):
@@ -259,6 +268,8 @@ class Trainer:
 
     def train(self) -> None:
         cfg = self.cfg
+        if self.metrics is None:
+            self.start()
         while self.iteration < cfg.training.train_iters and self.iterate():
             pass
         if self.save_dir and self.iteration == cfg.training.train_iters and \

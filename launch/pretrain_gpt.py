@@ -130,6 +130,7 @@ def main(argv=None) -> int:
             if rank != 0:
                 warnings.simplefilter("ignore")
             trainer = Trainer(cfg, ctx, device, log=log)
+            trainer.start()
             log(banner(cfg, ctx, trainer, layout_table(world, cfg.tp, cfg.pp, par.gpus_per_node)))
             trainer.train()
     except ConfigError as e:
