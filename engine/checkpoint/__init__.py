@@ -12,15 +12,17 @@ On disk (see shared INTERFACE.md, "Checkpoints on disk"):
     <save>/iter_0000100/optim_tpTT_ppPP[_dpDDD].safetensors   fp32 Adam moments (+ master weights),
                                                       flat per parameter, per dp rank under the
                                                       distributed optimizer
-Replicated tensors are stored once (tp rank 0), the tied embedding once (first stage).
+Replicated tensors are stored once (tp rank 0), the tied embedding once (first stage). Each save is
+written to iter_N.tmp/, fsync'd, renamed, and only then named by `latest` (see saver.py).
 
 Trainer API (every rank calls each one):
     save_checkpoint(save_dir, iteration, model_chunks, optimizer, ctx, cfg, extra_state, async_save=False)
     load_checkpoint(load_dir, model_chunks, optimizer, ctx, cfg=None, fallback=False, load_optim=True)
         -> extra_state (with "iteration") or None when there is nothing to load
     finalize_async()              wait for the background save in flight (call before exiting)
-    latest_iteration(save_dir)    -> int or None
-    PreemptionHandler(exit_duration_in_mins, device=...).should_stop()   collective, once per step
+    latest_iteration(save_dir)    -> int or None (an async save in flight from this process counts)
+    PreemptionHandler(exit_duration_in_mins, device=...)   SIGTERM/SIGUSR1 and the time limit;
+        .should_stop() is collective (one all-reduce), called once per step; .restore() uninstalls
 `extra_state` must be JSON-serializable. Damaged or missing checkpoints raise engine.config.ConfigError
 with one line naming the file. Tools: `CheckpointReader` reads any slice of a saved tensor;
 `load_merged` loads tools/merge_ckpt.py's native output into model chunks.

@@ -80,16 +80,14 @@ def assemble(saved: dict, target_shape: tuple, tp_size: int, tp_rank: int, read:
     limit = hi if same_dim else min(hi, saved["valid_rows"])
     saved_tp = len(saved["shards"])
     per_old = saved_shape[axis] // saved_tp
-    pieces = []
-    for s in range(saved_tp):
-        a, b = max(lo, s * per_old), min(limit, (s + 1) * per_old)
-        if a < b:
-            pieces.append((a, b, read(s, a - s * per_old, b - s * per_old)))
-    if len(pieces) == 1 and (pieces[0][0], pieces[0][1]) == (lo, hi):
-        return pieces[0][2].to(dtype)  # the common case: one saved shard covers the slice exactly
+    spans = [(s, max(lo, s * per_old), min(limit, (s + 1) * per_old)) for s in range(saved_tp)]
+    spans = [(s, a, b) for s, a, b in spans if a < b]
+    if len(spans) == 1 and spans[0][1:] == (lo, hi):  # the common case: one saved shard covers the slice
+        s, a, b = spans[0]
+        return read(s, a - s * per_old, b - s * per_old).to(dtype)
     out = torch.zeros(local_shape, dtype=dtype)
-    for a, b, piece in pieces:
-        out.narrow(axis, a - lo, b - a).copy_(piece)
+    for s, a, b in spans:  # one saved piece in memory at a time, besides the result
+        out.narrow(axis, a - lo, b - a).copy_(read(s, a - s * per_old, b - s * per_old))
     return out
 
 

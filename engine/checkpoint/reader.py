@@ -2,7 +2,8 @@
 
 Model tensors are read slice by slice (files.TensorFile), so a rank reads only the rows it needs.
 Optimizer state is saved as flat pieces (dp ranges of each tp shard under the distributed
-optimizer): the pieces of a shard are joined and reshaped before the same slicing applies.
+optimizer): a rank whose split is unchanged reads its own piece; otherwise the pieces of a shard are
+joined and reshaped before the same slicing applies.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 from typing import Optional
 
 import torch
+
 from engine.checkpoint import files
 from engine.checkpoint.layout import assemble
 from engine.config import ConfigError
