@@ -2,9 +2,9 @@
 
 `Trainer` builds everything from the config and the parallel context, `Trainer.start()` resumes from the
 latest checkpoint, `Trainer.train()` is the loop and `Trainer.iterate()` one pass of it (the benchmark
-drives it step by step). Every rank runs the same
-control flow: the loss is known on every rank and the gradient norm is global, so the stability guard
-decides the same thing everywhere and no rank is left waiting in a collective the others skipped.
+drives it step by step). Every rank runs the same control flow: the loss is known on every rank and the
+gradient norm is global, so the stability guard decides the same thing everywhere and no rank is left
+waiting in a collective the others skipped.
 
 Iterations count from 1: the step that takes the model from iteration k-1 to k is "iteration k" in the
 console, the metrics file and `--inject-fault KIND@k`.
@@ -98,18 +98,17 @@ class Trainer:
         load = self.cfg.checkpoint.load
         return load if load and checkpoint.latest_iteration(load) is not None else None
 
-    def _load(self, load_dir):
+    def _load(self, load_dir, load_optim: bool):
         self.phase = f"loading the checkpoint in {load_dir} (all ranks)"
         extra = checkpoint.load_checkpoint(load_dir, self.chunks, self.optimizer, self.ctx, self.cfg,
-                                           fallback=self.cfg.checkpoint.ckpt_fallback,
-                                           load_optim=not self.cfg.checkpoint.no_load_optim)
+                                           fallback=self.cfg.checkpoint.ckpt_fallback, load_optim=load_optim)
         if extra is not None:
             self.iteration, self.consumed = extra["iteration"], extra["consumed_samples"]
         return extra
 
     def resume(self) -> bool:
         load_dir = self.checkpoint_source()
-        extra = self._load(load_dir) if load_dir else None
+        extra = self._load(load_dir, not self.cfg.checkpoint.no_load_optim) if load_dir else None
         if extra is None:
             return False
         self.skipped = extra.get("skipped", 0)
@@ -133,7 +132,8 @@ class Trainer:
         spike_iteration, spike_consumed = self.iteration, self.consumed
         checkpoint.finalize_async()
         load_dir = self.checkpoint_source()
-        if load_dir is None or self._load(load_dir) is None:
+        # --no-load-optim is about how the run started; going back within the run restores everything
+        if load_dir is None or self._load(load_dir, load_optim=True) is None:
             self.metrics.log_event(spike_iteration, "rollback_impossible", reason="no checkpoint to roll back to")
             self.log(f"iteration {spike_iteration}: rollback requested but no checkpoint exists; continuing")
             return
