@@ -2,7 +2,9 @@
 
 Order of work: parse and validate every flag (a user mistake ends here with one line and exit 2,
 before any process group exists), pick the device and backend, build the process groups, then hand
-over to engine.training.Trainer. Teardown is ordered (barrier, destroy) so gloo exits cleanly.
+over to engine.training.Trainer (build, start = resume from the latest checkpoint, banner, train).
+Teardown is ordered (barrier, destroy) so gloo exits cleanly. Under torchrun every restart attempt
+rendezvouses under its own key prefix (see `_restart_store`), so `--max-restarts N` resumes on its own.
 
 Failures once the groups exist: a collective that fails (a peer died, or stalled past
 --distributed-timeout-minutes, after which gloo raises inside the collective) ends this rank with one
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import sys
 import traceback
 import warnings
@@ -57,6 +60,8 @@ def _is_collective_failure(error: BaseException) -> bool:
 def _die(error: BaseException, rank: int, where: str, timeout_minutes: float) -> None:
     """One line naming the failed operation, then exit 1 at once: no teardown barrier a dead peer would block."""
     first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    first = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first)  # gloo's source location
+    first = re.split(r"(?<=\.)\s", first, maxsplit=1)[0]  # its first sentence; the rest is generic advice
     if _is_collective_failure(error):
         print(f"pretrain_gpt.py: rank {rank}: collective failed during {where}: {first[:300]} "
               f"(a peer rank died or stalled; --distributed-timeout-minutes {timeout_minutes:g}); stopping",
