@@ -4,7 +4,8 @@ the stability guard's drills (nan skip, spike rollback) and a kill -9 restart th
 Every run is a torchrun subprocess of a tiny model (2 layers, hidden 32, 32 tokens) with a hard timeout;
 each job's processes carry a tag in their environment so that whatever is left of a job is found and
 killed afterwards, whatever happened to torchrun. The module reuses one uninterrupted reference run
-(4 ranks, tp 2 x pp 2, sequence parallel) for most checks. Budget: about 60 s on two cores.
+(4 ranks, tp 2 x pp 2, sequence parallel) for most checks. Budget on two cores: about 30 s, plus about
+25 s for the restart case (marked slow).
 """
 import glob
 import json
@@ -97,7 +98,7 @@ def launch(args: list, nproc: int, *, timeout: float = 120, max_restarts: int = 
                 proc.wait()
             for pid in job_processes(tag):
                 os.kill(pid, signal.SIGKILL)
-    with open(log_path) as fh:
+    with open(log_path, encoding="utf-8", errors="replace") as fh:
         output = fh.read()
     os.remove(log_path)
     return proc.returncode, output, elapsed
