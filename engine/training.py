@@ -50,6 +50,8 @@ def precision_name(cfg) -> str:
 class Trainer:
     def __init__(self, cfg, ctx, device, log=print):
         self.cfg, self.ctx, self.device, self.log = cfg, ctx, device, log
+        # First, so that a pre-emption signal during the (slow) set-up stops the run instead of killing it.
+        self.preemption = checkpoint.PreemptionHandler(cfg.checkpoint.exit_duration_in_mins, device=device)
         tr = cfg.training
         self.phase = "building the model and optimizer"
         self.vocab_size = resolve_vocab_size(cfg)
@@ -74,20 +76,19 @@ class Trainer:
         self.trace = [] if cfg.logging.pipeline_trace else None
         self.save_dir = cfg.checkpoint.save
         self.peak = peak_tflops(cfg, torch.device(device))
-        self.metrics = self.preemption = self.profiler = None
+        self.metrics = self.profiler = None
         self.profiled = False
         self.last_record = None  # the latest training record (for callers that drive iterate())
         self.phase = "built; not started"
 
     def start(self) -> None:
-        """Resume from the latest checkpoint if there is one, open the metrics, catch pre-emption signals.
+        """Resume from the latest checkpoint if there is one and open the metrics.
 
         Separate from the constructor so that a failure while loading shows in `phase`. `train()` calls it
         when the caller has not.
         """
         self.resume()
         self.metrics = MetricsWriter(self.cfg, self.ctx.rank, start_iteration=self.iteration)
-        self.preemption = checkpoint.PreemptionHandler(self.cfg.checkpoint.exit_duration_in_mins, device=self.device)
         self.phase = "started"
 
     # ------------------------------------------------------------------ state
