@@ -81,13 +81,13 @@ def launch(args: list, nproc: int, *, timeout: float = 120, max_restarts: int = 
            "--max-restarts", str(max_restarts), "--monitor-interval", "0.2", "launch/pretrain_gpt.py", *args]
     log_path = os.path.join("/tmp", f"ternion-test-{tag}.log")
     start = time.monotonic()
+    timed_out = False
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            while proc.poll() is None:
+            while proc.poll() is None and not timed_out:
                 elapsed = time.monotonic() - start
-                if elapsed > timeout:
-                    raise AssertionError(f"job did not finish within {timeout} s")
+                timed_out = elapsed > timeout
                 if watch is not None:
                     watch(tag, elapsed)
                 time.sleep(0.05)
@@ -97,11 +97,20 @@ def launch(args: list, nproc: int, *, timeout: float = 120, max_restarts: int = 
                 proc.kill()
                 proc.wait()
             for pid in job_processes(tag):
-                os.kill(pid, signal.SIGKILL)
+                _signal(pid, signal.SIGKILL)
     with open(log_path, encoding="utf-8", errors="replace") as fh:
         output = fh.read()
     os.remove(log_path)
+    assert not timed_out, f"job did not finish within {timeout} s:\n{output[-5000:]}"
     return proc.returncode, output, elapsed
+
+
+def _signal(pid: int, sig) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:  # it ended meanwhile
+        return False
 
 
 def kill_when(metrics_path: str, iteration: int, rank: int, sig=signal.SIGKILL):
@@ -114,8 +123,7 @@ def kill_when(metrics_path: str, iteration: int, rank: int, sig=signal.SIGKILL):
         records = last_train_records(read_records(metrics_path))
         if records and max(records) >= iteration:
             pid = worker_pid(tag, rank)
-            if pid is not None:
-                os.kill(pid, sig)
+            if pid is not None and _signal(pid, sig):
                 sent.append((max(records), time.monotonic()))
     watch.sent = sent
     return watch
