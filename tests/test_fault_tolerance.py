@@ -7,7 +7,7 @@ import re
 import signal
 import time
 
-from test_trainer import TINY, job_processes, kill_when, last_train_records, launch, read_records
+from test_trainer import TINY, kill_when, last_train_records, launch, read_records
 
 TIMEOUT_MINUTES = 0.25
 
@@ -15,15 +15,10 @@ TIMEOUT_MINUTES = 0.25
 def test_sigkill_of_a_rank_without_restarts_ends_the_job_naming_the_failure(tmp_path):
     metrics = str(tmp_path / "metrics.jsonl")
     watch = kill_when(metrics, 2, rank=1)
-    tags = []
+    survivors = []
     args = TINY + ["--pp", "2", "--train-iters", "10000", "--metrics-file", metrics,
                    "--distributed-timeout-minutes", str(TIMEOUT_MINUTES)]
-
-    def watch_and_remember(tag, elapsed):
-        tags.append(tag)
-        watch(tag, elapsed)
-
-    code, output, _ = launch(args, 2, timeout=120, max_restarts=0, watch=watch_and_remember)
+    code, output, _ = launch(args, 2, timeout=120, max_restarts=0, watch=watch, survivors=survivors)
     assert watch.sent, f"rank 1 was never killed:\n{output[-3000:]}"
     after_kill = time.monotonic() - watch.sent[0][1]
     assert code != 0
@@ -35,7 +30,7 @@ def test_sigkill_of_a_rank_without_restarts_ends_the_job_naming_the_failure(tmp_
     assert "--distributed-timeout-minutes 0.25" in ours[0]
     assert 'pretrain_gpt.py", line' not in output and 'engine/' not in output, "a rank printed a traceback"
     assert "Signal 9 (SIGKILL)" in output, "torchrun's report should name the killed rank"
-    assert not job_processes(tags[0]), "a process of the job is still alive"
+    assert not survivors, f"processes of the job outlived torchrun: {survivors}"
 
 
 def test_preemption_signal_finishes_the_step_saves_and_exits_zero(tmp_path):

@@ -70,10 +70,11 @@ def last_train_records(records: list) -> dict:
     return {r["iteration"]: r for r in records if "event" not in r and "split" not in r}
 
 
-def launch(args: list, nproc: int, *, timeout: float = 120, max_restarts: int = 0, watch=None):
+def launch(args: list, nproc: int, *, timeout: float = 120, max_restarts: int = 0, watch=None, survivors=None):
     """Run pretrain_gpt.py under torchrun; `watch(tag, elapsed)` is called every 50 ms while it runs.
 
-    Returns (exit code, combined output, seconds). Nothing of the job survives this call.
+    Returns (exit code, combined output, seconds). Nothing of the job survives this call: `survivors`, a
+    list, receives the pids still alive 2 s after torchrun ended by itself, before they are killed.
     """
     tag = uuid.uuid4().hex
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{TAG: tag})
@@ -96,6 +97,11 @@ def launch(args: list, nproc: int, *, timeout: float = 120, max_restarts: int = 
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            elif survivors is not None:
+                deadline = time.monotonic() + 2.0
+                while job_processes(tag) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                survivors.extend(job_processes(tag))
             for pid in job_processes(tag):
                 _signal(pid, signal.SIGKILL)
     with open(log_path, encoding="utf-8", errors="replace") as fh:
@@ -240,10 +246,10 @@ def test_profiler_writes_a_trace_per_rank_into_the_tensorboard_dir(reference):
 @pytest.mark.slow  # two torchrun starts of 4 ranks (~30 s): the restart's reproducibility is the point
 def test_kill_9_under_max_restarts_resumes_and_reproduces_the_loss_curve(reference, tmp_path):
     metrics = str(tmp_path / "metrics.jsonl")
-    watch = kill_when(metrics, 5, rank=1)
+    watch, survivors = kill_when(metrics, 5, rank=1), []
     code, output, _ = launch(REFERENCE + ["--save", str(tmp_path / "ckpt"), "--metrics-file", metrics], 4,
-                             timeout=180, max_restarts=1, watch=watch)
-    assert code == 0, output[-8000:]
+                             timeout=180, max_restarts=1, watch=watch, survivors=survivors)
+    assert code == 0 and not survivors, output[-8000:]
     assert watch.sent and watch.sent[0][0] < 12, "the kill came too late: the run had finished"
     assert "resumed from" in output and "collective failed during" in output, output[-3000:]
     got, want = last_train_records(read_records(metrics)), last_train_records(reference["records"])
