@@ -176,8 +176,11 @@ class Trainer:
             scale = lambda loss: poison_loss(self.optimizer.scale_loss(loss))  # noqa: E731
         self.phase = (f"forward/backward schedule of iteration {self.iteration + 1} (pipeline send/recv in pp "
                       f"group {ctx.pp_ranks}, tensor-parallel collectives in tp group {ctx.tp_ranks})")
+        events = [] if self.trace is not None else None
         loss = schedules.run(self.chunks, mbs, ctx, shape=self.shape, dtype=self.dtype, device=self.device,
-                             scale_loss=scale, trace=self.trace)
+                             scale_loss=scale, trace=events)
+        if events is not None:
+            self.trace += [(self.iteration + 1, *e) for e in events]
         self.phase = f"gradient reduction of iteration {self.iteration + 1} (dp group {ctx.dp_ranks})"
         self.optimizer.finish_grad_sync()
         if fault == "nan":
@@ -314,9 +317,9 @@ class Trainer:
         path = f"{self.cfg.logging.pipeline_trace}.rank{self.ctx.rank}.jsonl"
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as fh:
-            for rank, pp_rank, kind, mb, chunk, t0, t1 in self.trace:
-                fh.write(json.dumps({"rank": rank, "pp_rank": pp_rank, "kind": kind, "microbatch": mb,
-                                     "chunk": chunk, "start": t0, "end": t1}) + "\n")
+            for iteration, rank, pp_rank, kind, mb, chunk, t0, t1 in self.trace:
+                fh.write(json.dumps({"iteration": iteration, "rank": rank, "pp_rank": pp_rank, "kind": kind,
+                                     "microbatch": mb, "chunk": chunk, "start": t0, "end": t1}) + "\n")
 
 
 # ---------------------------------------------------------------------- start-up banner

@@ -64,3 +64,22 @@ def test_world_size_not_tp_times_pp_times_dp_under_torchrun():
     lines = our_lines(proc)
     assert len(lines) == 1 and "does not divide the world size 2" in lines[0], proc.stderr
     assert "exitcode  : 2" in proc.stderr
+
+
+def test_pipeline_trace_is_written_per_rank_and_drawn(tmp_path):
+    trace = tmp_path / "trace"
+    proc, _ = launch(["--config", "configs/gpt-tiny.yaml", "--mock-data", "--pp", "2", "--num-layers", "2",
+                      "--train-iters", "3", "--global-batch-size", "8", "--pipeline-trace", str(trace)],
+                     torchrun_procs=2, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+    for rank in (0, 1):
+        events = [json.loads(line) for line in open(f"{trace}.rank{rank}.jsonl")]
+        assert {e["iteration"] for e in events} == {1, 2, 3}
+        assert sum(e["kind"] == "F" for e in events) == 3 * 2  # 2 microbatches per iteration
+        assert all(e["end"] >= e["start"] for e in events)
+    png = tmp_path / "pipeline.png"
+    plot = subprocess.run([sys.executable, "tools/plot_pipeline.py", str(trace), "--out", str(png)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 0, plot.stderr
+    assert png.stat().st_size > 10_000
