@@ -130,10 +130,12 @@ def run(chunks, microbatches, ctx, *, shape, dtype, device, forward_only=False, 
     link = StageLink(ctx, shape, dtype, device) if pp > 1 else None
     saved, losses = {}, []
     for kind, c, mb in order:
-        model, t0 = chunks[c], time.time()
+        model = chunks[c]
+        # Each event's clock starts once its input has arrived, so waiting shows as idle time.
         if kind == "F":
             batch = microbatches[mb]
             x = None if model.pre_process else link.recv_activation(c, mb)
+            t0 = time.time()
             out = model(tokens=batch["tokens"], hidden=x, labels=batch.get("labels"), loss_mask=batch.get("loss_mask"))
             if model.post_process:
                 losses.append(out.detach())
@@ -146,10 +148,12 @@ def run(chunks, microbatches, ctx, *, shape, dtype, device, forward_only=False, 
                 saved[(c, mb)] = (x, out)
         else:
             x, out = saved.pop((c, mb))
-            if model.post_process:
+            grad = None if model.post_process else link.recv_grad(c, mb)
+            t0 = time.time()
+            if grad is None:
                 out.backward()
             else:
-                backward_through(out, link.recv_grad(c, mb))
+                backward_through(out, grad)
             if x is not None:
                 link.send_grad(x.grad, c, mb)
         if trace is not None:
