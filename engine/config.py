@@ -91,6 +91,7 @@ class TrainingConfig:
     fp16: bool = _f(False, "fp16 parameters and compute with loss scaling")
     loss_scale: Optional[float] = _f(None, "static loss scale for fp16 (default: dynamic)")
     initial_loss_scale: float = _f(2.0 ** 16, "first dynamic loss scale for fp16")
+    hysteresis: int = _f(1, "fp16: overflowing steps before the dynamic scale halves (Megatron-LM's default is 2)")
     seed: int = _f(1234, "random seed for weights, data order and dropout")
     device: str = _f("auto", "auto: cuda+nccl when GPUs are visible, else cpu+gloo", choices=("auto", "cuda", "cpu"))
 
