@@ -223,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
         group = p.add_argument_group(section)
         for f in dataclasses.fields(cls):
             m = f.metadata
+            if m["help"].startswith("YAML only"):
+                continue  # structured values (lists of mappings) have no command-line form
             names = [flag_of(f.name), *m["aliases"]]
             kw: dict[str, Any] = dict(dest=f.name, help=f"{m['help']} (default: {_default_of(f)})")
             if m["action"] == "append":
