@@ -156,9 +156,11 @@ def _layout(rank, world, tp, pp, vpp, tied, steps, microbatches):
 
 
 LAYOUTS_8 = [  # (tp, pp, vpp, tied, steps, microbatches per dp rank)
-    (2, 2, 1, True, 20, 4), (2, 4, 2, False, 20, 4),  # 20-step curves: 1F1B tied, interleaved untied
-    (2, 2, 2, True, 1, 4), (2, 4, 1, False, 1, 4), (1, 4, 2, True, 1, 8), (1, 2, 2, False, 1, 2),
-    (2, 2, 1, False, 1, 1),  # fewer microbatches than stages: warned, still correct
+    (2, 2, 1, True, 20, 4), (2, 4, 2, False, 20, 4), (2, 2, 2, True, 20, 4), (2, 4, 1, False, 20, 4),
+    (1, 4, 2, True, 20, 4), (1, 2, 2, False, 20, 2),
+    # Fewer microbatches than stages: warned, still correct. Loss and gradients only: with 4 samples a
+    # step, SGD at lr 0.5 amplifies fp32 rounding (1e-7) to ~1e-3 within 20 steps in any layout.
+    (2, 2, 1, False, 1, 1),
 ]
 
 
