@@ -16,7 +16,10 @@ from engine.data.preprocess import Options, output_prefix, preprocess
 from engine.data.tokenizer import train_sentencepiece
 
 MAX_FILE_BYTES = 200_000  # a few generated files (e.g. pydoc topics) would dominate a small corpus
-_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+# Tests and third-party packages are not the stdlib's prose; the codec tables in encodings/ are mostly
+# hex literals and would teach a tiny model little else.
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings"}
+CORPUS_VERSION = 2  # bump when the file selection changes, so cached corpora are rebuilt
 
 
 def stdlib_sources(max_files: int) -> list[str]:
@@ -42,7 +45,8 @@ def build_demo_corpus(out_dir: str, vocab_size: int = 4096, max_files: int = 100
     model_prefix = os.path.join(out_dir, f"stdlib-bpe{vocab_size}")
     data_prefix = output_prefix(os.path.join(out_dir, f"stdlib-{max_files}"), "text")
     stamp = os.path.join(out_dir, f"stdlib-{max_files}-bpe{vocab_size}.json")
-    wanted = {"python": sys.version.split()[0], "vocab_size": vocab_size, "max_files": max_files}
+    wanted = {"python": sys.version.split()[0], "vocab_size": vocab_size, "max_files": max_files,
+              "version": CORPUS_VERSION}
     if _stamp_matches(stamp, wanted):
         return model_prefix + ".model", data_prefix
 
