@@ -22,11 +22,13 @@ import time
 import torch
 
 from engine import checkpoint, comm
-from engine.data import BatchSampler, RampupBatchSize, build_datasets, make_batch, samples_before
+from engine.data import RampupBatchSize, build_datasets, make_batch, samples_before
+from engine.data.sampler import rank_microbatches
 from engine.layout_memory import GIB, Layout, memory_per_gpu
 from engine.metrics import MetricsWriter, format_log_line, peak_memory_gb, peak_tflops, throughput
 from engine.model import build_model_chunks
-from engine.optim import build_optimizer, lr_at
+from engine.optim import build_optimizer, global_batch_size_at, lr_at, schedule_position
+from engine.optim import RampupBatchSize as SampleRampup
 from engine.optim.optimizer import StepResult
 from engine.pipeline import schedules
 from engine.stability import ROLLBACK, SKIP, SPIKE, SpikeGuard, corrupt_batch, parse_faults, poison_loss
@@ -59,6 +61,7 @@ class Trainer:
         self.chunks = build_model_chunks(cfg, ctx, vocab_size=self.vocab_size, device=device, dtype=self.dtype)
         self.optimizer = build_optimizer(cfg, self.chunks, ctx)
         self.gbs = tr.global_batch_size or tr.micro_batch_size * ctx.dp_size
+        self.ramp = SampleRampup.from_config(tr, ctx.dp_size)  # None without --rampup-batch-size
         self.batch_size = (RampupBatchSize(*tr.rampup_batch_size, self.gbs) if tr.rampup_batch_size else self.gbs)
         seq = cfg.model.seq_length
         self.shape = (seq // ctx.tp_size if ctx.sequence_parallel else seq, tr.micro_batch_size, cfg.model.hidden_size)
@@ -148,13 +151,15 @@ class Trainer:
                  f"data skipped to sample {spike_consumed}; LR x{self.guard.lr_factor} through iteration {lr_until}")
 
     # ------------------------------------------------------------------ one step
-    def microbatches(self, dataset, consumed: int, global_batch: int) -> list:
-        sampler = BatchSampler(consumed, global_batch, self.cfg.training.micro_batch_size, self.ctx.dp_rank,
-                               self.ctx.dp_size)
-        return [make_batch(dataset, idx, device=self.device) for idx in next(iter(sampler))]
+    def microbatches(self, dataset, start: int, global_batch: int) -> list:
+        """This dp rank's microbatches of the global batch made of samples [start, start + global_batch)."""
+        indices = rank_microbatches(start, global_batch, self.cfg.training.micro_batch_size, self.ctx.dp_rank,
+                                    self.ctx.dp_size)
+        return [make_batch(dataset, idx, device=self.device) for idx in indices]
 
     def global_batch(self) -> int:
-        return self.batch_size(self.iteration) if callable(self.batch_size) else self.batch_size
+        """The global batch size at the current data position (it grows with consumed samples under ramp-up)."""
+        return global_batch_size_at(self.consumed, self.gbs, self.ramp)
 
     def train_step(self):
         """Forward-backward over this iteration's microbatches, grad reduction, optimizer step.
@@ -185,7 +190,9 @@ class Trainer:
         self.optimizer.finish_grad_sync()
         if fault == "nan":
             loss = float("nan")
-        lr = lr_at(self.iteration, self.cfg.optim, self.cfg.training.train_iters) * \
+        # Under batch ramp-up the schedule advances in samples (Megatron-LM): consumed / final batch size.
+        position = schedule_position(self.consumed, self.gbs) if self.ramp else self.iteration
+        lr = lr_at(position, self.cfg.optim, self.cfg.training.train_iters) * \
             self.guard.lr_multiplier(self.iteration + 1)
         self.phase = (f"optimizer step of iteration {self.iteration + 1} (grad-norm all-reduce over the model's "
                       f"groups, parameter all-gather in dp group {ctx.dp_ranks})")

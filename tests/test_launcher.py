@@ -83,3 +83,25 @@ def test_pipeline_trace_is_written_per_rank_and_drawn(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert plot.returncode == 0, plot.stderr
     assert png.stat().st_size > 10_000
+
+
+def test_batch_rampup_keeps_sampler_accumulation_and_lr_consistent(tmp_path):
+    import json
+    from engine.config import parse_config
+    from engine.optim import RampupBatchSize, global_batch_size_at, lr_at, schedule_position
+    args = ["--config", "configs/gpt-tiny.yaml", "--mock-data", "--num-layers", "2", "--rampup-batch-size", "4", "4",
+            "40", "--train-iters", "12", "--metrics-file", str(tmp_path / "m.jsonl")]
+    proc, _ = launch(args, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+    records = [r for r in records if "event" not in r and "split" not in r]
+    cfg = parse_config(args)
+    ramp = RampupBatchSize.from_config(cfg.training, 1)
+    consumed, sizes = 0, []
+    for r in records:
+        size = global_batch_size_at(consumed, 16, ramp)
+        sizes.append(size)
+        assert r["lr"] == lr_at(schedule_position(consumed, 16), cfg.optim, 12)
+        consumed += size
+        assert r["consumed_samples"] == consumed
+    assert sizes[0] == 4 and sizes[-1] == 16 and sorted(sizes) == sizes, sizes

@@ -46,6 +46,13 @@ class RampupBatchSize:
         return self.ramp[iteration] if iteration < len(self.ramp) else self.final
 
 
+def rank_microbatches(start: int, size: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> list:
+    """Global batch [start, start + size): dp rank r's contiguous slice, cut into microbatches of indices."""
+    local = size // dp_size
+    first = start + dp_rank * local
+    return [list(range(first + m, first + m + micro_batch_size)) for m in range(0, local, micro_batch_size)]
+
+
 class BatchSampler:
     """Yields, per iteration, this rank's microbatches: lists of global sample indices.
 
@@ -83,10 +90,7 @@ class BatchSampler:
                              f"micro_batch_size {self.micro_batch_size} x dp {self.dp_size}")
         if self.total_samples is not None and self.consumed_samples + size > self.total_samples:
             raise StopIteration
-        local = size // self.dp_size
-        first = self.consumed_samples + self.dp_rank * local
-        mbs = self.micro_batch_size
-        batch = [list(range(first + m, first + m + mbs)) for m in range(0, local, mbs)]
+        batch = rank_microbatches(self.consumed_samples, size, self.micro_batch_size, self.dp_rank, self.dp_size)
         self.consumed_samples += size
         self.iteration += 1
         return batch
