@@ -392,6 +392,13 @@ def validate(cfg: Config, world_size: int) -> None:
         if start % (tr.micro_batch_size * dp) or incr % (tr.micro_batch_size * dp) or (gbs - start) % max(incr, 1):
             _err("--rampup-batch-size", " ".join(map(str, tr.rampup_batch_size)),
                  f"START and INCR must be multiples of micro x dp = {tr.micro_batch_size * dp} and reach --global-batch-size {gbs}")
+    if cfg.vpp > 1:
+        for flag, size in (("--global-batch-size", gbs), *((("--rampup-batch-size", v) for v in tr.rampup_batch_size[:2])
+                                                         if tr.rampup_batch_size else ())):
+            microbatches = size // (tr.micro_batch_size * dp)
+            if microbatches % pp:
+                _err(flag, size, f"gives {microbatches} microbatches per step; the interleaved schedule (--vpp "
+                                 f"{cfg.vpp}) needs a multiple of pp {pp}")
     if tr.bf16 and tr.fp16:
         _err("--bf16", "with --fp16", "choose one precision")
     if par.gpus_per_node and tp > par.gpus_per_node:

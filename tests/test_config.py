@@ -50,6 +50,8 @@ def test_each_mistake_is_one_line_naming_flag_value_and_fix(tmp_path):
     check(["--num-attention-heads", "8", "--num-query-groups", "2", "--tp", "4"], 4, "--num-query-groups 2")
     check(["--tp", "4", "--gpus-per-node", "2", "--num-attention-heads", "4"], 4, "span nodes")
     check(["--bf16", "--fp16"], 1, "--bf16")
+    check(["--num-layers", "8", "--pp", "2", "--vpp", "2", "--global-batch-size", "6", "--micro-batch-size", "2"], 2,
+          "--global-batch-size 6", "multiple of pp 2")
     check(["--inject-fault", "boom@3"], 1, "--inject-fault boom@3")
     check(["--data-path", str(tmp_path / "nothing")], 1, "--data-path", "nothing.bin not found")
     check(["--tokenizer-model", str(tmp_path / "x.model")], 1, "--tokenizer-model")
