@@ -159,7 +159,9 @@ def _verify(args, cfg) -> int:
                                      virtual_pipeline_model_parallel_size=vpp)
     c.data = dataclasses.replace(cfg.data, mock_data=True)
     c.checkpoint = dataclasses.replace(cfg.checkpoint, load=None)
-    c.training = dataclasses.replace(cfg.training, global_batch_size=None)
+    # Parameter counts do not depend on the batch: any size the schedule accepts will do.
+    c.training = dataclasses.replace(cfg.training, global_batch_size=cfg.training.micro_batch_size * pp,
+                                     rampup_batch_size=None)
     validate(c, tp * pp)
     first, last = (par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers) \
         if args.pp is None else (None, None)
