@@ -106,6 +106,7 @@ def main(argv=None) -> int:
 
     import torch
     import torch.distributed as dist
+    from engine import comm
     from engine.topology import build_context, layout_table
     from engine.training import Trainer, banner
 
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
     finally:
         if dist.is_initialized():
             try:
-                dist.barrier()
+                comm.barrier()
                 if ctx is not None:
                     ctx.destroy()
                 dist.destroy_process_group()
