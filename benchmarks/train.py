@@ -61,18 +61,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measured_matmul_tflops(device, dtype) -> float:
-    """Best rate of a 1024^3 matmul here: the reference peak where no preset exists (CPU)."""
+def measured_matmul_tflops(device, dtype, size: int = 1024, threads=None) -> float:
+    """Best rate of a size^3 matmul here (on `threads` CPU threads if given): the reference peak where no
+    preset exists (CPU)."""
     import torch
-    a = torch.randn(1024, 1024, device=device, dtype=dtype)
-    b = torch.randn(1024, 1024, device=device, dtype=dtype)
-    best = 0.0
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(3):
-            a @ b
-        best = max(best, 3 * 2 * 1024 ** 3 / (time.perf_counter() - t0) / 1e12)
-    return best
+    saved = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        best = 0.0
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(3):
+                a @ b
+            best = max(best, 3 * 2 * size ** 3 / (time.perf_counter() - t0) / 1e12)
+        return best
+    finally:
+        torch.set_num_threads(saved)
 
 
 class PlainLoop:

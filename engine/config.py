@@ -462,5 +462,11 @@ def _validate_files(cfg: Config) -> None:
         _err("--load", cfg.checkpoint.load, "directory not found; check the path or drop --load")
 
 
+def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
+    """The vocabulary padded up to a multiple of --make-vocab-size-divisible-by x tp (Megatron's rule)."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

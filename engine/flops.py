@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from engine import config
 from engine.config import ModelConfig
 
 
@@ -70,10 +71,8 @@ def detect_gpu(device_name: str) -> Optional[GPUSpec]:
 
 
 def padded_vocab_size(model: ModelConfig, tp: int = 1) -> int:
-    """Vocabulary padded up to a multiple of make_vocab_size_divisible_by x tp, as the engine pads it."""
-    multiple = model.make_vocab_size_divisible_by * tp
-    vocab = model.vocab_size or 256
-    return -(-vocab // multiple) * multiple
+    """The model's vocabulary padded as the engine pads it (256 tokens when no size is configured)."""
+    return config.padded_vocab_size(model.vocab_size or 256, model.make_vocab_size_divisible_by, tp)
 
 
 def layer_matmul_params(model: ModelConfig) -> int:

@@ -21,11 +21,6 @@ from engine import mappings
 from kernels import dispatch
 
 
-def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
-    multiple = divisible_by * tp
-    return -(-vocab // multiple) * multiple
-
-
 def make_param(full_shape, tp_axis, ctx, init, device=None, dtype=None, init_key=None, sp_grad=False) -> nn.Parameter:
     shape = list(full_shape)
     if tp_axis is not None:

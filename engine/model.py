@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import mappings
-from engine.config import ModelConfig
+from engine.config import ModelConfig, padded_vocab_size
 from engine.cross_entropy import vocab_parallel_cross_entropy
 from engine.layers import (ColumnParallelLinear, Norm, RowParallelLinear, VocabParallelEmbedding, init_weights,
-                           make_param, padded_vocab_size)
+                           make_param)
 from engine.recompute import recompute
 from kernels import dispatch
 

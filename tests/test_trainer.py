@@ -137,19 +137,8 @@ def kill_when(metrics_path: str, iteration: int, rank: int, sig=signal.SIGKILL):
 
 def single_thread_peak_tflops() -> float:
     """Best fp32 matmul rate of one thread here: an upper bound for what one single-threaded rank achieves."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a, b = torch.randn(512, 512), torch.randn(512, 512)
-        best = 0.0
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(4):
-                a @ b
-            best = max(best, 4 * 2 * 512 ** 3 / (time.perf_counter() - t0) / 1e12)
-        return best
-    finally:
-        torch.set_num_threads(threads)
+    from benchmarks.train import measured_matmul_tflops
+    return measured_matmul_tflops("cpu", torch.float32, size=512, threads=1)
 
 
 def tiny_model():
