@@ -18,6 +18,7 @@ import datetime
 import os
 import re
 import sys
+import time
 import traceback
 import warnings
 
@@ -26,13 +27,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.config import ConfigError, parse_config, validate  # noqa: E402
 
 
+_WAIT_FOR_RANK0_S = 30.0
+
+
 def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
-def _fail(message: str, rank: int) -> int:
+def _fail(message: str, rank: int, before_groups: bool = False) -> int:
+    """Rank 0 prints the one line; every rank exits 2.
+
+    Before any process group exists the ranks cannot wait for each other, and torchrun stops every
+    worker as soon as the first one exits: a rank other than 0 that exited first could have rank 0
+    killed before its line is out. So under torchrun those ranks linger (bounded, in case rank 0 is on
+    a node whose agent never tells them) and let rank 0's exit end the job."""
     if rank == 0:
         print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
+    elif before_groups and "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(_WAIT_FOR_RANK0_S)
     return 2
 
 
@@ -102,7 +114,7 @@ def main(argv=None) -> int:
         if not cfg.model.vocab_size:
             cfg.model.vocab_size = resolve_vocab_size(cfg)
     except ConfigError as e:
-        return _fail(str(e), rank)
+        return _fail(str(e), rank, before_groups=True)
 
     import torch
     import torch.distributed as dist
@@ -112,7 +124,8 @@ def main(argv=None) -> int:
 
     use_cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
     if cfg.training.device == "cuda" and not torch.cuda.is_available():
-        return _fail("--device cuda: no CUDA device is visible; use --device cpu or auto", rank)
+        return _fail("--device cuda: no CUDA device is visible; use --device cpu or auto", rank,
+                     before_groups=True)
     if use_cuda:
         torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
         device, backend = f"cuda:{torch.cuda.current_device()}", "nccl"
