@@ -69,14 +69,21 @@ def barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
-def isend(t: torch.Tensor, peer: int, group=None, tag: int = 0):
-    """Non-blocking send to global rank `peer`; returns the work handle."""
-    return dist.isend(t.contiguous(), dst=peer, group=group, tag=tag)
+def send_op(t: torch.Tensor, peer: int, group=None):
+    """A send of `t` to global rank `peer`, for `batch_isend_irecv`."""
+    return dist.P2POp(dist.isend, t.contiguous(), peer, group)
 
 
-def irecv(t: torch.Tensor, peer: int, group=None, tag: int = 0):
-    """Non-blocking receive from global rank `peer` into `t`; returns the work handle."""
-    return dist.irecv(t, src=peer, group=group, tag=tag)
+def recv_op(t: torch.Tensor, peer: int, group=None):
+    """A receive from global rank `peer` into `t`, for `batch_isend_irecv`."""
+    return dist.P2POp(dist.irecv, t, peer, group)
+
+
+def batch_isend_irecv(ops: list) -> list:
+    """Post sends and receives (all on one group) as one batch; returns the work handles to wait on.
+
+    nccl runs the batch as one group call (one handle for all); gloo posts each op on its own."""
+    return dist.batch_isend_irecv(ops)
 
 
 def new_group(ranks: list, backend: Optional[str] = None, timeout=None):

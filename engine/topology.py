@@ -49,7 +49,6 @@ class ParallelContext:
     tp_group: object = None
     dp_group: object = None
     pp_group: object = None
-    pp_grad_group: object = None  # pipeline traffic flowing backward (gradients); see engine/pipeline/p2p.py
     mp_group: object = None
     embedding_group: object = None
     pp_ranks: list = field(default_factory=lambda: [0])
@@ -78,14 +77,6 @@ class ParallelContext:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
-    @property
-    def prev_rank(self) -> int:
-        return self.pp_ranks[(self.pp_rank - 1) % self.pp_size]
-
-    @property
-    def next_rank(self) -> int:
-        return self.pp_ranks[(self.pp_rank + 1) % self.pp_size]
-
     @classmethod
     def virtual(cls, tp: int = 1, pp: int = 1, dp: int = 1, vpp: int = 1, tp_rank: int = 0, pp_rank: int = 0,
                 dp_rank: int = 0, sequence_parallel: bool = False) -> "ParallelContext":
@@ -104,7 +95,7 @@ class ParallelContext:
 
     def destroy(self) -> None:
         """Release the subgroups this context made (the default group stays)."""
-        for name in ("tp_group", "dp_group", "pp_group", "pp_grad_group", "mp_group", "embedding_group"):
+        for name in ("tp_group", "dp_group", "pp_group", "mp_group", "embedding_group"):
             comm.destroy_group(getattr(self, name))
             setattr(self, name, None)
 
@@ -122,8 +113,8 @@ def build_context(world_size: int, rank: int, tp: int, pp: int, vpp: int = 1, se
                           vpp_size=vpp, sequence_parallel=sequence_parallel and tp > 1, gpus_per_node=gpus_per_node)
     ctx._fill_ranks(grid)
     timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes else None
-    for kind, attr in (("tp", "tp_group"), ("dp", "dp_group"), ("pp", "pp_group"), ("pp", "pp_grad_group"),
-                       ("mp", "mp_group"), ("embedding", "embedding_group")):
+    for kind, attr in (("tp", "tp_group"), ("dp", "dp_group"), ("pp", "pp_group"), ("mp", "mp_group"),
+                       ("embedding", "embedding_group")):
         for ranks in grid[kind]:
             group = comm.new_group(ranks, timeout=timeout)
             if rank in ranks:

@@ -1,67 +1,104 @@
-"""Point-to-point traffic between pipeline stages: fixed shapes, non-blocking sends, tagged messages.
+"""Point-to-point traffic between pipeline stages: fixed shapes, batched isend/irecv, a static plan.
 
 Every message between stages has one precomputed shape ([s, b, h], or [s/tp, b, h] under sequence
-parallelism), so receivers allocate without a handshake. Sends are non-blocking and only receives
-wait, which keeps any deadlock-free schedule deadlock-free whatever the backend buffers. Activations
-(flowing to later stages) and gradients (flowing back) use separate groups and tags, so the two
-streams can never be confused, even at pp 2 where a rank's next and previous stage are the same rank
-(nccl ignores tags and matches messages in order per group; gloo matches by tag).
+parallelism), so receivers allocate without a handshake.
 
-Once a send has completed, the sent activation's storage is released: backward needs only its
-autograd graph, not its values (see `release`).
+Between two consecutive operations of a rank's schedule there is one exchange: a single
+`batch_isend_irecv` carrying what the finished operation sends (a forward's output to the next virtual
+stage, a backward's input gradient to the previous one) and what the next operation must receive (a
+forward's input, a backward's output gradient). `exchange_plan` derives these batches from the schedule
+order alone, so tests can replay them without tensors.
+
+All traffic uses the one pp group and tag 0, so messages between two ranks are matched in the order
+they were posted, on gloo as on nccl (which ignores tags). A batch is waited for as a whole, sends
+included, as nccl's coalesced batches are; `tests/test_pipeline.py` replays every rank's plan under
+exactly those rules (a batch completes only when every message in it has its partner posted) and
+checks that no schedule the engine accepts can deadlock and that every message meets the one it was
+meant for. Batching also keeps nccl safe where one pair of ranks exchanges in both directions in one
+group (pp 2 with interleaving): both directions are in flight together instead of serialised.
+
+Once a batch has completed, the activations it sent are released: backward needs only their autograd
+graph, not their values (see `release`).
 """
 from __future__ import annotations
+
+from typing import NamedTuple, Optional
 
 import torch
 
 from engine import comm
 
 
-def _tag(chunk: int, microbatch: int, vpp: int) -> int:
-    return microbatch * vpp + chunk
+class Message(NamedTuple):
+    peer: int      # pp rank at the other end
+    kind: str      # "act" (flows to later stages) or "grad" (flows back)
+    stage: int     # virtual stage that receives it
+    microbatch: int
+
+
+class Exchange(NamedTuple):
+    sends: tuple  # Messages sent by the operations of the previous step
+    recvs: tuple  # one per operation of the next step: the Message it needs, or None
+
+
+def _messages(kind: str, chunk: int, mb: int, rank: int, pp: int, vpp: int) -> tuple:
+    """(what this operation receives, what it sends), each a Message or None."""
+    stage, last = chunk * pp + rank, pp * vpp - 1
+    if kind == "F":
+        recv = Message((stage - 1) % pp, "act", stage, mb) if stage > 0 else None
+        send = Message((stage + 1) % pp, "act", stage + 1, mb) if stage < last else None
+    else:
+        recv = Message((stage + 1) % pp, "grad", stage, mb) if stage < last else None
+        send = Message((stage - 1) % pp, "grad", stage - 1, mb) if stage > 0 else None
+    return recv, send
+
+
+def exchange_plan(steps: list, pp: int, vpp: int, rank: int) -> list:
+    """[(Exchange, operations of the step)] for each step, then a last exchange with no operations.
+
+    `steps` groups the schedule's operations: one forward or backward alone in warm-up and cool-down,
+    a forward and a backward together in the steady state. Receiving both inputs of a steady-state pair
+    in one batch (and sending both outputs in the next) is what keeps the interleaved schedule free of
+    deadlock under batch semantics, as in Megatron-LM's interleaved schedule; one batch per operation
+    would hang there (the replay in tests/test_pipeline.py shows both).
+    """
+    plan, sends = [], ()
+    for ops in steps:
+        pairs = [_messages(kind, chunk, mb, rank, pp, vpp) for kind, chunk, mb in ops]
+        plan.append((Exchange(sends, tuple(recv for recv, _ in pairs)), list(ops)))
+        sends = tuple(send for _, send in pairs if send is not None)
+    plan.append((Exchange(sends, ()), []))
+    return plan
 
 
 class StageLink:
+    """This rank's end of the pipeline: runs the exchanges of a plan with real tensors."""
+
     def __init__(self, ctx, shape, dtype, device):
         self.ctx, self.shape, self.dtype, self.device = ctx, tuple(shape), dtype, device
-        self.pending = []  # (work, tensor or None to release afterwards)
 
-    def send_activation(self, t, chunk, mb):
-        """Output of (chunk, mb) to the stage holding the next virtual stage."""
-        work = comm.isend(t.detach(), self.ctx.next_rank, self.ctx.pp_group, _tag(chunk, mb, self.ctx.vpp_size))
-        self.pending.append((work, t))
+    def exchange(self, step: Exchange, tensors: list) -> list:
+        """Send `tensors` (one per message in step.sends) and receive step.recvs; wait for the whole batch.
 
-    def recv_activation(self, chunk, mb):
-        """Input of (chunk, mb) from the stage holding the previous virtual stage."""
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        prev_chunk = chunk if self.ctx.pp_rank > 0 else chunk - 1
-        comm.irecv(buf, self.ctx.prev_rank, self.ctx.pp_group, _tag(prev_chunk, mb, self.ctx.vpp_size)).wait()
-        return buf.requires_grad_()
-
-    def send_grad(self, g, chunk, mb):
-        """Gradient of the input of (chunk, mb) back to the stage that produced it."""
-        work = comm.isend(g, self.ctx.prev_rank, self.ctx.pp_grad_group, _tag(chunk, mb, self.ctx.vpp_size))
-        self.pending.append((work, None))
-
-    def recv_grad(self, chunk, mb):
-        """Gradient of the output of (chunk, mb) from the next virtual stage."""
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        next_chunk = chunk if self.ctx.pp_rank < self.ctx.pp_size - 1 else chunk + 1
-        comm.irecv(buf, self.ctx.next_rank, self.ctx.pp_grad_group, _tag(next_chunk, mb, self.ctx.vpp_size)).wait()
-        return buf
-
-    def reap(self, wait: bool = False) -> None:
-        """Forget completed sends, releasing the activations they carried."""
-        still = []
-        for work, t in self.pending:
-            if wait:
+        Sent forward activations are released once the batch is done. Returns one received tensor (or
+        None) per entry of step.recvs.
+        """
+        assert len(tensors) == len(step.sends), "the schedule and its exchange plan disagree"
+        ranks, group = self.ctx.pp_ranks, self.ctx.pp_group
+        ops = [comm.send_op(t.detach(), ranks[m.peer], group) for m, t in zip(step.sends, tensors)]
+        received = []
+        for m in step.recvs:
+            buf = None if m is None else torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            if m is not None:
+                ops.append(comm.recv_op(buf, ranks[m.peer], group))
+            received.append(buf)
+        if ops:
+            for work in comm.batch_isend_irecv(ops):
                 work.wait()
-            if wait or work.is_completed():
-                if t is not None:
-                    release(t)
-            else:
-                still.append((work, t))
-        self.pending = still
+        for m, t in zip(step.sends, tensors):
+            if m.kind == "act":
+                release(t)
+        return received
 
 
 def release(t: torch.Tensor) -> None:

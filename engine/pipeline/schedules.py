@@ -21,7 +21,7 @@ import torch
 
 from engine import comm
 from engine.config import ConfigError
-from engine.pipeline.p2p import StageLink, backward_through
+from engine.pipeline.p2p import StageLink, backward_through, exchange_plan
 
 
 def check_schedule(pp: int, vpp: int, num_microbatches: int) -> None:
@@ -50,16 +50,26 @@ def _virtual(k: int, pp: int, vpp: int, forward: bool) -> tuple:
     return (chunk if forward else vpp - 1 - chunk), group * pp + pos % pp
 
 
+def schedule_steps(pp: int, vpp: int, rank: int, num_microbatches: int, forward_only: bool = False) -> list:
+    """This rank's operations, ("F" | "B", chunk, microbatch), grouped into the steps between two exchanges.
+
+    Warm-up forwards and cool-down backwards are steps of their own; in the steady state a forward and
+    the backward after it form one step (see engine.pipeline.p2p.exchange_plan). Forward-only (evaluation)
+    runs every forward as its own step.
+    """
+    total = num_microbatches * vpp
+    fwd = [("F", *_virtual(k, pp, vpp, True)) for k in range(total)]
+    if forward_only:
+        return [[op] for op in fwd]
+    warm = warmup_count(pp, vpp, rank, num_microbatches)
+    bwd = [("B", *_virtual(k, pp, vpp, False)) for k in range(total)]
+    steady = [[fwd[warm + j], bwd[j]] for j in range(total - warm)]
+    return [[op] for op in fwd[:warm]] + steady + [[op] for op in bwd[total - warm:]]
+
+
 def schedule_order(pp: int, vpp: int, rank: int, num_microbatches: int) -> list:
     """This rank's operations in execution order: ("F" | "B", chunk, microbatch)."""
-    total = num_microbatches * vpp
-    warm = warmup_count(pp, vpp, rank, num_microbatches)
-    fwd = [("F", *_virtual(k, pp, vpp, True)) for k in range(total)]
-    bwd = [("B", *_virtual(k, pp, vpp, False)) for k in range(total)]
-    order = fwd[:warm]
-    for j in range(total - warm):
-        order += [fwd[warm + j], bwd[j]]
-    return order + bwd[total - warm:]
+    return [op for step in schedule_steps(pp, vpp, rank, num_microbatches) for op in step]
 
 
 def max_in_flight(order: list) -> int:
@@ -124,44 +134,40 @@ def run(chunks, microbatches, ctx, *, shape, dtype, device, forward_only=False, 
     m = len(microbatches)
     pp, vpp = ctx.pp_size, ctx.vpp_size
     check_schedule(pp, vpp, m)
-    order = schedule_order(pp, vpp, ctx.pp_rank, m)
-    if forward_only:
-        order = [op for op in order if op[0] == "F"]
-    link = StageLink(ctx, shape, dtype, device) if pp > 1 else None
-    saved, losses = {}, []
-    for kind, c, mb in order:
-        model = chunks[c]
-        # Each event's clock starts once its input has arrived, so waiting shows as idle time.
-        if kind == "F":
-            batch = microbatches[mb]
-            x = None if model.pre_process else link.recv_activation(c, mb)
-            t0 = time.time()
-            out = model(tokens=batch["tokens"], hidden=x, labels=batch.get("labels"), loss_mask=batch.get("loss_mask"))
-            if model.post_process:
-                losses.append(out.detach())
-                out = out / m
-                if scale_loss is not None:
-                    out = scale_loss(out)
-            elif link is not None:
-                link.send_activation(out, c, mb)
-            if not forward_only:
-                saved[(c, mb)] = (x, out)
-        else:
-            x, out = saved.pop((c, mb))
-            grad = None if model.post_process else link.recv_grad(c, mb)
-            t0 = time.time()
-            if grad is None:
-                out.backward()
+    steps = schedule_steps(pp, vpp, ctx.pp_rank, m, forward_only)
+    link = StageLink(ctx, shape, dtype, device)
+    saved, losses, outbox = {}, [], []
+    for exchange, ops in exchange_plan(steps, pp, vpp, ctx.pp_rank):
+        # what the last step sent, what this step needs (one entry per operation, None if it needs nothing)
+        inbox = link.exchange(exchange, outbox)
+        outbox = []
+        for (kind, c, mb), received in zip(ops, inbox):
+            model = chunks[c]
+            t0 = time.time()  # inputs have arrived: waiting for them shows as idle time in the trace
+            if kind == "F":
+                batch = microbatches[mb]
+                x = None if received is None else received.requires_grad_()
+                out = model(tokens=batch["tokens"], hidden=x, labels=batch.get("labels"),
+                            loss_mask=batch.get("loss_mask"))
+                if model.post_process:
+                    losses.append(out.detach())
+                    out = out / m
+                    if scale_loss is not None:
+                        out = scale_loss(out)
+                else:
+                    outbox.append(out)
+                if not forward_only:
+                    saved[(c, mb)] = (x, out)
             else:
-                backward_through(out, grad)
-            if x is not None:
-                link.send_grad(x.grad, c, mb)
-        if trace is not None:
-            trace.append((ctx.rank, ctx.pp_rank, kind, mb, c, t0, time.time()))
-        if link is not None:
-            link.reap()
-    if link is not None:
-        link.reap(wait=True)
+                x, out = saved.pop((c, mb))
+                if received is None:
+                    out.backward()
+                else:
+                    backward_through(out, received)
+                if x is not None:
+                    outbox.append(x.grad)
+            if trace is not None:
+                trace.append((ctx.rank, ctx.pp_rank, kind, mb, c, t0, time.time()))
     return _share_loss(losses, ctx, device)
 
 
