@@ -56,11 +56,13 @@ def _messages(kind: str, chunk: int, mb: int, rank: int, pp: int, vpp: int) -> t
 def exchange_plan(steps: list, pp: int, vpp: int, rank: int) -> list:
     """[(Exchange, operations of the step)] for each step, then a last exchange with no operations.
 
-    `steps` groups the schedule's operations: one forward or backward alone in warm-up and cool-down,
-    a forward and a backward together in the steady state. Receiving both inputs of a steady-state pair
-    in one batch (and sending both outputs in the next) is what keeps the interleaved schedule free of
-    deadlock under batch semantics, as in Megatron-LM's interleaved schedule; one batch per operation
-    would hang there (the replay in tests/test_pipeline.py shows both).
+    `steps` groups the schedule's operations (engine.pipeline.schedules.schedule_steps). 1F1B exchanges
+    between every two operations: a forward's output leaves with the request for the next backward's
+    gradient, and vice versa. The interleaved schedule's steady state pairs a forward with a backward:
+    both inputs of a pair arrive in one batch and both outputs leave in the next, as in Megatron-LM's
+    interleaved schedule; one batch per operation would deadlock there under batch semantics (the
+    replay in tests/test_pipeline.py shows both). Pairing 1F1B as well would be deadlock-free but would
+    make each forward wait for the gradient its partner backward needs, serialising neighbouring stages.
     """
     plan, sends = [], ()
     for ops in steps:

@@ -53,9 +53,9 @@ def _virtual(k: int, pp: int, vpp: int, forward: bool) -> tuple:
 def schedule_steps(pp: int, vpp: int, rank: int, num_microbatches: int, forward_only: bool = False) -> list:
     """This rank's operations, ("F" | "B", chunk, microbatch), grouped into the steps between two exchanges.
 
-    Warm-up forwards and cool-down backwards are steps of their own; in the steady state a forward and
-    the backward after it form one step (see engine.pipeline.p2p.exchange_plan). Forward-only (evaluation)
-    runs every forward as its own step.
+    Every operation is a step of its own, except in the interleaved schedule's steady state, where a
+    forward and the backward after it form one step (see engine.pipeline.p2p.exchange_plan); forward-only
+    runs (evaluation) take every forward alone.
     """
     total = num_microbatches * vpp
     fwd = [("F", *_virtual(k, pp, vpp, True)) for k in range(total)]
@@ -63,7 +63,8 @@ def schedule_steps(pp: int, vpp: int, rank: int, num_microbatches: int, forward_
         return [[op] for op in fwd]
     warm = warmup_count(pp, vpp, rank, num_microbatches)
     bwd = [("B", *_virtual(k, pp, vpp, False)) for k in range(total)]
-    steady = [[fwd[warm + j], bwd[j]] for j in range(total - warm)]
+    pairs = [[fwd[warm + j], bwd[j]] for j in range(total - warm)]
+    steady = pairs if vpp > 1 else [[op] for pair in pairs for op in pair]
     return [[op] for op in fwd[:warm]] + steady + [[op] for op in bwd[total - warm:]]
 
 
