@@ -16,8 +16,8 @@ ERROR = "pretrain_gpt.py: error:"
 def launch(args, torchrun_procs=None, timeout=60):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     if torchrun_procs:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(torchrun_procs),
-               "--master_port", "29541", "launch/pretrain_gpt.py", *args]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(torchrun_procs),
+               "launch/pretrain_gpt.py", *args]
     else:
         cmd = [sys.executable, "launch/pretrain_gpt.py", *args]
     start = time.monotonic()

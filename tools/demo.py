@@ -63,7 +63,7 @@ def main() -> int:
     device = "cuda" if gpus >= 8 else "cpu"
     ckpt, tb = os.path.join(out, "checkpoints"), os.path.join(out, "tensorboard")
     half = args.iters // 2
-    train = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "8", "--master_port", "29533",
+    train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "8",
              "launch/pretrain_gpt.py", "--config", "configs/gpt-tiny.yaml", "--device", device,
              "--data-path", prefix, "--tokenizer-model", tokenizer, "--split", "98,2,0",
              "--tp", "2", "--pp", "2", "--sequence-parallel", "--use-distributed-optimizer",
