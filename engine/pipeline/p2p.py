@@ -3,11 +3,11 @@
 Every message between stages has one precomputed shape ([s, b, h], or [s/tp, b, h] under sequence
 parallelism), so receivers allocate without a handshake.
 
-Between two consecutive operations of a rank's schedule there is one exchange: a single
-`batch_isend_irecv` carrying what the finished operation sends (a forward's output to the next virtual
-stage, a backward's input gradient to the previous one) and what the next operation must receive (a
-forward's input, a backward's output gradient). `exchange_plan` derives these batches from the schedule
-order alone, so tests can replay them without tensors.
+Between two consecutive steps of a rank's schedule (one operation, or a forward and a backward in the
+interleaved steady state) there is one exchange: a single `batch_isend_irecv` carrying what the
+finished step sends (a forward's output to the next virtual stage, a backward's input gradient to the
+previous one) and what the next step must receive (a forward's input, a backward's output gradient).
+`exchange_plan` derives these batches from the schedule alone, so tests can replay them without tensors.
 
 All traffic uses the one pp group and tag 0, so messages between two ranks are matched in the order
 they were posted, on gloo as on nccl (which ignores tags). A batch is waited for as a whole, sends
@@ -88,12 +88,9 @@ class StageLink:
         assert len(tensors) == len(step.sends), "the schedule and its exchange plan disagree"
         ranks, group = self.ctx.pp_ranks, self.ctx.pp_group
         ops = [comm.send_op(t.detach(), ranks[m.peer], group) for m, t in zip(step.sends, tensors)]
-        received = []
-        for m in step.recvs:
-            buf = None if m is None else torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            if m is not None:
-                ops.append(comm.recv_op(buf, ranks[m.peer], group))
-            received.append(buf)
+        received = [None if m is None else torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                    for m in step.recvs]
+        ops += [comm.recv_op(buf, ranks[m.peer], group) for m, buf in zip(step.recvs, received) if m is not None]
         if ops:
             for work in comm.batch_isend_irecv(ops):
                 work.wait()
