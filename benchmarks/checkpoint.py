@@ -11,21 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from engine.checkpoint import finalize_async, save_checkpoint  # noqa: E402
-from engine.config import Config  # noqa: E402
-from engine.model import build_model_chunks  # noqa: E402
-from engine.optim import build_optimizer  # noqa: E402
-from engine.topology import ParallelContext  # noqa: E402
+from engine.checkpoint import finalize_async, save_checkpoint
+from engine.config import Config
+from engine.optim import build_optimizer
+from engine.parallel.topology import ParallelContext
+from engine.pipeline.partition import build_model_chunks
 
 
 def measure(hidden_size: int, num_layers: int, repeats: int, directory: str) -> dict:

@@ -13,19 +13,21 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import sys
+import runpy
 import tempfile
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from engine.data.blend import blend_indices
+from engine.data.gpt_dataset import build_indices
+from engine.data.preprocess import Options, preprocess
+from engine.data.tokenizer import Tokenizer
 
-from engine.data.blend import blend_indices  # noqa: E402
-from engine.data.demo_corpus import build_demo_corpus, stdlib_sources  # noqa: E402
-from engine.data.gpt_dataset import build_indices  # noqa: E402
-from engine.data.preprocess import Options, preprocess  # noqa: E402
-from engine.data.tokenizer import Tokenizer  # noqa: E402
+# The demo corpus builder is one of the tools (scripts, not an installed package): loaded by path.
+_demo_corpus = runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
+                                           "demo_corpus.py"))
+build_demo_corpus, stdlib_sources = _demo_corpus["build_demo_corpus"], _demo_corpus["stdlib_sources"]
 
 
 def bench_index(num_docs: int, seq_length: int) -> None:

@@ -8,7 +8,7 @@ on the same batches, alternating step by step so that a change in machine load h
 - engine: `engine.training.Trainer.iterate()`, i.e. everything a real run does per iteration (batch,
   pipeline schedule, grad buffer, mixed-precision AdamW, clipping, stability guard, pre-emption check);
 - plain: `GPTModel` + `torch.optim.AdamW` + `clip_grad_norm_` (autocast for --bf16/--fp16), nothing else.
-Reported per loop: median step time, tokens/s, model TFLOP/s and MFU (engine.flops), and the ratio
+Reported per loop: median step time, tokens/s, model TFLOP/s and MFU (engine.planner.flops), and the ratio
 engine / plain step time. The peak for MFU is --peak-tflops, else the CUDA device's preset, else (CPU)
 a measured fp32 matmul rate of this machine, labelled as such. The two loss curves are also compared:
 they agree to rounding, which shows both loops do the same work.
@@ -23,9 +23,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from engine.config import ConfigError, parse_config, validate  # noqa: E402
+from engine.config import ConfigError, parse_config, validate
 
 
 def _parse(argv):
@@ -87,8 +85,9 @@ class PlainLoop:
 
     def __init__(self, cfg, ctx, trainer, device):
         import torch
+
+        from engine.config import model_dtype
         from engine.model import GPTModel
-        from engine.training import model_dtype
         self.cfg, self.trainer, self.device = cfg, trainer, device
         self.autocast = model_dtype(cfg) if model_dtype(cfg) != torch.float32 else None
         self.model = GPTModel(cfg.model, ctx, vocab_size=trainer.vocab_size, z_loss_weight=cfg.optim.z_loss_weight,
@@ -104,6 +103,7 @@ class PlainLoop:
 
     def step(self, iteration: int) -> float:
         import torch
+
         from engine.data import make_batch
         from engine.optim import lr_at
         cfg, tr = self.cfg, self.cfg.training
@@ -130,10 +130,12 @@ class PlainLoop:
 def run(own, cfg) -> dict:
     import torch
     import torch.distributed as dist
-    from engine import flops
+
+    from engine.config import model_dtype
     from engine.metrics import peak_tflops
-    from engine.topology import build_context
-    from engine.training import Trainer, model_dtype
+    from engine.parallel.topology import build_context
+    from engine.planner import flops
+    from engine.training import Trainer
 
     use_cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
     if cfg.training.device == "cuda" and not use_cuda:

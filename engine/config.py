@@ -462,6 +462,16 @@ def _validate_files(cfg: Config) -> None:
         _err("--load", cfg.checkpoint.load, "directory not found; check the path or drop --load")
 
 
+def precision_name(cfg: Config) -> str:
+    return "bf16" if cfg.training.bf16 else "fp16" if cfg.training.fp16 else "fp32"
+
+
+def model_dtype(cfg: Config):
+    """The torch dtype of parameters and activations (torch is imported here only: tools read configs without it)."""
+    import torch
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision_name(cfg)]
+
+
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
     """The vocabulary padded up to a multiple of --make-vocab-size-divisible-by x tp (Megatron's rule)."""
     multiple = divisible_by * tp

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from engine import flops
+from engine.planner import flops
 
 TRAIN_KEYS = ("iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "loss_scale", "skipped",
               "tokens_per_sec", "tflops_per_gpu", "mfu")
@@ -58,7 +58,7 @@ def peak_tflops(cfg, device: torch.device) -> Optional[float]:
 def throughput(cfg, global_batch_size: int, seconds: float, num_gpus: int, peak: Optional[float]) -> dict:
     """Per-iteration speed fields of a training record, from the iteration's wall time.
 
-    TFLOP/s count model FLOPs (no recomputation, engine.flops), so mfu = tflops_per_gpu / peak.
+    TFLOP/s count model FLOPs (no recomputation, engine.planner.flops), so mfu = tflops_per_gpu / peak.
     """
     seq = cfg.model.seq_length
     tokens_per_sec = global_batch_size * seq / seconds

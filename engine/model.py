@@ -20,12 +20,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import mappings
 from engine.config import ModelConfig, padded_vocab_size
-from engine.cross_entropy import vocab_parallel_cross_entropy
-from engine.layers import (ColumnParallelLinear, Norm, RowParallelLinear, VocabParallelEmbedding, init_weights,
-                           make_param)
-from engine.recompute import recompute
+from engine.parallel import mappings
+from engine.parallel.cross_entropy import vocab_parallel_cross_entropy
+from engine.parallel.layers import (
+    ColumnParallelLinear,
+    Norm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    init_weights,
+    make_param,
+)
+from engine.parallel.recompute import recompute
 from kernels import dispatch
 
 WORD_EMBEDDING_KEY = "embedding.word.weight"
@@ -207,17 +213,3 @@ class GPTModel(nn.Module):
         loss_mask = loss_mask.float()
         return (loss * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
 
-
-def build_model_chunks(cfg, ctx, *, vocab_size: int, device=None, dtype=None) -> list:
-    """This rank's model chunks (one per virtual pipeline stage) from the run config."""
-    from engine.pipeline.partition import stage_layers
-    m, par = cfg.model, cfg.parallel
-    chunks = []
-    for c in range(ctx.vpp_size):
-        ids = stage_layers(m.num_layers, ctx.pp_size, ctx.vpp_size, ctx.pp_rank, c,
-                           par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
-        chunks.append(GPTModel(m, ctx, layers=ids, pre_process=ctx.is_first_stage and c == 0,
-                               post_process=ctx.is_last_stage and c == ctx.vpp_size - 1, vocab_size=vocab_size,
-                               z_loss_weight=cfg.optim.z_loss_weight, seed=cfg.training.seed, device=device,
-                               dtype=dtype))
-    return chunks

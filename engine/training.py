@@ -21,16 +21,17 @@ import time
 
 import torch
 
-from engine import checkpoint, comm
+from engine import checkpoint
+from engine.config import model_dtype
 from engine.data import RampupBatchSize, build_datasets, make_batch, samples_before
 from engine.data.sampler import rank_microbatches
-from engine.layout_memory import GIB, Layout, memory_per_gpu
 from engine.metrics import MetricsWriter, format_log_line, peak_memory_gb, peak_tflops, throughput
-from engine.model import build_model_chunks
-from engine.optim import build_optimizer, global_batch_size_at, lr_at, schedule_position
 from engine.optim import RampupBatchSize as SampleRampup
+from engine.optim import build_optimizer, global_batch_size_at, lr_at, schedule_position
 from engine.optim.optimizer import StepResult
 from engine.pipeline import schedules
+from engine.pipeline.partition import build_model_chunks
+from engine.preemption import PreemptionHandler
 from engine.stability import ROLLBACK, SKIP, SPIKE, SpikeGuard, corrupt_batch, parse_faults, poison_loss
 
 
@@ -41,19 +42,11 @@ def resolve_vocab_size(cfg) -> int:
     return cfg.model.vocab_size or 256
 
 
-def model_dtype(cfg):
-    return torch.bfloat16 if cfg.training.bf16 else torch.float16 if cfg.training.fp16 else torch.float32
-
-
-def precision_name(cfg) -> str:
-    return "bf16" if cfg.training.bf16 else "fp16" if cfg.training.fp16 else "fp32"
-
-
 class Trainer:
     def __init__(self, cfg, ctx, device, log=print):
         self.cfg, self.ctx, self.device, self.log = cfg, ctx, device, log
         # First, so that a pre-emption signal during the (slow) set-up stops the run instead of killing it.
-        self.preemption = checkpoint.PreemptionHandler(cfg.checkpoint.exit_duration_in_mins, device=device)
+        self.preemption = PreemptionHandler(cfg.checkpoint.exit_duration_in_mins, device=device)
         tr = cfg.training
         self.phase = "building the model and optimizer"
         self.vocab_size = resolve_vocab_size(cfg)
@@ -327,61 +320,3 @@ class Trainer:
             for iteration, rank, pp_rank, kind, mb, chunk, t0, t1 in self.trace:
                 fh.write(json.dumps({"iteration": iteration, "rank": rank, "pp_rank": pp_rank, "kind": kind,
                                      "microbatch": mb, "chunk": chunk, "start": t0, "end": t1}) + "\n")
-
-
-# ---------------------------------------------------------------------- start-up banner
-def stage_parameters(chunks, ctx) -> list:
-    """Parameters of each pipeline stage, whole tensors (tp shards counted once), the tied embedding's copy
-    on the last stage not counted. Collective: every rank calls it (all_gather_object over all ranks)."""
-    mine = sum(math.prod(getattr(p, "full_shape", p.shape)) for c in chunks for p in c.parameters()
-               if not (getattr(p, "shared_embedding", False) and not ctx.is_first_stage))
-    per_stage = [0] * ctx.pp_size
-    for pp_rank, tp_rank, dp_rank, count in comm.all_gather_object((ctx.pp_rank, ctx.tp_rank, ctx.dp_rank, mine)):
-        if tp_rank == 0 and dp_rank == 0:
-            per_stage[pp_rank] = count
-    return per_stage
-
-
-def memory_estimate(cfg, ctx, global_batch: int, attention: str):
-    """engine.layout_memory's estimate for this run's layout (the busiest pipeline stage)."""
-    par, tr, m = cfg.parallel, cfg.training, cfg.model
-    layout = Layout(tp=ctx.tp_size, pp=ctx.pp_size, dp=ctx.dp_size, vpp=ctx.vpp_size,
-                    micro_batch_size=tr.micro_batch_size, recompute=m.recompute_granularity or "none",
-                    sequence_parallel=ctx.sequence_parallel, distributed_optimizer=par.use_distributed_optimizer,
-                    first_stage_layers=par.decoder_first_pipeline_num_layers,
-                    last_stage_layers=par.decoder_last_pipeline_num_layers)
-    microbatches = global_batch // (tr.micro_batch_size * ctx.dp_size)
-    return memory_per_gpu(m, layout, m.seq_length, microbatches, precision_name(cfg),
-                          flash_attention=attention != "local")
-
-
-def _size(nbytes: float) -> str:
-    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2 ** 20:.2f} MiB"
-
-
-def banner(cfg, ctx, trainer, layout: str) -> str:
-    """Start-up summary (rank 0 prints it): layout, parameters per stage, batch arithmetic, memory, kernels.
-
-    Collective (the per-stage parameter count is gathered from every rank): every rank calls it.
-    """
-    from kernels import dispatch
-    trainer.phase = "start-up banner (all_gather_object over all ranks)"
-    per_stage = stage_parameters(trainer.chunks, ctx)
-    tr = cfg.training
-    accum = trainer.gbs // (tr.micro_batch_size * ctx.dp_size)
-    kernels = dispatch.kernel_report(torch.device(trainer.device), cfg.model.attention_backend)
-    mem = memory_estimate(cfg, ctx, trainer.gbs, kernels["attention"])
-    ramp = f" (ramp-up: {' '.join(map(str, tr.rampup_batch_size))})" if tr.rampup_batch_size else ""
-    stages = ", ".join(f"stage {i}: {n:,}" for i, n in enumerate(per_stage))
-    lines = [f"Ternion: world {ctx.world_size} = tp {ctx.tp_size} x pp {ctx.pp_size} x dp {ctx.dp_size}"
-             f"{f' (vpp {ctx.vpp_size})' if ctx.vpp_size > 1 else ''}, sequence parallel {ctx.sequence_parallel}",
-             layout,
-             f"parameters: {sum(per_stage):,} in total; per pipeline stage: {stages}",
-             f"batch: micro {tr.micro_batch_size} x dp {ctx.dp_size} x accumulation {accum} = global "
-             f"{trainer.gbs}{ramp}; {trainer.gbs * cfg.model.seq_length:,} tokens per iteration",
-             f"memory per GPU (estimate, busiest stage {mem.rank}, {precision_name(cfg)}): {_size(mem.total)} = "
-             f"{_size(mem.allocated)} allocated (weights {_size(mem.weights)}, grads {_size(mem.grads)}, optimizer "
-             f"{_size(mem.optimizer)}, activations {_size(mem.activations)}, logits {_size(mem.logits)}) "
-             f"+ allocator slack and the CUDA-context reserve",
-             f"kernels: {json.dumps(kernels)}"]
-    return "\n".join(lines)

@@ -22,10 +22,7 @@ import time
 import traceback
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from engine.config import ConfigError, parse_config, validate  # noqa: E402
-
+from engine.config import ConfigError, parse_config, validate
 
 _WAIT_FOR_RANK0_S = 30.0
 
@@ -118,9 +115,11 @@ def main(argv=None) -> int:
 
     import torch
     import torch.distributed as dist
-    from engine import comm
-    from engine.topology import build_context, layout_table
-    from engine.training import Trainer, banner
+
+    from engine.parallel import comm
+    from engine.parallel.topology import build_context, layout_table
+    from engine.report import banner
+    from engine.training import Trainer
 
     use_cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
     if cfg.training.device == "cuda" and not torch.cuda.is_available():
@@ -150,7 +149,8 @@ def main(argv=None) -> int:
                 warnings.simplefilter("ignore")
             trainer = Trainer(cfg, ctx, device, log=log)
             trainer.start()
-            log(banner(cfg, ctx, trainer, layout_table(world, cfg.tp, cfg.pp, par.gpus_per_node)))
+            trainer.phase = "start-up banner (all_gather_object over all ranks)"
+            log(banner(cfg, ctx, trainer.chunks, device, layout_table(world, cfg.tp, cfg.pp, par.gpus_per_node)))
             trainer.train()
     except ConfigError as e:
         return _fail(str(e), rank)

@@ -12,15 +12,15 @@ import zlib
 import pytest
 import torch
 
-from engine.checkpoint import (CheckpointReader, PreemptionHandler, finalize_async, latest_iteration,
-                               load_checkpoint, save_checkpoint)
+from engine.checkpoint import CheckpointReader, finalize_async, latest_iteration, load_checkpoint, save_checkpoint
 from engine.checkpoint import rng as ckpt_rng
 from engine.checkpoint.layout import local_tensors
 from engine.config import Config, ConfigError
-from engine.layers import tp_slice
-from engine.model import build_model_chunks
 from engine.optim import build_optimizer
-from engine.topology import ParallelContext, build_context
+from engine.parallel.layers import tp_slice
+from engine.parallel.topology import ParallelContext, build_context
+from engine.pipeline.partition import build_model_chunks
+from engine.preemption import PreemptionHandler
 from harness import run_ranks
 
 VOCAB = 100  # padded to 108, 120 or 144 for tp 1, 2, 4 (multiples of 12 * tp)
@@ -308,6 +308,7 @@ def test_missing_or_empty_directories(tmp_path):
 
 def test_merged_and_split_models_give_the_sharded_logits(saved, tmp_path):
     import importlib
+
     from engine.checkpoint import load_merged
     merge_ckpt = importlib.import_module("tools.merge_ckpt")
     root, results = saved

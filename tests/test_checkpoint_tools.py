@@ -10,14 +10,14 @@ import time
 
 import pytest
 import torch
-
-from engine.checkpoint import (CheckpointReader, PreemptionHandler, finalize_async, latest_iteration,
-                               load_checkpoint, save_checkpoint)
-from engine.config import Config
-from engine.model import build_model_chunks
-from engine.optim import build_optimizer
-from engine.topology import ParallelContext
 from test_checkpoint import VOCAB, make_config
+
+from engine.checkpoint import CheckpointReader, finalize_async, latest_iteration, load_checkpoint, save_checkpoint
+from engine.config import Config
+from engine.optim import build_optimizer
+from engine.parallel.topology import ParallelContext
+from engine.pipeline.partition import build_model_chunks
+from engine.preemption import PreemptionHandler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

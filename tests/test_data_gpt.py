@@ -6,9 +6,16 @@ import pytest
 import torch
 
 from engine.config import Config, ConfigError
-from engine.data import (BatchSampler, IndexedDataset, IndexedDatasetWriter, RampupBatchSize, build_datasets,
-                         make_batch, samples_before)
-from engine.data import gpt_dataset
+from engine.data import (
+    BatchSampler,
+    IndexedDataset,
+    IndexedDatasetWriter,
+    RampupBatchSize,
+    build_datasets,
+    gpt_dataset,
+    make_batch,
+    samples_before,
+)
 from engine.data.blend import blend_indices
 from engine.data.gpt_dataset import GPTDataset, split_ranges
 from engine.data.mock import MockGPTDataset

@@ -6,9 +6,9 @@ import sys
 
 import numpy as np
 import pytest
+from demo_corpus import build_demo_corpus, stdlib_sources
 
 from engine.data import IndexedDataset, Tokenizer
-from engine.data.demo_corpus import build_demo_corpus, stdlib_sources
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly box jaunty "

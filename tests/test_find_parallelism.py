@@ -27,12 +27,24 @@ import pytest
 import torch
 
 from engine.config import ConfigError, ModelConfig, parse_config, validate
-from engine.flops import GPU_PRESETS
-from engine.layout_memory import (Layout, in_flight_chunks, layer_activation_bytes, memory_per_gpu,
-                                  params_per_rank, state_bytes)
-from engine.layout_model import (Software, candidate_layouts, chinchilla_optimal, estimate, rank_layouts,
-                                 uneven_split)
-from engine.layout_verify import meta_params_per_rank
+from engine.planner.flops import GPU_PRESETS
+from engine.planner.memory import (
+    Layout,
+    in_flight_chunks,
+    layer_activation_bytes,
+    memory_per_gpu,
+    params_per_rank,
+    state_bytes,
+)
+from engine.planner.step_time import (
+    Software,
+    candidate_layouts,
+    chinchilla_optimal,
+    estimate,
+    rank_layouts,
+    uneven_split,
+)
+from engine.planner.verify import meta_params_per_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(os.path.join(ROOT, "configs", f) for f in os.listdir(os.path.join(ROOT, "configs"))
@@ -48,11 +60,7 @@ def gpt(layers, hidden, heads, vocab=51200, seq=2048):
 
 
 def run_cli(*argv):
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    try:
-        import find_parallelism
-    finally:
-        sys.path.pop(0)
+    import find_parallelism
     return find_parallelism.cli(list(argv))
 
 
@@ -125,9 +133,9 @@ def test_microbatches_in_flight():
 # --- weights, gradients and optimizer state: what engine/optim really allocates -------------------
 
 def _engine_state_bytes(cfg, layout, pp_rank, dp_rank):
-    from engine.model import build_model_chunks
     from engine.optim import adamw, build_optimizer
-    from engine.topology import ParallelContext
+    from engine.parallel.topology import ParallelContext
+    from engine.pipeline.partition import build_model_chunks
     ctx = ParallelContext.virtual(tp=layout.tp, pp=layout.pp, dp=layout.dp, vpp=layout.vpp, pp_rank=pp_rank,
                                   dp_rank=dp_rank, sequence_parallel=layout.sequence_parallel)
     cfg.parallel.use_distributed_optimizer = layout.distributed_optimizer
@@ -305,9 +313,9 @@ def test_cli_verify_passes(capsys):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no GPU in this session")
 def test_predicted_peak_memory_single_rank_within_15_percent():
-    from engine.model import build_model_chunks
     from engine.optim import build_optimizer
-    from engine.topology import ParallelContext
+    from engine.parallel.topology import ParallelContext
+    from engine.pipeline.partition import build_model_chunks
     cfg = parse_config(["--config", os.path.join(ROOT, "configs", "llama3-1b.yaml"), "--num-layers", "8",
                         "--seq-length", "2048", "--micro-batch-size", "2", "--tp", "1", "--pp", "1"])
     cfg.parallel.use_distributed_optimizer = False

@@ -1,8 +1,8 @@
-"""engine.flops: the FLOPs count against the papers' closed forms and their published MFU figures."""
+"""engine.planner.flops: the FLOPs count against the papers' closed forms and their published MFU figures."""
 import pytest
 
 from engine.config import ModelConfig
-from engine.flops import GPU_PRESETS, detect_gpu, flops_per_iteration, mfu, padded_vocab_size, tflops_per_gpu
+from engine.planner.flops import GPU_PRESETS, detect_gpu, flops_per_iteration, mfu, padded_vocab_size, tflops_per_gpu
 
 
 def gpt(layers, hidden, heads, vocab=51200, seq=2048, **kw):

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from engine.config import Config
 from engine.data.tokenizer import train_sentencepiece
 from engine.model import GPTModel
-from engine.topology import ParallelContext
+from engine.parallel.topology import ParallelContext
 from harness import run_ranks
 from tools import generate
 
@@ -102,7 +102,7 @@ def test_user_mistakes_are_one_line(merged, tmp_path, capsys):
 
 def _save_run(rank, world_size, save_dir, cfg_dict, vocab_size):
     from engine.checkpoint import save_checkpoint
-    from engine.topology import build_context
+    from engine.parallel.topology import build_context
     cfg = Config.from_dict(cfg_dict)
     ctx = build_context(world_size, rank, 1, 1, seed=cfg.training.seed)
     model = GPTModel(cfg.model, ctx, vocab_size=vocab_size, seed=cfg.training.seed)

@@ -329,7 +329,7 @@ def test_gpu_flash_attention(s, causal, d, dtype):
 
 def test_benchmark_script_runs_and_writes_json(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location(
-        "kernels_benchmark", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernels.py"))
+        "kernels_benchmark", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernel_speed.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "bench.json"

@@ -87,6 +87,7 @@ def test_pipeline_trace_is_written_per_rank_and_drawn(tmp_path):
 
 def test_batch_rampup_keeps_sampler_accumulation_and_lr_consistent(tmp_path):
     import json
+
     from engine.config import parse_config
     from engine.optim import RampupBatchSize, global_batch_size_at, lr_at, schedule_position
     args = ["--config", "configs/gpt-tiny.yaml", "--mock-data", "--num-layers", "2", "--rampup-batch-size", "4", "4",

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from engine.config import Config
-from engine.metrics import (TB_TAGS, TRAIN_KEYS, MetricsWriter, format_log_line, metrics_path, peak_tflops,
-                            throughput)
+from engine.metrics import TB_TAGS, TRAIN_KEYS, MetricsWriter, format_log_line, metrics_path, peak_tflops, throughput
 
 CONTRACT_TAGS = {"lm-loss", "lr", "grad-norm", "loss-scale", "tokens-per-sec", "tflops-per-gpu", "mfu",
                  "mem-peak-gb", "valid/lm-loss", "valid/ppl"}

@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-import engine.comm as comm
+import engine.parallel.comm as comm
 from engine.config import Config
 from engine.optim import build_optimizer
 from engine.optim.clip import counts_toward_norm, global_grad_norm
+from engine.parallel.topology import ParallelContext, build_context
 from engine.pipeline.partition import stage_layers
-from engine.topology import ParallelContext, build_context
 from harness import run_ranks
 
 NUM_LAYERS, MICRO, LR, CLIP = 4, 3, 1e-2, 1.0

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from engine.config import Config, ModelConfig
-from engine.model import GPTModel, build_model_chunks
+from engine.model import GPTModel
 from engine.optim import build_optimizer, lr_at
+from engine.parallel.topology import ParallelContext, build_context
 from engine.pipeline import schedules
-from engine.topology import ParallelContext, build_context
+from engine.pipeline.partition import build_model_chunks
 from harness import run_ranks
 
 VOCAB, SEQ, MICRO, GLOBAL_MICROBATCHES, STEPS = 100, 16, 2, 4, 20

@@ -4,7 +4,14 @@ import math
 import pytest
 
 from engine.config import OptimizerConfig, TrainingConfig
-from engine.optim import LossScaler, RampupBatchSize, global_batch_size_at, lr_at, num_microbatches_at, schedule_position
+from engine.optim import (
+    LossScaler,
+    RampupBatchSize,
+    global_batch_size_at,
+    lr_at,
+    num_microbatches_at,
+    schedule_position,
+)
 
 
 def _opt(**kw):

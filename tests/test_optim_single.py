@@ -7,7 +7,7 @@ from torch import nn
 
 from engine.config import Config
 from engine.optim import LossScaler, build_optimizer
-from engine.topology import ParallelContext
+from engine.parallel.topology import ParallelContext
 
 
 class Tiny(nn.Module):

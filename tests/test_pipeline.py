@@ -5,12 +5,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine import comm
 from engine.config import Config, ConfigError, ModelConfig
-from engine.model import GPTModel, build_model_chunks
+from engine.model import GPTModel
+from engine.parallel import comm
+from engine.parallel.topology import ParallelContext, build_context
 from engine.pipeline import schedules
-from engine.pipeline.partition import stage_layers, stage_sizes
-from engine.topology import ParallelContext, build_context
+from engine.pipeline.partition import build_model_chunks, stage_layers, stage_sizes
 from harness import run_ranks
 
 VOCAB, SEQ, MICRO = 96, 8, 2

@@ -2,15 +2,10 @@
 import json
 import math
 import os
-import sys
 
+import plot_metrics
+import plot_pipeline
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-
-import plot_metrics  # noqa: E402
-import plot_pipeline  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

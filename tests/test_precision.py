@@ -2,10 +2,10 @@
 import torch
 
 from engine.config import Config, ModelConfig
-from engine.cross_entropy import vocab_parallel_cross_entropy
 from engine.model import GPTModel
 from engine.optim import build_optimizer, lr_at
-from engine.topology import ParallelContext, build_context
+from engine.parallel.cross_entropy import vocab_parallel_cross_entropy
+from engine.parallel.topology import ParallelContext, build_context
 from harness import run_ranks
 
 VOCAB = 50

@@ -3,7 +3,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.model import GPTModel
-from engine.topology import build_context
+from engine.parallel.topology import build_context
 from harness import run_ranks
 
 

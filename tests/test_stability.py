@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from engine.config import ConfigError, StabilityConfig
-from engine.stability import (MIN_HISTORY, ROLLBACK, SKIP, SPIKE, SpikeGuard, corrupt_batch, parse_faults,
-                              poison_loss)
+from engine.stability import MIN_HISTORY, ROLLBACK, SKIP, SPIKE, SpikeGuard, corrupt_batch, parse_faults, poison_loss
 
 
 def noisy_losses(n, base=3.0, amplitude=0.02):

@@ -2,10 +2,10 @@
 import torch
 import torch.distributed as dist
 
-from engine import comm
 from engine.config import ModelConfig
 from engine.model import GPTModel
-from engine.topology import ParallelContext, build_context, coords, layout_table, rank_grid
+from engine.parallel import comm
+from engine.parallel.topology import ParallelContext, build_context, coords, layout_table, rank_grid
 from harness import run_ranks
 
 VOCAB = 100  # padded to 128, 256 or 512 depending on tp: the padding must not change the loss

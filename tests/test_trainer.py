@@ -145,7 +145,7 @@ def tiny_model():
     """TINY's model on one rank, on the meta device (shapes only)."""
     from engine.config import ModelConfig
     from engine.model import GPTModel
-    from engine.topology import ParallelContext
+    from engine.parallel.topology import ParallelContext
     m = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=32,
                     vocab_size=256, make_vocab_size_divisible_by=16, normalization="RMSNorm",
                     position_embedding_type="rope", swiglu=True, disable_bias_linear=True)

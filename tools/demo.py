@@ -19,7 +19,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 
 def step(title: str) -> None:
@@ -49,7 +48,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=240, help="total training iterations (half before the resume)")
     args = ap.parse_args()
     import torch
-    from engine.data.demo_corpus import build_demo_corpus
+    from demo_corpus import build_demo_corpus
 
     start = time.time()
     out = args.out

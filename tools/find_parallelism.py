@@ -13,15 +13,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from engine.config import ConfigError, parse_config, validate  # noqa: E402
-from engine.flops import GPU_PRESETS, flops_per_iteration  # noqa: E402
-from engine.layout_memory import GIB, Layout, params_per_rank  # noqa: E402
-from engine.layout_model import Software, chinchilla_optimal, estimate, rank_layouts  # noqa: E402
+from engine.config import ConfigError, parse_config, validate
+from engine.planner.flops import GPU_PRESETS, flops_per_iteration
+from engine.planner.memory import GIB, Layout, params_per_rank
+from engine.planner.step_time import Software, chinchilla_optimal, estimate, rank_layouts
 
 
 class UsageError(Exception):
@@ -150,7 +147,7 @@ def torchrun_command(args, layout: Layout, batch: int, seq: int, precision: str)
 
 def _verify(args, cfg) -> int:
     """Analytic vs meta-device parameter counts for the config's layout (or --tp/--pp/--vpp)."""
-    from engine.layout_verify import verify
+    from engine.planner.verify import verify
     par = cfg.parallel
     tp, pp = args.tp or cfg.tp, args.pp or cfg.pp
     vpp = args.vpp or (cfg.vpp if args.pp is None else 1)

@@ -21,12 +21,10 @@ from typing import Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from engine.config import Config, ConfigError  # noqa: E402
-from engine.data.tokenizer import Tokenizer  # noqa: E402
-from engine.model import GPTModel  # noqa: E402
-from engine.topology import ParallelContext  # noqa: E402
+from engine.config import Config, ConfigError
+from engine.data.tokenizer import Tokenizer
+from engine.model import GPTModel
+from engine.parallel.topology import ParallelContext
 
 
 def load_model(path: str, device: str = "cpu") -> tuple:
@@ -34,6 +32,7 @@ def load_model(path: str, device: str = "cpu") -> tuple:
     from engine.checkpoint import files, load_merged
     from engine.checkpoint.layout import local_tensors
     from engine.checkpoint.merged import MERGED_CONFIG, MERGED_WEIGHTS
+    from engine.checkpoint.reader import open_iteration
     if not os.path.isdir(path):
         raise ConfigError(f"--load {path}: directory not found; give a merged checkpoint (tools/merge_ckpt.py "
                           "--out) or a run's --save directory")
@@ -46,8 +45,7 @@ def load_model(path: str, device: str = "cpu") -> tuple:
             raise ConfigError(f"--load {path}: {MERGED_CONFIG} lacks the run config or vocab_size; "
                               "write it again with tools/merge_ckpt.py")
     elif files.read_latest(path) is not None or files.list_iterations(path):
-        from tools.merge_ckpt import open_checkpoint
-        reader = open_checkpoint(path, None)
+        reader = open_iteration(path)
         run_config, vocab_size = reader.meta["config"], reader.meta["vocab_size"]
     else:
         raise ConfigError(f"--load {path}: neither a merged checkpoint ({MERGED_WEIGHTS} + {MERGED_CONFIG}) nor "

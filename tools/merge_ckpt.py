@@ -12,16 +12,12 @@ Tensors are streamed one at a time, so memory stays near the largest tensor, not
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from engine.checkpoint import files  # noqa: E402
-from engine.checkpoint.hf import export_hf  # noqa: E402
-from engine.checkpoint.merged import merge_native, split  # noqa: E402
-from engine.checkpoint.reader import CheckpointReader  # noqa: E402
-from engine.config import ConfigError  # noqa: E402
+from engine.checkpoint.hf import export_hf
+from engine.checkpoint.merged import merge_native, split
+from engine.checkpoint.reader import open_iteration
+from engine.config import ConfigError
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,30 +31,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def open_checkpoint(load: str, iteration) -> CheckpointReader:
-    if not os.path.isdir(load):
-        raise ConfigError(f"--load {load}: directory not found; give the --save directory of a run")
-    if iteration is None:
-        iteration = files.read_latest(load)
-        if iteration is None:
-            raise ConfigError(f"--load {load}: no {files.LATEST_FILE}; pass --iteration N")
-    path = os.path.join(load, files.iter_dir_name(iteration))
-    if not os.path.isdir(path):
-        have = ", ".join(map(str, files.list_iterations(load))) or "none"
-        raise ConfigError(f"--iteration {iteration}: {path} not found; saved iterations: {have}")
-    reader = CheckpointReader(path)
-    problem = reader.check_files(reader.meta["files"])
-    if problem:
-        raise ConfigError(problem)
-    return reader
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         if (args.target_tp is None) != (args.target_pp is None):
             raise ConfigError("--target-tp/--target-pp: give both to split, or neither to merge")
-        reader = open_checkpoint(args.load, args.iteration)
+        reader = open_iteration(args.load, args.iteration)
         if args.target_tp is not None:
             if args.target_tp < 1 or args.target_pp < 1:
                 raise ConfigError(f"--target-tp {args.target_tp} --target-pp {args.target_pp}: sizes must be at least 1")

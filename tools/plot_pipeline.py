@@ -22,9 +22,9 @@ from collections import defaultdict
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.colors import to_rgb  # noqa: E402
-from matplotlib.patches import Patch, Rectangle  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.colors import to_rgb
+from matplotlib.patches import Patch, Rectangle
 
 FIELDS = ("rank", "pp_rank", "kind", "microbatch", "chunk", "start", "end")
 COLOURS = {"F": "#1f77b4", "B": "#ff7f0e"}

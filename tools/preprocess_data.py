@@ -9,10 +9,8 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from engine.data.preprocess import Options, preprocess  # noqa: E402
-from engine.data.tokenizer import Tokenizer  # noqa: E402
+from engine.data.preprocess import Options, preprocess
+from engine.data.tokenizer import Tokenizer
 
 
 def parse_args(argv=None) -> argparse.Namespace:

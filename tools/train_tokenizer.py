@@ -14,9 +14,7 @@ import os
 import sys
 from typing import Iterator
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from engine.data.tokenizer import fertility, train_sentencepiece  # noqa: E402
+from engine.data.tokenizer import fertility, train_sentencepiece
 
 HOLDOUT_EVERY = 100
 HOLDOUT_MAX = 2000

@@ -21,17 +21,14 @@ Trainer API (every rank calls each one):
         -> extra_state (with "iteration") or None when there is nothing to load
     finalize_async()              wait for the background save in flight (call before exiting)
     latest_iteration(save_dir)    -> int or None (an async save in flight from this process counts)
-    PreemptionHandler(exit_duration_in_mins, device=...)   SIGTERM/SIGUSR1 and the time limit;
-        .should_stop() is collective (one all-reduce), called once per step; .restore() uninstalls
 `extra_state` must be JSON-serializable. Damaged or missing checkpoints raise engine.config.ConfigError
 with one line naming the file. Tools: `CheckpointReader` reads any slice of a saved tensor;
 `load_merged` loads tools/merge_ckpt.py's native output into model chunks.
 """
 from engine.checkpoint.loader import latest_iteration, load_checkpoint
 from engine.checkpoint.merged import load_merged
-from engine.checkpoint.preemption import PreemptionHandler
 from engine.checkpoint.reader import CheckpointReader
 from engine.checkpoint.saver import finalize_async, save_checkpoint
 
-__all__ = ["save_checkpoint", "load_checkpoint", "finalize_async", "latest_iteration", "PreemptionHandler",
+__all__ = ["save_checkpoint", "load_checkpoint", "finalize_async", "latest_iteration",
            "CheckpointReader", "load_merged"]

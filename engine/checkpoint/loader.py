@@ -20,8 +20,8 @@ from engine.checkpoint import files, rng
 from engine.checkpoint.layout import local_tensors
 from engine.checkpoint.reader import CheckpointReader
 from engine.checkpoint.saver import finalize_async, in_flight
-from engine.checkpoint.sync import gather_objects
 from engine.config import ConfigError
+from engine.parallel.comm import all_gather_object
 
 
 def latest_iteration(save_dir: str) -> Optional[int]:
@@ -55,7 +55,7 @@ def load_checkpoint(load_dir: str, model_chunks: list, optimizer, ctx, cfg=None,
     for n, iteration in enumerate(candidates):
         path = os.path.join(load_dir, files.iter_dir_name(iteration))
         reader, problem = _open_and_check(path, tensors, ranges, ctx)
-        problems = [p for p in gather_objects(problem) if p]
+        problems = [p for p in all_gather_object(problem) if p]
         if not problems:
             return _load(reader, tensors, optimizer, ranges, ctx)
         if n + 1 == len(candidates):

@@ -17,7 +17,8 @@ from engine.checkpoint.layout import assemble, local_tensors
 from engine.checkpoint.reader import CheckpointReader
 from engine.checkpoint.saver import build_metadata, publish
 from engine.config import Config, ConfigError
-from engine.topology import ParallelContext
+from engine.parallel.topology import ParallelContext
+from engine.pipeline.partition import build_model_chunks
 
 MERGED_WEIGHTS = "model.safetensors"
 MERGED_CONFIG = "config.json"
@@ -78,7 +79,6 @@ def load_merged(path: str, model_chunks: list, ctx) -> dict:
 
 def split(reader: CheckpointReader, out_dir: str, tp: int, pp: int) -> None:
     """Write the checkpoint again for layout tp x pp (dp 1, replicated optimizer), in the usual format."""
-    from engine.model import build_model_chunks
     cfg = Config.from_dict(reader.meta["config"])
     cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = tp, pp
     cfg.parallel.virtual_pipeline_model_parallel_size = None

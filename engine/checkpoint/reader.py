@@ -144,3 +144,25 @@ class CheckpointReader:
                                   f"{flat.numel()} elements; the metadata is damaged")
             self._joined = {cache_key: flat.view(shape)}  # keep one: readers go tensor by tensor
         return self._joined[cache_key]
+
+
+def open_iteration(load: str, iteration: Optional[int] = None) -> "CheckpointReader":
+    """Iteration `iteration` (default: the latest) of the checkpoint directory `load`, every file verified.
+
+    For the offline tools (merge, generate); a user mistake is a ConfigError naming --load or --iteration.
+    """
+    if not os.path.isdir(load):
+        raise ConfigError(f"--load {load}: directory not found; give the --save directory of a run")
+    if iteration is None:
+        iteration = files.read_latest(load)
+        if iteration is None:
+            raise ConfigError(f"--load {load}: no {files.LATEST_FILE}; pass --iteration N")
+    path = os.path.join(load, files.iter_dir_name(iteration))
+    if not os.path.isdir(path):
+        have = ", ".join(map(str, files.list_iterations(load))) or "none"
+        raise ConfigError(f"--iteration {iteration}: {path} not found; saved iterations: {have}")
+    reader = CheckpointReader(path)
+    problem = reader.check_files(reader.meta["files"])
+    if problem:
+        raise ConfigError(problem)
+    return reader

@@ -24,7 +24,7 @@ import torch
 from engine.checkpoint import files, rng
 from engine.checkpoint.layout import local_tensors
 from engine.checkpoint.reader import FORMAT
-from engine.checkpoint.sync import any_rank, gather_objects
+from engine.parallel.comm import all_gather_object, any_rank
 
 _MARKER = ".done.rank{:05d}.json"
 _pending: Optional["_Save"] = None
@@ -41,7 +41,7 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks: list, optimizer
         os.makedirs(tmp)
     shards, descriptor = _snapshot(model_chunks, optimizer, ctx, copy=async_save)
     descriptor["rng"] = rng.capture(ctx.rng)
-    everyone = gather_objects(descriptor)
+    everyone = all_gather_object(descriptor)
     meta = build_metadata(everyone, iteration, ctx, cfg.to_dict(), extra_state) if ctx.rank == 0 else None
     writers = sorted(d["rank"] for d in everyone if d["files"])
     timeout = 60.0 * max(cfg.parallel.distributed_timeout_minutes, 1.0)

@@ -10,8 +10,7 @@ Trainer use, per iteration:
 from engine.optim.grad_buffer import DEFAULT_BUCKET_NUMEL, GradBuffer
 from engine.optim.loss_scaler import LossScaler
 from engine.optim.optimizer import Optimizer, StepResult, param_names
-from engine.optim.schedule import (RampupBatchSize, global_batch_size_at, lr_at, num_microbatches_at,
-                                   schedule_position)
+from engine.optim.schedule import RampupBatchSize, global_batch_size_at, lr_at, num_microbatches_at, schedule_position
 
 
 def build_optimizer(cfg, model_chunks: list, ctx, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> Optimizer:

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from engine import comm
+from engine.parallel import comm
 
 
 def counts_toward_norm(p, ctx) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import comm
+from engine.parallel import comm
 
 DEFAULT_BUCKET_NUMEL = 40_000_000
 SHARD_ALIGN = 64  # elements per dp shard boundary, so every shard starts on a 256-byte boundary

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import comm
 from engine.optim import adamw
 from engine.optim.clip import clip_coefficient, counts_toward_norm, global_grad_norm
 from engine.optim.grad_buffer import DEFAULT_BUCKET_NUMEL, GradBuffer
 from engine.optim.loss_scaler import LossScaler
+from engine.parallel import comm
 
 
 @dataclass

@@ -22,11 +22,11 @@ graph, not their values (see `release`).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
-from engine import comm
+from engine.parallel import comm
 
 
 class Message(NamedTuple):

@@ -1,4 +1,4 @@
-"""Which decoder layers each pipeline stage and model chunk holds.
+"""Which decoder layers each pipeline stage and model chunk holds, and this rank's model chunks.
 
 Stages are even by default; `first`/`last` give the first or last stage its own count and the rest is
 split evenly. With v virtual stages per rank (interleaving), the layers form pp*v equal virtual stages
@@ -7,6 +7,8 @@ and model chunk c on pipeline rank r holds virtual stage c*pp + r.
 from __future__ import annotations
 
 from typing import Optional
+
+from engine.model import GPTModel
 
 
 def stage_sizes(num_layers: int, pp: int, first: Optional[int] = None, last: Optional[int] = None) -> list:
@@ -34,3 +36,17 @@ def stage_layers(num_layers: int, pp: int, vpp: int, pp_rank: int, chunk: int,
     sizes = stage_sizes(num_layers, pp, first, last)
     start = sum(sizes[:pp_rank])
     return list(range(start, start + sizes[pp_rank]))
+
+
+def build_model_chunks(cfg, ctx, *, vocab_size: int, device=None, dtype=None) -> list:
+    """This rank's model chunks (one per virtual pipeline stage) from the run config."""
+    m, par = cfg.model, cfg.parallel
+    chunks = []
+    for c in range(ctx.vpp_size):
+        ids = stage_layers(m.num_layers, ctx.pp_size, ctx.vpp_size, ctx.pp_rank, c,
+                           par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
+        chunks.append(GPTModel(m, ctx, layers=ids, pre_process=ctx.is_first_stage and c == 0,
+                               post_process=ctx.is_last_stage and c == ctx.vpp_size - 1, vocab_size=vocab_size,
+                               z_loss_weight=cfg.optim.z_loss_weight, seed=cfg.training.seed, device=device,
+                               dtype=dtype))
+    return chunks

@@ -19,8 +19,8 @@ import warnings
 
 import torch
 
-from engine import comm
 from engine.config import ConfigError
+from engine.parallel import comm
 from engine.pipeline.p2p import StageLink, backward_through, exchange_plan
 
 

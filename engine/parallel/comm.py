@@ -2,10 +2,12 @@
 
 Keeping them here pins the API surface to what exists from torch 2.11 to 2.15: torch 2.13 deprecates
 `all_gather_into_tensor` / `reduce_scatter_tensor`, but their replacements are missing in 2.11, so the
-old names stay and only that deprecation warning is silenced, here and nowhere else.
+old names stay and only that deprecation warning is silenced, here and nowhere else. The object
+collectives and `any_rank` also work in a single process without torch.distributed (tools, tests).
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Optional
 
@@ -15,12 +17,12 @@ import torch.distributed as dist
 ReduceOp = dist.ReduceOp
 
 
+@contextlib.contextmanager
 def _quiet():
-    ctx = warnings.catch_warnings()
-    ctx.__enter__()
-    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated.*")
-    warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.*deprecated.*")
-    return ctx
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated.*")
+        warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.*deprecated.*")
+        yield
 
 
 def world_size(group=None) -> int:
@@ -37,20 +39,14 @@ def all_reduce(t: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = Fa
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """Concatenate every rank's `inp` along dim 0 into `out`."""
-    ctx = _quiet()
-    try:
+    with _quiet():
         return dist.all_gather_into_tensor(out, inp.contiguous(), group=group, async_op=async_op)
-    finally:
-        ctx.__exit__(None, None, None)
 
 
 def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False):
     """Sum `inp` over ranks and keep this rank's dim-0 slice in `out`."""
-    ctx = _quiet()
-    try:
+    with _quiet():
         return dist.reduce_scatter_tensor(out, inp.contiguous(), op=op, group=group, async_op=async_op)
-    finally:
-        ctx.__exit__(None, None, None)
 
 
 def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False):
@@ -59,9 +55,21 @@ def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False):
 
 
 def all_gather_object(obj, group=None) -> list:
+    """Every rank's `obj`, in rank order ([obj] without torch.distributed)."""
+    if not dist.is_initialized():
+        return [obj]
     out = [None] * world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def any_rank(flag: bool, device="cpu") -> bool:
+    """True on every rank when `flag` is true on at least one (one all-reduce over the default group)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    all_reduce(t, op=ReduceOp.MAX)
+    return bool(t.item())
 
 
 def barrier(group=None) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from engine.config import ModelConfig
-from engine.flops import padded_vocab_size
+from engine.planner.flops import padded_vocab_size
 
 # Bytes per parameter, as engine/optim allocates them: 2-byte weights in bf16/fp16, an fp32 main-grad
 # buffer (microbatch gradients accumulate in fp32), Adam m and v in fp32, and an fp32 master copy

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import comm
+from engine.parallel import comm
 
 
 def _size(group) -> int:

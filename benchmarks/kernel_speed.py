@@ -1,6 +1,6 @@
 """Times each fused kernel against PyTorch: achieved GB/s for the bandwidth-bound ops, TFLOP/s for attention.
 
-    python benchmarks/kernels.py [--out FILE.json] [--ops rms_norm,swiglu,...] [--reps N] [--dtype D] [--quick]
+    python benchmarks/kernel_speed.py [--out FILE.json] [--ops rms_norm,swiglu,...] [--reps N] [--dtype D] [--quick]
 
 On a GPU it compares the Triton kernels with PyTorch eager and torch.compile (and, for attention, with
 every SDPA backend and flash-attn when installed) at training sizes. Without one it times the PyTorch
@@ -19,8 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels import dispatch, reference  # noqa: E402
+from kernels import dispatch, reference
 
 EPS = 1e-5
 
@@ -272,7 +271,7 @@ def main(argv=None) -> int:
     if unknown or args.reps < 1:
         what = f"unknown kernel(s) {','.join(unknown)}; choose from {','.join(sorted(known))}" if unknown \
             else f"got {args.reps}, need at least 1"
-        print(f"benchmarks/kernels.py: {'--ops' if unknown else '--reps'}: {what}", file=sys.stderr)
+        print(f"benchmarks/kernel_speed.py: {'--ops' if unknown else '--reps'}: {what}", file=sys.stderr)
         return 2
     report = run(ops, args.reps, args.dtype, args.quick)
     report["targets"] = _targets(report)

@@ -10,8 +10,8 @@ import datetime
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine import comm
 from engine.config import ConfigError
+from engine.parallel import comm
 
 
 def rank_grid(world_size: int, tp: int, pp: int) -> dict:
@@ -55,7 +55,7 @@ class ParallelContext:
     embedding_ranks: list = field(default_factory=lambda: [0])
     tp_ranks: list = field(default_factory=lambda: [0])
     dp_ranks: list = field(default_factory=lambda: [0])
-    rng: object = None  # engine.random.RNGTracker, set by build_context / the trainer
+    rng: object = None  # engine.parallel.random.RNGTracker, set by build_context / the trainer
 
     @property
     def tp_rank(self) -> int:
@@ -104,7 +104,7 @@ def build_context(world_size: int, rank: int, tp: int, pp: int, vpp: int = 1, se
                   gpus_per_node: Optional[int] = None, timeout_minutes: Optional[float] = None,
                   seed: int = 1234, device_type: str = "cpu") -> ParallelContext:
     """Make every group (each rank takes part in all new_group calls, in one order) and the RNG tracker."""
-    from engine.random import RNGTracker
+    from engine.parallel.random import RNGTracker
     if gpus_per_node and (tp > gpus_per_node or gpus_per_node % tp):
         raise ConfigError(f"--tensor-model-parallel-size {tp}: a TP group would span nodes of "
                           f"--gpus-per-node {gpus_per_node}; use a tp that divides {gpus_per_node}")

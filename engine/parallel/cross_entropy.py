@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import comm
+from engine.parallel import comm
 from kernels import dispatch
 
 

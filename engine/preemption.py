@@ -9,7 +9,7 @@ import signal
 import time
 from typing import Optional
 
-from engine.checkpoint.sync import any_rank
+from engine.parallel.comm import any_rank
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import mappings
+from engine.parallel import mappings
 from kernels import dispatch
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import random as rng
+from engine.parallel import random as rng
 
 
 class _Recompute(torch.autograd.Function):

@@ -20,9 +20,18 @@ from dataclasses import asdict, dataclass
 from typing import Iterator, Optional
 
 from engine.config import ModelConfig
-from engine.flops import GPUSpec, flops_per_iteration, padded_vocab_size
-from engine.layout_memory import (GIB, GRAD_BYTES, PARAM_BYTES, Layout, Memory, layer_activation_bytes,
-                                  memory_per_gpu, params_per_rank, stage_layer_counts)
+from engine.planner.flops import GPUSpec, flops_per_iteration, padded_vocab_size
+from engine.planner.memory import (
+    GIB,
+    GRAD_BYTES,
+    PARAM_BYTES,
+    Layout,
+    Memory,
+    layer_activation_bytes,
+    memory_per_gpu,
+    params_per_rank,
+    stage_layer_counts,
+)
 
 # Fraction of the dense peak the layer GEMMs of a training step reach, large-shape limit. A100:
 # fitted (0.74; it folds in launch gaps and small kernels the model does not list). Hopper and

@@ -6,13 +6,13 @@ device (shapes only, no memory, no process group) and their distinct parameters 
 from __future__ import annotations
 
 from engine.config import Config
-from engine.layout_memory import Layout, params_per_rank
+from engine.parallel.topology import ParallelContext
+from engine.pipeline.partition import build_model_chunks
+from engine.planner.memory import Layout, params_per_rank
 
 
 def meta_params_per_rank(cfg: Config, layout: Layout) -> list:
     """Parameters held by each pipeline rank (tensor-parallel rank 0) of the model built on meta."""
-    from engine.model import build_model_chunks
-    from engine.topology import ParallelContext
     par = cfg.parallel
     saved = (par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
     par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers = \

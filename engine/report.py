@@ -1,0 +1,72 @@
+"""The start-up summary rank 0 prints: layout, parameters per stage, batch arithmetic, memory, kernels.
+
+The launcher calls `banner` once the model is built; it is the only part of a run that consults the
+planner (for the memory estimate of this very layout), so the training loop does not depend on it.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from engine.config import precision_name
+from engine.parallel import comm
+from engine.planner.memory import GIB, Layout, memory_per_gpu
+from kernels import dispatch
+
+
+def stage_parameters(chunks, ctx) -> list:
+    """Parameters of each pipeline stage, whole tensors (tp shards counted once), the tied embedding's copy
+    on the last stage not counted. Collective: every rank calls it (all_gather_object over all ranks)."""
+    mine = sum(math.prod(getattr(p, "full_shape", p.shape)) for c in chunks for p in c.parameters()
+               if not (getattr(p, "shared_embedding", False) and not ctx.is_first_stage))
+    per_stage = [0] * ctx.pp_size
+    for pp_rank, tp_rank, dp_rank, count in comm.all_gather_object((ctx.pp_rank, ctx.tp_rank, ctx.dp_rank, mine)):
+        if tp_rank == 0 and dp_rank == 0:
+            per_stage[pp_rank] = count
+    return per_stage
+
+
+def memory_estimate(cfg, ctx, global_batch: int, attention: str):
+    """engine.planner.memory's estimate for this run's layout (the busiest pipeline stage)."""
+    par, tr, m = cfg.parallel, cfg.training, cfg.model
+    layout = Layout(tp=ctx.tp_size, pp=ctx.pp_size, dp=ctx.dp_size, vpp=ctx.vpp_size,
+                    micro_batch_size=tr.micro_batch_size, recompute=m.recompute_granularity or "none",
+                    sequence_parallel=ctx.sequence_parallel, distributed_optimizer=par.use_distributed_optimizer,
+                    first_stage_layers=par.decoder_first_pipeline_num_layers,
+                    last_stage_layers=par.decoder_last_pipeline_num_layers)
+    microbatches = global_batch // (tr.micro_batch_size * ctx.dp_size)
+    return memory_per_gpu(m, layout, m.seq_length, microbatches, precision_name(cfg),
+                          flash_attention=attention != "local")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2 ** 20:.2f} MiB"
+
+
+def banner(cfg, ctx, chunks, device, layout: str) -> str:
+    """Start-up summary (rank 0 prints it): layout, parameters per stage, batch arithmetic, memory, kernels.
+
+    Collective (the per-stage parameter count is gathered from every rank): every rank calls it.
+    """
+    per_stage = stage_parameters(chunks, ctx)
+    tr = cfg.training
+    gbs = tr.global_batch_size or tr.micro_batch_size * ctx.dp_size
+    accum = gbs // (tr.micro_batch_size * ctx.dp_size)
+    kernels = dispatch.kernel_report(torch.device(device), cfg.model.attention_backend)
+    mem = memory_estimate(cfg, ctx, gbs, kernels["attention"])
+    ramp = f" (ramp-up: {' '.join(map(str, tr.rampup_batch_size))})" if tr.rampup_batch_size else ""
+    stages = ", ".join(f"stage {i}: {n:,}" for i, n in enumerate(per_stage))
+    lines = [f"Ternion: world {ctx.world_size} = tp {ctx.tp_size} x pp {ctx.pp_size} x dp {ctx.dp_size}"
+             f"{f' (vpp {ctx.vpp_size})' if ctx.vpp_size > 1 else ''}, sequence parallel {ctx.sequence_parallel}",
+             layout,
+             f"parameters: {sum(per_stage):,} in total; per pipeline stage: {stages}",
+             f"batch: micro {tr.micro_batch_size} x dp {ctx.dp_size} x accumulation {accum} = global "
+             f"{gbs}{ramp}; {gbs * cfg.model.seq_length:,} tokens per iteration",
+             f"memory per GPU (estimate, busiest stage {mem.rank}, {precision_name(cfg)}): {_size(mem.total)} = "
+             f"{_size(mem.allocated)} allocated (weights {_size(mem.weights)}, grads {_size(mem.grads)}, optimizer "
+             f"{_size(mem.optimizer)}, activations {_size(mem.activations)}, logits {_size(mem.logits)}) "
+             f"+ allocator slack and the CUDA-context reserve",
+             f"kernels: {json.dumps(kernels)}"]
+    return "\n".join(lines)
