@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from engine.checkpoint import finalize_async, save_checkpoint
+from engine.checkpoint import save_checkpoint
 from engine.config import Config
 from engine.optim import build_optimizer
 from engine.parallel.topology import ParallelContext
@@ -40,10 +40,11 @@ def measure(hidden_size: int, num_layers: int, repeats: int, directory: str) -> 
         for mode in ("sync", "async"):
             iteration += 1
             start = time.perf_counter()
-            save_checkpoint(directory, iteration, chunks, opt, ctx, cfg, {"consumed_samples": iteration},
-                            async_save=mode == "async")
+            pending = save_checkpoint(directory, iteration, chunks, opt, ctx, cfg, {"consumed_samples": iteration},
+                                      async_save=mode == "async")
             timings[mode].append(time.perf_counter() - start)
-            finalize_async()  # outside the timed region: this is what training overlaps with
+            if pending is not None:
+                pending.finish()  # outside the timed region: this is what training overlaps with
     sync, stall = min(timings["sync"]), min(timings["async"])
     return {"state_mb": state_bytes / 2 ** 20, "sync_save_s": sync, "async_stall_s": stall,
             "stall_ratio": stall / sync, "device": str(device or "cpu")}

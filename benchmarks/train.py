@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 
-from engine.config import ConfigError, parse_config, validate
+from engine.config import ConfigError, parse_config, resolve, validate
 
 
 def _parse(argv):
@@ -44,8 +44,7 @@ def _parse(argv):
         raise ConfigError(f"--tp {cfg.tp} --pp {cfg.pp}: the benchmark runs one process on one device; use "
                           f"--tp 1 --pp 1 (multi-GPU throughput is in pretrain_gpt.py's log)")
     validate(cfg, 1)
-    from engine.training import resolve_vocab_size
-    cfg.model.vocab_size = cfg.model.vocab_size or resolve_vocab_size(cfg)
+    resolve(cfg, 1)
     cfg.training.train_iters = own.warmup + own.iters
     cfg.checkpoint.save = cfg.checkpoint.load = None
     cfg.logging.eval_interval = cfg.logging.metrics_file = cfg.logging.tensorboard_dir = None
@@ -90,7 +89,7 @@ class PlainLoop:
         from engine.model import GPTModel
         self.cfg, self.trainer, self.device = cfg, trainer, device
         self.autocast = model_dtype(cfg) if model_dtype(cfg) != torch.float32 else None
-        self.model = GPTModel(cfg.model, ctx, vocab_size=trainer.vocab_size, z_loss_weight=cfg.optim.z_loss_weight,
+        self.model = GPTModel(cfg.model, ctx, vocab_size=cfg.model.vocab_size, z_loss_weight=cfg.optim.z_loss_weight,
                               seed=cfg.training.seed, device=device, dtype=torch.float32)
         self.model.train()
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -107,7 +106,7 @@ class PlainLoop:
         from engine.data import make_batch
         from engine.optim import lr_at
         cfg, tr = self.cfg, self.cfg.training
-        gbs, mbs = self.trainer.gbs, tr.micro_batch_size
+        gbs, mbs = tr.global_batch_size, tr.micro_batch_size
         first = iteration * gbs
         batches = [make_batch(self.trainer.train_ds, list(range(i, i + mbs)), device=self.device)
                    for i in range(first, first + gbs, mbs)]
@@ -151,7 +150,7 @@ def run(own, cfg) -> dict:
         peak_source = f"measured {str(dtype).replace('torch.', '')} 1024^3 matmul on this machine"
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=0, world_size=1)
     try:
-        ctx = build_context(1, 0, 1, 1, 1, False, None, None, cfg.training.seed, "cuda" if use_cuda else "cpu")
+        ctx = build_context(1, 0, 1, 1, seed=cfg.training.seed, device_type="cuda" if use_cuda else "cpu")
         trainer = Trainer(cfg, ctx, device, log=lambda _msg: None)
         trainer.start()
         plain = PlainLoop(cfg, ctx, trainer, device)
@@ -179,7 +178,7 @@ def run(own, cfg) -> dict:
 
     if measured:
         peak = max(peak, measured_matmul_tflops(device, dtype))
-    seq, gbs = cfg.model.seq_length, trainer.gbs
+    seq, gbs = cfg.model.seq_length, cfg.training.global_batch_size
     model_flops = flops.flops_per_iteration(cfg.model, gbs, seq)
     name = torch.cuda.get_device_name(0) if use_cuda else f"CPU ({torch.get_num_threads()} threads)"
     out = {"device": name, "dtype": str(dtype).replace("torch.", ""), "global_batch_size": gbs, "seq_length": seq,

@@ -19,6 +19,9 @@ class ConfigError(ValueError):
     """A user mistake in flags or files; the launcher prints it as one line and exits 2."""
 
 
+FAULT_KINDS = ("nan", "spike")  # --inject-fault drills (engine.stability.FaultDrill)
+
+
 def _f(default, help, *, aliases=(), choices=None, nargs=None, action=None, type=None):
     meta = dict(help=help, aliases=aliases, choices=choices, nargs=nargs, action=action, type=type)
     if isinstance(default, list):
@@ -65,6 +68,12 @@ class ModelConfig:
 
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """The vocabulary as the embedding and output layer hold it at tensor-parallel size `tp`."""
+        if self.vocab_size is None:
+            raise ValueError("the vocabulary size is not resolved yet: call engine.config.resolve(cfg, world_size)")
+        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
 
 
 @dataclass
@@ -415,10 +424,20 @@ def validate(cfg: Config, world_size: int) -> None:
     if opt.min_lr > opt.lr:
         _err("--min-lr", opt.min_lr, f"must not exceed --lr {opt.lr}")
     _validate_files(cfg)
-    for spec in cfg.stability.inject_fault:
-        kind, _, it = spec.partition("@")
-        if kind not in ("nan", "spike") or not it.isdigit():
-            _err("--inject-fault", spec, "use nan@ITER or spike@ITER")
+    parse_faults(cfg.stability.inject_fault)
+
+
+def parse_faults(specs: list) -> dict:
+    """["nan@20", "spike@40"] -> {20: "nan", 40: "spike"}. Raises ConfigError naming a bad spec."""
+    faults: dict = {}
+    for spec in specs or []:
+        kind, _, it = str(spec).partition("@")
+        if kind not in FAULT_KINDS or not it.isdigit() or int(it) < 1:
+            raise ConfigError(f"--inject-fault {spec}: use nan@ITER or spike@ITER (ITER a positive integer)")
+        if int(it) in faults:
+            raise ConfigError(f"--inject-fault {spec}: iteration {it} already has a fault; use one per iteration")
+        faults[int(it)] = kind
+    return faults
 
 
 def _validate_pipeline_split(cfg: Config) -> None:
@@ -460,6 +479,26 @@ def _validate_files(cfg: Config) -> None:
         _err("--data-path", "(none)", "give --data-path PREFIX or use --mock-data")
     if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
         _err("--load", cfg.checkpoint.load, "directory not found; check the path or drop --load")
+
+
+DEFAULT_VOCAB_SIZE = 256  # --mock-data without --vocab-size
+
+
+def resolve(cfg: Config, world_size: int) -> Config:
+    """Fill in, once, what the flags leave to be derived, so that no other module derives it again.
+
+    The vocabulary size becomes the tokenizer's when a tokenizer reads real data, else --vocab-size, else
+    256 (mock data); the global batch size defaults to micro batch x dp. Idempotent; returns `cfg`.
+    """
+    m, tr, d = cfg.model, cfg.training, cfg.data
+    if d.tokenizer_model and not d.mock_data:
+        from engine.data.tokenizer import Tokenizer  # a leaf module (sentencepiece); only runs on real text need it
+        m.vocab_size = Tokenizer(d.tokenizer_model).vocab_size
+    elif not m.vocab_size:
+        m.vocab_size = DEFAULT_VOCAB_SIZE
+    if tr.global_batch_size is None:
+        tr.global_batch_size = tr.micro_batch_size * (world_size // (cfg.tp * cfg.pp))
+    return cfg
 
 
 def precision_name(cfg: Config) -> str:

@@ -55,17 +55,23 @@ def peak_tflops(cfg, device: torch.device) -> Optional[float]:
     return None
 
 
-def throughput(cfg, global_batch_size: int, seconds: float, num_gpus: int, peak: Optional[float]) -> dict:
+def throughput(model, global_batch_size: int, seconds: float, num_gpus: int, tp_size: int,
+               peak: Optional[float]) -> dict:
     """Per-iteration speed fields of a training record, from the iteration's wall time.
 
-    TFLOP/s count model FLOPs (no recomputation, engine.planner.flops), so mfu = tflops_per_gpu / peak.
+    `model`: the ModelConfig. TFLOP/s count model FLOPs (no recomputation, engine.planner.flops), so
+    mfu = tflops_per_gpu / peak.
     """
-    seq = cfg.model.seq_length
+    seq = model.seq_length
     tokens_per_sec = global_batch_size * seq / seconds
-    model_flops = flops.flops_per_iteration(cfg.model, global_batch_size, seq, tp=cfg.tp)
+    model_flops = flops.flops_per_iteration(model, global_batch_size, seq, tp=tp_size)
     tflops = flops.tflops_per_gpu(model_flops, seconds, num_gpus)
     return {"tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_gpu": tokens_per_sec / num_gpus,
             "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None, "iter_time_s": seconds}
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, PPL_MAX_LOSS))
 
 
 def peak_memory_gb(device: torch.device) -> Optional[float]:
@@ -122,7 +128,7 @@ class MetricsWriter:
 
     def log_valid(self, iteration: int, loss: float, **extra) -> None:
         loss = _clean(loss)
-        ppl = math.exp(min(loss, PPL_MAX_LOSS)) if loss is not None else None
+        ppl = perplexity(loss) if loss is not None else None
         self._write({"iteration": iteration, "split": "valid", "lm_loss": loss, "ppl": ppl, **extra})
         self._scalar("valid/lm-loss", loss, iteration)
         self._scalar("valid/ppl", ppl, iteration)

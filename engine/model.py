@@ -2,7 +2,8 @@
 
 One class covers GPT-2/3 (LayerNorm, learned positions, GELU, biases, tied embeddings) and Llama 2/3
 (RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases, untied output). Activations are
-[s, b, h] ([s/tp, b, h] between layers under sequence parallelism). A pipeline stage or virtual chunk
+[s, b, h] between layers, or this rank's slice of the sequence where the parallel context splits it
+(sequence parallelism: the context decides, the model asks it). A pipeline stage or virtual chunk
 is the same class holding a subset of the layers (by global id, so parameter names do not depend on
 the layout), with the embedding on the first chunk (`pre_process`) and final norm, output layer and
 loss on the last (`post_process`).
@@ -12,7 +13,6 @@ this rank's vocabulary slice of the logits ([b, s, V/tp]); a middle stage maps `
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Optional, Sequence
 
@@ -30,16 +30,13 @@ from engine.parallel.layers import (
     VocabParallelEmbedding,
     init_weights,
     make_param,
+    mark_tied,
 )
 from engine.parallel.recompute import recompute
 from kernels import dispatch
 
-WORD_EMBEDDING_KEY = "embedding.word.weight"
-
-
-def _fork(ctx, split: bool):
-    """Dropout on activations split over TP draws from the per-rank stream; replicated ones do not."""
-    return ctx.rng.fork() if split and ctx.rng is not None else contextlib.nullcontext()
+WORD_EMBEDDING_KEY = "embedding.word.weight"  # the random stream both copies of a tied embedding are drawn from
+TIED_EMBEDDING = "word.weight"  # the first stage's embedding: the last stage's tied copy is stored under this name
 
 
 class Attention(nn.Module):
@@ -59,7 +56,7 @@ class Attention(nn.Module):
 
     def _core(self, q, k, v):
         p = self.cfg.attention_dropout if self.training else 0.0
-        with _fork(self.ctx, split=True):  # heads are split over TP
+        with self.ctx.dropout_rng(split_over_tp=True):  # heads are split over TP
             return dispatch.attention(q, k, v, causal=True, dropout_p=p, backend=self.cfg.attention_backend)
 
     def forward(self, x, freqs):
@@ -108,7 +105,7 @@ class TransformerLayer(nn.Module):
     def _drop(self, x):
         if not self.training or self.dropout == 0.0:
             return x
-        with _fork(self.ctx, split=self.ctx.sequence_parallel):
+        with self.ctx.residual_dropout_rng():
             return F.dropout(x, self.dropout, training=True)
 
     def forward(self, x, freqs):
@@ -135,22 +132,22 @@ class GPTModel(nn.Module):
                                                dtype=dtype, init_key=WORD_EMBEDDING_KEY)
             if cfg.position_embedding_type == "learned_absolute":
                 self.position = make_param((cfg.max_position_embeddings or cfg.seq_length, h), None, ctx,
-                                           ("normal", std), device, dtype, sp_grad=True)
+                                           ("normal", std), device, dtype, sp_partial_grad=True)
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, device, dtype) for i in self.layer_ids})
         if post_process:
             self.final_norm = Norm(h, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype)
             if not self.tied:
-                self.output = make_param((self.padded_vocab, h), 0, ctx, ("normal", std), device, dtype)
-                self.output.valid_rows = self.vocab_size
+                self.output = make_param((self.padded_vocab, h), 0, ctx, ("normal", std), device, dtype,
+                                         valid_rows=self.vocab_size)
             elif not pre_process:
                 # The last stage's copy of the tied embedding: drawn from the same stream, kept in sync by
                 # all-reducing its gradient with the first stage's.
                 self.output = make_param((self.padded_vocab, h), 0, ctx, ("normal", std), device, dtype,
-                                         init_key=WORD_EMBEDDING_KEY)
-                self.output.valid_rows = self.vocab_size
+                                         init_key=WORD_EMBEDDING_KEY, valid_rows=self.vocab_size,
+                                         copy_of=TIED_EMBEDDING)
         if self.tied and ctx.pp_size > 1:
             for p in self._output_weight_candidates():
-                p.shared_embedding = True
+                mark_tied(p)
         recompute_layers = cfg.recompute_num_layers if cfg.recompute_num_layers is not None else len(self.layer_ids)
         self.full_recompute = set(self.layer_ids[:recompute_layers]) if cfg.recompute_granularity == "full" else set()
         if device is None or torch.device(device).type != "meta":
@@ -175,19 +172,15 @@ class GPTModel(nn.Module):
     def embed(self, tokens):
         x = self.word(tokens)
         if self.cfg.position_embedding_type == "learned_absolute":
-            pos = self.position[: tokens.shape[1]]
-            if self.ctx.sequence_parallel:
-                pos = pos.chunk(self.ctx.tp_size, dim=0)[self.ctx.tp_rank]
-            x = x + pos.unsqueeze(1)
+            x = x + self.ctx.local_seq(self.position[: tokens.shape[1]]).unsqueeze(1)
         if self.training and self.cfg.hidden_dropout:
-            with _fork(self.ctx, split=self.ctx.sequence_parallel):
+            with self.ctx.residual_dropout_rng():
                 x = F.dropout(x, self.cfg.hidden_dropout, training=True)
         return x
 
     def forward(self, tokens=None, hidden=None, labels=None, loss_mask=None):
         x = self.embed(tokens) if self.pre_process else hidden
-        seq_len = x.shape[0] * (self.ctx.tp_size if self.ctx.sequence_parallel else 1)
-        freqs = self.rope_freqs(seq_len, x.device)
+        freqs = self.rope_freqs(self.ctx.full_seq_len(x.shape[0]), x.device)
         for i in self.layer_ids:
             layer = self.layers[str(i)]
             if i in self.full_recompute and self.training:
@@ -200,8 +193,7 @@ class GPTModel(nn.Module):
         return self.head(self.final_norm(x), labels, loss_mask)
 
     def head(self, x, labels, loss_mask):
-        group = self.ctx.tp_group
-        x = mappings.gather_from_sp(x, group) if self.ctx.sequence_parallel else mappings.copy_to_tp(x, group)
+        x = mappings.enter_tp(x, self.ctx)
         logits = F.linear(x, self.output_weight())  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)

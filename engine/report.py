@@ -12,6 +12,7 @@ import torch
 
 from engine.config import precision_name
 from engine.parallel import comm
+from engine.parallel.layers import spec_of
 from engine.planner.memory import GIB, Layout, memory_per_gpu
 from kernels import dispatch
 
@@ -19,8 +20,7 @@ from kernels import dispatch
 def stage_parameters(chunks, ctx) -> list:
     """Parameters of each pipeline stage, whole tensors (tp shards counted once), the tied embedding's copy
     on the last stage not counted. Collective: every rank calls it (all_gather_object over all ranks)."""
-    mine = sum(math.prod(getattr(p, "full_shape", p.shape)) for c in chunks for p in c.parameters()
-               if not (getattr(p, "shared_embedding", False) and not ctx.is_first_stage))
+    mine = sum(math.prod(spec_of(p).full_shape) for c in chunks for p in c.parameters() if spec_of(p).copy_of is None)
     per_stage = [0] * ctx.pp_size
     for pp_rank, tp_rank, dp_rank, count in comm.all_gather_object((ctx.pp_rank, ctx.tp_rank, ctx.dp_rank, mine)):
         if tp_rank == 0 and dp_rank == 0:

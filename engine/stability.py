@@ -8,10 +8,14 @@ Each iteration the trainer asks `SpikeGuard.check(iteration, loss, grad_norm)` a
 - "rollback": the `rollback_after`-th spike within `window` iterations; reload the newest checkpoint,
   then call `guard.rolled_back(loaded_iteration)` (after restoring the guard's saved state, if the
   trainer restores it), and keep scaling the LR by `guard.lr_multiplier(iteration)`.
+`guard.events(decision, iteration)` says what to report about it (metrics events and console lines);
+the guard also keeps the counts the metrics show (skipped steps, spikes, rollbacks).
 
-Fault drills (`--inject-fault KIND@ITER`): `parse_faults` gives {iteration: kind}; the trainer pops the
-entry when it reaches that iteration (so a rolled-back replay does not fire it again) and applies
-`poison_loss` ("nan": the loss becomes NaN, so the gradients do too) or `corrupt_batch` ("spike").
+Fault drills (`--inject-fault KIND@ITER`) are a `FaultDrill`: the trainer hands each step's
+microbatches and loss scaling through `drill.arm(iteration, ...)`, which corrupts them when a drill is
+due ("nan": the loss becomes NaN, so the gradients do too; "spike": the batch becomes noise), and
+reports the step's loss through `drill.reported_loss`. Each drill fires once, so a rolled-back replay
+of its iteration runs clean.
 """
 from __future__ import annotations
 
@@ -23,13 +27,12 @@ from typing import Optional
 
 import torch
 
-from engine.config import ConfigError
+from engine.config import ConfigError, parse_faults
 
 OK, SKIP, SPIKE, ROLLBACK = "ok", "skip", "spike", "rollback"
 MIN_HISTORY = 10  # accepted losses needed before a mean and std mean anything
 # Floor on the std, relative to the mean: a nearly flat window would otherwise call noise a spike.
 REL_STD_FLOOR = 1e-3
-FAULT_KINDS = ("nan", "spike")
 SPIKE_SEED = 0x5EED  # the fixed seed of corrupt_batch's noise, so a drill is reproducible
 
 
@@ -38,10 +41,6 @@ class Decision:
     """`kind` is one of ok, skip, spike, rollback; `info` goes into the metrics event record."""
     kind: str
     info: dict = field(default_factory=dict)
-
-    @property
-    def apply_update(self) -> bool:
-        return self.kind != SKIP
 
 
 class SpikeGuard:
@@ -57,6 +56,12 @@ class SpikeGuard:
         self.spikes = 0
         self.rollbacks = 0
         self.lr_low_from: Optional[int] = None  # first iteration run with the lowered LR
+
+    @property
+    def data_headroom(self) -> int:
+        """How many runs' worth of training samples to build: a rollback skips the data it was on instead of
+        replaying it, so rolling back needs room for one run's worth of skips."""
+        return 2 if self.rollback_after else 1
 
     @classmethod
     def from_config(cls, stability) -> "SpikeGuard":
@@ -76,7 +81,9 @@ class SpikeGuard:
         loss = float(loss)
         if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(float(grad_norm))):
             self.skipped += 1
-            return Decision(SKIP, {"loss": _finite_or_str(loss), "grad_norm": _finite_or_str(grad_norm)})
+            reason = "non-finite loss" if not math.isfinite(loss) else "non-finite gradient norm"
+            return Decision(SKIP, {"reason": reason, "loss": _finite_or_str(loss),
+                                   "grad_norm": _finite_or_str(grad_norm), "skipped": self.skipped})
         limit = self.threshold()
         if limit is None or loss <= limit:
             self.losses.append(loss)
@@ -90,6 +97,19 @@ class SpikeGuard:
             self.lr_low_from = iteration + 1  # moved by rolled_back() when a checkpoint is reloaded
             return Decision(ROLLBACK, info)
         return Decision(SPIKE, info)
+
+    def events(self, decision: Decision, iteration: int) -> list:
+        """What to report about iteration `iteration`: (metrics event kind, its fields, console line) each."""
+        out, info = [], decision.info
+        if decision.kind == SKIP:
+            out.append(("skip", info, f"iteration {iteration}: step skipped ({info['reason']}); "
+                                      f"{info['skipped']} skipped so far"))
+        elif decision.kind in (SPIKE, ROLLBACK):
+            out.append(("spike", info, f"iteration {iteration}: loss spike {info['loss']:.4f} above "
+                                       f"{info['threshold']:.4f} ({info['spikes_in_window']} in the window)"))
+        if self.lr_multiplier(iteration) == 1.0 and self.lr_multiplier(iteration - 1) != 1.0:
+            out.append(("lr_restored", {}, f"iteration {iteration}: the lowered LR period after the rollback is over"))
+        return out
 
     def rolled_back(self, loaded_iteration: int) -> None:
         """The trainer reloaded the checkpoint of `loaded_iteration`: lower the LR from the step after it."""
@@ -120,19 +140,6 @@ def _finite_or_str(x):
     return x if math.isfinite(x) else str(x)
 
 
-def parse_faults(specs: list) -> dict:
-    """["nan@20", "spike@40"] -> {20: "nan", 40: "spike"}. Raises ConfigError naming a bad spec."""
-    faults: dict = {}
-    for spec in specs or []:
-        kind, _, it = str(spec).partition("@")
-        if kind not in FAULT_KINDS or not it.isdigit():
-            raise ConfigError(f"--inject-fault {spec}: use nan@ITER or spike@ITER (ITER a positive integer)")
-        if int(it) in faults:
-            raise ConfigError(f"--inject-fault {spec}: iteration {it} already has a fault; use one per iteration")
-        faults[int(it)] = kind
-    return faults
-
-
 def poison_loss(loss: torch.Tensor) -> torch.Tensor:
     """The "nan" drill: the loss (and through backward every gradient) becomes NaN."""
     return loss * float("nan")
@@ -151,3 +158,28 @@ def corrupt_batch(batch: dict, vocab_size: int, seed: int = SPIKE_SEED) -> dict:
         t = batch[key]
         out[key] = torch.randint(0, vocab_size, tuple(t.shape), generator=gen, dtype=t.dtype).to(t.device)
     return out
+
+
+class FaultDrill:
+    """--inject-fault drills: {iteration: "nan" | "spike"}, each fired once."""
+
+    def __init__(self, faults: dict, vocab_size: int):
+        self.faults, self.vocab_size = dict(faults), vocab_size
+        self.active: Optional[str] = None
+
+    @classmethod
+    def from_config(cls, stability, vocab_size: int) -> "FaultDrill":
+        return cls(parse_faults(stability.inject_fault), vocab_size)
+
+    def arm(self, iteration: int, microbatches: list, scale_loss):
+        """(microbatches, scale_loss) for step `iteration`, corrupted when a drill is due there."""
+        self.active = self.faults.pop(iteration, None)
+        if self.active == "spike":
+            return [corrupt_batch(mb, self.vocab_size) for mb in microbatches], scale_loss
+        if self.active == "nan":
+            return microbatches, lambda loss: poison_loss(scale_loss(loss))
+        return microbatches, scale_loss
+
+    def reported_loss(self, loss: float) -> float:
+        """The loss step reports: NaN under the "nan" drill (its backward already was)."""
+        return float("nan") if self.active == "nan" else loss

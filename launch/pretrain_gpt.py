@@ -22,7 +22,7 @@ import time
 import traceback
 import warnings
 
-from engine.config import ConfigError, parse_config, validate
+from engine.config import ConfigError, parse_config, resolve, validate
 
 _WAIT_FOR_RANK0_S = 30.0
 
@@ -107,9 +107,7 @@ def main(argv=None) -> int:
             cfg.parallel.gpus_per_node = _env_int("LOCAL_WORLD_SIZE", world)
         validate(cfg, world)
         _check_run_flags(cfg)
-        from engine.training import resolve_vocab_size
-        if not cfg.model.vocab_size:
-            cfg.model.vocab_size = resolve_vocab_size(cfg)
+        resolve(cfg, world)
     except ConfigError as e:
         return _fail(str(e), rank, before_groups=True)
 
@@ -140,8 +138,9 @@ def main(argv=None) -> int:
     where = "building the process groups"
     try:
         par = cfg.parallel
-        ctx = build_context(world, rank, cfg.tp, cfg.pp, cfg.vpp, par.sequence_parallel, par.gpus_per_node,
-                            par.distributed_timeout_minutes, cfg.training.seed, "cuda" if use_cuda else "cpu")
+        ctx = build_context(world, rank, cfg.tp, cfg.pp, vpp=cfg.vpp, sequence_parallel=par.sequence_parallel,
+                            gpus_per_node=par.gpus_per_node, timeout_minutes=par.distributed_timeout_minutes,
+                            seed=cfg.training.seed, device_type="cuda" if use_cuda else "cpu")
         where = "building the model, optimizer and data"
         log = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)
         with warnings.catch_warnings():
@@ -149,13 +148,13 @@ def main(argv=None) -> int:
                 warnings.simplefilter("ignore")
             trainer = Trainer(cfg, ctx, device, log=log)
             trainer.start()
-            trainer.phase = "start-up banner (all_gather_object over all ranks)"
-            log(banner(cfg, ctx, trainer.chunks, device, layout_table(world, cfg.tp, cfg.pp, par.gpus_per_node)))
+            with trainer.phase("the start-up banner (all_gather_object)", "all"):
+                log(banner(cfg, ctx, trainer.chunks, device, layout_table(world, cfg.tp, cfg.pp, par.gpus_per_node)))
             trainer.train()
     except ConfigError as e:
         return _fail(str(e), rank)
     except Exception as e:  # noqa: BLE001 - every failure must end this rank now, never hang in teardown
-        _die(e, rank, trainer.phase if trainer is not None else where, cfg.parallel.distributed_timeout_minutes)
+        _die(e, rank, str(trainer.phase) if trainer is not None else where, cfg.parallel.distributed_timeout_minutes)
     finally:
         if dist.is_initialized():
             try:

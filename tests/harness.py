@@ -11,6 +11,10 @@ reused across tests; a pool that timed out or lost a rank is discarded and a fre
 gloo sometimes aborts at interpreter exit after a clean teardown ("terminate called without an
 active exception"). Results are collected before teardown, so an abort at exit is tolerated after
 success, while a rank that dies or raises during a test is always a failure.
+
+Beside the pool, the helpers every parallel test compares with: `grad_buffer` (the engine's own gradient
+reduction for tests that run backward themselves) and `full_grad` (a parameter's whole gradient,
+gathered over TP, vocabulary padding removed).
 """
 from __future__ import annotations
 
@@ -26,6 +30,34 @@ import time
 import traceback
 
 DEFAULT_TIMEOUT = float(os.environ.get("TERNION_TEST_TIMEOUT", "180"))
+
+
+def grad_buffer(chunks: list, ctx, num_microbatches: int = 1):
+    """engine.optim.GradBuffer over `chunks`, started for one step of `num_microbatches` backward passes.
+
+    After them, `.finish()` leaves in each parameter's `main_grad` what the optimizer would read: the mean
+    over dp, sequence-parallel partial gradients summed over TP, tied embedding copies summed."""
+    from engine.optim import GradBuffer
+    buffer = GradBuffer(list(chunks), ctx, distributed=False, overlap=False)
+    buffer.start_step(num_microbatches)
+    return buffer
+
+
+def full_grad(p, ctx, grad=None):
+    """The whole gradient of parameter `p` (`grad`, else p.main_grad, else p.grad): its TP shards gathered,
+    the vocabulary padding removed, so every layout can be compared with one rank."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.parallel.layers import spec_of
+    spec = spec_of(p)
+    g = grad if grad is not None else getattr(p, "main_grad", None)
+    g = g if g is not None else (p.grad if p.grad is not None else torch.zeros_like(p))
+    if spec.tp_axis is not None and ctx.tp_size > 1:
+        parts = [torch.empty_like(g) for _ in range(ctx.tp_size)]
+        dist.all_gather(parts, g.contiguous(), group=ctx.tp_group)
+        g = torch.cat(parts, dim=spec.tp_axis)
+    return g[:spec.valid_rows] if spec.valid_rows is not None else g
 
 
 class RankFailure(AssertionError):

@@ -12,7 +12,7 @@ import zlib
 import pytest
 import torch
 
-from engine.checkpoint import CheckpointReader, finalize_async, latest_iteration, load_checkpoint, save_checkpoint
+from engine.checkpoint import Checkpointer, CheckpointReader, latest_iteration, load_checkpoint, save_checkpoint
 from engine.checkpoint import rng as ckpt_rng
 from engine.checkpoint.layout import local_tensors
 from engine.config import Config, ConfigError
@@ -106,7 +106,7 @@ TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_see
 
 
 def _real(cfg, rank, world):
-    return build_context(world, rank, cfg.tp, cfg.pp, cfg.vpp, seed=cfg.training.seed)
+    return build_context(world, rank, cfg.tp, cfg.pp, vpp=cfg.vpp, seed=cfg.training.seed)
 
 
 def _sharded_logits(chunks, ctx):
@@ -138,7 +138,7 @@ def _four_rank_cases(rank, world, root):
         cfg = make_config("gpt", tp, pp)
         ctx = _real(cfg, rank, world)
         chunks, opt = build(cfg, ctx)
-        extra = load_checkpoint(os.path.join(root, "gpt_tp2_pp2"), chunks, opt, ctx, cfg)
+        extra = load_checkpoint(os.path.join(root, "gpt_tp2_pp2"), chunks, opt, ctx)
         if extra != {"consumed_samples": 56, "sampler": [1, 2], "iteration": 7}:
             problems.append(f"extra state {extra}")
         problems += [f"tp{tp} pp{pp}: {m}" for m in mismatches(chunks, opt, ctx)]
@@ -152,14 +152,16 @@ def _four_rank_cases(rank, world, root):
     torch.manual_seed(1000 + rank)
     expected_rng = ckpt_rng.capture(ctx.rng)
     path = os.path.join(root, "async")
-    save_checkpoint(path, 3, chunks, opt, ctx, cfg, {}, async_save=True)
-    if latest_iteration(path) != 3:  # the same answer on every rank, published or not
+    cfg.checkpoint.save, cfg.checkpoint.async_save = path, True
+    checkpointer = Checkpointer(cfg, ctx)
+    checkpointer.save(3, chunks, opt, {})
+    if checkpointer.latest(path) != 3:  # the same answer on every rank, published or not
         problems.append("a save in flight does not count as the latest")
     fill(chunks, opt, ctx, scale=3.0)  # training goes on while the save is written
     torch.rand(10)
-    finalize_async()
+    checkpointer.finalize()
     fresh, fresh_opt = build(cfg, ctx)
-    load_checkpoint(path, fresh, fresh_opt, ctx, cfg)
+    load_checkpoint(path, fresh, fresh_opt, ctx)
     problems += [f"async: {m}" for m in mismatches(fresh, fresh_opt, ctx, scale=2.0)]
     if ckpt_rng.capture(ctx.rng) != expected_rng:
         problems.append("rng states not restored")
@@ -177,11 +179,11 @@ def _four_rank_cases(rank, world, root):
         _flip_byte(os.path.join(path, "iter_0000002", "model_tp01_pp01.safetensors"))
     torch.distributed.barrier()
     try:
-        load_checkpoint(path, chunks, opt, ctx, cfg)
+        load_checkpoint(path, chunks, opt, ctx)
         problems.append("a flipped byte was not detected")
     except ConfigError as e:
         out["damage_error"] = str(e)
-    extra = load_checkpoint(path, chunks, opt, ctx, cfg, fallback=True)
+    extra = load_checkpoint(path, chunks, opt, ctx, fallback=True)
     if extra["iteration"] != 1:
         problems.append(f"fallback loaded {extra}")
     problems += [f"fallback: {m}" for m in mismatches(chunks, opt, ctx, scale=1.0)]
@@ -191,11 +193,11 @@ def _four_rank_cases(rank, world, root):
         os.truncate(optim_file, os.path.getsize(optim_file) - 10)
     torch.distributed.barrier()
     try:
-        load_checkpoint(path, chunks, opt, ctx, cfg, fallback=True)
+        load_checkpoint(path, chunks, opt, ctx, fallback=True)
         problems.append("a truncated file was not detected")
     except ConfigError as e:
         out["truncated_error"] = str(e)
-    extra = load_checkpoint(path, chunks, opt, ctx, cfg, fallback=True, load_optim=False)
+    extra = load_checkpoint(path, chunks, opt, ctx, fallback=True, load_optim=False)
     if extra["iteration"] != 1:
         problems.append(f"model-only fallback loaded {extra}")
     problems += [f"model only: {m}" for m in mismatches(chunks, opt, ctx, with_optim=False)]
@@ -288,7 +290,7 @@ def test_reshard_to_other_layouts_reproduces_full_tensors(saved, name, style):
             ctx = ParallelContext.virtual(tp=tp, pp=pp, dp=dp, vpp=cfg.vpp, tp_rank=rank % tp,
                                           dp_rank=(rank // tp) % dp, pp_rank=rank // (tp * dp))
             chunks, opt = build(cfg, ctx)
-            extra = load_checkpoint(os.path.join(root, name), chunks, opt, ctx, cfg)
+            extra = load_checkpoint(os.path.join(root, name), chunks, opt, ctx)
             assert extra["iteration"] == 7
             assert mismatches(chunks, opt, ctx) == [], (name, tp, pp, vpp, dp, dist_opt)
 
@@ -298,12 +300,12 @@ def test_missing_or_empty_directories(tmp_path):
     ctx = ParallelContext.virtual()
     chunks, opt = build(cfg, ctx)
     with pytest.raises(ConfigError, match="directory not found"):
-        load_checkpoint(str(tmp_path / "nope"), chunks, opt, ctx, cfg)
-    assert load_checkpoint(str(tmp_path), chunks, opt, ctx, cfg) is None
+        load_checkpoint(str(tmp_path / "nope"), chunks, opt, ctx)
+    assert load_checkpoint(str(tmp_path), chunks, opt, ctx) is None
     other = make_config("llama")
     save_checkpoint(str(tmp_path / "llama"), 1, *build(other, ctx), ctx, other, {})
     with pytest.raises(ConfigError, match="different model"):
-        load_checkpoint(str(tmp_path / "llama"), chunks, opt, ctx, cfg)
+        load_checkpoint(str(tmp_path / "llama"), chunks, opt, ctx)
 
 
 def test_merged_and_split_models_give_the_sharded_logits(saved, tmp_path):
@@ -322,7 +324,7 @@ def test_merged_and_split_models_give_the_sharded_logits(saved, tmp_path):
         if how == "merged":
             load_merged(str(tmp_path / "merged"), chunks, ctx)
         else:
-            load_checkpoint(str(tmp_path / "split"), chunks, opt, ctx, cfg)
+            load_checkpoint(str(tmp_path / "split"), chunks, opt, ctx)
             assert mismatches(chunks, opt, ctx) == []
         chunks[0].eval()
         with torch.no_grad():

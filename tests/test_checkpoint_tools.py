@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_checkpoint import VOCAB, make_config
 
-from engine.checkpoint import CheckpointReader, finalize_async, latest_iteration, load_checkpoint, save_checkpoint
+from engine.checkpoint import Checkpointer, CheckpointReader, latest_iteration, load_checkpoint, save_checkpoint
 from engine.config import Config
 from engine.optim import build_optimizer
 from engine.parallel.topology import ParallelContext
@@ -47,13 +47,14 @@ def _stamp(chunks, opt, value):
 
 def _save_forever(save_dir, async_save, conn):
     cfg, ctx, chunks, opt = _tiny()
-    cfg.checkpoint.keep_last = 2
-    extra = load_checkpoint(save_dir, chunks, opt, ctx, cfg)
+    cfg.checkpoint.keep_last, cfg.checkpoint.save, cfg.checkpoint.async_save = 2, save_dir, async_save
+    checkpointer = Checkpointer(cfg, ctx)
+    extra = checkpointer.load(save_dir, chunks, opt)
     start = extra["iteration"] if extra else 0
     for it in range(start + 1, start + 10_000):
         _stamp(chunks, opt, float(it))
         conn.send(it)
-        save_checkpoint(save_dir, it, chunks, opt, ctx, cfg, {"consumed_samples": it}, async_save=async_save)
+        checkpointer.save(it, chunks, opt, {"consumed_samples": it})
 
 
 @pytest.mark.parametrize("async_save", [False, True])
@@ -76,7 +77,7 @@ def test_kill_9_during_saves_leaves_a_complete_latest_checkpoint(tmp_path, async
         assert latest is not None and latest > last
         reader = CheckpointReader(os.path.join(save_dir, f"iter_{latest:07d}"))
         assert reader.check_files(reader.meta["files"]) is None
-        extra = load_checkpoint(save_dir, chunks, opt, ctx, cfg)
+        extra = load_checkpoint(save_dir, chunks, opt, ctx)
         assert extra["iteration"] == latest == extra["consumed_samples"]
         assert all(torch.all(p == latest) for p in chunks[0].parameters())
         assert all(torch.all(e["exp_avg_sq"] == latest) for e in opt.state_dict()["params"].values())
@@ -86,16 +87,18 @@ def test_kill_9_during_saves_leaves_a_complete_latest_checkpoint(tmp_path, async
 
 def test_retention_and_resaving_an_iteration(tmp_path):
     cfg, ctx, chunks, opt = _tiny(hidden=16, layers=1)
-    cfg.checkpoint.keep_last, cfg.checkpoint.keep_every = 2, 3
+    cfg.checkpoint.keep_last, cfg.checkpoint.keep_every, cfg.checkpoint.save = 2, 3, str(tmp_path)
+    checkpointer = Checkpointer(cfg, ctx)
     for it in range(1, 8):
-        save_checkpoint(str(tmp_path), it, chunks, opt, ctx, cfg, {}, async_save=it % 2 == 0)
-    finalize_async()
+        cfg.checkpoint.async_save = it % 2 == 0  # at most one in flight: each save waits for the one before
+        checkpointer.save(it, chunks, opt, {})
+    checkpointer.finalize()
     assert sorted(os.listdir(tmp_path)) == ["iter_0000003", "iter_0000006", "iter_0000007",
                                             "latest_checkpointed_iteration.txt"]
     _stamp(chunks, opt, 5.0)
     save_checkpoint(str(tmp_path), 7, chunks, opt, ctx, cfg, {"again": True})
     assert latest_iteration(str(tmp_path)) == 7
-    assert load_checkpoint(str(tmp_path), chunks, opt, ctx, cfg) == {"again": True, "iteration": 7}
+    assert load_checkpoint(str(tmp_path), chunks, opt, ctx) == {"again": True, "iteration": 7}
     assert all(torch.all(p == 5.0) for p in chunks[0].parameters())
     assert len(os.listdir(tmp_path)) == 4, "nothing left behind by the replacement"
 

@@ -8,13 +8,12 @@ import torch
 from engine.config import Config, ConfigError
 from engine.data import (
     BatchSampler,
+    BatchSizeSchedule,
     IndexedDataset,
     IndexedDatasetWriter,
-    RampupBatchSize,
     build_datasets,
     gpt_dataset,
     make_batch,
-    samples_before,
 )
 from engine.data.blend import blend_indices
 from engine.data.gpt_dataset import GPTDataset, split_ranges
@@ -152,9 +151,9 @@ def test_build_datasets_blend_with_phase_switches_at_configured_iteration(tmp_pa
     assert set(valid.source.tolist()) == {0, 1}
     assert set(valid.datasets[0].document_index.tolist()) <= set(range(270, 285))
 
-    ramp = RampupBatchSize(4, 4, 64, 8)
-    train_ramp, _, _ = build_datasets(cfg, 800, 0, 0, global_batch_size=ramp)
-    switch = samples_before(50, ramp)
+    cfg.training.rampup_batch_size = [4, 4, 64]
+    train_ramp, _, _ = build_datasets(cfg, 800, 0, 0)
+    switch = BatchSizeSchedule(4, 4, 64, 8).samples_before(50)
     assert switch < 400 and (train_ramp.source[switch:] == 1).all()
     assert abs((train_ramp.source[:switch] == 0).mean() - 0.7) < 0.01
 
@@ -166,7 +165,6 @@ def test_build_datasets_reports_user_mistakes(tmp_path):
         (make_cfg(data_path=[str(tmp_path / "missing")]), "--data-path"),
         (make_cfg(data_path=[a], split="100,0,0"), "valid split"),
         (make_cfg(data_path=["1", a, "1", a], data_phases=[{"start_iter": 5, "weights": [1]}]), "data_phases"),
-        (make_cfg(data_path=["1", a, "1", a], data_phases=[{"start_iter": 5, "weights": [1, 1]}]), "global-batch-size"),
         (make_cfg(data_path=["1", a, "1", a], data_phases=[{"start": 5}]), "data_phases"),
     ]
     for cfg, match in cases:
@@ -194,34 +192,35 @@ def test_mock_data_depends_only_on_seed_and_index_and_is_learnable():
 
 def test_sampler_resume_is_exact_and_dp_slices_partition_each_batch():
     gbs, mbs, dp = 12, 2, 3
-    uninterrupted = BatchSampler(0, gbs, mbs, 1, dp)
+    fixed = BatchSizeSchedule.fixed(gbs)
+    uninterrupted = BatchSampler(fixed, mbs, 1, dp)
     first = [next(uninterrupted) for _ in range(10)]
-    resumed = BatchSampler(5 * gbs, gbs, mbs, 1, dp)
+    resumed = BatchSampler(fixed, mbs, 1, dp)
+    resumed.load_state_dict({"consumed_samples": 5 * gbs})
     assert [next(resumed) for _ in range(5)] == first[5:]
     assert resumed.state_dict() == {"consumed_samples": 10 * gbs}
     for consumed in (0, 36):
-        ranks = [next(BatchSampler(consumed, gbs, mbs, r, dp)) for r in range(dp)]
+        ranks = [next(BatchSampler(fixed, mbs, r, dp, consumed_samples=consumed)) for r in range(dp)]
         flat = [i for rank in ranks for mb in rank for i in mb]
         assert sorted(flat) == list(range(consumed, consumed + gbs))  # disjoint and covering
         assert all(len(mb) == mbs for rank in ranks for mb in rank) and all(len(r) == 2 for r in ranks)
 
 
 def test_sampler_with_batch_size_rampup_resumes_between_any_two_iterations():
-    ramp = RampupBatchSize(4, 4, 48, 16)
-    sizes = [ramp(i) for i in range(12)]
+    ramp = BatchSizeSchedule(4, 4, 48, 16)
+    sizes = [ramp.samples_before(i + 1) - ramp.samples_before(i) for i in range(12)]
     assert sizes[0] == 4 and sizes[-1] == 16 and sizes == sorted(sizes)
     dp = 2
-    full = {r: [next(s) for _ in range(12)] for r, s in ((r, BatchSampler(0, ramp, 2, r, dp)) for r in range(dp))}
+    full = {r: [next(s) for _ in range(12)] for r, s in ((r, BatchSampler(ramp, 2, r, dp)) for r in range(dp))}
     for it in range(12):
-        consumed = samples_before(it, ramp)
+        consumed = ramp.samples_before(it)
+        assert ramp.at(consumed) == sizes[it]
         batch = sorted(i for r in range(dp) for mb in full[r][it] for i in mb)
         assert batch == list(range(consumed, consumed + sizes[it]))
         for r in range(dp):
-            assert next(BatchSampler(consumed, ramp, 2, r, dp)) == full[r][it]
-    with pytest.raises(ValueError, match="between two global batches"):
-        BatchSampler(6, ramp, 2, 0, dp)
-    bounded = BatchSampler(0, 4, 2, 0, 2, total_samples=10)
-    assert len(list(bounded)) == 2
+            assert next(BatchSampler(ramp, 2, r, dp, consumed_samples=consumed)) == full[r][it]
+    with pytest.raises(ValueError, match="not a multiple"):
+        next(BatchSampler(BatchSizeSchedule.fixed(6), 2, 0, dp))
 
 
 def test_make_batch_shifts_labels_by_one():

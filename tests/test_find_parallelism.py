@@ -27,10 +27,10 @@ import pytest
 import torch
 
 from engine.config import ConfigError, ModelConfig, parse_config, validate
+from engine.pipeline.schedules import peak_in_flight
 from engine.planner.flops import GPU_PRESETS
 from engine.planner.memory import (
     Layout,
-    in_flight_chunks,
     layer_activation_bytes,
     memory_per_gpu,
     params_per_rank,
@@ -119,10 +119,10 @@ def test_activation_formulas_reproduce_table_2(s, b, h, a, t):
 
 def test_microbatches_in_flight():
     # 1F1B: rank r holds pp - r microbatches; interleaved rank 0 holds Korthikanti's L(1 + (p-1)/(pv)) layers.
-    assert [in_flight_chunks(64, 4, 1, r) for r in range(4)] == [4, 3, 2, 1]
-    assert in_flight_chunks(2, 4, 1, 0) == 2
+    assert [peak_in_flight(4, 1, r, 64) for r in range(4)] == [4, 3, 2, 1]
+    assert peak_in_flight(4, 1, 0, 2) == 2
     p, v, L = 8, 3, 96
-    layers_held = in_flight_chunks(64, p, v, 0) * L / (p * v)
+    layers_held = peak_in_flight(p, v, 0, 64) * L / (p * v)
     assert layers_held == pytest.approx(L * (1 + (p - 1) / (p * v)))
     m = gpt(96, 12288, 96)
     mem = memory_per_gpu(m, Layout(8, 8, 1, 3, 1, "selective", True), 2048, 64, flash_attention=False)

@@ -2,7 +2,7 @@
 import pytest
 
 from engine.config import ModelConfig
-from engine.planner.flops import GPU_PRESETS, detect_gpu, flops_per_iteration, mfu, padded_vocab_size, tflops_per_gpu
+from engine.planner.flops import GPU_PRESETS, detect_gpu, flops_per_iteration, mfu, tflops_per_gpu
 
 
 def gpt(layers, hidden, heads, vocab=51200, seq=2048, **kw):
@@ -41,7 +41,7 @@ def test_gqa_swiglu_untied_count():
     h, d, s = 64, 16, 8
     per_layer_params = h * (4 + 2 * 2) * d + 4 * d * h + 2 * 96 * h + 96 * h
     fwd = 2 * (2 * s * per_layer_params + 4 * s * s * 4 * d) + 2 * s * h * 104
-    assert padded_vocab_size(m) == 104
+    assert m.padded_vocab_size() == 104
     assert flops_per_iteration(m, 3, s) == 3 * 3 * fwd
 
 

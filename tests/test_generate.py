@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from engine.config import Config
 from engine.data.tokenizer import train_sentencepiece
 from engine.model import GPTModel
+from engine.parallel.layers import spec_of
 from engine.parallel.topology import ParallelContext
 from harness import run_ranks
 from tools import generate
@@ -39,8 +40,7 @@ def merged(tmp_path_factory):
     cfg = tiny_config(str(d / "tok.model"), tok.vocab_size)
     model = GPTModel(cfg.model, ParallelContext(), vocab_size=tok.vocab_size, seed=7).eval()
     assert model.padded_vocab > tok.vocab_size  # the padding must be dropped on save and restored on load
-    tensors = {name: (p[:p.valid_rows] if getattr(p, "valid_rows", None) else p).detach().contiguous()
-               for name, p in model.named_parameters()}
+    tensors = {name: p[:spec_of(p).valid_rows or p.shape[0]].detach().contiguous() for name, p in model.named_parameters()}
     out = d / "merged"
     out.mkdir()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

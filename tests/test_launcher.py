@@ -89,7 +89,8 @@ def test_batch_rampup_keeps_sampler_accumulation_and_lr_consistent(tmp_path):
     import json
 
     from engine.config import parse_config
-    from engine.optim import RampupBatchSize, global_batch_size_at, lr_at, schedule_position
+    from engine.data import BatchSizeSchedule
+    from engine.optim import lr_at
     args = ["--config", "configs/gpt-tiny.yaml", "--mock-data", "--num-layers", "2", "--rampup-batch-size", "4", "4",
             "40", "--train-iters", "12", "--metrics-file", str(tmp_path / "m.jsonl")]
     proc, _ = launch(args, timeout=120)
@@ -97,12 +98,12 @@ def test_batch_rampup_keeps_sampler_accumulation_and_lr_consistent(tmp_path):
     records = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
     records = [r for r in records if "event" not in r and "split" not in r]
     cfg = parse_config(args)
-    ramp = RampupBatchSize.from_config(cfg.training, 1)
+    ramp = BatchSizeSchedule(4, 4, 40, 16)  # gpt-tiny.yaml's global batch is 16
     consumed, sizes = 0, []
     for r in records:
-        size = global_batch_size_at(consumed, 16, ramp)
+        size = ramp.at(consumed)
         sizes.append(size)
-        assert r["lr"] == lr_at(schedule_position(consumed, 16), cfg.optim, 12)
+        assert r["lr"] == lr_at(consumed / 16, cfg.optim, 12)  # Megatron's LR position under ramp-up: in samples
         consumed += size
         assert r["consumed_samples"] == consumed
     assert sizes[0] == 4 and sizes[-1] == 16 and sorted(sizes) == sizes, sizes

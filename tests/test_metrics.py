@@ -24,7 +24,7 @@ def make_cfg(tmp_path, tb=True):
 def train_record(cfg, it, loss):
     rec = {"iteration": it, "consumed_samples": 8 * it, "lm_loss": torch.tensor(loss), "lr": 1e-3,
            "grad_norm": 0.5, "loss_scale": 1.0, "skipped": 0, "mem_peak_gb": 1.5, "train_iters": 10}
-    rec.update(throughput(cfg, global_batch_size=8, seconds=0.5, num_gpus=2, peak=100.0))
+    rec.update(throughput(cfg.model, global_batch_size=8, seconds=0.5, num_gpus=2, tp_size=cfg.tp, peak=100.0))
     return rec
 
 

@@ -16,6 +16,7 @@ import engine.parallel.comm as comm
 from engine.config import Config
 from engine.optim import build_optimizer
 from engine.optim.clip import counts_toward_norm, global_grad_norm
+from engine.parallel.layers import ParamSpec
 from engine.parallel.topology import ParallelContext, build_context
 from engine.pipeline.partition import stage_layers
 from harness import run_ranks
@@ -66,9 +67,9 @@ def _build_chunks(ctx, dtype=torch.float32):
     def add(chunk, local_name, logical):
         shape, axis, sp = spec[logical]
         p = nn.Parameter(_tp_slice(_randn(shape, "init", logical), axis, ctx).to(dtype))
-        p.tp_axis, p.sequence_parallel_grad = axis, sp and ctx.sequence_parallel
-        if logical == "emb" and ctx.pp_size > 1:
-            p.shared_embedding = True
+        tied = logical == "emb" and ctx.pp_size > 1
+        copy_of = "word.weight" if tied and local_name != "word.weight" else None
+        p.spec = ParamSpec(shape, axis, sp_partial_grad=sp, tied=tied, copy_of=copy_of)
         _put(chunk, local_name, p)
         owned.append((p, logical))
 

@@ -10,8 +10,8 @@ from engine.config import Config, ModelConfig
 from engine.model import GPTModel
 from engine.optim import build_optimizer, lr_at
 from engine.parallel.topology import ParallelContext, build_context
-from engine.pipeline import schedules
 from engine.pipeline.partition import build_model_chunks
+from engine.pipeline.runner import PipelineRunner
 from harness import run_ranks
 
 VOCAB, SEQ, MICRO, GLOBAL_MICROBATCHES, STEPS = 100, 16, 2, 4, 20
@@ -69,14 +69,15 @@ def _train(rank, world, tp, pp, overlap, reference, recompute=None):
         chunks = build_model_chunks(cfg, ctx, vocab_size=VOCAB)
         opt = build_optimizer(cfg, chunks, ctx, bucket_numel=4000)
         per_rank = GLOBAL_MICROBATCHES // ctx.dp_size
-        shape = (SEQ // tp if tp > 1 else SEQ, MICRO, cfg.model.hidden_size)
+        runner = PipelineRunner(chunks, ctx, ctx.activation_shape(SEQ, MICRO, cfg.model.hidden_size), torch.float32,
+                                "cpu")
         failures = []
         name = f"tp{tp} pp{pp} dp{ctx.dp_size} overlap={overlap} recompute={recompute}"
         for step in range(STEPS):
             mine = _microbatches(step)[ctx.dp_rank * per_rank:(ctx.dp_rank + 1) * per_rank]
             opt.start_step(len(mine))
             if pp > 1:
-                loss = schedules.run(chunks, mine, ctx, shape=shape, dtype=torch.float32, device="cpu")
+                loss = runner.run(mine)
             else:  # a plain loop over microbatches, no pipeline
                 losses = []
                 for mb in mine:

@@ -4,14 +4,8 @@ import math
 import pytest
 
 from engine.config import OptimizerConfig, TrainingConfig
-from engine.optim import (
-    LossScaler,
-    RampupBatchSize,
-    global_batch_size_at,
-    lr_at,
-    num_microbatches_at,
-    schedule_position,
-)
+from engine.data import BatchSampler, BatchSizeSchedule
+from engine.optim import LossScaler, lr_at
 
 
 def _opt(**kw):
@@ -64,31 +58,34 @@ def _megatron_rampup(consumed, start, incr, samples, target):
 
 
 def test_rampup_global_batch_value_by_value():
-    ramp = RampupBatchSize(start=8, increment=8, samples=1000, target=64)
+    ramp = BatchSizeSchedule(start=8, increment=8, samples=1000, final=64)
     per_increment = 1000 / 7
     for consumed in range(0, 1300, 3):
-        got = ramp.global_batch_size_at(consumed)
+        got = ramp.at(consumed)
         assert got == _megatron_rampup(consumed, 8, 8, 1000, 64)
         if consumed <= 1000:
             assert got == 8 + 8 * math.floor(consumed / per_increment)
         else:
             assert got == 64
-    assert global_batch_size_at(5000, 64, None) == 64
+    assert BatchSizeSchedule.fixed(64).at(5000) == 64 and not BatchSizeSchedule.fixed(64).ramping
 
 
 def test_rampup_iterations_keep_sampler_microbatches_and_lr_consistent():
     tr = TrainingConfig(micro_batch_size=2, global_batch_size=32, rampup_batch_size=[8, 8, 200])
     dp = 2
-    ramp = RampupBatchSize.from_config(tr, dp)
-    assert ramp == RampupBatchSize(8, 8, 200, 32)
+    ramp = BatchSizeSchedule.from_config(tr)
+    assert ramp == BatchSizeSchedule(8, 8, 200, 32) and ramp.ramping
+    samplers = [BatchSampler(ramp, 2, r, dp) for r in range(dp)]
     opt = _opt(lr_decay_style="linear", lr_warmup_iters=5, lr_decay_iters=40)
     consumed, batches = 0, []
     for it in range(30):
-        gbs = global_batch_size_at(consumed, 32, ramp)
-        micro = num_microbatches_at(consumed, 32, 2, dp, ramp)
-        assert micro * 2 * dp == gbs  # accumulation steps cover the global batch exactly
+        gbs = ramp.at(consumed)
+        assert ramp.samples_before(it) == consumed
+        micro = [next(s) for s in samplers]
+        assert sorted(i for rank in micro for mb in rank for i in mb) == list(range(consumed, consumed + gbs))
+        assert all(len(rank) * 2 * dp == gbs for rank in micro)  # accumulation steps cover the global batch
         # Megatron counts the schedule in samples: warm-up 5 * 32 samples, decay to 40 * 32 samples.
-        lr = lr_at(schedule_position(consumed, 32), opt, 30)
+        lr = lr_at(ramp.lr_position(consumed, it), opt, 30)
         if consumed <= 5 * 32:
             want = 1e-3 * consumed / (5 * 32)
         else:
@@ -98,10 +95,9 @@ def test_rampup_iterations_keep_sampler_microbatches_and_lr_consistent():
         consumed += gbs
     assert batches[:5] == [8, 8, 8, 8, 8]  # 200 / 3 increments = 66.7 samples per step of the ramp
     assert batches[-1] == 32 and sorted(batches) == batches
-    assert consumed == sum(batches)
-    with pytest.raises(ValueError, match="rampup"):
-        num_microbatches_at(0, 32, 3, dp, ramp)
-    assert RampupBatchSize.from_config(TrainingConfig(), 4) is None
+    assert consumed == sum(batches) == samplers[0].consumed_samples
+    fixed = BatchSizeSchedule.from_config(TrainingConfig(global_batch_size=16))
+    assert not fixed.ramping and fixed.lr_position(160, 10) == 10
 
 
 def test_dynamic_loss_scaler_follows_megatron_rules():

@@ -3,15 +3,14 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from engine.config import Config, ConfigError, ModelConfig
-from engine.model import GPTModel
-from engine.parallel import comm
+from engine.model import TIED_EMBEDDING, GPTModel
 from engine.parallel.topology import ParallelContext, build_context
 from engine.pipeline import schedules
 from engine.pipeline.partition import build_model_chunks, stage_layers, stage_sizes
-from harness import run_ranks
+from engine.pipeline.runner import PipelineRunner
+from harness import full_grad, grad_buffer, run_ranks
 
 VOCAB, SEQ, MICRO = 96, 8, 2
 
@@ -35,7 +34,7 @@ def test_1f1b_holds_at_most_pp_minus_rank_microbatches(pp, m):
     for r in range(pp):
         order = schedules.schedule_order(pp, 1, r, m)
         assert sorted(o for o in order if o[0] == "F") == [("F", 0, i) for i in range(m)]
-        assert schedules.max_in_flight(order) <= pp - r
+        assert schedules.max_in_flight(order) == schedules.peak_in_flight(pp, 1, r, m) <= pp - r
 
 
 @pytest.mark.parametrize("pp,vpp,m", [(2, 2, 4), (4, 2, 8), (4, 2, 4), (4, 3, 12), (8, 2, 16)])
@@ -43,7 +42,7 @@ def test_interleaved_holds_at_most_warmup_plus_one(pp, vpp, m):
     for r in range(pp):
         order = schedules.schedule_order(pp, vpp, r, m)
         bound = schedules.warmup_count(pp, vpp, r, m) + 1  # the documented bound
-        assert schedules.max_in_flight(order) <= bound
+        assert schedules.max_in_flight(order) == schedules.peak_in_flight(pp, vpp, r, m) <= bound
         assert len(order) == 2 * m * vpp
 
 
@@ -173,31 +172,6 @@ def global_batch(step: int, n: int):
     return [{"tokens": t[i:i + MICRO, :-1], "labels": t[i:i + MICRO, 1:]} for i in range(0, n, MICRO)]
 
 
-def finalize_grads(chunks, ctx):
-    """What the optimizer's grad sync does: SP partial sums over tp, tied copies over stages, mean over dp."""
-    for model in chunks:
-        for p in model.parameters():
-            if p.grad is None:
-                continue
-            if getattr(p, "sequence_parallel_grad", False):
-                comm.all_reduce(p.grad, ctx.tp_group)
-            if getattr(p, "shared_embedding", False) and ctx.embedding_group is not None:
-                comm.all_reduce(p.grad, ctx.embedding_group)
-            if ctx.dp_size > 1:
-                comm.all_reduce(p.grad, ctx.dp_group)
-                p.grad /= ctx.dp_size
-
-
-def full_grad(p, ctx):
-    g = p.grad
-    if p.tp_axis is not None and ctx.tp_size > 1:
-        parts = [torch.empty_like(g) for _ in range(ctx.tp_size)]
-        dist.all_gather(parts, g.contiguous(), group=ctx.tp_group)
-        g = torch.cat(parts, dim=p.tp_axis)
-    rows = getattr(p, "valid_rows", None)
-    return g[:rows] if rows is not None else g
-
-
 def _layout(rank, world, tp, pp, vpp, tied, steps, microbatches):
     cfg = Config()
     cfg.model = model_cfg(tied)
@@ -205,20 +179,18 @@ def _layout(rank, world, tp, pp, vpp, tied, steps, microbatches):
     cfg.parallel.virtual_pipeline_model_parallel_size = vpp
     cfg.parallel.sequence_parallel = tp > 1
     cfg.training.seed = 9
-    ctx = build_context(world, rank, tp, pp, vpp, sequence_parallel=tp > 1, seed=9)
+    ctx = build_context(world, rank, tp, pp, vpp=vpp, sequence_parallel=tp > 1, seed=9)
     chunks = build_model_chunks(cfg, ctx, vocab_size=VOCAB)
+    runner = PipelineRunner(chunks, ctx, ctx.activation_shape(SEQ, MICRO, cfg.model.hidden_size), torch.float32, "cpu")
     ref = GPTModel(model_cfg(tied), ParallelContext(), seed=9, vocab_size=VOCAB)
     params = [p for c in chunks for p in c.parameters()]
-    opt, ref_opt = torch.optim.SGD(params, lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
-    shape = (SEQ // tp if tp > 1 else SEQ, MICRO, cfg.model.hidden_size)
+    grads, ref_opt = grad_buffer(chunks, ctx, microbatches), torch.optim.SGD(ref.parameters(), lr=0.5)
     failures, curve, ref_curve = [], [], []
-    name = f"tp{tp} pp{pp} vpp{vpp} dp{ctx.dp_size} {'tied' if tied else 'untied'}"
     for step in range(steps):
         mbs = global_batch(step, microbatches * MICRO * ctx.dp_size)
-        mine = mbs[ctx.dp_rank * microbatches:(ctx.dp_rank + 1) * microbatches]
-        opt.zero_grad()
-        loss = schedules.run(chunks, mine, ctx, shape=shape, dtype=torch.float32, device="cpu")
-        finalize_grads(chunks, ctx)
+        grads.start_step(microbatches)
+        loss = runner.run(mbs[ctx.dp_rank * microbatches:(ctx.dp_rank + 1) * microbatches])
+        grads.finish()
         ref_opt.zero_grad()
         ref_losses = []
         for mb in mbs:
@@ -227,17 +199,10 @@ def _layout(rank, world, tp, pp, vpp, tied, steps, microbatches):
             ref_losses.append(mb_loss.item())
         ref_loss = sum(ref_losses) / len(ref_losses)
         if step == 0:
-            ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-            if abs(loss - ref_loss) > 1e-5:
-                failures.append(f"{name}: loss {loss} vs {ref_loss}")
-            for c in chunks:
-                for n, p in c.named_parameters():
-                    want = ref_grads["word.weight" if n == "output" and tied else n]
-                    got = full_grad(p, ctx)
-                    err = (got - want).abs().max().item()
-                    if err > 1e-5 * want.abs().max().item() + 1e-8:
-                        failures.append(f"{name}: grad {n} err {err:.3g}")
-        opt.step()
+            failures += _compare_first_step(chunks, ctx, ref, loss, ref_loss, tied)
+        with torch.no_grad():
+            for p in params:
+                p -= 0.5 * p.main_grad  # plain SGD, as on the reference
         ref_opt.step()
         curve.append(loss)
         ref_curve.append(ref_loss)
@@ -245,9 +210,21 @@ def _layout(rank, world, tp, pp, vpp, tied, steps, microbatches):
     if steps > 1:
         diff = max(abs(a - b) for a, b in zip(curve, ref_curve))
         if diff > 1e-4:
-            failures.append(f"{name}: {steps}-step curve differs by {diff}")
+            failures.append(f"{steps}-step curve differs by {diff}")
         if not curve[-1] < curve[0]:
-            failures.append(f"{name}: loss did not fall {curve}")
+            failures.append(f"loss did not fall {curve}")
+    return failures
+
+
+def _compare_first_step(chunks, ctx, ref, loss, ref_loss, tied) -> list:
+    failures = [] if abs(loss - ref_loss) <= 1e-5 else [f"loss {loss} vs {ref_loss}"]
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    for c in chunks:
+        for n, p in c.named_parameters():
+            want = ref_grads[TIED_EMBEDDING if n == "output" and tied else n]
+            err = (full_grad(p, ctx) - want).abs().max().item()
+            if err > 1e-5 * want.abs().max().item() + 1e-8:
+                failures.append(f"grad {n} err {err:.3g}")
     return failures
 
 
@@ -260,15 +237,10 @@ LAYOUTS_8 = [  # (tp, pp, vpp, tied, steps, microbatches per dp rank)
 ]
 
 
-def _all_layouts(rank, world):
-    failures = []
-    for layout in LAYOUTS_8:
-        failures += _layout(rank, world, *layout)
-    return failures
-
-
 @pytest.mark.slow
-def test_pipelined_loss_gradients_and_curves_equal_unpipelined():
-    results = run_ranks(_all_layouts, 8, timeout=600)
+@pytest.mark.parametrize("tp,pp,vpp,tied,steps,microbatches", LAYOUTS_8,
+                         ids=[f"tp{t}-pp{p}-vpp{v}-{'tied' if tie else 'untied'}-{m}mb" for t, p, v, tie, _, m in LAYOUTS_8])
+def test_pipelined_loss_gradients_and_curves_equal_unpipelined(tp, pp, vpp, tied, steps, microbatches):
+    results = run_ranks(_layout, 8, tp, pp, vpp, tied, steps, microbatches, timeout=300)
     problems = sorted({f for r in results for f in r})
     assert not problems, "\n".join(problems)

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from engine.config import ConfigError, StabilityConfig
-from engine.stability import MIN_HISTORY, ROLLBACK, SKIP, SPIKE, SpikeGuard, corrupt_batch, parse_faults, poison_loss
+from engine.config import ConfigError, StabilityConfig, parse_faults
+from engine.stability import MIN_HISTORY, ROLLBACK, SKIP, SPIKE, FaultDrill, SpikeGuard, corrupt_batch, poison_loss
 
 
 def noisy_losses(n, base=3.0, amplitude=0.02):
@@ -25,7 +25,7 @@ def test_nan_or_inf_skips_exactly_that_step():
     assert kinds.count(SKIP) == 1 and kinds[15] == SKIP
     assert set(kinds) == {"ok", SKIP}
     d = guard.check(31, 2.9, float("inf"))
-    assert d.kind == SKIP and not d.apply_update and d.info["grad_norm"] == "inf"
+    assert d.kind == SKIP and d.info["grad_norm"] == "inf" and d.info["reason"] == "non-finite gradient norm"
     assert guard.skipped == 2
     assert len(guard.losses) == 20  # the two skipped steps never entered the window
 
@@ -100,3 +100,20 @@ def test_parse_faults_and_drill_helpers():
     assert noisy["tokens"].dtype == torch.long and int(noisy["tokens"].max()) < 50
     assert len(noisy["labels"].unique()) > 5 and noisy["loss_mask"] is batch["loss_mask"]
     assert int(batch["tokens"].abs().sum()) == 0  # the original batch is untouched
+
+
+def test_fault_drill_fires_once_at_its_iteration_and_the_guard_reports_it():
+    drill = FaultDrill({2: "nan", 3: "spike"}, vocab_size=50)
+    batch = {"tokens": torch.zeros(1, 8, dtype=torch.long), "labels": torch.zeros(1, 8, dtype=torch.long)}
+    double = lambda loss: loss * 2  # noqa: E731 - a stand-in for fp16 loss scaling
+    mbs, scale = drill.arm(1, [batch], double)
+    assert mbs == [batch] and scale is double and drill.reported_loss(1.5) == 1.5
+    mbs, scale = drill.arm(2, [batch], double)
+    assert mbs == [batch] and torch.isnan(scale(torch.tensor(1.0))) and math.isnan(drill.reported_loss(1.5))
+    mbs, scale = drill.arm(3, [batch], double)
+    assert int(mbs[0]["tokens"].abs().sum()) > 0 and scale is double and drill.reported_loss(1.5) == 1.5
+    assert drill.arm(2, [batch], double) == ([batch], double), "a drill fires once (a rolled-back replay runs clean)"
+    guard = SpikeGuard(window=4)
+    (kind, info, line), = guard.events(guard.check(2, float("nan"), float("nan")), 2)
+    assert kind == "skip" and info["reason"] == "non-finite loss" and info["skipped"] == 1 == guard.skipped
+    assert line == "iteration 2: step skipped (non-finite loss); 1 skipped so far"

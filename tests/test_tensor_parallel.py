@@ -1,12 +1,12 @@
 """Topology, tensor-parallel layers, sequence parallelism and the model against one rank (fp32, CPU)."""
+import pytest
 import torch
 import torch.distributed as dist
 
 from engine.config import ModelConfig
 from engine.model import GPTModel
-from engine.parallel import comm
 from engine.parallel.topology import ParallelContext, build_context, coords, layout_table, rank_grid
-from harness import run_ranks
+from harness import full_grad, grad_buffer, run_ranks
 
 VOCAB = 100  # padded to 128, 256 or 512 depending on tp: the padding must not change the loss
 
@@ -75,57 +75,36 @@ def test_virtual_context_coordinates():
 
 # ---------------------------------------------------------------- multi-rank equivalence
 
-def _full_grad(p, ctx):
-    g = p.grad if p.grad is not None else torch.zeros_like(p)
-    if p.tp_axis is None or ctx.tp_size == 1:
-        return g
-    parts = [torch.empty_like(g) for _ in range(ctx.tp_size)]
-    dist.all_gather(parts, g.contiguous(), group=ctx.tp_group)
-    return torch.cat(parts, dim=p.tp_axis)
+STYLES = {"gpt2": gpt2_style, "llama": llama_style}
+TP_LAYOUTS = [(style, tp, sp) for style in STYLES for tp in (1, 2, 4) for sp in ((False, True) if tp > 1 else (False,))]
 
 
-def _sum_sp_grads(model, ctx):
-    for p in model.parameters():
-        if getattr(p, "sequence_parallel_grad", False) and p.grad is not None:
-            comm.all_reduce(p.grad, ctx.tp_group)
-
-
-def _strip_padding(t, p):
-    rows = getattr(p, "valid_rows", None)
-    return t[:rows] if rows is not None else t
-
-
-def _tp_cases(rank, world):
-    torch.manual_seed(0)
-    failures = []
+def _tp_case(rank, world, style, tp, sp):
+    """Loss and every full gradient of one layout against the same model on one rank (4 ranks: dp 4 / tp)."""
     tokens, labels = batch(7)
-    for style in (gpt2_style, llama_style):
-        ref = GPTModel(style(), ParallelContext(), seed=11)
-        ref_loss = ref(tokens, labels=labels)
-        ref_loss.backward()
-        ref_grads = {n: _strip_padding(p.grad, p) for n, p in ref.named_parameters()}
-        for tp in (1, 2, 4):
-            for sp in ((False, True) if tp > 1 else (False,)):
-                ctx = build_context(world, rank, tp, 1, sequence_parallel=sp)
-                model = GPTModel(style(), ctx, seed=11)
-                loss = model(tokens, labels=labels)
-                loss.backward()
-                _sum_sp_grads(model, ctx)
-                case = f"{style.__name__} tp={tp} sp={sp}"
-                if abs(loss.item() - ref_loss.item()) > 1e-5:
-                    failures.append(f"{case}: loss {loss.item()} vs {ref_loss.item()}")
-                for name, p in model.named_parameters():
-                    full = _strip_padding(_full_grad(p, ctx), p)
-                    want = ref_grads[name]
-                    err = (full - want).abs().max().item()
-                    if err > 1e-5 * want.abs().max().item() + 1e-7:
-                        failures.append(f"{case}: grad {name} max err {err:.3g} (scale {want.abs().max().item():.3g})")
-                ctx.destroy()
+    ref = GPTModel(STYLES[style](), ParallelContext(), seed=11)
+    ref_loss = ref(tokens, labels=labels)
+    ref_loss.backward()
+    ref_grads = {n: full_grad(p, ParallelContext(), p.grad) for n, p in ref.named_parameters()}
+    ctx = build_context(world, rank, tp, 1, sequence_parallel=sp)
+    model = GPTModel(STYLES[style](), ctx, seed=11)
+    grads = grad_buffer([model], ctx)
+    loss = model(tokens, labels=labels)
+    loss.backward()
+    grads.finish()
+    failures = [] if abs(loss.item() - ref_loss.item()) <= 1e-5 else [f"loss {loss.item()} vs {ref_loss.item()}"]
+    for name, p in model.named_parameters():
+        want = ref_grads[name]
+        err = (full_grad(p, ctx) - want).abs().max().item()
+        if err > 1e-5 * want.abs().max().item() + 1e-7:
+            failures.append(f"grad {name} max err {err:.3g} (scale {want.abs().max().item():.3g})")
+    ctx.destroy()
     return failures
 
 
-def test_tp_loss_and_gradients_match_single_rank():
-    results = run_ranks(_tp_cases, 4, timeout=300)
+@pytest.mark.parametrize("style,tp,sp", TP_LAYOUTS, ids=[f"{s}-tp{t}{'-sp' if sp else ''}" for s, t, sp in TP_LAYOUTS])
+def test_tp_loss_and_gradients_match_single_rank(style, tp, sp):
+    results = run_ranks(_tp_case, 4, style, tp, sp)
     assert results[0] == [], "\n".join(results[0])
     assert all(r == [] for r in results), results
 
@@ -134,14 +113,17 @@ def _curve(rank, world, tp, sp, steps):
     ctx = build_context(world, rank, tp, 1, sequence_parallel=sp) if tp > 1 else ParallelContext()
     model = GPTModel(llama_style(), ctx, seed=3)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    losses = []
+    grads, losses = grad_buffer([model], ctx), []
     for step in range(steps):
         tokens, labels = batch(100 + step % 2)  # two batches, revisited: the loss must fall
+        grads.start_step(1)
         loss = model(tokens, labels=labels)
-        opt.zero_grad()
         loss.backward()
-        _sum_sp_grads(model, ctx)
+        grads.finish()
+        for p in model.parameters():
+            p.grad = p.main_grad.clone()
         opt.step()
+        opt.zero_grad()
         losses.append(loss.item())
     if tp > 1:
         ctx.destroy()

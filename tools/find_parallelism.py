@@ -5,7 +5,7 @@
     python tools/find_parallelism.py --config configs/llama3-8b.yaml --num-gpus 8 --tp 2 --pp 1
     python tools/find_parallelism.py --config configs/llama3-8b.yaml --num-gpus 64 --tokens 15e12
 
-The memory and time model is engine/layout_model.py (constants and sources documented there);
+The memory and time model is engine/planner/step_time.py (constants and sources documented there);
 --verify builds every pipeline stage on the meta device and checks the analytic parameter counts.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import dataclasses
 import json
 import sys
 
-from engine.config import ConfigError, parse_config, validate
+from engine.config import ConfigError, parse_config, precision_name, resolve, validate
 from engine.planner.flops import GPU_PRESETS, flops_per_iteration
 from engine.planner.memory import GIB, Layout, params_per_rank
 from engine.planner.step_time import Software, chinchilla_optimal, estimate, rank_layouts
@@ -68,10 +68,6 @@ def _gpu(args):
         if value <= 0:
             raise UsageError(f"--{flags[field].replace('_', '-')} must be positive, got {value}")
     return dataclasses.replace(spec, **overrides)
-
-
-def _precision(cfg) -> str:
-    return "bf16" if cfg.training.bf16 else "fp16" if cfg.training.fp16 else "fp32"
 
 
 def _check(args, cfg):
@@ -160,6 +156,7 @@ def _verify(args, cfg) -> int:
     c.training = dataclasses.replace(cfg.training, global_batch_size=cfg.training.micro_batch_size * pp,
                                      rampup_batch_size=None)
     validate(c, tp * pp)
+    resolve(c, tp * pp)
     first, last = (par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers) \
         if args.pp is None else (None, None)
     ok, lines = verify(c, Layout(tp, pp, 1, vpp, first_stage_layers=first, last_stage_layers=last))
@@ -203,9 +200,11 @@ def main(argv=None) -> int:
     batch = args.global_batch_size or cfg.training.global_batch_size
     if not batch:
         raise UsageError(f"{args.config} sets no global_batch_size; pass --global-batch-size")
+    cfg.training.global_batch_size = batch
+    resolve(cfg, args.num_gpus)
     seq = args.seq_length or cfg.model.seq_length
     cfg.model.seq_length = seq
-    gpu, precision = _gpu(args), _precision(cfg)
+    gpu, precision = _gpu(args), precision_name(cfg)
     sw = Software(precision=precision)
     if args.tp is not None:
         rows = [estimate(cfg.model, _given_layout(args, cfg, batch), gpu, batch, seq, args.gpus_per_node, sw)]

@@ -1,6 +1,6 @@
 """Sharded, self-describing, atomically published checkpoints that load under any layout.
 
-On disk (see shared INTERFACE.md, "Checkpoints on disk"):
+On disk (the layout the project's interface contract fixes):
     <save>/latest_checkpointed_iteration.txt          the newest complete iteration, written last
     <save>/iter_0000100/metadata.json                 layout, config, iteration, consumed samples, extra
                                                       state (scheduler, sampler, ...), loss scaler and
@@ -15,20 +15,17 @@ On disk (see shared INTERFACE.md, "Checkpoints on disk"):
 Replicated tensors are stored once (tp rank 0), the tied embedding once (first stage). Each save is
 written to iter_N.tmp/, fsync'd, renamed, and only then named by `latest` (see saver.py).
 
-Trainer API (every rank calls each one):
-    save_checkpoint(save_dir, iteration, model_chunks, optimizer, ctx, cfg, extra_state, async_save=False)
-    load_checkpoint(load_dir, model_chunks, optimizer, ctx, cfg=None, fallback=False, load_optim=True)
-        -> extra_state (with "iteration") or None when there is nothing to load
-    finalize_async()              wait for the background save in flight (call before exiting)
-    latest_iteration(save_dir)    -> int or None (an async save in flight from this process counts)
-`extra_state` must be JSON-serializable. Damaged or missing checkpoints raise engine.config.ConfigError
+A run saves and loads through a `Checkpointer` (checkpointer.py), which keeps the asynchronous save in
+flight; `save_checkpoint` / `load_checkpoint` are the single operations beneath it (every rank calls
+each one). `extra_state` must be JSON-serializable. Damaged or missing checkpoints raise engine.config.ConfigError
 with one line naming the file. Tools: `CheckpointReader` reads any slice of a saved tensor;
 `load_merged` loads tools/merge_ckpt.py's native output into model chunks.
 """
+from engine.checkpoint.checkpointer import Checkpointer
 from engine.checkpoint.loader import latest_iteration, load_checkpoint
 from engine.checkpoint.merged import load_merged
 from engine.checkpoint.reader import CheckpointReader
-from engine.checkpoint.saver import finalize_async, save_checkpoint
+from engine.checkpoint.saver import save_checkpoint
 
-__all__ = ["save_checkpoint", "load_checkpoint", "finalize_async", "latest_iteration",
-           "CheckpointReader", "load_merged"]
+__all__ = ["Checkpointer", "save_checkpoint", "load_checkpoint", "latest_iteration", "CheckpointReader",
+           "load_merged"]

@@ -4,7 +4,7 @@ Every tensor has a global name (the model's parameter names already are layout i
 are keyed by global id) and a global shape, split over TP on at most one axis into equal parts. Two
 twists are handled here and nowhere else:
 - the last pipeline stage's copy of a tied embedding is the same tensor as the first stage's word
-  embedding: it is stored once, under `word.weight`, and loaded from there;
+  embedding: it is stored once, under the original's name (its ParamSpec's `copy_of`), and loaded from there;
 - the vocabulary is padded to a multiple that depends on tp, so when the padded sizes differ only
   the first `valid_rows` rows are carried over and the new padding is zero.
 """
@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-TIED_EMBEDDING = "word.weight"
+from engine.parallel.layers import spec_of
 
 
 @dataclass
@@ -29,15 +29,15 @@ class LocalTensor:
 
     @property
     def tp_axis(self) -> Optional[int]:
-        return getattr(self.param, "tp_axis", None)
+        return spec_of(self.param).tp_axis
 
     @property
     def full_shape(self) -> tuple:
-        return tuple(getattr(self.param, "full_shape", self.param.shape))
+        return tuple(spec_of(self.param).full_shape)
 
     @property
     def valid_rows(self) -> Optional[int]:
-        return getattr(self.param, "valid_rows", None)
+        return spec_of(self.param).valid_rows
 
 
 def local_tensors(model_chunks: list, ctx) -> list:
@@ -48,10 +48,9 @@ def local_tensors(model_chunks: list, ctx) -> list:
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            shared_copy = getattr(p, "shared_embedding", False) and local_name != TIED_EMBEDDING
-            name = TIED_EMBEDDING if shared_copy else local_name
-            replicated = getattr(p, "tp_axis", None) is None
-            writer = ctx.dp_rank == 0 and not shared_copy and (ctx.tp_rank == 0 or not replicated)
+            spec = spec_of(p)
+            name = spec.copy_of or local_name
+            writer = ctx.dp_rank == 0 and spec.copy_of is None and (ctx.tp_rank == 0 or spec.tp_axis is not None)
             out.append(LocalTensor(c, local_name, name, p, writer))
     return out
 

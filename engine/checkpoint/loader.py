@@ -19,22 +19,17 @@ import torch
 from engine.checkpoint import files, rng
 from engine.checkpoint.layout import local_tensors
 from engine.checkpoint.reader import CheckpointReader
-from engine.checkpoint.saver import finalize_async, in_flight
 from engine.config import ConfigError
 from engine.parallel.comm import all_gather_object
 
 
 def latest_iteration(save_dir: str) -> Optional[int]:
-    """The iteration `latest_checkpointed_iteration.txt` names, or None.
-
-    An async save still in flight counts as done: every rank gets the same answer whether or not
-    rank 0's writer has published it yet (finalize_async, or the next save or load, completes it).
-    """
-    pending = in_flight(save_dir)
-    return pending if pending is not None else files.read_latest(save_dir)
+    """The iteration `latest_checkpointed_iteration.txt` names, or None (see Checkpointer.latest for a
+    run with a save in flight)."""
+    return files.read_latest(save_dir)
 
 
-def load_checkpoint(load_dir: str, model_chunks: list, optimizer, ctx, cfg=None, fallback: bool = False,
+def load_checkpoint(load_dir: str, model_chunks: list, optimizer, ctx, fallback: bool = False,
                     load_optim: bool = True) -> Optional[dict]:
     """Load into `model_chunks` (and `optimizer`); return the saved extra_state plus `iteration`, or None
     when `load_dir` holds no checkpoint. Raises ConfigError (one line naming the file) on damage.
@@ -42,7 +37,6 @@ def load_checkpoint(load_dir: str, model_chunks: list, optimizer, ctx, cfg=None,
     The iteration loaded is the one `latest_checkpointed_iteration.txt` names (the newest iteration
     folder if that file is gone); with `fallback`, older complete ones are tried when it is damaged.
     """
-    finalize_async()
     if not os.path.isdir(load_dir):
         raise ConfigError(f"--load {load_dir}: directory not found; check the path or drop --load")
     candidates = _candidates(load_dir, fallback)

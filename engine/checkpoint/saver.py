@@ -9,7 +9,8 @@ checkpoint complete and `latest_checkpointed_iteration.txt` naming a complete on
    fsyncs the parent, rewrites `latest` atomically, and applies retention.
 Under `async_save` the state is first copied off the training tensors (the only stall); steps 2-3
 then run in a thread that does file I/O only, never a collective, so training keeps its group to
-itself. At most one save is in flight: the next save (or `finalize_async`) waits for it.
+itself, and `save_checkpoint` returns the save in flight: its `finish()` (collective) waits for it.
+The run's `Checkpointer` holds it and keeps at most one in flight.
 """
 from __future__ import annotations
 
@@ -27,13 +28,13 @@ from engine.checkpoint.reader import FORMAT
 from engine.parallel.comm import all_gather_object, any_rank
 
 _MARKER = ".done.rank{:05d}.json"
-_pending: Optional["_Save"] = None
 
 
 def save_checkpoint(save_dir: str, iteration: int, model_chunks: list, optimizer, ctx, cfg, extra_state: dict,
-                    async_save: bool = False) -> None:
-    """Save this rank's part of iteration `iteration`; every rank calls it. See the module docstring."""
-    finalize_async()
+                    async_save: bool = False) -> Optional["PendingSave"]:
+    """Save this rank's part of iteration `iteration`; every rank calls it. See the module docstring.
+
+    Returns None once the checkpoint is published, or with `async_save` the save in flight."""
     tmp = os.path.join(save_dir, files.iter_dir_name(iteration) + ".tmp")
     if ctx.rank == 0:
         os.makedirs(save_dir, exist_ok=True)
@@ -45,42 +46,14 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks: list, optimizer
     meta = build_metadata(everyone, iteration, ctx, cfg.to_dict(), extra_state) if ctx.rank == 0 else None
     writers = sorted(d["rank"] for d in everyone if d["files"])
     timeout = 60.0 * max(cfg.parallel.distributed_timeout_minutes, 1.0)
-    job = _Save(save_dir, tmp, iteration, shards, ctx.rank, meta, writers, cfg.checkpoint, timeout)
+    job = PendingSave(save_dir, tmp, iteration, shards, ctx.rank, meta, writers, cfg.checkpoint, timeout)
     if async_save:
-        global _pending
-        _pending = job
         job.thread = threading.Thread(target=job.run, name=f"checkpoint-save-{iteration}", daemon=True)
         job.thread.start()
-        return
+        return job
     job.run()
-    _agree(job)  # every rank returns once the checkpoint is published, or every rank raises
-
-
-def finalize_async() -> None:
-    """Wait for the save in flight, if any; raise if it failed. Every rank calls it (before exiting too).
-
-    It ends with a collective: only rank 0 publishes, so no rank may look for the checkpoint earlier.
-    """
-    global _pending
-    job, _pending = _pending, None
-    if job is None:
-        return
-    job.thread.join()
-    _agree(job)
-
-
-def in_flight(save_dir: str) -> Optional[int]:
-    """The iteration of the async save to `save_dir` still in flight from this process, or None."""
-    job = _pending
-    if job is None or os.path.abspath(job.save_dir) != os.path.abspath(save_dir):
-        return None
-    return job.iteration
-
-
-def _agree(job: "_Save") -> None:
-    if any_rank(job.error is not None):
-        job.error = job.error or "another rank failed to write its part"
-        job.raise_if_failed()
+    job.agree()  # every rank returns once the checkpoint is published, or every rank raises
+    return None
 
 
 def _copy(t: torch.Tensor, copy: bool) -> torch.Tensor:
@@ -171,8 +144,8 @@ def build_metadata(everyone: list, iteration: int, ctx, config: dict, extra_stat
     }
 
 
-class _Save:
-    """The I/O half of one save; runs inline or in a thread, and touches no process group."""
+class PendingSave:
+    """The I/O half of one save; runs inline or in a thread, and touches no process group (but `finish`)."""
 
     def __init__(self, save_dir, tmp, iteration, shards, rank, meta, writers, ckpt_cfg, timeout):
         self.save_dir, self.tmp, self.iteration = save_dir, tmp, iteration
@@ -181,8 +154,18 @@ class _Save:
         self.error: Optional[str] = None
         self.thread: Optional[threading.Thread] = None
 
-    def raise_if_failed(self) -> None:
-        if self.error:
+    def finish(self) -> None:
+        """Wait for the writer thread; raise on every rank if any rank failed. Every rank calls it.
+
+        It ends with a collective: only rank 0 publishes, so no rank may look for the checkpoint earlier.
+        """
+        if self.thread is not None:
+            self.thread.join()
+        self.agree()
+
+    def agree(self) -> None:
+        if any_rank(self.error is not None):
+            self.error = self.error or "another rank failed to write its part"
             raise RuntimeError(f"saving checkpoint iteration {self.iteration} to {self.save_dir} failed: {self.error}")
 
     def run(self) -> None:
@@ -190,7 +173,7 @@ class _Save:
             self._write_shards()
             if self.rank == 0:
                 self._publish()
-        except Exception as e:  # reported by raise_if_failed; a crashed writer must not kill training silently
+        except Exception as e:  # reported by agree(); a crashed writer must not kill training silently
             self.error = f"{type(e).__name__}: {e}"
             if self.rank != 0:  # tell rank 0 now rather than let it wait for the timeout
                 try:

@@ -1,7 +1,7 @@
 """Turning global sample indices into the tensors a training step consumes."""
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -23,8 +23,3 @@ def make_batch(dataset, indices: Sequence[int], device: Optional[torch.device] =
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     return batch
 
-
-def batches(dataset, sampler: Iterable[list[list[int]]], device: Optional[torch.device] = None) -> Iterator[list[dict]]:
-    """Per iteration, this rank's microbatches as tensors (see `make_batch`)."""
-    for microbatches in sampler:
-        yield [make_batch(dataset, mb, device) for mb in microbatches]

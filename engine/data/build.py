@@ -1,36 +1,32 @@
 """From the run's config to its train, valid and test datasets."""
 from __future__ import annotations
 
-from typing import Optional
-
 from engine.config import Config, ConfigError, data_prefixes
 from engine.data.blend import BlendedDataset, blend_indices
 from engine.data.gpt_dataset import GPTDataset, split_ranges
 from engine.data.indexed_dataset import IndexedDataset
 from engine.data.mock import MockGPTDataset
-from engine.data.sampler import BatchSize, RampupBatchSize, samples_before
+from engine.data.rampup import BatchSizeSchedule
 
 SPLITS = ("train", "valid", "test")
 
 
-def build_datasets(cfg: Config, train_samples: int, valid_samples: int, test_samples: int,
-                   global_batch_size: Optional[BatchSize] = None) -> tuple:
+def build_datasets(cfg: Config, train_samples: int, valid_samples: int, test_samples: int) -> tuple:
     """(train, valid, test): datasets whose `ds[i]` is an np.int64 array of seq_length + 1 tokens.
 
-    A split asked for 0 samples is None. `global_batch_size` (a size, or a function of the iteration)
-    places the `data_phases` switches; it defaults to the config's batch size and ramp-up.
+    A split asked for 0 samples is None. `cfg` is resolved (engine.config.resolve): its vocabulary size
+    sizes mock data, and its batch-size schedule places the `data_phases` switches.
     """
     d, seq_length, seed = cfg.data, cfg.model.seq_length, cfg.training.seed
     sizes = (train_samples, valid_samples, test_samples)
     if d.mock_data:
-        vocab = cfg.model.vocab_size or 256
-        return tuple(MockGPTDataset(seq_length, vocab, n, seed + k) if n else None for k, n in enumerate(sizes))
+        return tuple(MockGPTDataset(seq_length, cfg.model.vocab_size, n, seed + k) if n else None for k, n in enumerate(sizes))
     if not d.data_path:
         raise ConfigError("--data-path (none): give --data-path PREFIX or use --mock-data")
     sources = data_prefixes(d.data_path)
     indexed = [_open(prefix) for _, prefix in sources]
     weights = [w for w, _ in sources]
-    train_phases = _phases(cfg, weights, global_batch_size)
+    train_phases = _phases(cfg, weights)
     out = []
     for split, n in enumerate(sizes):
         if not n:
@@ -68,18 +64,12 @@ def _gpt_dataset(cfg: Config, indexed: IndexedDataset, split: int, num_samples: 
         raise ConfigError(f"--data-path {indexed.prefix}: {SPLITS[split]} split: {e}") from None
 
 
-def _phases(cfg: Config, weights: list, global_batch_size: Optional[BatchSize]) -> list:
+def _phases(cfg: Config, weights: list) -> list:
     """`data_phases` as [(start_sample, weights)], starting with the --data-path weights at sample 0."""
     phases = cfg.data.data_phases
     if not phases:
         return [(0, weights)]
-    tr = cfg.training
-    if global_batch_size is None:
-        if tr.global_batch_size is None:
-            raise ConfigError("data_phases: set --global-batch-size so phase iterations map to sample positions")
-        global_batch_size = tr.global_batch_size
-        if tr.rampup_batch_size:
-            global_batch_size = RampupBatchSize(*tr.rampup_batch_size, tr.global_batch_size)
+    batch_sizes = BatchSizeSchedule.from_config(cfg.training)
     out, previous = [(0, weights)], -1
     for phase in phases:
         if not isinstance(phase, dict) or set(phase) != {"start_iter", "weights"}:
@@ -94,7 +84,7 @@ def _phases(cfg: Config, weights: list, global_batch_size: Optional[BatchSize]) 
         if start <= previous:
             raise ConfigError(f"data_phases: start_iter {start} must be later than the previous phase's {previous}")
         previous = start
-        sample = samples_before(start, global_batch_size)
+        sample = batch_sizes.samples_before(start)
         if sample == 0:
             out[0] = (0, w)
         else:

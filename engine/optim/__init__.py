@@ -1,5 +1,5 @@
 """Data-parallel gradient reduction and the optimizer: grad buffer, (distributed) AdamW, loss scaling,
-clipping and the LR / batch-size schedules.
+clipping and the LR schedule.
 
 Trainer use, per iteration:
     opt.start_step(num_microbatches)
@@ -10,7 +10,7 @@ Trainer use, per iteration:
 from engine.optim.grad_buffer import DEFAULT_BUCKET_NUMEL, GradBuffer
 from engine.optim.loss_scaler import LossScaler
 from engine.optim.optimizer import Optimizer, StepResult, param_names
-from engine.optim.schedule import RampupBatchSize, global_batch_size_at, lr_at, num_microbatches_at, schedule_position
+from engine.optim.schedule import lr_at
 
 
 def build_optimizer(cfg, model_chunks: list, ctx, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> Optimizer:
@@ -18,5 +18,4 @@ def build_optimizer(cfg, model_chunks: list, ctx, *, bucket_numel: int = DEFAULT
     return Optimizer(cfg, list(model_chunks), ctx, bucket_numel=bucket_numel)
 
 
-__all__ = ["build_optimizer", "Optimizer", "StepResult", "GradBuffer", "LossScaler", "param_names", "lr_at",
-           "schedule_position", "RampupBatchSize", "global_batch_size_at", "num_microbatches_at"]
+__all__ = ["build_optimizer", "Optimizer", "StepResult", "GradBuffer", "LossScaler", "param_names", "lr_at"]

@@ -2,10 +2,11 @@
 
 A rank sums the squares of the gradient pieces it is responsible for, then the sums are added over
 the groups that hold different pieces:
-- tp: TP-sharded parameters (`p.tp_axis` set) hold different slices on every TP rank and are summed;
-  parameters replicated over TP hold the same gradient on every TP rank and count on TP rank 0 only.
-- pp: stages hold different layers and are summed; the embedding tied between the first and last
-  stage (`p.shared_embedding`) counts on the first stage only.
+- tp: TP-sharded parameters (a `tp_axis` in their ParamSpec) hold different slices on every TP rank and
+  are summed; parameters replicated over TP hold the same gradient on every TP rank and count on TP
+  rank 0 only.
+- pp: stages hold different layers and are summed; the last stage's copy of the embedding tied across
+  stages (`copy_of` in its spec) does not count, the first stage's original does.
 - dp: replicas hold the same reduced gradients, except under the distributed optimizer, where each
   holds its own shard and the shards are summed.
 """
@@ -16,14 +17,12 @@ import math
 import torch
 
 from engine.parallel import comm
+from engine.parallel.layers import spec_of
 
 
 def counts_toward_norm(p, ctx) -> bool:
-    if getattr(p, "shared_embedding", False) and not ctx.is_first_stage:
-        return False
-    if getattr(p, "tp_axis", None) is None and ctx.tp_rank != 0:
-        return False
-    return True
+    spec = spec_of(p)
+    return spec.copy_of is None and (spec.tp_axis is not None or ctx.tp_rank == 0)
 
 
 def global_grad_norm(grads: list, ctx, *, sharded_over_dp: bool, device) -> float:

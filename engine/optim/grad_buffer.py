@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from engine.parallel import comm
+from engine.parallel.layers import spec_of
 
 DEFAULT_BUCKET_NUMEL = 40_000_000
 SHARD_ALIGN = 64  # elements per dp shard boundary, so every shard starts on a 256-byte boundary
@@ -90,7 +91,7 @@ class GradBuffer:
                 if not p.requires_grad or id(p) in seen:
                     continue
                 seen.add(id(p))
-                alone = bool(getattr(p, "shared_embedding", False))
+                alone = spec_of(p).tied
                 if current and (alone or p.dtype != current[0].dtype):
                     close()
                 current.append(p)
@@ -155,10 +156,10 @@ class GradBuffer:
                 b.work = None
         self._num_microbatches = None
         ctx = self.ctx
-        if ctx.sequence_parallel and ctx.tp_size > 1:
-            self._sum_over([p for p in self.params if getattr(p, "sequence_parallel_grad", False)], ctx.tp_group)
+        if ctx.seq_split > 1:
+            self._sum_over([p for p in self.params if spec_of(p).sp_partial_grad], ctx.tp_group)
         if ctx.embedding_group is not None:
-            self._sum_over([p for p in self.params if getattr(p, "shared_embedding", False)], ctx.embedding_group)
+            self._sum_over([p for p in self.params if spec_of(p).tied], ctx.embedding_group)
 
     def _sum_over(self, params: list, group) -> None:
         """All-reduce the reduced (locally owned) part of these grads; peers share the buffer layout."""

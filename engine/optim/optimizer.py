@@ -98,8 +98,12 @@ class Optimizer:
     def finish_grad_sync(self) -> None:
         self.buffer.finish()
 
-    def step(self, lr: float) -> StepResult:
+    def step(self, lr: float, loss_is_finite: bool = True) -> StepResult:
+        """Clip and update at learning rate `lr`, or skip: a non-finite loss skips outright (its gradients
+        cannot be trusted even when their norm is finite), a non-finite gradient norm through the scaler."""
         scale = self.scaler.scale
+        if not loss_is_finite:
+            return StepResult(False, float("nan"), scale)
         counted = [e.master.grad for e in self._entries if counts_toward_norm(e.param, self.ctx)]
         norm = global_grad_norm(counted, self.ctx, sharded_over_dp=self.distributed,
                                 device=self.buffer.data.device) / scale

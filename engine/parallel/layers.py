@@ -1,17 +1,18 @@
 """Tensor-parallel layers: vocab-parallel embedding, column- and row-parallel linears, norms.
 
-Every parameter describes itself, which is what keeps weights and checkpoints layout-independent:
-- `tp_axis`: the axis of the full tensor split over the TP group (None: replicated);
-- `full_shape`: the unsplit shape;
-- `init`: ("normal", std) | ("ones",) | ("zeros",), and `init_key` naming the stream it is drawn from.
-`init_weights` draws each full tensor from a generator seeded by (seed, init_key) and keeps this
-rank's slice, so tp 1 and tp 4 start from the same full tensors.
-Replicated parameters whose gradient is partial under sequence parallelism carry
-`sequence_parallel_grad = True`; the gradient code sums them over TP.
+Every parameter describes itself with a `ParamSpec` (`p.spec`, read through `spec_of`), which is what
+keeps weights and checkpoints layout-independent: its full shape and TP axis, how it is initialised,
+and the few facts the gradient code, the norm and the checkpoint need. `init_weights` draws each full
+tensor from a generator seeded by (seed, init_key) and keeps this rank's slice, so tp 1 and tp 4 start
+from the same full tensors. Each layer enters and leaves its tensor-parallel region through
+`mappings.enter_tp` / `mappings.exit_tp`, which pick the communication the parallel context calls for.
 """
 from __future__ import annotations
 
+import dataclasses
 import zlib
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -21,15 +22,39 @@ from engine.parallel import mappings
 from kernels import dispatch
 
 
-def make_param(full_shape, tp_axis, ctx, init, device=None, dtype=None, init_key=None, sp_grad=False) -> nn.Parameter:
+@dataclass(frozen=True)
+class ParamSpec:
+    """What a parameter is, whatever the layout. Renaming or reshaping one changes what checkpoints hold."""
+    full_shape: tuple
+    tp_axis: Optional[int] = None       # the axis split over the TP group; None: replicated
+    init: tuple = ("zeros",)            # ("normal", std) | ("ones",) | ("zeros",)
+    init_key: Optional[str] = None      # the random stream it is drawn from (default: its own name)
+    valid_rows: Optional[int] = None    # vocabulary rows that hold tokens; the rows after them are padding
+    tied: bool = False                  # one of a pair kept equal across the first and last pipeline stage
+    copy_of: Optional[str] = None       # the last stage's copy of this parameter: stored and counted there once
+    sp_partial_grad: bool = False       # replicated, but each TP rank's gradient covers only its sequence slice
+                                        # under sequence parallelism: summed over TP by the gradient code
+
+
+def spec_of(p) -> ParamSpec:
+    """A parameter's spec (one made elsewhere than `make_param` is replicated and plain)."""
+    spec = getattr(p, "spec", None)
+    return spec if spec is not None else ParamSpec(tuple(p.shape))
+
+
+def make_param(full_shape, tp_axis, ctx, init, device=None, dtype=None, **spec) -> nn.Parameter:
+    """This rank's slice of a parameter of `full_shape`; `spec`: the other ParamSpec fields."""
     shape = list(full_shape)
     if tp_axis is not None:
         assert shape[tp_axis] % ctx.tp_size == 0, (full_shape, tp_axis, ctx.tp_size)
         shape[tp_axis] //= ctx.tp_size
     p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-    p.tp_axis, p.full_shape, p.init, p.init_key = tp_axis, tuple(full_shape), init, init_key
-    p.sequence_parallel_grad = sp_grad and ctx.sequence_parallel
+    p.spec = ParamSpec(tuple(full_shape), tp_axis, init, **spec)
     return p
+
+
+def mark_tied(p) -> None:
+    p.spec = dataclasses.replace(spec_of(p), tied=True)
 
 
 def _stream_seed(seed: int, key: str) -> int:
@@ -38,16 +63,17 @@ def _stream_seed(seed: int, key: str) -> int:
 
 def full_init_tensor(p, name: str, seed: int) -> torch.Tensor:
     """The unsplit initial value of a parameter (fp32, CPU)."""
-    kind = p.init[0]
+    spec = spec_of(p)
+    kind = spec.init[0]
     if kind == "ones":
-        return torch.ones(p.full_shape)
+        return torch.ones(spec.full_shape)
     if kind == "zeros":
-        return torch.zeros(p.full_shape)
-    gen = torch.Generator().manual_seed(_stream_seed(seed, p.init_key or name))
+        return torch.zeros(spec.full_shape)
+    gen = torch.Generator().manual_seed(_stream_seed(seed, spec.init_key or name))
     # Draw only the rows that hold tokens: the padded vocabulary size depends on tp, the draw must not.
-    rows = getattr(p, "valid_rows", None) or p.full_shape[0]
-    full = torch.zeros(p.full_shape)
-    full[:rows] = torch.empty((rows, *p.full_shape[1:])).normal_(0.0, p.init[1], generator=gen)
+    rows = spec.valid_rows or spec.full_shape[0]
+    full = torch.zeros(spec.full_shape)
+    full[:rows] = torch.empty((rows, *spec.full_shape[1:])).normal_(0.0, spec.init[1], generator=gen)
     return full
 
 
@@ -62,11 +88,11 @@ def init_weights(module: nn.Module, ctx, seed: int) -> None:
     for name, p in module.named_parameters():
         if p.device.type == "meta":
             continue
-        p.copy_(tp_slice(full_init_tensor(p, name, seed), p.tp_axis, ctx))
+        p.copy_(tp_slice(full_init_tensor(p, name, seed), spec_of(p).tp_axis, ctx))
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T + b with W split by output rows; the input is gathered (SP) or copied (no SP).
+    """y = x W^T + b with W split by output rows; the input enters the tensor-parallel region first.
 
     `stack` > 1 keeps `stack` independent output blocks (SwiGLU's gate and up) as one parameter of
     full shape [stack, out, in] split on axis 1, so every rank holds matching slices of each block.
@@ -81,26 +107,24 @@ class ColumnParallelLinear(nn.Module):
         self.bias = make_param(shape[:-1], axis, ctx, ("zeros",), device, dtype) if bias else None
 
     def forward(self, x):
-        group = self.ctx.tp_group
-        x = mappings.gather_from_sp(x, group) if self.ctx.sequence_parallel else mappings.copy_to_tp(x, group)
+        x = mappings.enter_tp(x, self.ctx)
         w = self.weight.reshape(-1, self.weight.shape[-1])
         b = self.bias.reshape(-1) if self.bias is not None else None
         return F.linear(x, w, b)
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T + b with W split by input columns; partial sums reduced (or reduce-scattered under SP)."""
+    """y = x W^T + b with W split by input columns; the partial sums leave the tensor-parallel region."""
 
     def __init__(self, in_features, out_features, ctx, *, bias=True, std=0.02, device=None, dtype=None):
         super().__init__()
         self.ctx = ctx
         self.weight = make_param((out_features, in_features), 1, ctx, ("normal", std), device, dtype)
-        self.bias = make_param((out_features,), None, ctx, ("zeros",), device, dtype, sp_grad=True) if bias else None
+        self.bias = make_param((out_features,), None, ctx, ("zeros",), device, dtype, sp_partial_grad=True) \
+            if bias else None
 
     def forward(self, x):
-        group = self.ctx.tp_group
-        y = F.linear(x, self.weight)
-        y = mappings.reduce_scatter_to_sp(y, group) if self.ctx.sequence_parallel else mappings.reduce_from_tp(y, group)
+        y = mappings.exit_tp(F.linear(x, self.weight), self.ctx)
         return y + self.bias if self.bias is not None else y
 
 
@@ -110,13 +134,13 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_padded, vocab, hidden, ctx, *, std=0.02, device=None, dtype=None, init_key=None):
         super().__init__()
         self.ctx = ctx
-        self.weight = make_param((vocab_padded, hidden), 0, ctx, ("normal", std), device, dtype, init_key=init_key)
-        self.weight.valid_rows = vocab
+        self.weight = make_param((vocab_padded, hidden), 0, ctx, ("normal", std), device, dtype, init_key=init_key,
+                                 valid_rows=vocab)
         self.per_rank = vocab_padded // ctx.tp_size
         self.start = ctx.tp_rank * self.per_rank
 
     def forward(self, tokens):
-        """tokens [b, s] -> [s, b, h] (or [s/tp, b, h] under sequence parallelism)."""
+        """tokens [b, s] -> [s, b, h] ([s/tp, b, h] where the context splits the sequence)."""
         tokens = tokens.t()
         if self.ctx.tp_size > 1:
             outside = (tokens < self.start) | (tokens >= self.start + self.per_rank)
@@ -124,18 +148,18 @@ class VocabParallelEmbedding(nn.Module):
             out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         else:
             out = F.embedding(tokens, self.weight)
-        group = self.ctx.tp_group
-        return mappings.reduce_scatter_to_sp(out, group) if self.ctx.sequence_parallel else mappings.reduce_from_tp(out, group)
+        return mappings.exit_tp(out, self.ctx)
 
 
 class Norm(nn.Module):
-    """LayerNorm or RMSNorm over the last dim; replicated over TP (partial grads under SP)."""
+    """LayerNorm or RMSNorm over the last dim; replicated over TP (partial grads under sequence parallelism)."""
 
     def __init__(self, hidden, ctx, kind="LayerNorm", eps=1e-5, device=None, dtype=None):
         super().__init__()
         self.kind, self.eps = kind, eps
-        self.weight = make_param((hidden,), None, ctx, ("ones",), device, dtype, sp_grad=True)
-        self.bias = make_param((hidden,), None, ctx, ("zeros",), device, dtype, sp_grad=True) if kind == "LayerNorm" else None
+        self.weight = make_param((hidden,), None, ctx, ("ones",), device, dtype, sp_partial_grad=True)
+        self.bias = make_param((hidden,), None, ctx, ("zeros",), device, dtype, sp_partial_grad=True) \
+            if kind == "LayerNorm" else None
 
     def forward(self, x):
         if self.kind == "RMSNorm":

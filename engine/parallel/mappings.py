@@ -6,8 +6,10 @@ copy                 | all-reduce          | input of a column-parallel linear (
 all-reduce           | copy                | output of a row-parallel linear (no SP)
 all-gather (seq)     | reduce-scatter (seq)| input of a column-parallel linear under SP
 reduce-scatter (seq) | all-gather (seq)    | output of a row-parallel linear under SP
-split (seq)          | all-gather (seq)    | entering the SP region from replicated activations
-all-gather (last)    | split (last)        | gathering vocab-parallel outputs
+
+The layers do not choose between the rows: `enter_tp` (the input of a tensor-parallel region) and
+`exit_tp` (its output) take the pair the parallel context calls for, so sequence parallelism is
+decided here and in the context, and nowhere in the model.
 """
 from __future__ import annotations
 
@@ -46,28 +48,6 @@ def _reduce_scatter_seq(x, group):
     return out
 
 
-def _split_seq(x, group):
-    n = _size(group)
-    if n == 1:
-        return x
-    return x.chunk(n, dim=0)[comm.rank(group)].contiguous()
-
-
-def _gather_last(x, group):
-    n = _size(group)
-    if n == 1:
-        return x
-    gathered = _gather_seq(x.movedim(-1, 0).contiguous(), group)
-    return gathered.movedim(0, -1).contiguous()
-
-
-def _split_last(x, group):
-    n = _size(group)
-    if n == 1:
-        return x
-    return x.chunk(n, dim=-1)[comm.rank(group)].contiguous()
-
-
 def _pair(fwd, bwd, name):
     class _Op(torch.autograd.Function):
         @staticmethod
@@ -87,8 +67,6 @@ _Copy = _pair(lambda x, g: x, _all_reduce, "CopyToTP")
 _Reduce = _pair(_all_reduce, lambda x, g: x, "ReduceFromTP")
 _GatherSeq = _pair(_gather_seq, _reduce_scatter_seq, "GatherFromSP")
 _ReduceScatterSeq = _pair(_reduce_scatter_seq, _gather_seq, "ReduceScatterToSP")
-_SplitSeq = _pair(_split_seq, _gather_seq, "ScatterToSP")
-_GatherLast = _pair(_gather_last, _split_last, "GatherLastDim")
 
 
 def copy_to_tp(x, group):
@@ -107,9 +85,11 @@ def reduce_scatter_to_sp(x, group):
     return _ReduceScatterSeq.apply(x, group)
 
 
-def scatter_to_sp(x, group):
-    return _SplitSeq.apply(x, group)
+def enter_tp(x, ctx):
+    """Into a tensor-parallel region: [s/tp, b, h] all-gathered under sequence parallelism, else copied."""
+    return gather_from_sp(x, ctx.tp_group) if ctx.sequence_parallel else copy_to_tp(x, ctx.tp_group)
 
 
-def gather_last_dim(x, group):
-    return _GatherLast.apply(x, group)
+def exit_tp(x, ctx):
+    """Out of one: partial sums reduce-scattered to [s/tp, b, h] under sequence parallelism, else all-reduced."""
+    return reduce_scatter_to_sp(x, ctx.tp_group) if ctx.sequence_parallel else reduce_from_tp(x, ctx.tp_group)

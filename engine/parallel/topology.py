@@ -6,12 +6,14 @@ node (NVLink) and pipeline neighbours are a whole tp*dp block apart. Every group
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 from dataclasses import dataclass, field
 from typing import Optional
 
 from engine.config import ConfigError
 from engine.parallel import comm
+from engine.parallel.random import RNGTracker
 
 
 def rank_grid(world_size: int, tp: int, pp: int) -> dict:
@@ -45,14 +47,12 @@ class ParallelContext:
     dp_size: int = 1
     vpp_size: int = 1
     sequence_parallel: bool = False
-    gpus_per_node: Optional[int] = None
     tp_group: object = None
     dp_group: object = None
     pp_group: object = None
     mp_group: object = None
     embedding_group: object = None
     pp_ranks: list = field(default_factory=lambda: [0])
-    embedding_ranks: list = field(default_factory=lambda: [0])
     tp_ranks: list = field(default_factory=lambda: [0])
     dp_ranks: list = field(default_factory=lambda: [0])
     rng: object = None  # engine.parallel.random.RNGTracker, set by build_context / the trainer
@@ -77,6 +77,32 @@ class ParallelContext:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
+    # Sequence parallelism is decided here, once: the model and the layers ask, they never test the flag.
+    @property
+    def seq_split(self) -> int:
+        """Ways the activations between tensor-parallel regions are split along the sequence."""
+        return self.tp_size if self.sequence_parallel else 1
+
+    def local_seq(self, t):
+        """This rank's part of a tensor laid out by sequence position along dim 0."""
+        return t.chunk(self.seq_split, dim=0)[self.tp_rank] if self.seq_split > 1 else t
+
+    def full_seq_len(self, local_len: int) -> int:
+        return local_len * self.seq_split
+
+    def activation_shape(self, seq_length: int, micro_batch: int, hidden: int) -> tuple:
+        """The shape of the activations a layer takes and gives (and pipeline stages exchange): [s, b, h]."""
+        return seq_length // self.seq_split, micro_batch, hidden
+
+    def dropout_rng(self, split_over_tp: bool):
+        """The random stream for dropout on a tensor: per TP rank when the tensor is split over TP, the one
+        shared by the TP group otherwise (engine.parallel.random)."""
+        return self.rng.fork() if split_over_tp and self.rng is not None else contextlib.nullcontext()
+
+    def residual_dropout_rng(self):
+        """Dropout on the residual stream, which is split over TP exactly when the sequence is."""
+        return self.dropout_rng(self.seq_split > 1)
+
     @classmethod
     def virtual(cls, tp: int = 1, pp: int = 1, dp: int = 1, vpp: int = 1, tp_rank: int = 0, pp_rank: int = 0,
                 dp_rank: int = 0, sequence_parallel: bool = False) -> "ParallelContext":
@@ -91,7 +117,6 @@ class ParallelContext:
     def _fill_ranks(self, grid: dict) -> None:
         mine = lambda kind: next(g for g in grid[kind] if self.rank in g)  # noqa: E731
         self.tp_ranks, self.dp_ranks, self.pp_ranks = mine("tp"), mine("dp"), mine("pp")
-        self.embedding_ranks = grid["embedding"][self.tp_rank + self.tp_size * self.dp_rank]
 
     def destroy(self) -> None:
         """Release the subgroups this context made (the default group stays)."""
@@ -100,17 +125,16 @@ class ParallelContext:
             setattr(self, name, None)
 
 
-def build_context(world_size: int, rank: int, tp: int, pp: int, vpp: int = 1, sequence_parallel: bool = False,
+def build_context(world_size: int, rank: int, tp: int, pp: int, *, vpp: int = 1, sequence_parallel: bool = False,
                   gpus_per_node: Optional[int] = None, timeout_minutes: Optional[float] = None,
                   seed: int = 1234, device_type: str = "cpu") -> ParallelContext:
     """Make every group (each rank takes part in all new_group calls, in one order) and the RNG tracker."""
-    from engine.parallel.random import RNGTracker
     if gpus_per_node and (tp > gpus_per_node or gpus_per_node % tp):
         raise ConfigError(f"--tensor-model-parallel-size {tp}: a TP group would span nodes of "
                           f"--gpus-per-node {gpus_per_node}; use a tp that divides {gpus_per_node}")
     grid = rank_grid(world_size, tp, pp)
     ctx = ParallelContext(world_size=world_size, rank=rank, tp_size=tp, pp_size=pp, dp_size=world_size // (tp * pp),
-                          vpp_size=vpp, sequence_parallel=sequence_parallel and tp > 1, gpus_per_node=gpus_per_node)
+                          vpp_size=vpp, sequence_parallel=sequence_parallel and tp > 1)
     ctx._fill_ranks(grid)
     timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes else None
     for kind, attr in (("tp", "tp_group"), ("dp", "dp_group"), ("pp", "pp_group"), ("mp", "mp_group"),

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from engine.parallel import comm
+from engine.pipeline.partition import neighbours
 
 
 class Message(NamedTuple):
@@ -43,13 +44,14 @@ class Exchange(NamedTuple):
 
 def _messages(kind: str, chunk: int, mb: int, rank: int, pp: int, vpp: int) -> tuple:
     """(what this operation receives, what it sends), each a Message or None."""
-    stage, last = chunk * pp + rank, pp * vpp - 1
+    stage = chunk * pp + rank
+    previous, following = neighbours(stage, pp, vpp)
     if kind == "F":
-        recv = Message((stage - 1) % pp, "act", stage, mb) if stage > 0 else None
-        send = Message((stage + 1) % pp, "act", stage + 1, mb) if stage < last else None
+        recv = Message(previous[0], "act", stage, mb) if previous else None
+        send = Message(following[0], "act", stage + 1, mb) if following else None
     else:
-        recv = Message((stage + 1) % pp, "grad", stage, mb) if stage < last else None
-        send = Message((stage - 1) % pp, "grad", stage - 1, mb) if stage > 0 else None
+        recv = Message(following[0], "grad", stage, mb) if following else None
+        send = Message(previous[0], "grad", stage - 1, mb) if previous else None
     return recv, send
 
 

@@ -38,8 +38,19 @@ def stage_layers(num_layers: int, pp: int, vpp: int, pp_rank: int, chunk: int,
     return list(range(start, start + sizes[pp_rank]))
 
 
-def build_model_chunks(cfg, ctx, *, vocab_size: int, device=None, dtype=None) -> list:
-    """This rank's model chunks (one per virtual pipeline stage) from the run config."""
+def neighbours(stage: int, pp: int, vpp: int) -> tuple:
+    """(previous, next) virtual stage of virtual stage `stage`, each as (pipeline rank, model chunk), or None
+    past either end of the pipeline."""
+    last = pp * vpp - 1
+    previous = ((stage - 1) % pp, (stage - 1) // pp) if stage > 0 else None
+    following = ((stage + 1) % pp, (stage + 1) // pp) if stage < last else None
+    return previous, following
+
+
+def build_model_chunks(cfg, ctx, *, vocab_size: Optional[int] = None, device=None, dtype=None) -> list:
+    """This rank's model chunks (one per virtual pipeline stage) from the run config.
+
+    `vocab_size` defaults to the resolved config's; a checkpoint's own (saved) size overrides it."""
     m, par = cfg.model, cfg.parallel
     chunks = []
     for c in range(ctx.vpp_size):

@@ -9,19 +9,15 @@ chunk (k mod pp*v) // pp for microbatch (k // (pp*v))*pp + k mod pp, backwards i
 with (pp-r-1)*2 + (v-1)*pp warm-up forwards. Microbatches must be a multiple of pp. A rank holds at
 most warm-up + 1 virtual microbatches' activations (asserted in the tests).
 
-The same order drives `run` (real tensors) and `simulate` (unit costs), so the bubble the simulator
-reports is the bubble of the schedule that trains.
+The same order drives `runner.PipelineRunner` (real tensors) and `simulate` (unit costs), so the bubble
+the simulator reports is the bubble of the schedule that trains.
 """
 from __future__ import annotations
 
-import time
 import warnings
 
-import torch
-
 from engine.config import ConfigError
-from engine.parallel import comm
-from engine.pipeline.p2p import StageLink, backward_through, exchange_plan
+from engine.pipeline.partition import neighbours
 
 
 def check_schedule(pp: int, vpp: int, num_microbatches: int) -> None:
@@ -36,10 +32,19 @@ def check_schedule(pp: int, vpp: int, num_microbatches: int) -> None:
 
 
 def warmup_count(pp: int, vpp: int, rank: int, num_microbatches: int) -> int:
+    """Forwards rank `rank` runs before its first backward."""
     total = num_microbatches * vpp
     if vpp == 1:
         return min(pp - rank - 1, total)
     return min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
+
+
+def peak_in_flight(pp: int, vpp: int, rank: int, num_microbatches: int) -> int:
+    """Model-chunk forwards whose activations rank `rank` holds at its peak: the warm-up and one more, at
+    most every forward of the step; the planner's activation count. For 1F1B that is pp - rank; for the
+    interleaved schedule 2(pp - rank - 1) + (vpp - 1)pp + 1 chunks, which on rank 0 is Korthikanti et al.'s
+    factor 1 + (pp - 1)/(pp vpp) in units of the rank's layers."""
+    return min(warmup_count(pp, vpp, rank, num_microbatches) + 1, num_microbatches * vpp)
 
 
 def _virtual(k: int, pp: int, vpp: int, forward: bool) -> tuple:
@@ -114,71 +119,9 @@ def simulate(pp: int, vpp: int, num_microbatches: int, t_forward: float = 1.0, t
 
 
 def _dependency(kind, r, c, mb, pp, vpp) -> list:
-    stage = c * pp + r
-    last = pp * vpp - 1
+    """The operations (kind, pp rank, chunk, microbatch) this one waits for."""
+    previous, following = neighbours(c * pp + r, pp, vpp)
     if kind == "F":
-        return [] if stage == 0 else [("F", (stage - 1) % pp, (stage - 1) // pp, mb)]
-    deps = [("F", r, c, mb)]
-    if stage < last:
-        deps.append(("B", (stage + 1) % pp, (stage + 1) // pp, mb))
-    return deps
+        return [("F", *previous, mb)] if previous else []
+    return [("F", r, c, mb)] + ([("B", *following, mb)] if following else [])
 
-
-def run(chunks, microbatches, ctx, *, shape, dtype, device, forward_only=False, scale_loss=None, trace=None):
-    """Forward (and backward) over all microbatches; returns the mean loss, known on every rank.
-
-    `chunks`: this rank's model chunks. `microbatches`: list of dicts (tokens, labels, loss_mask); only
-    the first stage reads tokens and only the last reads labels, but every rank gets the same list.
-    Losses fed to backward are divided by the number of microbatches; `scale_loss` (fp16) scales them.
-    `trace`: a list to append (rank, kind, microbatch, chunk, start, end) events to.
-    """
-    m = len(microbatches)
-    pp, vpp = ctx.pp_size, ctx.vpp_size
-    check_schedule(pp, vpp, m)
-    steps = schedule_steps(pp, vpp, ctx.pp_rank, m, forward_only)
-    link = StageLink(ctx, shape, dtype, device)
-    saved, losses, outbox = {}, [], []
-    for exchange, ops in exchange_plan(steps, pp, vpp, ctx.pp_rank):
-        # what the last step sent, what this step needs (one entry per operation, None if it needs nothing)
-        inbox = link.exchange(exchange, outbox)
-        outbox = []
-        for (kind, c, mb), received in zip(ops, inbox):
-            model = chunks[c]
-            t0 = time.time()  # inputs have arrived: waiting for them shows as idle time in the trace
-            if kind == "F":
-                batch = microbatches[mb]
-                x = None if received is None else received.requires_grad_()
-                out = model(tokens=batch["tokens"], hidden=x, labels=batch.get("labels"),
-                            loss_mask=batch.get("loss_mask"))
-                if model.post_process:
-                    losses.append(out.detach())
-                    out = out / m
-                    if scale_loss is not None:
-                        out = scale_loss(out)
-                else:
-                    outbox.append(out)
-                if not forward_only:
-                    saved[(c, mb)] = (x, out)
-            else:
-                x, out = saved.pop((c, mb))
-                if received is None:
-                    out.backward()
-                else:
-                    backward_through(out, received)
-                if x is not None:
-                    outbox.append(x.grad)
-            if trace is not None:
-                trace.append((ctx.rank, ctx.pp_rank, kind, mb, c, t0, time.time()))
-    return _share_loss(losses, ctx, device)
-
-
-def _share_loss(losses, ctx, device):
-    """Mean loss over microbatches from the last stage to every rank, averaged over dp."""
-    value = torch.stack(losses).float().mean() if losses else torch.zeros((), device=device)
-    value = value.reshape(1).clone()
-    if ctx.pp_size > 1:
-        comm.broadcast(value, ctx.pp_ranks[-1], ctx.pp_group)
-    if ctx.dp_size > 1:
-        comm.all_reduce(value, ctx.dp_group)
-        value /= ctx.dp_size
-    return value.item()

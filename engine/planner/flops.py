@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from engine import config
 from engine.config import ModelConfig
 
 
@@ -70,11 +69,6 @@ def detect_gpu(device_name: str) -> Optional[GPUSpec]:
     return None
 
 
-def padded_vocab_size(model: ModelConfig, tp: int = 1) -> int:
-    """The model's vocabulary padded as the engine pads it (256 tokens when no size is configured)."""
-    return config.padded_vocab_size(model.vocab_size or 256, model.make_vocab_size_divisible_by, tp)
-
-
 def layer_matmul_params(model: ModelConfig) -> int:
     """Weights of one layer's four matrix multiplies (QKV, attention output, fc1, fc2)."""
     h, d = model.hidden_size, model.head_dim()
@@ -89,7 +83,7 @@ def forward_flops_per_sequence(model: ModelConfig, seq_length: int, tp: int = 1)
     s, l = seq_length, model.num_layers
     linear = 2 * s * layer_matmul_params(model) * l
     attention = 4 * s * s * model.num_attention_heads * model.head_dim() * l  # full s², see module doc
-    logits = 2 * s * model.hidden_size * padded_vocab_size(model, tp)
+    logits = 2 * s * model.hidden_size * model.padded_vocab_size(tp)
     return {"linear": linear, "attention": attention, "logits": logits}
 
 

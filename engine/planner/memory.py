@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from engine.config import ModelConfig
-from engine.planner.flops import padded_vocab_size
+from engine.pipeline.partition import stage_layers
+from engine.pipeline.schedules import peak_in_flight
 
 # Bytes per parameter, as engine/optim allocates them: 2-byte weights in bf16/fp16, an fp32 main-grad
 # buffer (microbatch gradients accumulate in fp32), Adam m and v in fp32, and an fp32 master copy
@@ -41,7 +42,7 @@ ADAM_MOMENT_BYTES = 8
 MASTER_BYTES = 4
 
 # Output layer and cross entropy on the last stage, per logit: the 2-byte logits are the only
-# vocabulary-sized tensor (engine/cross_entropy.py reduces them chunk by chunk and writes the gradient
+# vocabulary-sized tensor (engine/parallel/cross_entropy.py reduces them chunk by chunk and writes the gradient
 # in place over them).
 LOGIT_BYTES = 2
 
@@ -73,21 +74,9 @@ class Layout:
 
 
 def stage_layer_counts(num_layers: int, layout: Layout) -> list:
-    """Layers per (pipeline rank, model chunk), the split engine/pipeline/partition.py makes."""
-    p, v = layout.pp, layout.vpp
-    first, last = layout.first_stage_layers, layout.last_stage_layers
-    if first is None and last is None:
-        per_chunk = num_layers // (p * v)
-        return [[per_chunk] * v for _ in range(p)]
-    middle = p - (first is not None) - (last is not None)
-    rest = num_layers - (first or 0) - (last or 0)
-    per_middle = rest // middle if middle else 0
-    counts = [[per_middle] for _ in range(p)]
-    if first is not None:
-        counts[0] = [first]
-    if last is not None:
-        counts[-1] = [last]
-    return counts
+    """Layers per (pipeline rank, model chunk): the engine's own split (engine.pipeline.partition)."""
+    return [[len(stage_layers(num_layers, layout.pp, layout.vpp, r, c, layout.first_stage_layers,
+                              layout.last_stage_layers)) for c in range(layout.vpp)] for r in range(layout.pp)]
 
 
 def layer_params(model: ModelConfig, tp: int) -> int:
@@ -109,7 +98,7 @@ def embedding_params(model: ModelConfig, tp: int) -> int:
     h = model.hidden_size
     positions = (model.max_position_embeddings or model.seq_length) * h \
         if model.position_embedding_type == "learned_absolute" else 0
-    return padded_vocab_size(model, tp) * h // tp + positions
+    return model.padded_vocab_size(tp) * h // tp + positions
 
 
 def head_params(model: ModelConfig, tp: int, pp: int) -> int:
@@ -117,7 +106,7 @@ def head_params(model: ModelConfig, tp: int, pp: int) -> int:
     h = model.hidden_size
     norm = h * (2 if model.normalization == "LayerNorm" else 1)
     needs_copy = model.untie_embeddings_and_output_weights or pp > 1
-    return norm + (padded_vocab_size(model, tp) * h // tp if needs_copy else 0)
+    return norm + (model.padded_vocab_size(tp) * h // tp if needs_copy else 0)
 
 
 def params_per_rank(model: ModelConfig, layout: Layout) -> list:
@@ -154,18 +143,6 @@ def layer_activation_bytes(model: ModelConfig, seq_length: int, micro_batch: int
     # Softmax output (2), its dropout mask (1) and dropout output (2) per score.
     scores = 0 if (flash_attention or recompute == "selective") else 5 * nq * s * s * b
     return replicated / sp + (split + scores) / tp
-
-
-def in_flight_chunks(num_microbatches: int, pp: int, vpp: int, rank: int) -> int:
-    """Model-chunk forward passes whose activations rank `rank` holds at its peak.
-
-    1F1B: rank r runs pp - r warm-up forwards before its first backward. Interleaved (Narayanan 2021,
-    sec. 2.2.2, as scheduled by Megatron-LM): 2·(pp - r - 1) + (vpp - 1)·pp + 1 chunk forwards, which
-    for rank 0 is Korthikanti's factor (1 + (pp - 1)/(pp·vpp)) in units of the rank's layers.
-    """
-    if vpp == 1:
-        return min(num_microbatches, pp - rank)
-    return min(num_microbatches * vpp, 2 * (pp - rank - 1) + (vpp - 1) * pp + 1)
 
 
 @dataclass
@@ -211,7 +188,7 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
     if layout.recompute == "full":
         workspace = layer_activation_bytes(model, seq_length, layout.micro_batch_size, layout.tp,
                                            layout.sequence_parallel, "none", flash_attention)
-    vocab_shard = padded_vocab_size(model, layout.tp) // layout.tp
+    vocab_shard = model.padded_vocab_size(layout.tp) // layout.tp
     logits = LOGIT_BYTES * seq_length * layout.micro_batch_size * vocab_shard
     ffn = model.resolved_ffn_hidden_size() * (2 if model.swiglu else 1)
     largest_layer_weight = max(ffn, (model.num_attention_heads + 2 * model.resolved_query_groups())
@@ -219,7 +196,7 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
     best = None
     for r, chunks in enumerate(counts):
         layers_per_chunk = sum(chunks) / len(chunks)
-        acts = in_flight_chunks(num_microbatches, layout.pp, layout.vpp, r) * layers_per_chunk * act_layer
+        acts = peak_in_flight(layout.pp, layout.vpp, r, num_microbatches) * layers_per_chunk * act_layer
         acts += workspace if sum(chunks) else 0.0
         ends = r == 0 or r == layout.pp - 1
         largest = max(largest_layer_weight if sum(chunks) else 0, vocab_shard * model.hidden_size if ends else 0)

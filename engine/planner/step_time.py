@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterator, Optional
 
 from engine.config import ModelConfig
-from engine.planner.flops import GPUSpec, flops_per_iteration, padded_vocab_size
+from engine.planner.flops import GPUSpec, flops_per_iteration
 from engine.planner.memory import (
     GIB,
     GRAD_BYTES,
@@ -168,7 +168,7 @@ def _costs(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: Softw
     fwd = gemm + attn_fwd + elementwise + tp_comm
     bwd = 2 * gemm + attn_bwd + 2 * elementwise + tp_comm
     recompute = {"full": fwd, "selective": attn_fwd}.get(layout.recompute, 0.0)
-    vocab = padded_vocab_size(model, t)
+    vocab = model.padded_vocab_size(t)
     logits_traffic = CROSS_ENTROPY_TRAFFIC * tokens * vocab / t / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
     head = 3 * gemm_seconds(tokens, vocab / t, h, gpu) + logits_traffic + 2 * _all_reduce(2 * tokens * h, t, nvlink)
     embed = 2 * _all_reduce(2 * tokens * h, t, nvlink)

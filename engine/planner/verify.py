@@ -22,7 +22,7 @@ def meta_params_per_rank(cfg: Config, layout: Layout) -> list:
         for r in range(layout.pp):
             ctx = ParallelContext.virtual(tp=layout.tp, pp=layout.pp, dp=1, vpp=layout.vpp, pp_rank=r,
                                           sequence_parallel=layout.sequence_parallel)
-            chunks = build_model_chunks(cfg, ctx, vocab_size=cfg.model.vocab_size or 256, device="meta")
+            chunks = build_model_chunks(cfg, ctx, device="meta")
             unique = {id(p): p.numel() for chunk in chunks for p in chunk.parameters()}
             counts.append(sum(unique.values()))
         return counts

@@ -1,0 +1,46 @@
+"""A run's checkpointing: where it saves, the asynchronous save in flight, and what it loads.
+
+The trainer owns one `Checkpointer` (every rank does, and calls each method). At most one save is in
+flight: the next save, a load, or `finalize()` waits for it first. While it is in flight it counts as
+the latest checkpoint of its directory, so every rank gets the same answer to `latest()` whether or
+not rank 0's writer has published it yet.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from engine.checkpoint import files
+from engine.checkpoint.loader import load_checkpoint
+from engine.checkpoint.saver import PendingSave, save_checkpoint
+
+
+class Checkpointer:
+    def __init__(self, cfg, ctx):
+        self.cfg, self.ctx = cfg, ctx
+        self.pending: Optional[PendingSave] = None
+
+    def save(self, iteration: int, model_chunks: list, optimizer, extra_state: dict) -> None:
+        """Save iteration `iteration` into --save (in the background with --async-save)."""
+        self.finalize()
+        self.pending = save_checkpoint(self.cfg.checkpoint.save, iteration, model_chunks, optimizer, self.ctx, self.cfg,
+                                       extra_state, async_save=self.cfg.checkpoint.async_save)
+
+    def finalize(self) -> None:
+        """Wait for the save in flight, if any; raise on every rank if it failed (call before exiting too)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.finish()
+
+    def latest(self, directory: str) -> Optional[int]:
+        """The newest complete iteration in `directory`, counting the save in flight there."""
+        pending = self.pending
+        if pending is not None and os.path.abspath(pending.save_dir) == os.path.abspath(directory):
+            return pending.iteration
+        return files.read_latest(directory)
+
+    def load(self, directory: str, model_chunks: list, optimizer, load_optim: bool = True) -> Optional[dict]:
+        """Load the newest complete checkpoint of `directory` (see loader.load_checkpoint); None if there is none."""
+        self.finalize()
+        return load_checkpoint(directory, model_chunks, optimizer, self.ctx, fallback=self.cfg.checkpoint.ckpt_fallback,
+                               load_optim=load_optim)

@@ -1,0 +1,88 @@
+"""Executing this rank's pipeline schedule with real tensors: forwards, backwards and the exchanges between.
+
+`PipelineRunner` is built once per run (this rank's model chunks, the message shape and dtype, an
+optional trace) and `run(microbatches)` does one step's forward and backward passes over all of them,
+in the order `schedules.schedule_steps` gives, with one batched exchange between consecutive steps
+(`p2p.exchange_plan`). With pp 1 it is plain gradient accumulation.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+
+from engine.parallel import comm
+from engine.pipeline.p2p import StageLink, backward_through, exchange_plan
+from engine.pipeline.schedules import check_schedule, schedule_steps
+
+
+class PipelineRunner:
+    def __init__(self, chunks: list, ctx, shape: tuple, dtype, device, trace=None):
+        """`shape`: every message between stages (ctx.activation_shape); `trace`: a PipelineTrace or None."""
+        self.chunks, self.ctx, self.device, self.trace = chunks, ctx, device, trace
+        self.link = StageLink(ctx, shape, dtype, device)
+
+    def run(self, microbatches: list, scale_loss: Optional[Callable] = None, forward_only: bool = False) -> float:
+        """Forward (and backward) over all microbatches; returns the mean loss, known on every rank.
+
+        `microbatches`: dicts (tokens, labels, loss_mask); only the first stage reads tokens and only the
+        last reads labels, but every rank gets the same list. Losses fed to backward are divided by the
+        number of microbatches; `scale_loss` (fp16 loss scaling, fault drills) applies after that.
+        """
+        ctx, m = self.ctx, len(microbatches)
+        check_schedule(ctx.pp_size, ctx.vpp_size, m)
+        steps = schedule_steps(ctx.pp_size, ctx.vpp_size, ctx.pp_rank, m, forward_only)
+        saved, losses, outbox = {}, [], []
+        for exchange, ops in exchange_plan(steps, ctx.pp_size, ctx.vpp_size, ctx.pp_rank):
+            # what the last step sent, what this step needs (one entry per operation, None if it needs nothing)
+            inbox = self.link.exchange(exchange, outbox)
+            outbox = []
+            for (kind, chunk, mb), received in zip(ops, inbox):
+                start = time.time()  # inputs have arrived: waiting for them shows as idle time in the trace
+                if kind == "F":
+                    x, out = self._forward(chunk, microbatches[mb], received, m, scale_loss, losses)
+                    if not self.chunks[chunk].post_process:
+                        outbox.append(out)
+                    if not forward_only:
+                        saved[(chunk, mb)] = (x, out)
+                else:
+                    grad = self._backward(*saved.pop((chunk, mb)), received)
+                    if grad is not None:
+                        outbox.append(grad)
+                if self.trace is not None and not forward_only:  # evaluation passes are not traced
+                    self.trace.record(kind, mb, chunk, start, time.time())
+        return self._share_loss(losses)
+
+    def _forward(self, chunk: int, batch: dict, received, m: int, scale_loss, losses: list) -> tuple:
+        """(input, output) of one chunk's forward; on the last stage the output is the scaled loss."""
+        model = self.chunks[chunk]
+        x = None if received is None else received.requires_grad_()
+        out = model(tokens=batch["tokens"], hidden=x, labels=batch.get("labels"), loss_mask=batch.get("loss_mask"))
+        if model.post_process:
+            losses.append(out.detach())
+            out = out / m
+            if scale_loss is not None:
+                out = scale_loss(out)
+        return x, out
+
+    @staticmethod
+    def _backward(x, out, received):
+        """Backward of one chunk; returns the gradient of its input (None on the first stage)."""
+        if received is None:
+            out.backward()
+        else:
+            backward_through(out, received)
+        return None if x is None else x.grad
+
+    def _share_loss(self, losses: list) -> float:
+        """Mean loss over microbatches from the last stage to every rank, averaged over dp."""
+        ctx = self.ctx
+        value = torch.stack(losses).float().mean() if losses else torch.zeros((), device=self.device)
+        value = value.reshape(1).clone()
+        if ctx.pp_size > 1:
+            comm.broadcast(value, ctx.pp_ranks[-1], ctx.pp_group)
+        if ctx.dp_size > 1:
+            comm.all_reduce(value, ctx.dp_group)
+            value /= ctx.dp_size
+        return value.item()
