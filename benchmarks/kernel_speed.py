@@ -19,6 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from engine.parallel.cross_entropy import vocab_parallel_cross_entropy
+from engine.parallel.topology import ParallelContext
 from kernels import dispatch, reference
 
 EPS = 1e-5
@@ -89,11 +91,13 @@ def _swiglu_case(m, h, dtype, device):
 def _ce_case(n, v, dtype, device):
     (logits,) = _inputs([(n, v)], dtype, device)
     target = torch.randint(0, v, (n,), device=device)
-    impls = {"triton": lambda: dispatch.cross_entropy(logits, target),
-             "reference": lambda: dispatch.cross_entropy(logits, target),
+    # The engine's op at tp 1: the reference primitives on CPU, Triton on CUDA.
+    def engine(inplace):
+        return lambda: vocab_parallel_cross_entropy(logits, target, ParallelContext(), v, inplace_backward=inplace)
+    impls = {"triton": engine(False), "reference": engine(False),
              "eager": lambda: F.cross_entropy(logits.float(), target, reduction="none"),
              # Last, because its backward overwrites the logits: the extra memory is then O(rows).
-             "triton-inplace": lambda: dispatch.cross_entropy(logits, target, inplace_backward=True)}
+             "triton-inplace": engine(True)}
     es = logits.numel() * logits.element_size()
     return impls, [logits], es, 2 * es, {"shape": [n, v], "fp32_logits_mib": n * v * 4 / 2**20}
 
@@ -193,7 +197,7 @@ def run(ops, reps, dtype_name, quick=False):
             if "eager" in impls and not name.startswith("attention"):
                 impls = {"compile": torch.compile(impls["eager"]), **impls}
         if not triton_on:
-            impls.pop("triton")
+            impls.pop("triton", None)
             impls.pop("triton-inplace", None)
         for impl, fn in impls.items():
             own = leaves if isinstance(leaves, list) else leaves["sdpa" if impl.startswith("sdpa") else "default"]

@@ -2,8 +2,9 @@
 
 Every field of every section is a command-line flag named after it (`num_layers` -> `--num-layers`);
 YAML keys are the same names with `-` or `_`. Flags given on the command line override the file.
-All checks that can be made before any process group exists live in `validate`, and each failure is
-one `ConfigError` naming the flag, the value and the fix.
+All checks that can be made before any process group exists live in `validate` (one function per
+section); each failure is one `ConfigError` naming the flag, the value and the fix. Rules that library
+code enforces again on its own path are the public `check_*` functions, so each has one message.
 """
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import argparse
 import dataclasses
 import difflib
 import os
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 
 class ConfigError(ValueError):
@@ -22,8 +24,10 @@ class ConfigError(ValueError):
 FAULT_KINDS = ("nan", "spike")  # --inject-fault drills (engine.stability.FaultDrill)
 
 
-def _f(default, help, *, aliases=(), choices=None, nargs=None, action=None, type=None):
-    meta = dict(help=help, aliases=aliases, choices=choices, nargs=nargs, action=action, type=type)
+def _f(default, help, *, aliases=(), choices=None, nargs=None, action=None, type=None, yaml_only=False):
+    """A config field. `yaml_only`: a structured value (e.g. a list of mappings) with no command-line form."""
+    meta = dict(help=help, aliases=aliases, choices=choices, nargs=nargs, action=action, type=type,
+                yaml_only=yaml_only)
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -127,7 +131,7 @@ class DataConfig:
     split: str = _f("969,30,1", "train,valid,test proportions of the documents")
     tokenizer_model: Optional[str] = _f(None, "SentencePiece model file")
     mock_data: bool = _f(False, "synthetic tokens that depend only on --seed and the sample index")
-    data_phases: Optional[list] = _f(None, "YAML only: list of {start_iter, weights} blend phases")
+    data_phases: Optional[list] = _f(None, "blend phases: a list of {start_iter, weights}", yaml_only=True)
 
 
 @dataclass
@@ -219,6 +223,17 @@ def flag_of(name: str) -> str:
 
 
 FIELD_SECTION = {f.name: section for section, f in _all_fields()}
+_FIELDS = {f.name: f for _, f in _all_fields()}
+# Annotations are strings here (`from __future__ import annotations`); resolve them once.
+_HINTS = {name: hint for cls in SECTIONS.values() for name, hint in typing.get_type_hints(cls).items()}
+
+
+def _field_type(f) -> type:
+    """The field's type without Optional: bool, int, float, str or list."""
+    t = _HINTS[f.name]
+    if typing.get_origin(t) is Union:
+        t = next(a for a in typing.get_args(t) if a is not type(None))
+    return typing.get_origin(t) or t
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,13 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
         group = p.add_argument_group(section)
         for f in dataclasses.fields(cls):
             m = f.metadata
-            if m["help"].startswith("YAML only"):
-                continue  # structured values (lists of mappings) have no command-line form
+            if m["yaml_only"]:
+                continue
             names = [flag_of(f.name), *m["aliases"]]
             kw: dict[str, Any] = dict(dest=f.name, help=f"{m['help']} (default: {_default_of(f)})")
             if m["action"] == "append":
                 kw["action"] = "append"
-            elif _is_bool(f):
+            elif _field_type(f) is bool:
                 kw["action"] = "store_true"
             else:
                 kw["type"] = m["type"] or _scalar_type(f)
@@ -254,17 +269,9 @@ def _default_of(f):
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
-def _is_bool(f) -> bool:
-    return f.type in (bool, "bool")
-
-
 def _scalar_type(f):
-    t = str(f.type)
-    if "int" in t:
-        return int
-    if "float" in t:
-        return float
-    return str
+    t = _field_type(f)
+    return t if t in (int, float) else str
 
 
 def _load_yaml(path: str) -> dict:
@@ -294,21 +301,18 @@ def _load_yaml(path: str) -> dict:
 
 def _coerce(name: str, value):
     """Bring a YAML value to the field's type, or say which key is wrong."""
-    section = FIELD_SECTION[name]
-    f = next(x for x in dataclasses.fields(SECTIONS[section]) if x.name == name)
-    if value is None:
-        return None
+    f = _FIELDS[name]
+    if value is None or f.metadata["yaml_only"]:
+        return value  # a structured value is checked where it is used (data_phases: engine/data/build.py)
     if f.metadata["choices"] and value not in f.metadata["choices"]:
         raise ConfigError(f"{flag_of(name)}: {value!r} is not one of {', '.join(f.metadata['choices'])}")
-    t = str(f.type)
+    t = _field_type(f)
     try:
-        if _is_bool(f):
+        if t is bool:
             if not isinstance(value, bool):
                 raise ValueError
             return value
-        if "list" in t:
-            if name == "data_phases":
-                return value
+        if t is list:
             vals = value if isinstance(value, list) else str(value).split()
             conv = f.metadata["type"] or str
             return [conv(v) if conv is not str else str(v) for v in vals]
@@ -317,7 +321,7 @@ def _coerce(name: str, value):
             raise ValueError
         return conv(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{flag_of(name)}: value {value!r} is not a valid {t}; fix it in the config file") from None
+        raise ConfigError(f"{flag_of(name)}: value {value!r} is not a valid {t.__name__}; fix the config file") from None
 
 
 def parse_config(argv: Optional[list] = None) -> Config:
@@ -356,116 +360,170 @@ def data_prefixes(data_path: list) -> list:
     return pairs
 
 
+TP_FLAG, PP_FLAG = "--tensor-model-parallel-size", "--pipeline-model-parallel-size"
+
+
 def validate(cfg: Config, world_size: int) -> None:
-    """Every check that needs no process group. Raises ConfigError with one line."""
-    m, par, tr, opt = cfg.model, cfg.parallel, cfg.training, cfg.optim
-    tp, pp = cfg.tp, cfg.pp
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        if getattr(par, name) < 1:
-            _err(flag_of(name), getattr(par, name), "must be at least 1")
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "train_iters"):
-        section = getattr(cfg, FIELD_SECTION[name])
-        if getattr(section, name) < 1:
+    """Every check that needs no process group, section by section. Raises ConfigError with one line."""
+    tp, pp, vpp = cfg.tp, cfg.pp, cfg.vpp
+    _check_parallel_sizes(cfg.parallel)
+    _check_model(cfg.model)
+    # The split before the world size: a tp that the heads reject is the more useful line to print.
+    _check_split(cfg.model, cfg.parallel, tp, pp, vpp)
+    _check_parallel(cfg.parallel, world_size)
+    _check_training(cfg.training, world_size // (tp * pp), pp, vpp)
+    _check_optim(cfg.optim)
+    _check_logging(cfg.logging)
+    _check_files(cfg)
+    _check_stability(cfg.stability)
+
+
+def check_world_size(world_size: int, tp: int, pp: int) -> None:
+    """The world must hold a whole number of tp x pp model replicas (the dp size)."""
+    if world_size % (tp * pp):
+        flag, value = (PP_FLAG, pp) if pp > 1 else (TP_FLAG, tp)
+        _err(flag, value, f"tp {tp} x pp {pp} = {tp * pp} does not divide the world size {world_size}; "
+                          f"launch a multiple of {tp * pp} processes or change --tp/--pp")
+
+
+def check_tp_fits_node(tp: int, gpus_per_node: Optional[int]) -> None:
+    """A TP group talks in every layer, so it must stay within one node's fast links."""
+    if gpus_per_node and (tp > gpus_per_node or gpus_per_node % tp):
+        _err(TP_FLAG, tp, f"a TP group would span nodes (--gpus-per-node {gpus_per_node}); use a tp that divides it")
+
+
+def check_interleaved_microbatches(pp: int, vpp: int, num_microbatches: int,
+                                   flag: str = "--virtual-pipeline-model-parallel-size", value=None) -> None:
+    """The interleaved schedule runs microbatches in groups of pp; `flag value` is what the caller blames."""
+    if vpp > 1 and num_microbatches % pp:
+        _err(flag, vpp if value is None else value,
+             f"gives {num_microbatches} microbatches per step; the interleaved schedule (--vpp {vpp}) needs a "
+             f"multiple of pp {pp}; change the batch size or --micro-batch-size, or drop --vpp")
+
+
+def check_model_split(model: ModelConfig, tp: int, pp: int, tp_flag: str = TP_FLAG, pp_flag: str = PP_FLAG,
+                      vpp: int = 1) -> None:
+    """Heads, query groups and MLP width divide over tp ranks; layers divide evenly over pp stages x vpp chunks."""
+    for name, size in (("--num-attention-heads", model.num_attention_heads),
+                       ("--num-query-groups", model.resolved_query_groups()),
+                       ("--ffn-hidden-size", model.resolved_ffn_hidden_size())):
+        if size % tp:
+            _err(tp_flag, tp, f"must divide {name} {size}; choose a tp among {_divisors(size)}")
+    layers = model.num_layers
+    if layers % pp:
+        _err(pp_flag, pp, f"must divide --num-layers {layers}; choose a pp among {_divisors(layers)}")
+    if layers % (pp * vpp):
+        _err("--virtual-pipeline-model-parallel-size", vpp, f"must divide the {layers // pp} layers per stage "
+             f"(--num-layers {layers} / pp {pp}); choose a vpp among {_divisors(layers // pp)}")
+
+
+def check_spike_window(window: int) -> None:
+    """The spike guard compares a loss with the mean and spread of the window, which needs two losses."""
+    if window < 2:
+        _err("--spike-window", window, "needs at least 2 iterations to measure a spread; use e.g. 50")
+
+
+def _at_least_one(section, *names: str) -> None:
+    for name in names:
+        if getattr(section, name) is not None and getattr(section, name) < 1:  # None: unset, a default applies
             _err(flag_of(name), getattr(section, name), "must be at least 1")
-    if m.num_attention_heads % tp:
-        _err("--tensor-model-parallel-size", tp,
-             f"must divide --num-attention-heads {m.num_attention_heads}; choose a tp among {_divisors(m.num_attention_heads)}")
-    groups = m.resolved_query_groups()
-    if m.num_attention_heads % groups:
-        _err("--num-query-groups", groups, f"must divide --num-attention-heads {m.num_attention_heads}")
-    if groups % tp:
-        _err("--tensor-model-parallel-size", tp,
-             f"must divide --num-query-groups {groups}; choose a tp among {_divisors(groups)}")
-    if not m.kv_channels and m.hidden_size % m.num_attention_heads:
-        _err("--hidden-size", m.hidden_size, f"must be a multiple of --num-attention-heads {m.num_attention_heads}")
-    if m.resolved_ffn_hidden_size() % tp:
-        _err("--ffn-hidden-size", m.resolved_ffn_hidden_size(), f"must be divisible by --tensor-model-parallel-size {tp}")
+
+
+def _check_parallel_sizes(par: ParallelConfig) -> None:
+    """First of all: every later check divides by these sizes."""
+    _at_least_one(par, "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "virtual_pipeline_model_parallel_size")
+    vpp = par.virtual_pipeline_model_parallel_size
+    if (vpp or 1) > 1 and par.pipeline_model_parallel_size < 2:
+        _err("--virtual-pipeline-model-parallel-size", vpp, "needs --pipeline-model-parallel-size of at least 2")
+
+
+def _check_model(m: ModelConfig) -> None:
+    """The model on its own, before it is split."""
+    _at_least_one(m, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
+    heads, groups = m.num_attention_heads, m.resolved_query_groups()
+    if heads % groups:
+        _err("--num-query-groups", groups, f"must divide --num-attention-heads {heads}")
+    if not m.kv_channels and m.hidden_size % heads:
+        _err("--hidden-size", m.hidden_size, f"must be a multiple of --num-attention-heads {heads}")
     if m.position_embedding_type == "rope" and m.head_dim() % 2:
         _err("--kv-channels", m.head_dim(), "rotary embeddings need an even head dimension")
     if m.position_embedding_type == "learned_absolute" and (m.max_position_embeddings or m.seq_length) < m.seq_length:
         _err("--max-position-embeddings", m.max_position_embeddings, f"must be at least --seq-length {m.seq_length}")
-    if par.sequence_parallel and m.seq_length % tp:
-        _err("--seq-length", m.seq_length, f"with --sequence-parallel it must be divisible by tp {tp}")
-    _validate_pipeline_split(cfg)
-    if world_size % (tp * pp):
-        flag, value = ("--pipeline-model-parallel-size", pp) if pp > 1 else ("--tensor-model-parallel-size", tp)
-        _err(flag, value, f"tp {tp} x pp {pp} = {tp * pp} does not divide the world size {world_size}; "
-                          f"launch a multiple of {tp * pp} processes or change --tp/--pp")
-    dp = world_size // (tp * pp)
-    gbs = tr.global_batch_size or tr.micro_batch_size * dp
-    if gbs % (tr.micro_batch_size * dp):
-        _err("--global-batch-size", gbs,
-             f"must be a multiple of --micro-batch-size {tr.micro_batch_size} x dp {dp} = {tr.micro_batch_size * dp}")
-    if tr.rampup_batch_size:
-        start, incr, _ = tr.rampup_batch_size
-        if start % (tr.micro_batch_size * dp) or incr % (tr.micro_batch_size * dp) or (gbs - start) % max(incr, 1):
-            _err("--rampup-batch-size", " ".join(map(str, tr.rampup_batch_size)),
-                 f"START and INCR must be multiples of micro x dp = {tr.micro_batch_size * dp} and reach --global-batch-size {gbs}")
-    if cfg.vpp > 1:
-        for flag, size in (("--global-batch-size", gbs), *((("--rampup-batch-size", v) for v in tr.rampup_batch_size[:2])
-                                                         if tr.rampup_batch_size else ())):
-            microbatches = size // (tr.micro_batch_size * dp)
-            if microbatches % pp:
-                _err(flag, size, f"gives {microbatches} microbatches per step; the interleaved schedule (--vpp "
-                                 f"{cfg.vpp}) needs a multiple of pp {pp}")
-    if tr.bf16 and tr.fp16:
-        _err("--bf16", "with --fp16", "choose one precision")
-    if par.gpus_per_node and tp > par.gpus_per_node:
-        _err("--tensor-model-parallel-size", tp,
-             f"a TP group would span nodes (--gpus-per-node {par.gpus_per_node}); use tp <= {par.gpus_per_node}")
-    if par.gpus_per_node and par.gpus_per_node % tp:
-        _err("--tensor-model-parallel-size", tp,
-             f"must divide --gpus-per-node {par.gpus_per_node} so no TP group spans two nodes")
     if m.attention_backend == "triton" and m.attention_dropout > 0:
         _err("--attention-backend", "triton", "the Triton flash kernel has no dropout; use --attention-dropout 0 "
                                               "or --attention-backend sdpa")
-    if opt.lr_decay_style == "wsd" and not opt.lr_wsd_decay_iters:
-        _err("--lr-decay-style", "wsd", "also give --lr-wsd-decay-iters (length of the final decay)")
-    if opt.min_lr > opt.lr:
-        _err("--min-lr", opt.min_lr, f"must not exceed --lr {opt.lr}")
-    _validate_files(cfg)
-    parse_faults(cfg.stability.inject_fault)
 
 
-def parse_faults(specs: list) -> dict:
-    """["nan@20", "spike@40"] -> {20: "nan", 40: "spike"}. Raises ConfigError naming a bad spec."""
-    faults: dict = {}
-    for spec in specs or []:
-        kind, _, it = str(spec).partition("@")
-        if kind not in FAULT_KINDS or not it.isdigit() or int(it) < 1:
-            raise ConfigError(f"--inject-fault {spec}: use nan@ITER or spike@ITER (ITER a positive integer)")
-        if int(it) in faults:
-            raise ConfigError(f"--inject-fault {spec}: iteration {it} already has a fault; use one per iteration")
-        faults[int(it)] = kind
-    return faults
-
-
-def _validate_pipeline_split(cfg: Config) -> None:
-    m, par = cfg.model, cfg.parallel
-    pp, vpp = cfg.pp, cfg.vpp
+def _check_split(m: ModelConfig, par: ParallelConfig, tp: int, pp: int, vpp: int) -> None:
+    """The model over tp ranks and pp stages: evenly, or with a given first/last stage size."""
     first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
-    if par.virtual_pipeline_model_parallel_size is not None and par.virtual_pipeline_model_parallel_size < 1:
-        _err("--virtual-pipeline-model-parallel-size", vpp, "must be at least 1")
-    if vpp > 1 and pp < 2:
-        _err("--virtual-pipeline-model-parallel-size", vpp, "needs --pipeline-model-parallel-size of at least 2")
-    if first is None and last is None:
-        if m.num_layers % (pp * vpp):
-            _err("--num-layers", m.num_layers,
-                 f"must be divisible by pp x vpp = {pp * vpp}, or set --decoder-first/last-pipeline-num-layers")
-        return
+    uneven = first is not None or last is not None
+    check_model_split(m, tp, 1 if uneven else pp, vpp=1 if uneven else vpp)  # uneven stages: their own rule below
+    if par.sequence_parallel and m.seq_length % tp:
+        _err("--seq-length", m.seq_length, f"with --sequence-parallel it must be divisible by tp {tp}")
+    if uneven:
+        _check_pipeline_split(m.num_layers, first, last, pp, vpp)
+
+
+def _check_pipeline_split(layers: int, first: Optional[int], last: Optional[int], pp: int, vpp: int) -> None:
+    """--decoder-first/last-pipeline-num-layers: the stages in between share the rest evenly."""
     if vpp > 1:
         _err("--decoder-first-pipeline-num-layers", first, "uneven stages cannot be combined with --vpp")
     if pp < 2:
         _err("--decoder-first-pipeline-num-layers", first, "uneven stages need --pipeline-model-parallel-size >= 2")
-    rest = m.num_layers - (first or 0) - (last or 0)
+    rest = layers - (first or 0) - (last or 0)
     middle = pp - (first is not None) - (last is not None)
     if rest < 0 or (middle == 0 and rest) or (middle and (rest % middle or rest // middle < 1)):
         _err("--decoder-first-pipeline-num-layers", first,
-             f"with --decoder-last-pipeline-num-layers {last} the remaining {rest} of {m.num_layers} layers "
+             f"with --decoder-last-pipeline-num-layers {last} the remaining {rest} of {layers} layers "
              f"cannot be split evenly over {middle} middle stages")
 
 
-def _validate_files(cfg: Config) -> None:
+def _check_parallel(par: ParallelConfig, world_size: int) -> None:
+    check_world_size(world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size)
+    check_tp_fits_node(par.tensor_model_parallel_size, par.gpus_per_node)
+    if par.distributed_timeout_minutes <= 0:
+        _err("--distributed-timeout-minutes", par.distributed_timeout_minutes, "must be positive (e.g. 10)")
+
+
+def _check_training(tr: TrainingConfig, dp: int, pp: int, vpp: int) -> None:
+    """Batch sizes in whole microbatches for every dp rank (and pp-sized groups when interleaved); one precision."""
+    _at_least_one(tr, "micro_batch_size", "train_iters")
+    per_step = tr.micro_batch_size * dp
+    gbs = tr.global_batch_size or per_step
+    if gbs % per_step:
+        _err("--global-batch-size", gbs,
+             f"must be a multiple of --micro-batch-size {tr.micro_batch_size} x dp {dp} = {per_step}")
+    sizes = [("--global-batch-size", gbs)]
+    if tr.rampup_batch_size:
+        start, incr, _ = tr.rampup_batch_size
+        if start % per_step or incr % per_step or (gbs - start) % max(incr, 1):
+            _err("--rampup-batch-size", " ".join(map(str, tr.rampup_batch_size)),
+                 f"START and INCR must be multiples of micro x dp = {per_step} and reach --global-batch-size {gbs}")
+        sizes += [("--rampup-batch-size", start), ("--rampup-batch-size", incr)]
+    for flag, size in sizes:
+        check_interleaved_microbatches(pp, vpp, size // per_step, flag, size)
+    if tr.bf16 and tr.fp16:
+        _err("--bf16", "with --fp16", "choose one precision")
+
+
+def _check_optim(opt: OptimizerConfig) -> None:
+    if opt.lr_decay_style == "wsd" and not opt.lr_wsd_decay_iters:
+        _err("--lr-decay-style", "wsd", "also give --lr-wsd-decay-iters (length of the final decay)")
+    if opt.min_lr > opt.lr:
+        _err("--min-lr", opt.min_lr, f"must not exceed --lr {opt.lr}")
+
+
+def _check_logging(lg: LoggingConfig) -> None:
+    if lg.profile and not lg.tensorboard_dir:
+        _err("--profile", "without --tensorboard-dir", "add --tensorboard-dir DIR: the trace is written there")
+    if lg.profile and not 1 <= lg.profile_step_start <= lg.profile_step_end:
+        _err("--profile-step-start", lg.profile_step_start,
+             f"must be at least 1 and at most --profile-step-end {lg.profile_step_end}")
+
+
+def _check_files(cfg: Config) -> None:
     d = cfg.data
     if d.tokenizer_model and not os.path.isfile(d.tokenizer_model):
         _err("--tokenizer-model", d.tokenizer_model, "file not found; train one with tools/train_tokenizer.py")
@@ -479,6 +537,24 @@ def _validate_files(cfg: Config) -> None:
         _err("--data-path", "(none)", "give --data-path PREFIX or use --mock-data")
     if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
         _err("--load", cfg.checkpoint.load, "directory not found; check the path or drop --load")
+
+
+def _check_stability(st: StabilityConfig) -> None:
+    check_spike_window(st.spike_window)
+    parse_faults(st.inject_fault)
+
+
+def parse_faults(specs: list) -> dict:
+    """["nan@20", "spike@40"] -> {20: "nan", 40: "spike"}. Raises ConfigError naming a bad spec."""
+    faults: dict = {}
+    for spec in specs or []:
+        kind, _, it = str(spec).partition("@")
+        if kind not in FAULT_KINDS or not it.isdigit() or int(it) < 1:
+            raise ConfigError(f"--inject-fault {spec}: use nan@ITER or spike@ITER (ITER a positive integer)")
+        if int(it) in faults:
+            raise ConfigError(f"--inject-fault {spec}: iteration {it} already has a fault; use one per iteration")
+        faults[int(it)] = kind
+    return faults
 
 
 DEFAULT_VOCAB_SIZE = 256  # --mock-data without --vocab-size

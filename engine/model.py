@@ -53,11 +53,16 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(self.heads * self.head_dim, cfg.hidden_size, ctx, bias=bias, std=out_std,
                                       device=device, dtype=dtype)
         self.selective = cfg.recompute_granularity == "selective"
+        # The backend is resolved once, for the device and dtype the layer is built on (a model built on the
+        # meta device only describes shapes and never runs).
+        device = torch.device(device) if device is not None else torch.get_default_device()
+        self.attend = None if device.type == "meta" else dispatch.attention_fn(dispatch.resolve_attention_backend(
+            cfg.attention_backend, device, cfg.attention_dropout, dtype or torch.get_default_dtype()))
 
     def _core(self, q, k, v):
         p = self.cfg.attention_dropout if self.training else 0.0
         with self.ctx.dropout_rng(split_over_tp=True):  # heads are split over TP
-            return dispatch.attention(q, k, v, causal=True, dropout_p=p, backend=self.cfg.attention_backend)
+            return self.attend(q, k, v, True, p, None)
 
     def forward(self, x, freqs):
         qkv = self.qkv(x)
@@ -109,8 +114,9 @@ class TransformerLayer(nn.Module):
             return F.dropout(x, self.dropout, training=True)
 
     def forward(self, x, freqs):
-        x = x + self._drop(self.attention(self.norm1(x), freqs))
-        return x + self._drop(self.mlp(self.norm2(x)))
+        # The residual add before the MLP's norm is fused with it: one pass over the activations.
+        h, x = self.norm2.add(self._drop(self.attention(self.norm1(x), freqs)), x)
+        return x + self._drop(self.mlp(h))
 
 
 class GPTModel(nn.Module):
@@ -184,8 +190,7 @@ class GPTModel(nn.Module):
         for i in self.layer_ids:
             layer = self.layers[str(i)]
             if i in self.full_recompute and self.training:
-                x = recompute(layer, self.ctx.rng, x, freqs) if freqs is not None else \
-                    recompute(lambda y, layer=layer: layer(y, None), self.ctx.rng, x)
+                x = recompute(layer, self.ctx.rng, x, freqs)
             else:
                 x = layer(x, freqs)
         if not self.post_process:

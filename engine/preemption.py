@@ -24,10 +24,6 @@ class PreemptionHandler:
         self.reason: Optional[str] = None
         self._previous = {s: signal.signal(s, self._on_signal) for s in signals}
 
-    @classmethod
-    def from_config(cls, cfg, device="cpu") -> "PreemptionHandler":
-        return cls(cfg.checkpoint.exit_duration_in_mins, device=device)
-
     def _on_signal(self, signum, frame) -> None:
         self.received = signal.Signals(signum).name
 

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from engine.config import ConfigError, parse_faults
+from engine.config import check_spike_window, parse_faults
 
 OK, SKIP, SPIKE, ROLLBACK = "ok", "skip", "spike", "rollback"
 MIN_HISTORY = 10  # accepted losses needed before a mean and std mean anything
@@ -46,8 +46,7 @@ class Decision:
 class SpikeGuard:
     def __init__(self, window: int = 50, threshold_k: float = 6.0, rollback_after: int = 0,
                  lr_factor: float = 0.5, lr_steps: int = 100):
-        if window < 2:
-            raise ConfigError(f"--spike-window {window}: needs at least 2 iterations to measure a spread")
+        check_spike_window(window)
         self.window, self.k, self.rollback_after = window, threshold_k, rollback_after
         self.lr_factor, self.lr_steps = lr_factor, lr_steps
         self.losses: deque = deque(maxlen=window)
@@ -110,6 +109,19 @@ class SpikeGuard:
         if self.lr_multiplier(iteration) == 1.0 and self.lr_multiplier(iteration - 1) != 1.0:
             out.append(("lr_restored", {}, f"iteration {iteration}: the lowered LR period after the rollback is over"))
         return out
+
+    def rollback_events(self, spike_iteration: int, resumed: Optional[int], skipped_to: int) -> list:
+        """What to report about the rollback after `spike_iteration`: to the checkpoint of iteration
+        `resumed` (None: there was none to go back to), the data skipped to sample `skipped_to`."""
+        if resumed is None:
+            return [("rollback_impossible", {"reason": "no checkpoint to roll back to"},
+                     f"iteration {spike_iteration}: rollback requested but no checkpoint exists; continuing")]
+        until = resumed + self.lr_steps
+        info = {"resumed_iteration": resumed, "skipped_to_samples": skipped_to, "lr_factor": self.lr_factor,
+                "lr_factor_until_iteration": until, "rollbacks": self.rollbacks}
+        line = (f"iteration {spike_iteration}: rolled back to the checkpoint of iteration {resumed}; data skipped to "
+                f"sample {skipped_to}; LR x{self.lr_factor} through iteration {until}")
+        return [("rollback", info, line)]
 
     def rolled_back(self, loaded_iteration: int) -> None:
         """The trainer reloaded the checkpoint of `loaded_iteration`: lower the LR from the step after it."""

@@ -22,7 +22,7 @@ import torch
 
 from engine.checkpoint import Checkpointer
 from engine.config import model_dtype, resolve
-from engine.data import BatchSampler, BatchSizeSchedule, build_datasets, make_batch, rank_microbatches
+from engine.data import BatchSampler, BatchSizeSchedule, build_datasets, make_batch
 from engine.metrics import MetricsWriter, format_log_line, peak_memory_gb, peak_tflops, perplexity, throughput
 from engine.optim import build_optimizer, lr_at
 from engine.optim.optimizer import StepResult
@@ -116,17 +116,16 @@ class Trainer:
         load_dir = self.checkpoint_source()
         # --no-load-optim is about how the run started; going back within the run restores everything
         if load_dir is None or self._load(load_dir, load_optim=True) is None:
-            self.metrics.log_event(spike_iteration, "rollback_impossible", reason="no checkpoint to roll back to")
-            self.log(f"iteration {spike_iteration}: rollback requested but no checkpoint exists; continuing")
-            return
+            return self._report(spike_iteration, self.guard.rollback_events(spike_iteration, None, spike_consumed))
         self.guard.rolled_back(self.iteration)
         self.sampler.load_state_dict({"consumed_samples": spike_consumed})  # the batches since are not replayed
-        lr_until = self.iteration + self.guard.lr_steps
-        self.metrics.log_event(spike_iteration, "rollback", resumed_iteration=self.iteration,
-                               skipped_to_samples=spike_consumed, lr_factor=self.guard.lr_factor,
-                               lr_factor_until_iteration=lr_until, rollbacks=self.guard.rollbacks)
-        self.log(f"iteration {spike_iteration}: rolled back to the checkpoint of iteration {self.iteration}; "
-                 f"data skipped to sample {spike_consumed}; LR x{self.guard.lr_factor} through iteration {lr_until}")
+        self._report(spike_iteration, self.guard.rollback_events(spike_iteration, self.iteration, spike_consumed))
+
+    def _report(self, iteration: int, events: list) -> None:
+        """Metrics events and console lines: (kind, fields, line) each, as the stability guard words them."""
+        for kind, info, line in events:
+            self.metrics.log_event(iteration, kind, **info)
+            self.log(line)
 
     # ------------------------------------------------------------------ one step
     def _tensors(self, dataset, microbatches: list) -> list:
@@ -148,8 +147,7 @@ class Trainer:
             loss = self.drill.reported_loss(self.pipeline.run(mbs, scale_loss=scale_loss))
         with self.phase(f"gradient reduction of iteration {n}", "dp"):
             self.optimizer.finish_grad_sync()
-        with self.phase(f"optimizer step of iteration {n} (grad-norm all-reduce, parameter all-gather)", "tp", "pp",
-                        "dp"):
+        with self.phase(f"optimizer step of iteration {n}", "tp", "pp", "dp"):
             result = self.optimizer.step(lr, loss_is_finite=math.isfinite(loss))
         self.iteration = n
         return loss, lr, result, gbs
@@ -161,11 +159,9 @@ class Trainer:
             model.eval()
         start = (self.iteration // lg.eval_interval - 1) * lg.eval_iters * gbs
         span = max(len(self.valid_ds) - gbs + 1, 1)
-        tr, ctx = self.cfg.training, self.ctx
         with self.phase(f"evaluation at iteration {self.iteration}", "pp", "tp", "dp"):
-            losses = [self.pipeline.run(self._tensors(self.valid_ds, rank_microbatches(
-                (start + i * gbs) % span, gbs, tr.micro_batch_size, ctx.dp_rank, ctx.dp_size)), forward_only=True)
-                for i in range(lg.eval_iters)]
+            losses = [self.pipeline.run(self._tensors(self.valid_ds, self.sampler.microbatches_of(
+                (start + i * gbs) % span, gbs)), forward_only=True) for i in range(lg.eval_iters)]
         return sum(losses) / len(losses)
 
     # ------------------------------------------------------------------ the loop
@@ -185,9 +181,7 @@ class Trainer:
             self.metrics.log_train(self.last_record)
             if self.iteration % lg.log_interval == 0:
                 self.log(format_log_line(self.last_record))
-            for kind, info, line in self.guard.events(decision, self.iteration):
-                self.metrics.log_event(self.iteration, kind, **info)
-                self.log(line)
+            self._report(self.iteration, self.guard.events(decision, self.iteration))
         if decision.kind == ROLLBACK:
             self.rollback()
         elif lg.eval_interval and self.iteration % lg.eval_interval == 0 and self.valid_ds is not None:
@@ -204,12 +198,13 @@ class Trainer:
 
     def _record(self, loss: float, lr: float, result: StepResult, global_batch: int, seconds: float) -> dict:
         """The metrics file's training record of the iteration just done."""
-        g, seq = self.guard, self.cfg.model.seq_length
+        g, m = self.guard, self.cfg.model
         record = {"iteration": self.iteration, "train_iters": self.cfg.training.train_iters,
-                  "consumed_samples": self.consumed, "consumed_tokens": self.consumed * seq, "lm_loss": loss, "lr": lr,
-                  "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped": g.skipped,
-                  "spikes": g.spikes, "rollbacks": g.rollbacks, "mem_peak_gb": peak_memory_gb(torch.device(self.device))}
-        return record | throughput(self.cfg.model, global_batch, seconds, self.ctx.world_size, self.ctx.tp_size, self.peak)
+                  "consumed_samples": self.consumed, "consumed_tokens": self.consumed * m.seq_length, "lm_loss": loss,
+                  "lr": lr, "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped": g.skipped,
+                  "spikes": g.spikes, "rollbacks": g.rollbacks,
+                  "mem_peak_gb": peak_memory_gb(torch.device(self.device))}
+        return record | throughput(m, global_batch, seconds, self.ctx.world_size, self.ctx.tp_size, self.peak)
 
     def train(self) -> None:
         cfg, save = self.cfg, self.cfg.checkpoint.save

@@ -3,7 +3,8 @@
 Every function here has the same meaning on every device; `kernels.reference` defines it. The Triton
 modules are imported lazily, on the first CUDA tensor, so this module imports cleanly without triton
 and a CPU run never compiles anything. Attention has several backends; `resolve_attention_backend`
-turns the `--attention-backend` choice into the one that will run (the trainer logs it at start).
+turns the `--attention-backend` choice into the one that will run (the start-up banner shows it), and
+`attention_fn` gives its implementation, which each attention layer keeps.
 """
 from __future__ import annotations
 
@@ -96,32 +97,6 @@ def ce_grad(logits, target, vocab_start, valid_cols, lse, coef_softmax, coef_one
     return reference.ce_grad(logits, target, vocab_start, valid_cols, lse, coef_softmax, coef_onehot, inplace)
 
 
-class _CrossEntropy(torch.autograd.Function):
-    """Single-device cross-entropy with optional z-loss (PaLM, arXiv:2204.02311): lse - logit_t + w * lse^2."""
-
-    @staticmethod
-    def forward(ctx, logits, target, z_loss_weight, inplace_backward):
-        local_max, sumexp, target_logit = ce_stats(logits, target, 0, logits.shape[1])
-        lse = local_max + sumexp.log()
-        ctx.save_for_backward(logits, target, lse)
-        ctx.z_loss_weight, ctx.inplace_backward = z_loss_weight, inplace_backward
-        return lse - target_logit + z_loss_weight * lse * lse
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        logits, target, lse = ctx.saved_tensors
-        grad_loss = grad_loss.float()
-        coef_softmax = grad_loss * (1.0 + 2.0 * ctx.z_loss_weight * lse)
-        grad = ce_grad(logits, target, 0, logits.shape[1], lse, coef_softmax, grad_loss, inplace=ctx.inplace_backward)
-        return grad, None, None, None
-
-
-def cross_entropy(logits, target, z_loss_weight=0.0, inplace_backward=False):
-    """Per-token loss [N] fp32 for logits [N, V]. inplace_backward writes the gradient over the logits
-    (no second [N, V] buffer), so the logits must not be used after backward."""
-    return _CrossEntropy.apply(logits, target, z_loss_weight, inplace_backward)
-
-
 def resolve_attention_backend(name: str, device, dropout_p: float = 0.0, dtype: Optional[torch.dtype] = None) -> str:
     """The concrete backend `attention(..., backend=name)` runs on `device`; ValueError if it cannot run there."""
     device = torch.device(device)
@@ -163,17 +138,31 @@ def _sdpa(q, k, v, causal, dropout_p, softmax_scale):
     return out.transpose(1, 2)
 
 
+def _flash(q, k, v, causal, dropout_p, softmax_scale):
+    from flash_attn import flash_attn_func
+    return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal)
+
+
+def _triton_flash(q, k, v, causal, dropout_p, softmax_scale):
+    return _triton_module("flash_triton").flash_attention(q, k, v, causal, softmax_scale)
+
+
+_ATTENTION = {"flash": _flash, "triton": _triton_flash, "sdpa": _sdpa, "local": reference.attention}
+
+
+def attention_fn(backend: str):
+    """The implementation of a resolved backend (not "auto"): f(q, k, v, causal, dropout_p, softmax_scale).
+
+    A layer resolves its backend once (`resolve_attention_backend`) and keeps the function."""
+    return _ATTENTION[backend]
+
+
 def attention(q, k, v, causal=True, dropout_p=0.0, backend="auto", softmax_scale=None):
-    """q [b, s, nq, d], k and v [b, s, nkv, d] (query head j uses kv head j // (nq // nkv)) -> [b, s, nq, d]."""
+    """q [b, s, nq, d], k and v [b, s, nkv, d] (query head j uses kv head j // (nq // nkv)) -> [b, s, nq, d].
+
+    Resolves `backend` on every call: for tests and benchmarks; the model resolves once per layer."""
     chosen = resolve_attention_backend(backend, q.device, dropout_p, q.dtype)
-    if chosen == "flash":
-        from flash_attn import flash_attn_func
-        return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal)
-    if chosen == "triton":
-        return _triton_module("flash_triton").flash_attention(q, k, v, causal, softmax_scale)
-    if chosen == "sdpa":
-        return _sdpa(q, k, v, causal, dropout_p, softmax_scale)
-    return reference.attention(q, k, v, causal, dropout_p, softmax_scale)
+    return attention_fn(chosen)(q, k, v, causal, dropout_p, softmax_scale)
 
 
 def kernel_report(device, attention_backend: str = "auto", dropout_p: float = 0.0,

@@ -2,7 +2,7 @@
 
 Each function computes in fp32 and returns the input's dtype, which is what the kernels do too, so the
 two agree to rounding. Everything here is differentiable by autograd except the cross-entropy
-primitives, which the engine's autograd Function (and `dispatch.cross_entropy`) wire together.
+primitives, which the engine's autograd Function (engine/parallel/cross_entropy.py) wires together.
 """
 from __future__ import annotations
 

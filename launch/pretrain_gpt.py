@@ -45,19 +45,6 @@ def _fail(message: str, rank: int, before_groups: bool = False) -> int:
     return 2
 
 
-def _check_run_flags(cfg) -> None:
-    """Checks of the launcher's own flags (the engine's are in engine.config.validate)."""
-    lg = cfg.logging
-    if lg.profile and not lg.tensorboard_dir:
-        raise ConfigError("--profile: the trace is written into the TensorBoard directory; add --tensorboard-dir DIR")
-    if lg.profile and not 1 <= lg.profile_step_start <= lg.profile_step_end:
-        raise ConfigError(f"--profile-step-start {lg.profile_step_start}: must be at least 1 and at most "
-                          f"--profile-step-end {lg.profile_step_end}")
-    if cfg.parallel.distributed_timeout_minutes <= 0:
-        raise ConfigError(f"--distributed-timeout-minutes {cfg.parallel.distributed_timeout_minutes}: must be "
-                          f"positive (e.g. 10)")
-
-
 def _is_collective_failure(error: BaseException) -> bool:
     import torch.distributed as dist
     text = str(error)
@@ -99,6 +86,19 @@ def _restart_store(rank: int, world: int, timeout):
     return dist.PrefixStore(f"ternion/attempt_{attempt}", base)
 
 
+def _pick_device(cfg, world: int) -> tuple:
+    """(device, backend): cuda + nccl when asked for or visible, else cpu + gloo with this process's share of
+    the cores."""
+    import torch
+    if cfg.training.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu or auto")
+    if cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
+        return f"cuda:{torch.cuda.current_device()}", "nccl"
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(_env_int("LOCAL_WORLD_SIZE", world), 1)))
+    return "cpu", "gloo"
+
+
 def main(argv=None) -> int:
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     try:
@@ -106,8 +106,8 @@ def main(argv=None) -> int:
         if cfg.parallel.gpus_per_node is None and "LOCAL_WORLD_SIZE" in os.environ:
             cfg.parallel.gpus_per_node = _env_int("LOCAL_WORLD_SIZE", world)
         validate(cfg, world)
-        _check_run_flags(cfg)
         resolve(cfg, world)
+        device, backend = _pick_device(cfg, world)
     except ConfigError as e:
         return _fail(str(e), rank, before_groups=True)
 
@@ -119,16 +119,6 @@ def main(argv=None) -> int:
     from engine.report import banner
     from engine.training import Trainer
 
-    use_cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
-    if cfg.training.device == "cuda" and not torch.cuda.is_available():
-        return _fail("--device cuda: no CUDA device is visible; use --device cpu or auto", rank,
-                     before_groups=True)
-    if use_cuda:
-        torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
-        device, backend = f"cuda:{torch.cuda.current_device()}", "nccl"
-    else:
-        device, backend = "cpu", "gloo"
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(_env_int("LOCAL_WORLD_SIZE", world), 1)))
     timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     if "MASTER_ADDR" not in os.environ:  # plain `python launch/pretrain_gpt.py`: a world of one
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
@@ -140,7 +130,7 @@ def main(argv=None) -> int:
         par = cfg.parallel
         ctx = build_context(world, rank, cfg.tp, cfg.pp, vpp=cfg.vpp, sequence_parallel=par.sequence_parallel,
                             gpus_per_node=par.gpus_per_node, timeout_minutes=par.distributed_timeout_minutes,
-                            seed=cfg.training.seed, device_type="cuda" if use_cuda else "cpu")
+                            seed=cfg.training.seed, device_type=torch.device(device).type)
         where = "building the model, optimizer and data"
         log = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)
         with warnings.catch_warnings():

@@ -245,21 +245,21 @@ def test_save_layout_on_disk(saved):
                      "optim_tp00_pp00_dp000.safetensors", "optim_tp00_pp00_dp001.safetensors",
                      "optim_tp00_pp01_dp000.safetensors", "optim_tp00_pp01_dp001.safetensors"]
     meta = CheckpointReader(os.path.join(path, "iter_0000007")).meta
-    assert meta["layout"]["stage_layers"] == [[[0], [2]], [[1], [3]]]
-    assert meta["layout"]["distributed_optimizer"] is True
-    assert meta["consumed_samples"] == 56 and meta["iteration"] == 7
-    assert meta["config"]["model"]["num_layers"] == 4
-    assert meta["optimizer"]["step"] == 0 and "scale" in meta["optimizer"]["scaler"]
-    assert len(meta["rng"]) == 4 and set(meta["rng"][0]) >= {"python", "numpy", "torch", "cuda", "tracker"}
-    qkv = meta["tensors"]["layers.2.attention.qkv.weight"]
-    assert (qkv["pp_rank"], qkv["vpp_chunk"], qkv["tp_axis"]) == (0, 1, 0)
-    pieces = meta["optimizer_tensors"]["layers.2.attention.qkv.weight"]["shards"][0]
-    assert pieces[0]["range"][0] == 0 and pieces[-1]["range"][1] == 128 * 64
-    assert all(len(rec["sha256"]) == 64 for rec in meta["files"].values())
+    assert meta.layout.stage_layers == [[[0], [2]], [[1], [3]]]
+    assert meta.layout.distributed_optimizer is True
+    assert meta.consumed_samples == 56 and meta.iteration == 7
+    assert meta.config["model"]["num_layers"] == 4
+    assert meta.optimizer.step == 0 and "scale" in meta.optimizer.scaler
+    assert len(meta.rng) == 4 and set(meta.rng[0]) >= {"python", "numpy", "torch", "cuda", "tracker"}
+    qkv = meta.tensors["layers.2.attention.qkv.weight"]
+    assert (qkv.pp_rank, qkv.vpp_chunk, qkv.tp_axis) == (0, 1, 0)
+    pieces = meta.optimizer_tensors["layers.2.attention.qkv.weight"].shards[0]
+    assert pieces[0].range[0] == 0 and pieces[-1].range[1] == 128 * 64
+    assert all(len(rec.sha256) == 64 for rec in meta.files.values())
     gpt = CheckpointReader(os.path.join(root, "gpt_tp2_pp2", "iter_0000007")).meta
-    assert "output" not in gpt["tensors"], "the tied embedding is stored once"
-    assert gpt["tensors"]["word.weight"]["shape"] == [120, 64] and gpt["tensors"]["word.weight"]["valid_rows"] == VOCAB
-    assert gpt["tensors"]["final_norm.weight"]["shards"] == ["model_tp00_pp01.safetensors"]
+    assert "output" not in gpt.tensors, "the tied embedding is stored once"
+    assert gpt.tensors["word.weight"].shape == [120, 64] and gpt.tensors["word.weight"].valid_rows == VOCAB
+    assert gpt.tensors["final_norm.weight"].shards == ["model_tp00_pp01.safetensors"]
 
 
 def test_damaged_files_are_named(saved):

@@ -12,10 +12,21 @@ import shutil
 
 import pytest
 
+from engine.checkpoint.reader import CheckpointReader
 from test_trainer import TINY, last_train_records, launch, read_records
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "ckpt_50af432")
 MODEL = TINY + ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "5"]
+
+
+def test_the_typed_metadata_reads_and_writes_the_old_json_unchanged():
+    path = os.path.join(FIXTURE, "iter_0000002")
+    with open(os.path.join(path, "metadata.json")) as fh:
+        raw = json.load(fh)
+    reader = CheckpointReader(path)
+    assert reader.meta.to_json() == raw and list(reader.meta.to_json()) == list(raw)
+    assert reader.meta.layout.dp == 2 and reader.meta.optimizer.distributed
+    assert reader.check_files(reader.meta.files) is None
 
 
 @pytest.mark.parametrize("layout,tolerance", [

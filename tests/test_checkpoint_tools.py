@@ -76,7 +76,7 @@ def test_kill_9_during_saves_leaves_a_complete_latest_checkpoint(tmp_path, async
         latest = latest_iteration(save_dir)
         assert latest is not None and latest > last
         reader = CheckpointReader(os.path.join(save_dir, f"iter_{latest:07d}"))
-        assert reader.check_files(reader.meta["files"]) is None
+        assert reader.check_files(reader.meta.files) is None
         extra = load_checkpoint(save_dir, chunks, opt, ctx)
         assert extra["iteration"] == latest == extra["consumed_samples"]
         assert all(torch.all(p == latest) for p in chunks[0].parameters())

@@ -1,6 +1,7 @@
 """Config: YAML + flags, aliases, --help, and one clear line per mistake (before any process group)."""
 import pytest
 
+from engine import config
 from engine.config import ConfigError, build_parser, parse_config, validate
 
 
@@ -44,8 +45,10 @@ def check(argv, world, *needles):
 def test_each_mistake_is_one_line_naming_flag_value_and_fix(tmp_path):
     check(["--num-attention-heads", "4", "--tp", "3"], 6, "--tensor-model-parallel-size 3", "choose a tp among 1, 2, 4")
     check(["--pp", "4", "--num-layers", "8"], 6, "--pipeline-model-parallel-size 4", "world size 6")
-    check(["--num-layers", "6", "--pp", "4"], 8, "--num-layers 6", "pp x vpp")
-    check(["--num-layers", "8", "--pp", "2", "--vpp", "3"], 8, "--num-layers 8")
+    check(["--num-layers", "6", "--pp", "4"], 8, "--pipeline-model-parallel-size 4", "--num-layers 6",
+          "choose a pp among 1, 2, 3, 6")
+    check(["--num-layers", "8", "--pp", "2", "--vpp", "3"], 8, "--virtual-pipeline-model-parallel-size 3",
+          "--num-layers 8", "choose a vpp among 1, 2, 4")
     check(["--global-batch-size", "10", "--micro-batch-size", "4"], 2, "--global-batch-size 10", "multiple")
     check(["--num-attention-heads", "8", "--num-query-groups", "2", "--tp", "4"], 4, "--num-query-groups 2")
     check(["--tp", "4", "--gpus-per-node", "2", "--num-attention-heads", "4"], 4, "span nodes")
@@ -76,3 +79,120 @@ def test_every_shipped_config_validates():
         cfg = parse_config(["--config", path, "--mock-data"])
         world = cfg.tp * cfg.pp
         validate(cfg, world)
+
+
+def test_run_flags_the_launcher_used_to_check_are_validated_here(tmp_path):
+    check(["--profile"], 1, "--profile", "--tensorboard-dir")
+    check(["--profile", "--tensorboard-dir", str(tmp_path), "--profile-step-start", "5", "--profile-step-end", "3"], 1,
+          "--profile-step-start 5", "--profile-step-end 3")
+    check(["--distributed-timeout-minutes", "0"], 1, "--distributed-timeout-minutes 0", "positive")
+    validate(parse_config(["--profile", "--tensorboard-dir", str(tmp_path), "--mock-data"]), 1)
+
+
+# Each section's check on its own: the defaults pass, one bad value fails with a line naming its flag.
+SECTION_CASES = {
+    "parallel-sizes": (lambda **kw: config._check_parallel_sizes(config.ParallelConfig(**kw)),
+                       {"virtual_pipeline_model_parallel_size": 0}, "--virtual-pipeline-model-parallel-size 0"),
+    "model": (lambda **kw: config._check_model(config.ModelConfig(**kw)), {"hidden_size": 66}, "--hidden-size 66"),
+    "split": (lambda **kw: config._check_split(config.ModelConfig(seq_length=63), config.ParallelConfig(**kw),
+                                               tp=2, pp=1, vpp=1),
+              {"sequence_parallel": True}, "--seq-length 63"),
+    "pipeline-split": (lambda layers=10: config._check_pipeline_split(layers, 1, 3, 4, 1), {"layers": 11},
+                       "--decoder-first-pipeline-num-layers 1"),
+    "parallel": (lambda **kw: config._check_parallel(config.ParallelConfig(**kw), 4),
+                 {"distributed_timeout_minutes": -1}, "--distributed-timeout-minutes -1"),
+    "training": (lambda **kw: config._check_training(config.TrainingConfig(**kw), 2, 1, 1),
+                 {"global_batch_size": 3}, "--global-batch-size 3"),
+    "optim": (lambda **kw: config._check_optim(config.OptimizerConfig(**kw)), {"lr_decay_style": "wsd"},
+              "--lr-wsd-decay-iters"),
+    "logging": (lambda **kw: config._check_logging(config.LoggingConfig(**kw)), {"profile": True}, "--profile"),
+    "files": (lambda **kw: config._check_files(config.Config(data=config.DataConfig(mock_data=True, **kw))),
+              {"tokenizer_model": "/nonexistent/t.model"}, "--tokenizer-model /nonexistent/t.model"),
+    "stability": (lambda **kw: config._check_stability(config.StabilityConfig(**kw)), {"spike_window": 1},
+                  "--spike-window 1"),
+}
+
+
+@pytest.mark.parametrize("section", SECTION_CASES)
+def test_each_section_check_rejects_a_bad_value_naming_its_flag(section):
+    run, bad, needle = SECTION_CASES[section]
+    run()
+    with pytest.raises(ConfigError) as info:
+        run(**bad)
+    assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_spike_window_has_one_check_for_validate_and_the_guard():
+    from engine.stability import SpikeGuard
+    config.check_spike_window(2)
+    with pytest.raises(ConfigError) as direct:
+        config.check_spike_window(1)
+    with pytest.raises(ConfigError) as guard:
+        SpikeGuard(window=1)
+    assert str(direct.value) == str(guard.value) == check(["--spike-window", "1"], 1, "--spike-window 1")
+
+
+def test_topology_raises_the_line_validate_raises():
+    from engine.parallel.topology import build_context, rank_grid
+    msg = check(["--pp", "4", "--num-layers", "8"], 6, "does not divide the world size 6")
+    with pytest.raises(ConfigError) as info:
+        rank_grid(6, 1, 4)
+    assert str(info.value) == msg
+    msg = check(["--tp", "4", "--gpus-per-node", "2", "--num-attention-heads", "4"], 4, "span nodes")
+    with pytest.raises(ConfigError) as info:
+        build_context(4, 0, 4, 1, gpus_per_node=2)  # raises before it makes any process group
+    assert str(info.value) == msg
+
+
+def test_schedule_and_validate_share_the_interleaving_rule():
+    from engine.pipeline.schedules import check_schedule
+    msg = check(["--num-layers", "8", "--pp", "2", "--vpp", "2", "--global-batch-size", "6", "--micro-batch-size", "2"],
+                2, "--global-batch-size 6: gives 3 microbatches")
+    with pytest.raises(ConfigError) as info:
+        check_schedule(2, 2, 3)
+    # The schedule knows the count, not the batch flag that led to it: same rule, its own flag and value.
+    assert str(info.value).startswith("--virtual-pipeline-model-parallel-size 2: ")
+    assert str(info.value).split(": ", 1)[1] == msg.split(": ", 1)[1]
+    check_schedule(2, 2, 4)
+
+
+def test_model_split_check_names_the_flags_it_is_given():
+    model = config.ModelConfig(num_layers=6, num_attention_heads=4, num_query_groups=2, hidden_size=64)
+    config.check_model_split(model, 2, 3)
+    cases = [((4, 1), "--target-tp 4: must divide --num-query-groups 2; choose a tp among 1, 2"),
+             ((3, 1), "--target-tp 3: must divide --num-attention-heads 4"),
+             ((1, 4), "--target-pp 4: must divide --num-layers 6; choose a pp among 1, 2, 3, 6")]
+    for (tp, pp), expected in cases:
+        with pytest.raises(ConfigError) as info:
+            config.check_model_split(model, tp, pp, tp_flag="--target-tp", pp_flag="--target-pp")
+        assert str(info.value).startswith(expected), str(info.value)
+    with pytest.raises(ConfigError, match="^--tensor-model-parallel-size 3: must divide --ffn-hidden-size 256"):
+        config.check_model_split(config.ModelConfig(num_attention_heads=3, hidden_size=48, ffn_hidden_size=256), 3, 1)
+
+
+def test_yaml_only_fields_have_no_flag_and_pass_through_from_yaml(tmp_path):
+    yaml_only = [f.name for _, f in config._all_fields() if f.metadata["yaml_only"]]
+    assert yaml_only == ["data_phases"]
+    flags = {s for a in build_parser()._actions for s in a.option_strings}
+    assert "--data-phases" not in flags
+    assert {config.flag_of(f.name) for _, f in config._all_fields() if not f.metadata["yaml_only"]} <= flags
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--data-phases", "x"])
+    assert exit_info.value.code == 2
+    phases = [{"start_iter": 5, "weights": [0.3, 0.7]}, {"start_iter": 9, "weights": [1, 0]}]
+    assert config._coerce("data_phases", phases) is phases
+    path = write(tmp_path, "data_phases:\n  - {start_iter: 5, weights: [0.3, 0.7]}\n"
+                           "  - {start_iter: 9, weights: [1, 0]}\n")
+    assert parse_config(["--config", path]).data.data_phases == phases
+
+
+def test_field_types_come_from_the_annotations(tmp_path):
+    path = write(tmp_path, "ffn_hidden_size: '128'\ndistributed_timeout_minutes: 5\nrampup_batch_size: 4 4 40\n"
+                           "tokenizer_model: 12\n")
+    cfg = parse_config(["--config", path, "--peak-tflops", "2", "--gpus-per-node", "8"])
+    assert cfg.model.ffn_hidden_size == 128 and type(cfg.model.ffn_hidden_size) is int
+    assert type(cfg.parallel.distributed_timeout_minutes) is float
+    assert cfg.training.rampup_batch_size == [4, 4, 40] and cfg.data.tokenizer_model == "12"
+    assert type(cfg.logging.peak_tflops) is float and cfg.parallel.gpus_per_node == 8
+    with pytest.raises(ConfigError, match="^--num-query-groups: value 2.5 is not a valid int;"):
+        parse_config(["--config", write(tmp_path, "num_query_groups: 2.5\n", "bad.yaml")])

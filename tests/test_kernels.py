@@ -36,6 +36,8 @@ if not CUDA:
         if f"kernels.{_name}" in sys.modules:
             importlib.reload(sys.modules[f"kernels.{_name}"])
 
+from engine.parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
+from engine.parallel.topology import ParallelContext  # noqa: E402
 from kernels import dispatch, reference  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
@@ -182,7 +184,9 @@ def test_cross_entropy_matches_torch(z_loss):
     lse = ref_in.logsumexp(1)
     expect = F.cross_entropy(ref_in, target, reduction="none") + z_loss * lse ** 2
     got_in = _leaf(logits)
-    got = dispatch.cross_entropy(got_in, target, z_loss_weight=z_loss)
+    # The engine's vocabulary-parallel cross-entropy on one rank is the whole op (ce_stats, then ce_grad in place).
+    got = vocab_parallel_cross_entropy(got_in, target, ParallelContext(), 33, z_loss_weight=z_loss,
+                                       inplace_backward=False)
     weights = torch.linspace(0.1, 1.0, 5, device=DEVICE)
     (got * weights).sum().backward()
     (expect * weights).sum().backward()
@@ -301,7 +305,7 @@ def test_gpu_cross_entropy_128k_values_and_memory():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    loss = dispatch.cross_entropy(x, target, inplace_backward=True)
+    loss = vocab_parallel_cross_entropy(x, target, ParallelContext(), v)
     # autograd.grad, as the model's matmul would, takes the gradient without a leaf's .grad copy.
     (grad,) = torch.autograd.grad(loss.sum(), x)
     torch.cuda.synchronize()

@@ -312,5 +312,5 @@ def test_profile_without_a_tensorboard_dir_is_refused_before_any_process_group()
     proc = subprocess.run([sys.executable, "launch/pretrain_gpt.py", *TINY, "--profile"], cwd=ROOT, text=True,
                           capture_output=True, timeout=60, env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == ("pretrain_gpt.py: error: --profile: the trace is written into the TensorBoard "
-                                   "directory; add --tensorboard-dir DIR")
+    assert proc.stderr.strip() == ("pretrain_gpt.py: error: --profile without --tensorboard-dir: add --tensorboard-dir "
+                                   "DIR: the trace is written there")

@@ -46,22 +46,22 @@ def load_model(path: str, device: str = "cpu") -> tuple:
                               "write it again with tools/merge_ckpt.py")
     elif files.read_latest(path) is not None or files.list_iterations(path):
         reader = open_iteration(path)
-        run_config, vocab_size = reader.meta["config"], reader.meta["vocab_size"]
+        run_config, vocab_size = reader.meta.config, reader.meta.vocab_size
     else:
         raise ConfigError(f"--load {path}: neither a merged checkpoint ({MERGED_WEIGHTS} + {MERGED_CONFIG}) nor "
                           "a checkpoint directory; merge one with tools/merge_ckpt.py")
     cfg = Config.from_dict(run_config)
     ctx = ParallelContext()
-    # Built with its random init on the CPU: parameters carry the layout attributes the loaders read,
-    # which moving a meta-device model to real storage would drop.
-    model = GPTModel(cfg.model, ctx, vocab_size=vocab_size)
+    # Built with its random init on the device it runs on (not on the meta device: parameters keep the
+    # specs the loaders read, and each attention layer resolves its backend for that device).
+    model = GPTModel(cfg.model, ctx, vocab_size=vocab_size, device=device)
     if merged:
         load_merged(path, [model], ctx)
     else:
         with torch.no_grad():
             for lt in local_tensors([model], ctx):
                 lt.param.copy_(reader.model_slice(lt.name, lt.full_shape, 1, 0, lt.param.dtype))
-    return model.to(device).eval(), cfg, vocab_size
+    return model.eval(), cfg, vocab_size
 
 
 @torch.no_grad()

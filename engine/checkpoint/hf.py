@@ -64,7 +64,7 @@ def _llama(reader: CheckpointReader, cfg: Config) -> tuple:
     if not tied:
         plan.append(("lm_head.weight", "output", None))
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": reader.meta["vocab_size"],
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": reader.meta.vocab_size,
         "hidden_size": m.hidden_size, "intermediate_size": m.resolved_ffn_hidden_size(),
         "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
         "num_key_value_heads": m.resolved_query_groups(), "head_dim": m.head_dim(), "hidden_act": "silu",
@@ -95,7 +95,7 @@ def _gpt2(reader: CheckpointReader, cfg: Config) -> tuple:
     plan += [("transformer.ln_f.weight", "final_norm.weight", None), ("transformer.ln_f.bias", "final_norm.bias", None)]
     zero = 0.0
     config = {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": reader.meta["vocab_size"],
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": reader.meta.vocab_size,
         "n_positions": m.max_position_embeddings or m.seq_length, "n_embd": m.hidden_size, "n_layer": m.num_layers,
         "n_head": m.num_attention_heads, "n_inner": m.resolved_ffn_hidden_size(), "activation_function": "gelu_new",
         "layer_norm_epsilon": m.norm_epsilon, "resid_pdrop": zero, "embd_pdrop": zero, "attn_pdrop": zero,
@@ -124,7 +124,7 @@ def _out_shape(shape: tuple, how, m) -> tuple:
 def export_hf(reader: CheckpointReader, out_dir: str) -> str:
     """Write config.json and model.safetensors for transformers; return the architecture name."""
     import json
-    cfg = Config.from_dict(reader.meta["config"])
+    cfg = Config.from_dict(reader.meta.config)
     arch = architecture(cfg)
     plan, config = (_llama if arch == "llama" else _gpt2)(reader, cfg)
     missing = [src for _, src, _ in plan if src not in reader.tensors]

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
+from engine.checkpoint.metadata import ModelShard, OptimPiece, OptimShard, OptimTensorEntry, TensorEntry
 from engine.parallel.layers import spec_of
 
 
@@ -55,6 +56,26 @@ def local_tensors(model_chunks: list, ctx) -> list:
     return out
 
 
+def shard_file(kind: str, tp_rank: int, pp_rank: int, dp_rank: Optional[int] = None) -> str:
+    """The file a rank writes: model_tpTT_ppPP.safetensors, or optim_tpTT_ppPP[_dpDDD].safetensors (per dp
+    rank only under the distributed optimizer)."""
+    dp = f"_dp{dp_rank:03d}" if dp_rank is not None else ""
+    return f"{kind}_tp{tp_rank:02d}_pp{pp_rank:02d}{dp}.safetensors"
+
+
+def model_shard(lt: LocalTensor, dtype: torch.dtype, tp_rank: int, pp_rank: int, file: str) -> ModelShard:
+    """How the metadata describes this rank's slice of one model tensor."""
+    entry = TensorEntry(list(lt.full_shape), str(dtype).removeprefix("torch."), lt.tp_axis, lt.valid_rows, pp_rank,
+                        lt.chunk, [])
+    return ModelShard(entry, tp_rank, file)
+
+
+def optim_shard(lt: LocalTensor, keys: list, tp_rank: int, file: str, flat_range) -> OptimShard:
+    """How the metadata describes this rank's piece of one parameter's optimizer state."""
+    entry = OptimTensorEntry(list(lt.full_shape), lt.tp_axis, lt.valid_rows, list(keys), [])
+    return OptimShard(entry, tp_rank, OptimPiece(file, list(flat_range)))
+
+
 def tp_bounds(dim: int, tp_size: int, tp_rank: int) -> tuple:
     per = dim // tp_size
     return tp_rank * per, (tp_rank + 1) * per
@@ -64,11 +85,12 @@ def assemble(saved: dict, target_shape: tuple, tp_size: int, tp_rank: int, read:
              dtype: torch.dtype) -> torch.Tensor:
     """This rank's slice (of a global tensor of `target_shape` split `tp_size` ways) from saved shards.
 
-    `saved`: the tensor's metadata entry (shape, tp_axis, valid_rows, and one shard per saved tp rank).
+    `saved`: the tensor's metadata entry (a TensorEntry or OptimTensorEntry: shape, tp_axis, valid_rows,
+    and one shard per saved tp rank).
     `read(shard, lo, hi)` returns rows [lo, hi) along the tp axis of saved shard `shard` (its own
     coordinates), or the whole shard when the tensor is replicated (lo = hi = None).
     """
-    axis, saved_shape = saved["tp_axis"], tuple(saved["shape"])
+    axis, saved_shape = saved.tp_axis, tuple(saved.shape)
     _check_shapes(saved, target_shape)
     if axis is None:
         return read(0, None, None).to(dtype)
@@ -76,8 +98,8 @@ def assemble(saved: dict, target_shape: tuple, tp_size: int, tp_rank: int, read:
     local_shape = list(target_shape)
     local_shape[axis] = hi - lo
     same_dim = saved_shape[axis] == target_shape[axis]
-    limit = hi if same_dim else min(hi, saved["valid_rows"])
-    saved_tp = len(saved["shards"])
+    limit = hi if same_dim else min(hi, saved.valid_rows)
+    saved_tp = len(saved.shards)
     per_old = saved_shape[axis] // saved_tp
     spans = [(s, max(lo, s * per_old), min(limit, (s + 1) * per_old)) for s in range(saved_tp)]
     spans = [(s, a, b) for s, a, b in spans if a < b]
@@ -91,10 +113,10 @@ def assemble(saved: dict, target_shape: tuple, tp_size: int, tp_rank: int, read:
 
 
 def _check_shapes(saved: dict, target_shape: tuple) -> None:
-    saved_shape = tuple(saved["shape"])
+    saved_shape = tuple(saved.shape)
     if len(saved_shape) != len(target_shape):
         raise ValueError(f"shape {saved_shape} in the checkpoint, {target_shape} in the model")
     for d, (a, b) in enumerate(zip(saved_shape, target_shape)):
-        vocab_axis = d == 0 and saved.get("valid_rows") is not None and saved["tp_axis"] == 0
-        if a != b and not (vocab_axis and min(a, b) >= saved["valid_rows"]):
+        vocab_axis = d == 0 and saved.valid_rows is not None and saved.tp_axis == 0
+        if a != b and not (vocab_axis and min(a, b) >= saved.valid_rows):
             raise ValueError(f"shape {saved_shape} in the checkpoint, {target_shape} in the model")

@@ -79,8 +79,8 @@ def _open_and_check(path: str, tensors: list, ranges: dict, ctx) -> tuple:
         return None, (f"checkpoint {path} has no tensor {missing[0]}: it was saved from a different model "
                       "(layers, embeddings or biases differ); use the same model flags")
     for lt in tensors:
-        saved = tuple(reader.tensors[lt.name]["shape"])
-        rows = reader.tensors[lt.name].get("valid_rows")
+        saved = tuple(reader.tensors[lt.name].shape)
+        rows = reader.tensors[lt.name].valid_rows
         if saved != lt.full_shape and (saved[1:] != lt.full_shape[1:] or rows is None):
             return None, (f"checkpoint {path}: tensor {lt.name} has shape {saved} but the model's is "
                           f"{lt.full_shape}; use the model flags it was saved with")
@@ -89,10 +89,10 @@ def _open_and_check(path: str, tensors: list, ranges: dict, ctx) -> tuple:
         for lt in tensors:
             if lt.local_name not in ranges:
                 continue
-            if lt.name not in reader.meta["optimizer_tensors"]:
+            if lt.name not in reader.meta.optimizer_tensors:
                 return None, f"checkpoint {path} has no optimizer state for {lt.name}; load with --no-load-optim"
             piece = reader.optimizer_piece(lt.name, lt.full_shape, ctx.tp_size, ctx.tp_rank, ranges[lt.local_name])
-            needed |= {piece["file"]} if piece else reader.optimizer_files(lt.name)
+            needed |= {piece.file} if piece else reader.optimizer_files(lt.name)
     return reader, reader.check_files(needed)
 
 
@@ -103,16 +103,15 @@ def _load(reader: CheckpointReader, tensors: list, optimizer, ranges: dict, ctx)
         lt.param.detach().copy_(value.view(lt.param.shape))
     if optimizer is not None:
         if ranges and reader.optimizer is not None:
-            optimizer.load_state_dict({"step": reader.optimizer["step"], "scaler": reader.optimizer["scaler"],
+            optimizer.load_state_dict({"step": reader.optimizer.step, "scaler": reader.optimizer.scaler,
                                        "params": _LazyOptimizerState(reader, tensors, ranges, ctx)})
         else:
             optimizer.reload_model_params()
-    layout, states = reader.meta["layout"], reader.meta.get("rng") or []
-    same = (layout["tp"], layout["pp"], layout["dp"], layout["vpp"]) == (ctx.tp_size, ctx.pp_size, ctx.dp_size,
-                                                                         ctx.vpp_size)
+    layout, states = reader.meta.layout, reader.meta.rng
+    same = (layout.tp, layout.pp, layout.dp, layout.vpp) == (ctx.tp_size, ctx.pp_size, ctx.dp_size, ctx.vpp_size)
     if same and ctx.rank < len(states) and states[ctx.rank]:
         rng.restore(states[ctx.rank], ctx.rng)
-    extra = dict(reader.meta.get("extra_state") or {})
+    extra = dict(reader.meta.extra_state)
     extra.setdefault("iteration", reader.iteration)
     return extra
 
@@ -131,7 +130,7 @@ class _LazyOptimizerState(Mapping):
     def __getitem__(self, local_name: str) -> dict:
         lt, ctx = self.by_local[local_name], self.ctx
         piece = self.reader.optimizer_piece(lt.name, lt.full_shape, ctx.tp_size, ctx.tp_rank, self.ranges[local_name])
-        entry = {"range": tuple(piece["range"]) if piece else (0, lt.param.numel())}
+        entry = {"range": tuple(piece.range) if piece else (0, lt.param.numel())}
         for key in ("exp_avg", "exp_avg_sq", "master"):
             if piece:
                 value = self.reader.read_piece(lt.name, key, piece)

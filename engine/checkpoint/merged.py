@@ -7,16 +7,18 @@ vocabulary size and the iteration. `load_merged` puts it into model chunks of an
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 import torch
 
 from engine.checkpoint import files
-from engine.checkpoint.layout import assemble, local_tensors
+from engine.checkpoint.layout import assemble, local_tensors, model_shard, optim_shard, shard_file
+from engine.checkpoint.metadata import CheckpointMeta, FileRecord, RankPart, TensorEntry
 from engine.checkpoint.reader import CheckpointReader
-from engine.checkpoint.saver import build_metadata, publish
-from engine.config import Config, ConfigError
+from engine.checkpoint.saver import publish
+from engine.config import Config, ConfigError, check_model_split
 from engine.parallel.topology import ParallelContext
 from engine.pipeline.partition import build_model_chunks
 
@@ -28,10 +30,10 @@ MERGED_FORMAT = "ternion-merged"
 def unpadded(reader: CheckpointReader, name: str) -> tuple:
     """(shape, dtype) of a global tensor without vocabulary padding."""
     entry = reader.tensors[name]
-    shape = list(entry["shape"])
-    if entry.get("valid_rows") is not None:
-        shape[0] = entry["valid_rows"]
-    return tuple(shape), files.DTYPE_NAMES[entry["dtype"]]
+    shape = list(entry.shape)
+    if entry.valid_rows is not None:
+        shape[0] = entry.valid_rows
+    return tuple(shape), files.DTYPE_NAMES[entry.dtype]
 
 
 def full_unpadded(reader: CheckpointReader, name: str) -> torch.Tensor:
@@ -46,8 +48,8 @@ def merge_native(reader: CheckpointReader, out_dir: str) -> None:
     specs = [(n, dtype, shape) for n, shape, dtype in ((n, *unpadded(reader, n)) for n in names)]
     files.write_safetensors(os.path.join(out_dir, MERGED_WEIGHTS), specs,
                             ((n, full_unpadded(reader, n)) for n in names), metadata={"format": "pt"})
-    config = {"format": MERGED_FORMAT, "iteration": reader.iteration, "vocab_size": reader.meta["vocab_size"],
-              "config": reader.meta["config"]}
+    config = {"format": MERGED_FORMAT, "iteration": reader.iteration, "vocab_size": reader.meta.vocab_size,
+              "config": reader.meta.config}
     files.write_json_durable(os.path.join(out_dir, MERGED_CONFIG), config)
 
 
@@ -64,8 +66,7 @@ def load_merged(path: str, model_chunks: list, ctx) -> dict:
     for lt in local_tensors(model_chunks, ctx):
         if lt.name not in weights_file.entries:
             raise ConfigError(f"{weights} has no tensor {lt.name}; the model flags differ from the merged model's")
-        saved = {"shape": list(weights_file.shape(lt.name)), "tp_axis": lt.tp_axis, "valid_rows": lt.valid_rows,
-                 "shards": [0]}
+        saved = TensorEntry(list(weights_file.shape(lt.name)), "", lt.tp_axis, lt.valid_rows, 0, 0, [MERGED_WEIGHTS])
 
         def read(_, lo, hi, name=lt.name, axis=lt.tp_axis):
             return weights_file.read(name, axis, lo, hi)
@@ -79,60 +80,53 @@ def load_merged(path: str, model_chunks: list, ctx) -> dict:
 
 def split(reader: CheckpointReader, out_dir: str, tp: int, pp: int) -> None:
     """Write the checkpoint again for layout tp x pp (dp 1, replicated optimizer), in the usual format."""
-    cfg = Config.from_dict(reader.meta["config"])
+    cfg = Config.from_dict(reader.meta.config)
     cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = tp, pp
     cfg.parallel.virtual_pipeline_model_parallel_size = None
     cfg.parallel.use_distributed_optimizer = False
     cfg.parallel.decoder_first_pipeline_num_layers = cfg.parallel.decoder_last_pipeline_num_layers = None
-    if cfg.model.num_layers % pp:
-        raise ConfigError(f"--target-pp {pp}: must divide the model's {cfg.model.num_layers} layers")
-    for name, size in (("num_attention_heads", cfg.model.num_attention_heads),
-                       ("num_query_groups", cfg.model.resolved_query_groups()),
-                       ("ffn_hidden_size", cfg.model.resolved_ffn_hidden_size())):
-        if size % tp:
-            raise ConfigError(f"--target-tp {tp}: must divide the model's {name} {size}")
+    check_model_split(cfg.model, tp, pp, tp_flag="--target-tp", pp_flag="--target-pp")
     os.makedirs(out_dir, exist_ok=True)
     files.remove_stale(out_dir)
     tmp = os.path.join(out_dir, files.iter_dir_name(reader.iteration) + ".tmp")
     os.makedirs(tmp)
-    everyone, checksums = [], {}
-    with_optim = reader.optimizer is not None
+    parts, checksums = [], {}
     for rank in range(tp * pp):
         vctx = ParallelContext.virtual(tp=tp, pp=pp, tp_rank=rank % tp, pp_rank=rank // tp)
-        chunks = build_model_chunks(cfg, vctx, vocab_size=reader.meta["vocab_size"], device="meta")
-        desc = {"rank": rank, "model": {}, "optim": {}, "files": [], "rng": {}}
-        t, p = vctx.tp_rank, vctx.pp_rank
-        mine = [lt for lt in local_tensors(chunks, vctx) if lt.writer]
-        model_file, optim_file = f"model_tp{t:02d}_pp{p:02d}.safetensors", f"optim_tp{t:02d}_pp{p:02d}.safetensors"
-        specs, producers, opt_specs, opt_producers = [], [], [], []
-        for lt in mine:
-            dtype = files.DTYPE_NAMES[reader.tensors[lt.name]["dtype"]]
-            specs.append((lt.name, dtype, tuple(lt.param.shape)))
-            producers.append(lambda lt=lt, dtype=dtype: reader.model_slice(lt.name, lt.full_shape, tp, t, dtype))
-            desc["model"][lt.name] = dict(shape=list(lt.full_shape), dtype=str(dtype).removeprefix("torch."),
-                                          tp_axis=lt.tp_axis, valid_rows=lt.valid_rows, tp_rank=t, file=model_file,
-                                          pp_rank=p, vpp_chunk=lt.chunk)
-            saved = reader.meta.get("optimizer_tensors", {}).get(lt.name) if with_optim else None
-            if saved is None:
-                continue
-            for key in saved["keys"]:
-                opt_specs.append((f"{lt.name}/{key}", torch.float32, (lt.param.numel(),)))
-                opt_producers.append(lambda lt=lt, key=key: reader.optimizer_slice(
-                    lt.name, key, lt.full_shape, tp, t).reshape(-1))
-            desc["optim"][lt.name] = dict(shape=list(lt.full_shape), tp_axis=lt.tp_axis, valid_rows=lt.valid_rows,
-                                          keys=saved["keys"], tp_rank=t, file=optim_file,
-                                          range=[0, lt.param.numel()])
-        for name, sp, prod in ((model_file, specs, producers), (optim_file, opt_specs, opt_producers)):
-            if not sp:
-                continue
-            path = os.path.join(tmp, name)
-            sha = files.write_safetensors(path, sp, ((s[0], f()) for s, f in zip(sp, prod)))
-            checksums[name] = {"bytes": os.path.getsize(path), "sha256": sha}
-            desc["files"].append(name)
-        if with_optim:
-            desc["optimizer"] = dict(reader.optimizer, distributed=False)
-        everyone.append(desc)
-    ctx = ParallelContext.virtual(tp=tp, pp=pp)
-    meta = build_metadata(everyone, reader.iteration, ctx, cfg.to_dict(), reader.meta.get("extra_state"))
-    meta["files"] = checksums
+        chunks = build_model_chunks(cfg, vctx, vocab_size=reader.meta.vocab_size, device="meta")
+        part, written = _split_rank(reader, vctx, chunks, tmp)
+        checksums.update(written)
+        parts.append(part)
+    meta = CheckpointMeta.build(parts, reader.iteration, ParallelContext.virtual(tp=tp, pp=pp), cfg.to_dict(),
+                                reader.meta.extra_state)
+    meta.files = checksums
     publish(out_dir, tmp, reader.iteration, meta)
+
+
+def _split_rank(reader: CheckpointReader, vctx, chunks: list, tmp: str) -> tuple:
+    """Write one rank's model and optimizer files of the new layout; (its RankPart, {file: FileRecord})."""
+    t, p, tp = vctx.tp_rank, vctx.pp_rank, vctx.tp_size
+    part, written = RankPart(vctx.rank), {}
+    model_file, optim_file = shard_file("model", t, p), shard_file("optim", t, p)
+    model, optim = [], []  # (key, dtype, shape, producer of the tensor) per file
+    for lt in (lt for lt in local_tensors(chunks, vctx) if lt.writer):
+        dtype = files.DTYPE_NAMES[reader.tensors[lt.name].dtype]
+        model.append((lt.name, dtype, tuple(lt.param.shape),
+                      lambda lt=lt, dtype=dtype: reader.model_slice(lt.name, lt.full_shape, tp, t, dtype)))
+        part.model[lt.name] = model_shard(lt, dtype, t, p, model_file)
+        saved = reader.meta.optimizer_tensors.get(lt.name) if reader.optimizer is not None else None
+        if saved is None:
+            continue
+        for key in saved.keys:
+            optim.append((f"{lt.name}/{key}", torch.float32, (lt.param.numel(),),
+                          lambda lt=lt, k=key: reader.optimizer_slice(lt.name, k, lt.full_shape, tp, t).reshape(-1)))
+        part.optim[lt.name] = optim_shard(lt, saved.keys, t, optim_file, (0, lt.param.numel()))
+    for name, items in ((model_file, model), (optim_file, optim)):
+        if items:
+            path = os.path.join(tmp, name)
+            sha = files.write_safetensors(path, [i[:3] for i in items], ((i[0], i[3]()) for i in items))
+            written[name] = FileRecord(os.path.getsize(path), sha)
+            part.files.append(name)
+    if reader.optimizer is not None:
+        part.optimizer = dataclasses.replace(reader.optimizer, distributed=False)
+    return part, written

@@ -15,9 +15,8 @@ import torch
 
 from engine.checkpoint import files
 from engine.checkpoint.layout import assemble
+from engine.checkpoint.metadata import FORMAT, CheckpointMeta, OptimizerMeta, OptimPiece
 from engine.config import ConfigError
-
-FORMAT = "ternion-checkpoint"
 
 
 class CheckpointReader:
@@ -29,68 +28,72 @@ class CheckpointReader:
                               "load another iteration or use --ckpt-fallback")
         try:
             with open(meta_path) as fh:
-                self.meta = json.load(fh)
+                raw = json.load(fh)
         except (OSError, ValueError):
             raise ConfigError(f"checkpoint file {meta_path} is damaged (not valid JSON); "
                               "use --ckpt-fallback to load the previous checkpoint") from None
-        if self.meta.get("format") != FORMAT:
-            raise ConfigError(f"{meta_path} is not a Ternion checkpoint's metadata (format {self.meta.get('format')!r})")
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            found = raw.get("format") if isinstance(raw, dict) else None
+            raise ConfigError(f"{meta_path} is not a Ternion checkpoint's metadata (format {found!r})")
+        try:
+            self.meta = CheckpointMeta.from_json(raw)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"checkpoint file {meta_path} is damaged ({type(e).__name__}: {e}); "
+                              "use --ckpt-fallback to load the previous checkpoint") from None
         self._handles: dict = {}
         self._joined: dict = {}
 
     # --- what is in it -------------------------------------------------------------------------
     @property
     def iteration(self) -> int:
-        return int(self.meta["iteration"])
+        return self.meta.iteration
 
     @property
     def tensors(self) -> dict:
-        return self.meta["tensors"]
+        return self.meta.tensors
 
     @property
-    def optimizer(self) -> Optional[dict]:
-        return self.meta.get("optimizer")
+    def optimizer(self) -> Optional[OptimizerMeta]:
+        return self.meta.optimizer
 
     def check_files(self, names) -> Optional[str]:
         """None when every named file is present with its recorded size and sha256; else one line naming the file."""
         for name in sorted(set(names)):
-            rec = self.meta["files"].get(name)
+            rec = self.meta.files.get(name)
             path = os.path.join(self.path, name)
             if rec is None:
                 return f"checkpoint {self.path} lists no checksum for {name}; the metadata is damaged"
             if not os.path.isfile(path):
                 return f"checkpoint file {path} is missing"
             size = os.path.getsize(path)
-            if size != rec["bytes"]:
-                return f"checkpoint file {path} is truncated or altered ({size} bytes, {rec['bytes']} expected)"
-            if files.sha256_file(path) != rec["sha256"]:
+            if size != rec.bytes:
+                return f"checkpoint file {path} is truncated or altered ({size} bytes, {rec.bytes} expected)"
+            if files.sha256_file(path) != rec.sha256:
                 return f"checkpoint file {path} is damaged (sha256 mismatch)"
         return None
 
     def model_files(self, names) -> set:
-        return {f for name in names for f in self.tensors[name]["shards"]}
+        return {f for name in names for f in self.tensors[name].shards}
 
     def optimizer_files(self, name: str) -> set:
-        entry = self.meta["optimizer_tensors"][name]
-        return {piece["file"] for shard in entry["shards"] for piece in shard}
+        return {piece.file for shard in self.meta.optimizer_tensors[name].shards for piece in shard}
 
     def optimizer_piece(self, name: str, target_shape: tuple, tp_size: int, tp_rank: int,
-                        flat_range: tuple) -> Optional[dict]:
+                        flat_range: tuple) -> Optional[OptimPiece]:
         """The saved piece holding exactly `flat_range` of this rank's slice when the split is unchanged
         (same tp, shape and dp range): the usual resume reads it alone, not every dp rank's piece."""
-        entry = self.meta.get("optimizer_tensors", {}).get(name)
-        if entry is None or tuple(entry["shape"]) != tuple(target_shape):
+        entry = self.meta.optimizer_tensors.get(name)
+        if entry is None or tuple(entry.shape) != tuple(target_shape):
             return None
-        axis = entry["tp_axis"]
-        if axis is not None and len(entry["shards"]) != tp_size:
+        if entry.tp_axis is not None and len(entry.shards) != tp_size:
             return None
-        shard = entry["shards"][tp_rank if axis is not None else 0]
-        return next((piece for piece in shard if tuple(piece["range"]) == tuple(flat_range)), None)
+        shard = entry.shards[tp_rank if entry.tp_axis is not None else 0]
+        return next((piece for piece in shard if tuple(piece.range) == tuple(flat_range)), None)
 
-    def read_piece(self, name: str, key: str, piece: dict) -> Optional[torch.Tensor]:
-        if key not in self.meta["optimizer_tensors"][name]["keys"]:
+    def read_piece(self, name: str, key: str, piece: OptimPiece) -> Optional[torch.Tensor]:
+        if key not in self.meta.optimizer_tensors[name].keys:
             return None
-        return self._file(piece["file"]).read(f"{name}/{key}")
+        return self._file(piece.file).read(f"{name}/{key}")
 
     # --- reading slices ------------------------------------------------------------------------
     def _file(self, name: str) -> files.TensorFile:
@@ -101,43 +104,41 @@ class CheckpointReader:
     def model_slice(self, name: str, target_shape: tuple, tp_size: int, tp_rank: int,
                     dtype: torch.dtype) -> torch.Tensor:
         entry = self.tensors[name]
-        axis = entry["tp_axis"]
 
         def read(shard, lo, hi):
-            return self._file(entry["shards"][shard]).read(name, axis, lo, hi)
+            return self._file(entry.shards[shard]).read(name, entry.tp_axis, lo, hi)
         return assemble(entry, tuple(target_shape), tp_size, tp_rank, read, dtype)
 
     def full(self, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The whole global tensor as saved (vocabulary padding of the saving layout included)."""
         entry = self.tensors[name]
-        dtype = dtype or files.DTYPE_NAMES[entry["dtype"]]
-        return self.model_slice(name, tuple(entry["shape"]), 1, 0, dtype)
+        dtype = dtype or files.DTYPE_NAMES[entry.dtype]
+        return self.model_slice(name, tuple(entry.shape), 1, 0, dtype)
 
     def optimizer_slice(self, name: str, key: str, target_shape: tuple, tp_size: int,
                         tp_rank: int) -> Optional[torch.Tensor]:
         """This rank's slice of one optimizer tensor (`exp_avg`, `exp_avg_sq`, `master`), or None if not saved."""
-        entry = self.meta.get("optimizer_tensors", {}).get(name)
-        if entry is None or key not in entry["keys"]:
+        entry = self.meta.optimizer_tensors.get(name)
+        if entry is None or key not in entry.keys:
             return None
-        axis = entry["tp_axis"]
 
         def read(shard, lo, hi):
             whole = self._join(name, key, shard, entry)
-            return whole if lo is None else whole.narrow(axis, lo, hi - lo)
+            return whole if lo is None else whole.narrow(entry.tp_axis, lo, hi - lo)
         return assemble(entry, tuple(target_shape), tp_size, tp_rank, read, torch.float32)
 
-    def _join(self, name: str, key: str, shard: int, entry: dict) -> torch.Tensor:
+    def _join(self, name: str, key: str, shard: int, entry) -> torch.Tensor:
         """One saved tp shard of an optimizer tensor, joined from its dp pieces."""
         cache_key = (name, key, shard)
         if cache_key not in self._joined:
-            shape = list(entry["shape"])
-            if entry["tp_axis"] is not None:
-                shape[entry["tp_axis"]] //= len(entry["shards"])
+            shape = list(entry.shape)
+            if entry.tp_axis is not None:
+                shape[entry.tp_axis] //= len(entry.shards)
             flat = torch.empty(torch.Size(shape).numel(), dtype=torch.float32)
             covered = 0
-            for piece in entry["shards"][shard]:
-                lo, hi = piece["range"]
-                flat[lo:hi] = self._file(piece["file"]).read(f"{name}/{key}")
+            for piece in entry.shards[shard]:
+                lo, hi = piece.range
+                flat[lo:hi] = self._file(piece.file).read(f"{name}/{key}")
                 covered += hi - lo
             if covered != flat.numel():
                 raise ConfigError(f"checkpoint {self.path}: optimizer state of {name} covers {covered} of "
@@ -162,7 +163,7 @@ def open_iteration(load: str, iteration: Optional[int] = None) -> "CheckpointRea
         have = ", ".join(map(str, files.list_iterations(load))) or "none"
         raise ConfigError(f"--iteration {iteration}: {path} not found; saved iterations: {have}")
     reader = CheckpointReader(path)
-    problem = reader.check_files(reader.meta["files"])
+    problem = reader.check_files(reader.meta.files)
     if problem:
         raise ConfigError(problem)
     return reader

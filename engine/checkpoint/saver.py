@@ -23,8 +23,8 @@ from typing import Optional
 import torch
 
 from engine.checkpoint import files, rng
-from engine.checkpoint.layout import local_tensors
-from engine.checkpoint.reader import FORMAT
+from engine.checkpoint.layout import local_tensors, model_shard, optim_shard, shard_file
+from engine.checkpoint.metadata import CheckpointMeta, FileRecord, OptimizerMeta, RankPart
 from engine.parallel.comm import all_gather_object, any_rank
 
 _MARKER = ".done.rank{:05d}.json"
@@ -40,11 +40,11 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks: list, optimizer
         os.makedirs(save_dir, exist_ok=True)
         files.remove_stale(save_dir)
         os.makedirs(tmp)
-    shards, descriptor = _snapshot(model_chunks, optimizer, ctx, copy=async_save)
-    descriptor["rng"] = rng.capture(ctx.rng)
-    everyone = all_gather_object(descriptor)
-    meta = build_metadata(everyone, iteration, ctx, cfg.to_dict(), extra_state) if ctx.rank == 0 else None
-    writers = sorted(d["rank"] for d in everyone if d["files"])
+    shards, part = _snapshot(model_chunks, optimizer, ctx, copy=async_save)
+    part.rng = rng.capture(ctx.rng)
+    everyone = all_gather_object(part)
+    meta = CheckpointMeta.build(everyone, iteration, ctx, cfg.to_dict(), extra_state) if ctx.rank == 0 else None
+    writers = sorted(part.rank for part in everyone if part.files)
     timeout = 60.0 * max(cfg.parallel.distributed_timeout_minutes, 1.0)
     job = PendingSave(save_dir, tmp, iteration, shards, ctx.rank, meta, writers, cfg.checkpoint, timeout)
     if async_save:
@@ -65,23 +65,18 @@ def _copy(t: torch.Tensor, copy: bool) -> torch.Tensor:
 
 
 def _snapshot(model_chunks: list, optimizer, ctx, copy: bool) -> tuple:
-    """{file: [(key, tensor)]} this rank writes, and the descriptor rank 0 builds metadata from."""
+    """({file: [(key, tensor)]} this rank writes, the RankPart rank 0 builds the metadata from)."""
     t, d, p = ctx.tp_rank, ctx.dp_rank, ctx.pp_rank
-    model_file = f"model_tp{t:02d}_pp{p:02d}.safetensors"
-    shards: dict = {}
-    desc = {"rank": ctx.rank, "model": {}, "optim": {}, "files": []}
+    model_file, shards, part = shard_file("model", t, p), {}, RankPart(ctx.rank)
     tensors = local_tensors(model_chunks, ctx)
     for lt in tensors:
-        if not lt.writer:
-            continue
-        shards.setdefault(model_file, []).append((lt.name, _copy(lt.param, copy)))
-        desc["model"][lt.name] = dict(shape=list(lt.full_shape), dtype=str(lt.param.dtype).removeprefix("torch."),
-                                      tp_axis=lt.tp_axis, valid_rows=lt.valid_rows, tp_rank=t, file=model_file,
-                                      pp_rank=p, vpp_chunk=lt.chunk)
+        if lt.writer:
+            shards.setdefault(model_file, []).append((lt.name, _copy(lt.param, copy)))
+            part.model[lt.name] = model_shard(lt, lt.param.dtype, t, p, model_file)
     if optimizer is not None:
         state = optimizer.state_dict()
         distributed = bool(state["distributed"])
-        optim_file = f"optim_tp{t:02d}_pp{p:02d}" + (f"_dp{d:03d}" if distributed else "") + ".safetensors"
+        optim_file = shard_file("optim", t, p, d if distributed else None)
         by_local = {lt.local_name: lt for lt in tensors}
         for local_name, entry in state["params"].items():
             lt = by_local[local_name]
@@ -91,57 +86,12 @@ def _snapshot(model_chunks: list, optimizer, ctx, copy: bool) -> tuple:
             keys = [k for k in ("exp_avg", "exp_avg_sq", "master") if k in entry]
             for k in keys:
                 shards.setdefault(optim_file, []).append((f"{lt.name}/{k}", _copy(entry[k].reshape(-1), copy)))
-            desc["optim"][lt.name] = dict(shape=list(lt.full_shape), tp_axis=lt.tp_axis, valid_rows=lt.valid_rows,
-                                          keys=keys, tp_rank=t, file=optim_file, range=list(entry["range"]))
-        desc["optimizer"] = {"distributed": distributed, "step": int(state["step"]), "scaler": state["scaler"]}
+            part.optim[lt.name] = optim_shard(lt, keys, t, optim_file, entry["range"])
+        part.optimizer = OptimizerMeta(distributed, int(state["step"]), state["scaler"])
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()  # the pinned device-to-host copies above are asynchronous
-    desc["files"] = sorted(shards)
-    return shards, desc
-
-
-def build_metadata(everyone: list, iteration: int, ctx, config: dict, extra_state: dict) -> dict:
-    """metadata.json (file checksums still empty) from every rank's descriptor."""
-    tensors, optim = {}, {}
-    for desc in everyone:
-        for name, spec in desc["model"].items():
-            entry = tensors.setdefault(name, {k: v for k, v in spec.items() if k not in ("tp_rank", "file")})
-            parts = 1 if spec["tp_axis"] is None else ctx.tp_size
-            entry.setdefault("shards", [None] * parts)[spec["tp_rank"]] = spec["file"]
-        for name, spec in desc["optim"].items():
-            entry = optim.setdefault(name, {k: spec[k] for k in ("shape", "tp_axis", "valid_rows", "keys")})
-            parts = 1 if spec["tp_axis"] is None else ctx.tp_size
-            entry.setdefault("shards", [[] for _ in range(parts)])[spec["tp_rank"]].append(
-                {"file": spec["file"], "range": spec["range"]})
-    for entry in optim.values():
-        for shard in entry["shards"]:
-            shard.sort(key=lambda piece: piece["range"][0])
-    stages = [[] for _ in range(ctx.pp_size)]
-    for name, entry in sorted(tensors.items()):
-        if name.startswith("layers."):
-            chunk = stages[entry["pp_rank"]]
-            chunk.extend([] for _ in range(entry["vpp_chunk"] + 1 - len(chunk)))
-            layer = int(name.split(".")[1])
-            if layer not in chunk[entry["vpp_chunk"]]:
-                chunk[entry["vpp_chunk"]].append(layer)
-    extra = json.loads(json.dumps(extra_state or {}))  # a JSON round trip: fail now, not in the writer thread
-    opt_desc = next((d["optimizer"] for d in everyone if "optimizer" in d), None)
-    return {
-        "format": FORMAT, "version": 1, "iteration": iteration,
-        "consumed_samples": extra.get("consumed_samples"),
-        "layout": {"tp": ctx.tp_size, "pp": ctx.pp_size, "vpp": ctx.vpp_size, "dp": ctx.dp_size,
-                   "world_size": ctx.world_size, "distributed_optimizer": bool(opt_desc and opt_desc["distributed"]),
-                   "stage_layers": [[sorted(c) for c in s] for s in stages]},
-        "config": config,
-        "vocab_size": next((e["valid_rows"] for e in tensors.values() if e.get("valid_rows")), None),
-        "extra_state": extra,
-        "optimizer": opt_desc,
-        "tensors": tensors,
-        "optimizer_tensors": optim,
-        "rng": [d["rng"] for d in sorted(everyone, key=lambda d: d["rank"])],
-        "files": {},
-        "saved_at": time.time(),
-    }
+    part.files = sorted(shards)
+    return shards, part
 
 
 class PendingSave:
@@ -194,7 +144,7 @@ class PendingSave:
         files.write_json_atomic(os.path.join(self.tmp, _MARKER.format(self.rank)), done)
 
     def _publish(self) -> None:
-        self.meta["files"] = self._collect_markers()
+        self.meta.files = self._collect_markers()
         publish(self.save_dir, self.tmp, self.iteration, self.meta, self.ckpt_cfg.keep_last, self.ckpt_cfg.keep_every)
 
     def _collect_markers(self) -> dict:
@@ -208,7 +158,7 @@ class PendingSave:
                         got = json.load(fh)
                     if "error" in got:
                         raise RuntimeError(f"rank {r}: {got['error']}")
-                    checksums.update(got)
+                    checksums.update({name: FileRecord(**rec) for name, rec in got.items()})
                     os.remove(path)
                     waiting.discard(r)
             if waiting:
@@ -218,9 +168,9 @@ class PendingSave:
         return checksums
 
 
-def publish(save_dir: str, tmp: str, iteration: int, meta: dict, keep_last=None, keep_every=None) -> None:
+def publish(save_dir: str, tmp: str, iteration: int, meta: CheckpointMeta, keep_last=None, keep_every=None) -> None:
     """Write metadata.json into the finished `tmp` folder, rename it into place, point `latest` at it."""
-    files.write_json_durable(os.path.join(tmp, files.METADATA_FILE), meta)
+    files.write_json_durable(os.path.join(tmp, files.METADATA_FILE), meta.to_json())
     files.fsync_dir(tmp)
     final = os.path.join(save_dir, files.iter_dir_name(iteration))
     if os.path.exists(final):

@@ -41,9 +41,14 @@ class BatchSampler:
         if size % (self.micro_batch_size * self.dp_size):
             raise ValueError(f"global batch size {size} at {self.consumed_samples} consumed samples is not a multiple "
                              f"of micro_batch_size {self.micro_batch_size} x dp {self.dp_size}")
-        batch = rank_microbatches(self.consumed_samples, size, self.micro_batch_size, self.dp_rank, self.dp_size)
+        batch = self.microbatches_of(self.consumed_samples, size)
         self.consumed_samples += size
         return batch
+
+    def microbatches_of(self, start: int, size: int) -> list:
+        """This rank's microbatches of the global batch [start, start + size), leaving the position alone
+        (evaluation reads fixed windows of the validation split this way)."""
+        return rank_microbatches(start, size, self.micro_batch_size, self.dp_rank, self.dp_size)
 
     def state_dict(self) -> dict:
         """The checkpoint's "data" entry."""

@@ -3,8 +3,10 @@
 Each TP rank holds logits for its vocabulary slice. Three all-reduces over the TP group give the
 log-sum-exp and the target's logit: max (for stability), the sum of exp relative to it, and the target
 logit (only the owning rank contributes). Backward is softmax - one-hot on the local slice, computed by
-the kernel row chunk by row chunk, in place over the logits. Columns past the true vocabulary are
-padding and take no part, so the loss is the same for every tp.
+the kernel row chunk by row chunk, in place over the logits (the model never reads them again; a
+caller that does, or that runs backward twice, asks for a separate buffer). Columns past the true
+vocabulary are padding and take no part, so the loss is the same for every tp. At tp 1 this is the
+whole single-device cross-entropy.
 
 The optional z-loss (PaLM, Chowdhery et al. 2022, sec. 5) adds weight * lse^2 per token.
 """
@@ -18,7 +20,7 @@ from kernels import dispatch
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_start, valid_cols, z_weight):
+    def forward(ctx, logits, target, group, vocab_start, valid_cols, z_weight, inplace):
         if valid_cols:
             local_max, sumexp, target_logit = dispatch.ce_stats(logits, target, vocab_start, valid_cols)
         else:  # a shard made only of vocabulary padding (small vocab, large tp) contributes nothing
@@ -37,7 +39,7 @@ class _VocabParallelCE(torch.autograd.Function):
         if z_weight:
             loss = loss + z_weight * lse * lse
         ctx.save_for_backward(logits, target, lse)
-        ctx.vocab = (vocab_start, valid_cols, z_weight)
+        ctx.vocab, ctx.inplace = (vocab_start, valid_cols, z_weight), inplace
         return loss
 
     @staticmethod
@@ -47,14 +49,17 @@ class _VocabParallelCE(torch.autograd.Function):
         grad_loss = grad_loss.float()
         coef_softmax = grad_loss * (1.0 + 2.0 * z_weight * lse) if z_weight else grad_loss
         if not valid_cols:
-            return torch.zeros_like(logits), None, None, None, None, None
-        grad = dispatch.ce_grad(logits, target, vocab_start, valid_cols, lse, coef_softmax, grad_loss, inplace=True)
-        return grad, None, None, None, None, None
+            return torch.zeros_like(logits), None, None, None, None, None, None
+        grad = dispatch.ce_grad(logits, target, vocab_start, valid_cols, lse, coef_softmax, grad_loss,
+                                inplace=ctx.inplace)
+        return grad, None, None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, target, ctx, vocab_size: int, z_loss_weight: float = 0.0):
+def vocab_parallel_cross_entropy(logits, target, ctx, vocab_size: int, z_loss_weight: float = 0.0,
+                                 inplace_backward: bool = True):
     """logits [N, V_padded/tp] (this rank's slice), target [N] -> per-token loss [N] (fp32)."""
     per_rank = logits.shape[-1]
     start = ctx.tp_rank * per_rank
     valid = max(0, min(per_rank, vocab_size - start))
-    return _VocabParallelCE.apply(logits, target, ctx.tp_group, start, valid, float(z_loss_weight))
+    return _VocabParallelCE.apply(logits, target, ctx.tp_group, start, valid, float(z_loss_weight),
+                                  inplace_backward)

@@ -165,3 +165,9 @@ class Norm(nn.Module):
         if self.kind == "RMSNorm":
             return dispatch.rms_norm(x, self.weight, self.eps)
         return dispatch.layer_norm(x, self.weight, self.bias, self.eps)
+
+    def add(self, x, residual):
+        """(norm(x + residual), x + residual), fused into one pass where a kernel does it."""
+        if self.kind == "RMSNorm":
+            return dispatch.add_rms_norm(x, residual, self.weight, self.eps)
+        return dispatch.add_layer_norm(x, residual, self.weight, self.bias, self.eps)

@@ -25,7 +25,9 @@ def _size(group) -> int:
 def _all_reduce(x, group):
     if _size(group) == 1:
         return x
-    x = x.contiguous()
+    # Never in place: the caller still owns its input (forward), and autograd may hand the same gradient
+    # tensor to another branch (backward), which must not see the sum.
+    x = x.clone(memory_format=torch.contiguous_format)
     comm.all_reduce(x, group)
     return x
 

@@ -1,7 +1,7 @@
 """Activation recomputation that replays dropout exactly.
 
 Forward runs `fn` without keeping its activations; backward runs it again from the saved inputs and
-back-propagates through the replay. The default generator and every tracked stream are captured at
+back-propagates through the replay. Inputs may be None (an optional argument such as rotary angles). The default generator and every tracked stream are captured at
 the first run and restored for the replay (then put back), so recomputed dropout masks match.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ class _Recompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        inputs = [a.detach().requires_grad_(a.requires_grad) for a in ctx.saved_tensors]
+        inputs = [a if a is None else a.detach().requires_grad_(a.requires_grad) for a in ctx.saved_tensors]
         stash = rng.capture(ctx.tracker)
         rng.restore(ctx.tracker, ctx.snapshot)
         try:
@@ -33,7 +33,7 @@ class _Recompute(torch.autograd.Function):
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, *[i.grad if i.requires_grad else None for i in inputs])
+        return (None, None, *[i.grad if i is not None and i.requires_grad else None for i in inputs])
 
 
 def recompute(fn, tracker, *tensors):

@@ -11,15 +11,14 @@ import datetime
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine.config import ConfigError
+from engine.config import check_tp_fits_node, check_world_size
 from engine.parallel import comm
 from engine.parallel.random import RNGTracker
 
 
 def rank_grid(world_size: int, tp: int, pp: int) -> dict:
     """Global-rank lists of every group kind: tp, dp, pp, mp (tp x pp) and embedding (first+last stage)."""
-    if world_size % (tp * pp):
-        raise ConfigError(f"--tensor-model-parallel-size {tp}: tp x pp = {tp * pp} does not divide world size {world_size}")
+    check_world_size(world_size, tp, pp)
     dp = world_size // (tp * pp)
     rank = lambda t, d, p: t + tp * (d + dp * p)  # noqa: E731 - the layout in one line
     grid = {
@@ -129,9 +128,7 @@ def build_context(world_size: int, rank: int, tp: int, pp: int, *, vpp: int = 1,
                   gpus_per_node: Optional[int] = None, timeout_minutes: Optional[float] = None,
                   seed: int = 1234, device_type: str = "cpu") -> ParallelContext:
     """Make every group (each rank takes part in all new_group calls, in one order) and the RNG tracker."""
-    if gpus_per_node and (tp > gpus_per_node or gpus_per_node % tp):
-        raise ConfigError(f"--tensor-model-parallel-size {tp}: a TP group would span nodes of "
-                          f"--gpus-per-node {gpus_per_node}; use a tp that divides {gpus_per_node}")
+    check_tp_fits_node(tp, gpus_per_node)  # callers other than the launcher skip validate
     grid = rank_grid(world_size, tp, pp)
     ctx = ParallelContext(world_size=world_size, rank=rank, tp_size=tp, pp_size=pp, dp_size=world_size // (tp * pp),
                           vpp_size=vpp, sequence_parallel=sequence_parallel and tp > 1)

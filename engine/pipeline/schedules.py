@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import warnings
 
-from engine.config import ConfigError
+from engine.config import check_interleaved_microbatches
 from engine.pipeline.partition import neighbours
 
 
 def check_schedule(pp: int, vpp: int, num_microbatches: int) -> None:
     """Reject impossible settings before any work; warn about wasteful ones."""
-    if vpp > 1 and num_microbatches % pp:
-        raise ConfigError(f"--virtual-pipeline-model-parallel-size {vpp}: the interleaved schedule needs the number of "
-                          f"microbatches ({num_microbatches}) to be a multiple of pp {pp}; change --global-batch-size "
-                          f"or --micro-batch-size")
+    check_interleaved_microbatches(pp, vpp, num_microbatches)  # validate's rule for the batch flags
     if pp > 1 and num_microbatches < pp:
         warnings.warn(f"{num_microbatches} microbatches for {pp} pipeline stages: most stages will idle; "
                       f"use at least {pp} microbatches per step", stacklevel=2)
