@@ -6,11 +6,10 @@ drives it step by step). Every rank runs the same control flow: the loss is know
 gradient norm is global, so the stability guard decides the same thing everywhere and no rank is left
 waiting in a collective the others skipped.
 
-Iterations count from 1: the step that takes the model from iteration k-1 to k is "iteration k" in the
-console, the metrics file and `--inject-fault KIND@k`. Side concerns live beside the loop, not in it:
-fault drills and the spike guard (stability.py), the profiler (profiling.py), the pipeline trace
-(pipeline/trace.py), checkpoint I/O (checkpoint.Checkpointer) and `phase`, which names the work in
-progress for the launcher's one-line report of a failed collective.
+Iterations count from 1: the step from iteration k-1 to k is "iteration k" in the console, the metrics
+and `--inject-fault KIND@k`. Side concerns live beside the loop: fault drills and the spike guard
+(stability.py), the profiler, the pipeline trace, checkpoint I/O (checkpoint.Checkpointer) and `phase`,
+the work in progress that the launcher names when a collective fails.
 """
 from __future__ import annotations
 
@@ -64,8 +63,7 @@ class Trainer:
         tr, lg = self.cfg.training, self.cfg.logging
         train = self.batch_sizes.samples_before(tr.train_iters) * self.guard.data_headroom
         evaluations = (tr.train_iters // lg.eval_interval + 1) if lg.eval_interval else 0
-        train_ds, valid_ds, _ = build_datasets(self.cfg, train, evaluations * lg.eval_iters * tr.global_batch_size, 0)
-        return train_ds, valid_ds
+        return build_datasets(self.cfg, train, evaluations * lg.eval_iters * tr.global_batch_size, 0)[:2]
 
     @property
     def consumed(self) -> int:
@@ -129,7 +127,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def _tensors(self, dataset, microbatches: list) -> list:
-        return [make_batch(dataset, indices, device=self.device) for indices in microbatches]
+        return [make_batch(dataset, ids, device=self.device) for ids in microbatches]
 
     def train_step(self) -> tuple:
         """Forward-backward over this iteration's microbatches, grad reduction, optimizer step (or its skip)."""

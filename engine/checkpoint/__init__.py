@@ -17,9 +17,10 @@ written to iter_N.tmp/, fsync'd, renamed, and only then named by `latest` (see s
 
 A run saves and loads through a `Checkpointer` (checkpointer.py), which keeps the asynchronous save in
 flight; `save_checkpoint` / `load_checkpoint` are the single operations beneath it (every rank calls
-each one). `extra_state` must be JSON-serializable. Damaged or missing checkpoints raise engine.config.ConfigError
-with one line naming the file. Tools: `CheckpointReader` reads any slice of a saved tensor;
-`load_merged` loads tools/merge_ckpt.py's native output into model chunks.
+each one). metadata.json is typed in metadata.py. `extra_state` must be JSON-serializable. Damaged or
+missing checkpoints raise engine.config.ConfigError with one line naming the file. Tools:
+`CheckpointReader` reads any slice of a saved tensor; `load_merged` loads tools/merge_ckpt.py's native
+output into model chunks.
 """
 from engine.checkpoint.checkpointer import Checkpointer
 from engine.checkpoint.loader import latest_iteration, load_checkpoint
