@@ -321,7 +321,8 @@ def _coerce(name: str, value):
             raise ValueError
         return conv(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{flag_of(name)}: value {value!r} is not a valid {t.__name__}; fix the config file") from None
+        raise ConfigError(f"{flag_of(name)}: value {value!r} is not a valid {t.__name__}; "
+                          "fix the config file") from None
 
 
 def parse_config(argv: Optional[list] = None) -> Config:

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from engine.config import precision_name
+from engine.config import model_dtype, precision_name
 from engine.parallel import comm
 from engine.parallel.layers import spec_of
 from engine.planner.memory import GIB, Layout, memory_per_gpu
@@ -20,7 +20,8 @@ from kernels import dispatch
 def stage_parameters(chunks, ctx) -> list:
     """Parameters of each pipeline stage, whole tensors (tp shards counted once), the tied embedding's copy
     on the last stage not counted. Collective: every rank calls it (all_gather_object over all ranks)."""
-    mine = sum(math.prod(spec_of(p).full_shape) for c in chunks for p in c.parameters() if spec_of(p).copy_of is None)
+    specs = [spec_of(p) for c in chunks for p in c.parameters()]
+    mine = sum(math.prod(s.full_shape) for s in specs if s.copy_of is None)
     per_stage = [0] * ctx.pp_size
     for pp_rank, tp_rank, dp_rank, count in comm.all_gather_object((ctx.pp_rank, ctx.tp_rank, ctx.dp_rank, mine)):
         if tp_rank == 0 and dp_rank == 0:
@@ -51,10 +52,11 @@ def banner(cfg, ctx, chunks, device, layout: str) -> str:
     Collective (the per-stage parameter count is gathered from every rank): every rank calls it.
     """
     per_stage = stage_parameters(chunks, ctx)
-    tr = cfg.training
-    gbs = tr.global_batch_size or tr.micro_batch_size * ctx.dp_size
+    tr, gbs = cfg.training, cfg.training.global_batch_size  # cfg is resolved (engine.config.resolve)
     accum = gbs // (tr.micro_batch_size * ctx.dp_size)
-    kernels = dispatch.kernel_report(torch.device(device), cfg.model.attention_backend)
+    # Attention as the layers resolved it: for the run's dropout and parameter dtype.
+    kernels = dispatch.kernel_report(torch.device(device), cfg.model.attention_backend, cfg.model.attention_dropout,
+                                     model_dtype(cfg))
     mem = memory_estimate(cfg, ctx, gbs, kernels["attention"])
     ramp = f" (ramp-up: {' '.join(map(str, tr.rampup_batch_size))})" if tr.rampup_batch_size else ""
     stages = ", ".join(f"stage {i}: {n:,}" for i, n in enumerate(per_stage))

@@ -10,8 +10,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from engine.checkpoint import files
-from engine.checkpoint.loader import load_checkpoint
+from engine.checkpoint.loader import latest_iteration, load_checkpoint
 from engine.checkpoint.saver import PendingSave, save_checkpoint
 
 
@@ -37,7 +36,7 @@ class Checkpointer:
         pending = self.pending
         if pending is not None and os.path.abspath(pending.save_dir) == os.path.abspath(directory):
             return pending.iteration
-        return files.read_latest(directory)
+        return latest_iteration(directory)
 
     def load(self, directory: str, model_chunks: list, optimizer, load_optim: bool = True) -> Optional[dict]:
         """Load the newest complete checkpoint of `directory` (see loader.load_checkpoint); None if there is none."""

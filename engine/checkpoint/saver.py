@@ -44,7 +44,7 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks: list, optimizer
     part.rng = rng.capture(ctx.rng)
     everyone = all_gather_object(part)
     meta = CheckpointMeta.build(everyone, iteration, ctx, cfg.to_dict(), extra_state) if ctx.rank == 0 else None
-    writers = sorted(part.rank for part in everyone if part.files)
+    writers = sorted(p.rank for p in everyone if p.files)
     timeout = 60.0 * max(cfg.parallel.distributed_timeout_minutes, 1.0)
     job = PendingSave(save_dir, tmp, iteration, shards, ctx.rank, meta, writers, cfg.checkpoint, timeout)
     if async_save:

@@ -11,11 +11,11 @@ train_tokenizer.py) drive `preprocess` and `tokenizer` directly.
 from engine.data.build import build_datasets
 from engine.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter, token_dtype
 from engine.data.rampup import BatchSizeSchedule
-from engine.data.sampler import BatchSampler, rank_microbatches
+from engine.data.sampler import BatchSampler
 from engine.data.tokenizer import Tokenizer
 
 __all__ = ["BatchSampler", "BatchSizeSchedule", "IndexedDataset", "IndexedDatasetWriter", "Tokenizer",
-           "build_datasets", "make_batch", "rank_microbatches", "token_dtype"]
+           "build_datasets", "make_batch", "token_dtype"]
 
 
 def __getattr__(name: str):

@@ -20,7 +20,8 @@ def build_datasets(cfg: Config, train_samples: int, valid_samples: int, test_sam
     d, seq_length, seed = cfg.data, cfg.model.seq_length, cfg.training.seed
     sizes = (train_samples, valid_samples, test_samples)
     if d.mock_data:
-        return tuple(MockGPTDataset(seq_length, cfg.model.vocab_size, n, seed + k) if n else None for k, n in enumerate(sizes))
+        vocab = cfg.model.vocab_size
+        return tuple(MockGPTDataset(seq_length, vocab, n, seed + k) if n else None for k, n in enumerate(sizes))
     if not d.data_path:
         raise ConfigError("--data-path (none): give --data-path PREFIX or use --mock-data")
     sources = data_prefixes(d.data_path)

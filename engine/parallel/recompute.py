@@ -1,8 +1,9 @@
 """Activation recomputation that replays dropout exactly.
 
 Forward runs `fn` without keeping its activations; backward runs it again from the saved inputs and
-back-propagates through the replay. Inputs may be None (an optional argument such as rotary angles). The default generator and every tracked stream are captured at
-the first run and restored for the replay (then put back), so recomputed dropout masks match.
+back-propagates through the replay; an input may be None (an optional argument such as rotary angles).
+The default generator and every tracked stream are captured at the first run and restored for the
+replay (then put back), so recomputed dropout masks match.
 """
 from __future__ import annotations
 
