@@ -73,7 +73,9 @@ class Attention(nn.Module):
         k, v = qkv[..., per_group, :], qkv[..., per_group + 1, :]
         if freqs is not None:
             q, k = dispatch.apply_rope(q, freqs), dispatch.apply_rope(k, freqs)
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        # Attention keeps q, k and v for backward: each gets storage of its own (RoPE's output or a copy),
+        # so that no view keeps the whole fused QKV output alive.
+        q, k, v = (t.contiguous().transpose(0, 1) for t in (q, k, v))
         out = recompute(self._core, self.ctx.rng, q, k, v) if self.selective and self.training else self._core(q, k, v)
         return self.proj(out.transpose(0, 1).reshape(s, b, -1))
 
@@ -198,8 +200,7 @@ class GPTModel(nn.Module):
         return self.head(self.final_norm(x), labels, loss_mask)
 
     def head(self, x, labels, loss_mask):
-        x = mappings.enter_tp(x, self.ctx)
-        logits = F.linear(x, self.output_weight())  # [s, b, V/tp]
+        logits = mappings.enter_tp_linear(x, self.output_weight(), None, self.ctx)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)
         s, b, v = logits.shape

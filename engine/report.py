@@ -70,5 +70,7 @@ def banner(cfg, ctx, chunks, device, layout: str) -> str:
              f"{_size(mem.allocated)} allocated (weights {_size(mem.weights)}, grads {_size(mem.grads)}, optimizer "
              f"{_size(mem.optimizer)}, activations {_size(mem.activations)}, logits {_size(mem.logits)}) "
              f"+ allocator slack and the CUDA-context reserve",
-             f"kernels: {json.dumps(kernels)}"]
+             f"kernels: {json.dumps(kernels)}",
+             f"device: {device}" + (f", {torch.get_num_threads()} CPU threads per process"
+                                   if torch.device(device).type == "cpu" else "")]
     return "\n".join(lines)

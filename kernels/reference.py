@@ -3,6 +3,10 @@
 Each function computes in fp32 and returns the input's dtype, which is what the kernels do too, so the
 two agree to rounding. Everything here is differentiable by autograd except the cross-entropy
 primitives, which the engine's autograd Function (engine/parallel/cross_entropy.py) wires together.
+The norms, RoPE and SwiGLU are autograd Functions with their backward written out, so that what they
+keep for backward is what the gradient needs and no more (the input and 1/rms, the angle table, gate
+and up), as the Triton kernels do; tests/test_kernels.py checks each against autograd of the same
+formula in float64.
 """
 from __future__ import annotations
 
@@ -17,20 +21,62 @@ import torch.nn.functional as F
 CE_CHUNK_ELEMENTS = 1 << 24
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """t in fp32, or wider (float64 stays float64 so gradcheck can verify the written-out backwards)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+class _RMSNorm(torch.autograd.Function):
+    """y = x / rms(x) * weight, keeping only x and 1/rms for backward (not the normalised copy)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = _wide(x)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd * _wide(weight)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        xhat, dyf = _wide(x) * rstd, _wide(dy)
+        g = dyf * _wide(weight)
+        dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+        dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return dx.to(x.dtype), dw, None
+
+
+class _LayerNorm(torch.autograd.Function):
+    """y = (x - mean) / std * weight + bias, keeping x, the mean and 1/std for backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        xf = _wide(x)
+        mean = xf.mean(-1, keepdim=True)
+        rstd = torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.has_bias = bias is not None
+        y = (xf - mean) * rstd * _wide(weight)
+        return (y + _wide(bias) if bias is not None else y).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        xhat, dyf = (_wide(x) - mean) * rstd, _wide(dy)
+        g = dyf * _wide(weight)
+        dx = rstd * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+        rows = dyf.reshape(-1, x.shape[-1])
+        dw = (rows * xhat.reshape(rows.shape)).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        db = rows.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx.to(x.dtype), dw, db, None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
+    return _RMSNorm.apply(x, weight, eps)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    xf = x.float()
-    mean = xf.mean(-1, keepdim=True)
-    var = (xf - mean).pow(2).mean(-1, keepdim=True)
-    y = (xf - mean) * torch.rsqrt(var + eps) * weight.float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
+    return _LayerNorm.apply(x, weight, bias, eps)
 
 
 def add_rms_norm(x, residual, weight, eps):
@@ -43,17 +89,52 @@ def add_layer_norm(x, residual, weight, bias, eps):
     return layer_norm(s, weight, bias, eps), s
 
 
+def _rotate(x: torch.Tensor, freqs: torch.Tensor, sign: float) -> torch.Tensor:
+    """Rotate the pairs (i, i + d/2) of x [s, b, n, d] by sign * freqs [s, d/2], in fp32."""
+    angles = _wide(torch.cat((freqs, freqs), dim=-1))[:, None, None, :]
+    xf = _wide(x)
+    x1, x2 = xf.chunk(2, dim=-1)
+    return xf * angles.cos() + torch.cat((-x2, x1), dim=-1) * (sign * angles.sin())
+
+
+class _Rope(torch.autograd.Function):
+    """Keeps only the angles (one table per forward, shared by every layer); backward rotates back."""
+
+    @staticmethod
+    def forward(ctx, x, freqs):
+        ctx.save_for_backward(freqs)
+        return _rotate(x, freqs, 1.0).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (freqs,) = ctx.saved_tensors
+        return _rotate(dy, freqs, -1.0).to(dy.dtype), None
+
+
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """x [s, b, n, d], freqs [s, d/2] angles; rotate-half pairs (i, i + d/2)."""
-    angles = torch.cat((freqs, freqs), dim=-1).float()[:, None, None, :]
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (xf * angles.cos() + rotated * angles.sin()).to(x.dtype)
+    return _Rope.apply(x, freqs)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up, keeping gate and up (views of one fc1 output) and recomputing silu in backward."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return (F.silu(_wide(gate)) * _wide(up)).to(gate.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        gf, dyf = _wide(gate), _wide(dy)
+        sig = torch.sigmoid(gf)
+        dgate = dyf * _wide(up) * sig * (1.0 + gf * (1.0 - sig))
+        return dgate.to(gate.dtype), (dyf * gf * sig).to(up.dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+    return _SwiGLU.apply(gate, up)
 
 
 def attention(q, k, v, causal=True, dropout_p=0.0, softmax_scale=None):

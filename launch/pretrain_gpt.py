@@ -87,15 +87,16 @@ def _restart_store(rank: int, world: int, timeout):
 
 
 def _pick_device(cfg, world: int) -> tuple:
-    """(device, backend): cuda + nccl when asked for or visible, else cpu + gloo with this process's share of
-    the cores."""
+    """(device, backend): cuda + nccl when asked for or visible, else cpu + gloo with OMP_NUM_THREADS threads
+    where the user set it, this process's share of the cores otherwise."""
     import torch
     if cfg.training.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu or auto")
     if cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available()):
         torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
         return f"cuda:{torch.cuda.current_device()}", "nccl"
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(_env_int("LOCAL_WORLD_SIZE", world), 1)))
+    if not os.environ.get("OMP_NUM_THREADS"):  # the user's setting wins; torch has already applied it
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(_env_int("LOCAL_WORLD_SIZE", world), 1)))
     return "cpu", "gloo"
 
 

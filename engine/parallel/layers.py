@@ -5,7 +5,8 @@ keeps weights and checkpoints layout-independent: its full shape and TP axis, ho
 and the few facts the gradient code, the norm and the checkpoint need. `init_weights` draws each full
 tensor from a generator seeded by (seed, init_key) and keeps this rank's slice, so tp 1 and tp 4 start
 from the same full tensors. Each layer enters and leaves its tensor-parallel region through
-`mappings.enter_tp` / `mappings.exit_tp`, which pick the communication the parallel context calls for.
+`mappings.enter_tp_linear` / `mappings.exit_tp`, which pick the communication the parallel context
+calls for (under sequence parallelism a column-parallel linear keeps only its input's sequence shard).
 """
 from __future__ import annotations
 
@@ -107,10 +108,9 @@ class ColumnParallelLinear(nn.Module):
         self.bias = make_param(shape[:-1], axis, ctx, ("zeros",), device, dtype) if bias else None
 
     def forward(self, x):
-        x = mappings.enter_tp(x, self.ctx)
         w = self.weight.reshape(-1, self.weight.shape[-1])
         b = self.bias.reshape(-1) if self.bias is not None else None
-        return F.linear(x, w, b)
+        return mappings.enter_tp_linear(x, w, b, self.ctx)
 
 
 class RowParallelLinear(nn.Module):

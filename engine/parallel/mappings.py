@@ -10,10 +10,18 @@ reduce-scatter (seq) | all-gather (seq)    | output of a row-parallel linear und
 The layers do not choose between the rows: `enter_tp` (the input of a tensor-parallel region) and
 `exit_tp` (its output) take the pair the parallel context calls for, so sequence parallelism is
 decided here and in the context, and nowhere in the model.
+
+A column-parallel linear enters through `enter_tp_linear`, which fuses the entry with the matmul. Under
+sequence parallelism (`gather_linear`) it keeps only this rank's [s/tp, b, h] shard for backward and
+all-gathers it again there (as Megatron-LM does), instead of keeping the gathered [s, b, h] input:
+that is what makes sequence parallelism divide these inputs' memory by tp. The re-gather is started
+before the input-gradient matmul and waited for after it, and the input gradient's reduce-scatter
+runs while the weight gradient is computed, so on a GPU both hide behind matmuls.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from engine.parallel import comm
 
@@ -95,3 +103,46 @@ def enter_tp(x, ctx):
 def exit_tp(x, ctx):
     """Out of one: partial sums reduce-scattered to [s/tp, b, h] under sequence parallelism, else all-reduced."""
     return reduce_scatter_to_sp(x, ctx.tp_group) if ctx.sequence_parallel else reduce_from_tp(x, ctx.tp_group)
+
+
+class _GatherLinear(torch.autograd.Function):
+    """y = all_gather_seq(x) W^T + b, saving the shard x rather than the gathered input."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(_gather_seq(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        group, n = ctx.group, _size(ctx.group)
+        full, gathering = x, None
+        if n > 1:
+            full = torch.empty((x.shape[0] * n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+            gathering = comm.all_gather_into(full, x, group, async_op=True)
+        dx_full = dy.matmul(weight)
+        dx, scattering = dx_full, None
+        if n > 1:
+            gathering.wait()
+            dx = torch.empty(x.shape, dtype=dx_full.dtype, device=x.device)
+            scattering = comm.reduce_scatter_into(dx, dx_full, group, async_op=True)
+        rows = dy.reshape(-1, dy.shape[-1])
+        dw = rows.t().matmul(full.reshape(-1, full.shape[-1])) if ctx.needs_input_grad[1] else None
+        db = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if scattering is not None:
+            scattering.wait()
+        return dx, dw, db, None
+
+
+def gather_linear(x, weight, bias, group):
+    """A column-parallel linear on a sequence-parallel input [s/tp, b, h]: output [s, b, out/tp]."""
+    return _GatherLinear.apply(x, weight, bias, group)
+
+
+def enter_tp_linear(x, weight, bias, ctx):
+    """`F.linear(enter_tp(x, ctx), weight, bias)`, keeping only the sequence shard for backward under SP."""
+    if ctx.sequence_parallel and _size(ctx.tp_group) > 1:
+        return gather_linear(x, weight, bias, ctx.tp_group)
+    return F.linear(copy_to_tp(x, ctx.tp_group), weight, bias)
