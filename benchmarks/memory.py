@@ -23,8 +23,8 @@ recomputation keeps only the layer input [s', b, h] and the RoPE angles. Dropout
 Beside each case the planner's activation term (engine/planner/memory.py, the published formula in
 2-byte units with dropout masks, scaled here to fp32) is printed for the same shapes.
 
-On a CUDA machine (`--device cuda`, one process per tp rank via torchrun-free spawning) the same cases
-also report `torch.cuda.max_memory_allocated` growth over the layer's forward.
+On a CUDA machine (`--device cuda`: one process per GPU, the tp 2 cases need two) the same cases also
+report `torch.cuda.max_memory_allocated` growth over the layer's forward.
 """
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def measure(cfg: ModelConfig, ctx, device) -> tuple:
     return saved.total(), saved.storages, peak
 
 
-def _worker(rank, world, init_file, device_type, breakdown, out):
+def _worker(rank, world, init_file, device_type, out):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     backend = "nccl" if device_type == "cuda" else "gloo"
@@ -135,7 +135,7 @@ def _worker(rank, world, init_file, device_type, breakdown, out):
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     rows = []
-    for tp, sp, rc in CASES:
+    for tp, sp, rc in [c for c in CASES if c[0] <= world]:
         ctx = build_context(world, rank, tp, 1, sequence_parallel=sp, device_type=device_type)
         cfg = llama_config(rc)
         measured, storages, peak = measure(cfg, ctx, device)
@@ -152,10 +152,11 @@ def _worker(rank, world, init_file, device_type, breakdown, out):
 
 
 def run(device_type: str = "cpu") -> list:
-    """Every case's measured and expected bytes (spawns 2 ranks)."""
+    """Every case's measured and expected bytes (2 ranks; on a single GPU, the tp 1 cases only)."""
+    world = 2 if device_type == "cpu" else min(2, torch.cuda.device_count())
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.pt")
-        mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), device_type, False, out), nprocs=2, join=True)
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), device_type, out), nprocs=world, join=True)
         return torch.load(out, weights_only=False)
 
 
@@ -179,8 +180,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--breakdown", action="store_true", help="list the expected items and the saved storages")
     args = ap.parse_args(argv)
-    if args.device == "cuda" and torch.cuda.device_count() < 2:
-        print("--device cuda needs 2 GPUs (tp 2 cases); use --device cpu", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device is visible; use --device cpu", file=sys.stderr)
         return 2
     rows = run(args.device)
     cfg = llama_config("none")
