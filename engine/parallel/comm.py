@@ -4,17 +4,92 @@ Keeping them here pins the API surface to what exists from torch 2.11 to 2.15: t
 `all_gather_into_tensor` / `reduce_scatter_tensor`, but their replacements are missing in 2.11, so the
 old names stay and only that deprecation warning is silenced, here and nowhere else. The object
 collectives and `any_rank` also work in a single process without torch.distributed (tools, tests).
+
+Byte counting: inside `with counting() as counter:` every collective and point-to-point transfer this
+process starts is appended to `counter.records` as a `CommRecord`: the operation, the group it ran on
+(None: the default group), the group's size, its payload in bytes and the bytes this rank sends under
+the standard ring algorithms. With n ranks in the group:
+    all-reduce of N bytes                     2(n-1)/n * N
+    all-gather producing N bytes in all        (n-1)/n * N   ((n-1) times this rank's input)
+    reduce-scatter of an N-byte input          (n-1)/n * N   ((n-1) times this rank's output)
+    broadcast of N bytes                       N on the source rank, 0 elsewhere
+    point-to-point send / receive of N bytes   N / 0
+A group of one rank sends nothing (recorded with 0). Calls are recorded when they are started, async or
+not; object collectives and barriers (control traffic, outside the training step) are not counted.
+Outside `counting()` the only cost is one module-level None check per call.
 """
 from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 ReduceOp = dist.ReduceOp
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective or transfer seen by `counting()`."""
+    op: str          # all_reduce | all_gather | reduce_scatter | broadcast | send | recv
+    group: object    # the process group it ran on; None: the default group
+    group_size: int
+    payload: int     # bytes: the reduced tensor, the gathered output, the scattered input, the message
+    sent: float      # bytes this rank sends (ring algorithms, see the module docstring)
+
+
+@dataclass
+class CommCounter:
+    """The records of one `counting()` block, in the order the calls were started."""
+    records: list = field(default_factory=list)
+
+    def sent(self, group=..., op: Optional[str] = None) -> float:
+        """Bytes this rank sent, over all records or those on `group` (None: the default group) / of `op`."""
+        return sum(r.sent for r in self.records
+                   if (group is ... or r.group is group) and (op is None or r.op == op))
+
+    def sent_by_group(self) -> list:
+        """[(group, bytes sent)] for every group that carried traffic, in order of first use."""
+        totals: dict = {}
+        for r in self.records:
+            entry = totals.setdefault(id(r.group), [r.group, 0.0])
+            entry[1] += r.sent
+        return [tuple(v) for v in totals.values()]
+
+
+_counter: Optional[CommCounter] = None
+
+# Bytes sent, as a multiple of the payload, by an op over n ranks (broadcast and p2p are special-cased).
+_RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+                "reduce_scatter": lambda n: (n - 1) / n}
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[CommCounter]:
+    """Record every collective and transfer started in the block (nested blocks: the inner one records)."""
+    global _counter
+    outer, _counter = _counter, CommCounter()
+    try:
+        yield _counter
+    finally:
+        _counter = outer
+
+
+def _record(op: str, t: torch.Tensor, group, src: Optional[int] = None) -> None:
+    n = world_size(group)
+    payload = t.numel() * t.element_size()
+    if n == 1 or op == "recv":
+        sent = 0.0
+    elif op == "send":
+        sent = float(payload)
+    elif op == "broadcast":
+        sent = float(payload) if rank() == src else 0.0
+    else:
+        sent = _RING_FACTOR[op](n) * payload
+    _counter.records.append(CommRecord(op, group, n, payload, sent))
 
 
 @contextlib.contextmanager
@@ -34,23 +109,31 @@ def rank(group=None) -> int:
 
 
 def all_reduce(t: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False):
+    if _counter is not None:
+        _record("all_reduce", t, group)
     return dist.all_reduce(t, op=op, group=group, async_op=async_op)
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """Concatenate every rank's `inp` along dim 0 into `out`."""
+    if _counter is not None:
+        _record("all_gather", out, group)
     with _quiet():
         return dist.all_gather_into_tensor(out, inp.contiguous(), group=group, async_op=async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False):
     """Sum `inp` over ranks and keep this rank's dim-0 slice in `out`."""
+    if _counter is not None:
+        _record("reduce_scatter", inp, group)
     with _quiet():
         return dist.reduce_scatter_tensor(out, inp.contiguous(), op=op, group=group, async_op=async_op)
 
 
 def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False):
     """`src` is a global rank."""
+    if _counter is not None:
+        _record("broadcast", t, group, src)
     return dist.broadcast(t, src=src, group=group, async_op=async_op)
 
 
@@ -91,6 +174,10 @@ def batch_isend_irecv(ops: list) -> list:
     """Post sends and receives (all on one group) as one batch; returns the work handles to wait on.
 
     nccl runs the batch as one group call (one handle for all); gloo posts each op on its own."""
+    if _counter is not None:
+        world = dist.group.WORLD  # a P2POp made with group None holds the default group itself
+        for p2p in ops:
+            _record("send" if p2p.op is dist.isend else "recv", p2p.tensor, None if p2p.group is world else p2p.group)
     return dist.batch_isend_irecv(ops)
 
 
