@@ -17,6 +17,7 @@ setup(
         "tensorboard",
         "safetensors",
         "matplotlib",
+        "tqdm",
         'triton; platform_system == "Linux" and platform_machine == "x86_64"',
     ],
     extras_require={

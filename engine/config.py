@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -130,7 +131,8 @@ class DataConfig:
     data_path: Optional[list] = _f(None, "[W1] PREFIX1 [W2 PREFIX2 ...]: indexed datasets and blend weights", nargs="+")
     split: str = _f("969,30,1", "train,valid,test proportions of the documents")
     tokenizer_model: Optional[str] = _f(None, "SentencePiece model file")
-    mock_data: bool = _f(False, "synthetic tokens that depend only on --seed and the sample index")
+    mock_data: bool = _f(False, "synthetic tokens that depend only on --seed and the sample index (a config "
+                                "file's mock_data gives way to --data-path)")
     data_phases: Optional[list] = _f(None, "blend phases: a list of {start_iter, weights}", yaml_only=True)
 
 
@@ -144,6 +146,10 @@ class CheckpointConfig:
     keep_every: Optional[int] = _f(None, "also keep every checkpoint whose iteration is a multiple of N")
     ckpt_fallback: bool = _f(False, "if the newest checkpoint is damaged, load the newest complete one")
     no_load_optim: bool = _f(False, "load model weights only")
+    override_opt_param_scheduler: bool = _f(False, "on resume, keep this run's LR schedule where the checkpoint's "
+                                            "differs", aliases=("--override-opt_param-scheduler",))
+    use_checkpoint_opt_param_scheduler: bool = _f(False, "on resume, take the LR schedule the checkpoint was "
+                                                  "trained with", aliases=("--use-checkpoint-opt_param-scheduler",))
     exit_duration_in_mins: Optional[float] = _f(None, "save and exit after this many minutes")
 
 
@@ -189,6 +195,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     stability: StabilityConfig = field(default_factory=StabilityConfig)
     config_file: Optional[str] = None
+    notices: list = field(default_factory=list)  # lines the launcher prints once (rank 0): choices made for the user
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
@@ -236,12 +243,58 @@ def _field_type(f) -> type:
     return typing.get_origin(t) or t
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that answers a mistake with one line, never the whole usage; an unknown flag names the nearest
+    known one. With `raise_errors` the line is raised as a ConfigError (the launcher prints it from rank 0
+    only); otherwise it is printed as `PROG: error: ...` and the process exits 2, as argparse does.
+    `script` is how the help is asked for in the hint; `elsewhere` maps a flag that exists in another form
+    (e.g. a YAML-only key) to the line that says so."""
+
+    def __init__(self, *args, raise_errors: bool = False, script: Optional[str] = None,
+                 elsewhere: Optional[dict] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.raise_errors, self.elsewhere = raise_errors, elsewhere or {}
+        self.script = script or self.prog
+
+    def parse_args(self, args=None, namespace=None):
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            message = self._unknown(extras)
+            self.error(message, hint="--help lists them" if message.startswith("unknown flag") else "--help")
+        return ns
+
+    def _unknown(self, extras: list) -> str:
+        first = extras[0]
+        if not first.startswith("-") or len(first) < 2:
+            return f"unexpected argument {first!r}: it follows no flag that takes it"
+        flag = first.split("=", 1)[0]
+        if flag in self.elsewhere:
+            return self.elsewhere[flag]
+        known = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        near = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        return f"unknown flag {flag}" + (f"; did you mean {near[0]}?" if near else "")
+
+    def print_help(self, file=None):
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, once (rank 0) rather than on every process
+            super().print_help(file)
+
+    def error(self, message: str, hint: str = "--help lists the flags"):
+        line = f"{message} (python {self.script} {hint})"
+        if self.raise_errors:
+            raise ConfigError(line)
+        self.exit(2, f"{self.prog}: error: {line}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    """The launcher's flags. A mistake raises ConfigError (one line); `--help` prints the usage and exits 0."""
+    yaml_only = {flag_of(f.name): f"{flag_of(f.name)}: {f.name} has no command-line form; set it in the --config "
+                                  "YAML file" for _, f in _all_fields() if f.metadata["yaml_only"]}
+    p = OneLineParser(
         prog="pretrain_gpt.py",
         description="Ternion: pretrain GPT/Llama models with tensor, pipeline and data parallelism. "
-                    "Run under torchrun; YAML keys are these flag names.",
-        argument_default=argparse.SUPPRESS)
+                    "Run under torchrun; YAML keys are these flag names. Each boolean flag --X has a --no-X "
+                    "that switches it off (a value from the YAML file included).",
+        argument_default=argparse.SUPPRESS, raise_errors=True, script="launch/pretrain_gpt.py", elsewhere=yaml_only)
     p.add_argument("--config", help="YAML file of flag values; command-line flags override it")
     for section, cls in SECTIONS.items():
         group = p.add_argument_group(section)
@@ -253,8 +306,13 @@ def build_parser() -> argparse.ArgumentParser:
             kw: dict[str, Any] = dict(dest=f.name, help=f"{m['help']} (default: {_default_of(f)})")
             if m["action"] == "append":
                 kw["action"] = "append"
-            elif _field_type(f) is bool:
+            elif _field_type(f) is bool and f.name.startswith("no_"):
+                # --no-load-optim keeps its Megatron-LM name; its opposite switches it off.
                 kw["action"] = "store_true"
+                group.add_argument(flag_of(f.name[3:]), dest=f.name, action="store_false",
+                                   help=f"switch off {flag_of(f.name)} (e.g. set in the YAML file)")
+            elif _field_type(f) is bool:
+                kw["action"] = argparse.BooleanOptionalAction
             else:
                 kw["type"] = m["type"] or _scalar_type(f)
                 if m["nargs"]:
@@ -326,17 +384,43 @@ def _coerce(name: str, value):
 
 
 def parse_config(argv: Optional[list] = None) -> Config:
-    """Flags (and the YAML they name) -> Config. Raises ConfigError; argparse exits 2 on bad syntax."""
+    """Flags (and the YAML they name) -> Config. Raises ConfigError, bad syntax and unknown flags included."""
     ns = vars(build_parser().parse_args(argv))
     values = {}
     cfg_file = ns.pop("config", None)
     if cfg_file:
         values.update({k: _coerce(k, v) for k, v in _load_yaml(cfg_file).items()})
     values.update(ns)
-    cfg = Config(config_file=cfg_file)
+    cfg = Config(config_file=cfg_file, notices=_mock_or_data(values, set(ns), cfg_file))
     for name, value in values.items():
         setattr(getattr(cfg, FIELD_SECTION[name]), name, value)
     return cfg
+
+
+def _mock_or_data(values: dict, given: set, cfg_file: Optional[str]) -> list:
+    """Settle --mock-data against --data-path in `values`; returns the notices that say what was chosen.
+
+    Data that is given is trained on: a file's `mock_data: true` gives way to --data-path (or to the file's
+    own data_path). Only --mock-data on the command line beats a data_path from the file; both on the
+    command line contradict each other."""
+    notices = []
+    data, tokenizer = values.get("data_path"), values.get("tokenizer_model")
+    if values.get("mock_data") and data:
+        if {"mock_data", "data_path"} <= given:
+            raise ConfigError("--mock-data with --data-path: choose one (--mock-data trains on synthetic tokens, "
+                              "--data-path on your data)")
+        if "mock_data" in given:
+            values["data_path"] = None
+            notices.append(f"--mock-data: training on synthetic tokens; the data_path of {cfg_file} is not used")
+        else:
+            values["mock_data"] = False
+            where = "--data-path" if "data_path" in given else f"data_path in {cfg_file}"
+            notices.append(f"{where} given: training on {' '.join(data)}, not on the synthetic tokens that "
+                           f"mock_data: true in {cfg_file} asks for (pass --mock-data for those)")
+    elif values.get("mock_data") and tokenizer:
+        notices.append(f"--tokenizer-model {tokenizer} is not used: mock_data trains on synthetic tokens; give "
+                       "--data-path to train on your data")
+    return notices
 
 
 def _err(flag: str, value, fix: str):
@@ -355,9 +439,12 @@ def data_prefixes(data_path: list) -> list:
             weight = float(w)
         except ValueError:
             _err("--data-path", w, "expected a weight (a number) before each prefix")
-        if weight < 0:
-            _err("--data-path", w, "weights must be non-negative")
+        if not math.isfinite(weight) or weight < 0:
+            _err("--data-path", w, "each blend weight must be a finite non-negative number (e.g. 0.7)")
         pairs.append((weight, p))
+    if sum(weight for weight, _ in pairs) <= 0:
+        _err("--data-path", " ".join(data_path), "the blend weights sum to 0; give at least one source a positive "
+                                                 "weight")
     return pairs
 
 
@@ -376,6 +463,7 @@ def validate(cfg: Config, world_size: int) -> None:
     _check_optim(cfg.optim)
     _check_logging(cfg.logging)
     _check_files(cfg)
+    _check_checkpoint(cfg.checkpoint)
     _check_stability(cfg.stability)
 
 
@@ -536,8 +624,19 @@ def _check_files(cfg: Config) -> None:
                          f"{prefix + ext} not found; give the prefix without .bin/.idx, made by tools/preprocess_data.py")
     if not d.data_path and not d.mock_data:
         _err("--data-path", "(none)", "give --data-path PREFIX or use --mock-data")
+    if d.data_path and not d.mock_data:
+        from engine.data.build import check_data  # opens each index (numpy only): empty data, ids past the vocabulary
+        check_data(d.data_path, data_vocab_size(cfg), vocab_source(cfg))
     if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
         _err("--load", cfg.checkpoint.load, "directory not found; check the path or drop --load")
+
+
+def _check_checkpoint(ck: CheckpointConfig) -> None:
+    if ck.override_opt_param_scheduler and ck.use_checkpoint_opt_param_scheduler:
+        _err("--override-opt-param-scheduler", "with --use-checkpoint-opt-param-scheduler",
+             "they contradict each other: keep this run's LR schedule or the checkpoint's, not both")
+    if ck.load and os.path.isfile(ck.load):
+        _err("--load", ck.load, "is a file; give the --save directory of a run (or one of its iter_NNNNNNN folders)")
 
 
 def _check_stability(st: StabilityConfig) -> None:
@@ -567,15 +666,34 @@ def resolve(cfg: Config, world_size: int) -> Config:
     The vocabulary size becomes the tokenizer's when a tokenizer reads real data, else --vocab-size, else
     256 (mock data); the global batch size defaults to micro batch x dp. Idempotent; returns `cfg`.
     """
-    m, tr, d = cfg.model, cfg.training, cfg.data
-    if d.tokenizer_model and not d.mock_data:
-        from engine.data.tokenizer import Tokenizer  # a leaf module (sentencepiece); only runs on real text need it
-        m.vocab_size = Tokenizer(d.tokenizer_model).vocab_size
-    elif not m.vocab_size:
-        m.vocab_size = DEFAULT_VOCAB_SIZE
+    m, tr = cfg.model, cfg.training
+    m.vocab_size = data_vocab_size(cfg)
     if tr.global_batch_size is None:
         tr.global_batch_size = tr.micro_batch_size * (world_size // (cfg.tp * cfg.pp))
     return cfg
+
+
+def data_vocab_size(cfg: Config) -> int:
+    """The vocabulary a run trains with: the tokenizer's when one reads real data, else --vocab-size, else 256."""
+    d = cfg.data
+    if d.tokenizer_model and not d.mock_data:
+        from engine.data.tokenizer import Tokenizer  # a leaf module (sentencepiece); only runs on real text need it
+        try:
+            return Tokenizer(d.tokenizer_model).vocab_size
+        except (OSError, RuntimeError):
+            _err("--tokenizer-model", d.tokenizer_model, "not a SentencePiece model; train one with "
+                                                         "tools/train_tokenizer.py")
+    return cfg.model.vocab_size or DEFAULT_VOCAB_SIZE
+
+
+def vocab_source(cfg: Config) -> str:
+    """Which flag set the vocabulary size, for messages about token ids."""
+    d, vocab = cfg.data, cfg.model.vocab_size
+    if d.tokenizer_model and not d.mock_data:
+        return f"--tokenizer-model {d.tokenizer_model}"
+    if vocab is None:
+        return f"{DEFAULT_VOCAB_SIZE}, the default without --tokenizer-model or --vocab-size"
+    return f"--vocab-size {vocab}"
 
 
 def precision_name(cfg: Config) -> str:

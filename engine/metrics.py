@@ -11,12 +11,20 @@ Record kinds, one JSON object per line:
 - validation: {"iteration", "split": "valid", "lm_loss", "ppl"}
 - event:      {"iteration", "event": KIND, ...details}  (KIND: spike, rollback, skip, nan, ...)
 NaN and inf are not JSON: they are written as null (the event record says what happened).
+
+The console line (`LogInterval`, printed every --log-interval iterations) follows Megatron-LM's layout and
+shows the interval, not its last iteration: the loss averaged over the interval, the speed as its tokens
+over its time, and an ETA from the speed since start. `save_report` words the lines around a checkpoint
+save; `arguments_path` is where the launcher keeps the resolved arguments (engine.report.report_arguments).
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import math
 import os
+import threading
 import time
 from typing import Optional
 
@@ -43,6 +51,13 @@ def metrics_path(cfg) -> Optional[str]:
     if save:
         return os.path.join(save, "metrics.jsonl")
     return None
+
+
+def arguments_path(cfg) -> Optional[str]:
+    """Where the resolved arguments are kept: beside the metrics file, its name with `.args.json` for the
+    extension (`<tensorboard-dir>/metrics.args.json` by default); None when there is no metrics file."""
+    path = metrics_path(cfg)
+    return os.path.splitext(path)[0] + ".args.json" if path else None
 
 
 def peak_tflops(cfg, device: torch.device) -> Optional[float]:
@@ -93,10 +108,12 @@ def _clean(value):
 class MetricsWriter:
     """`log_train(record)`, `log_valid(iteration, loss)`, `log_event(iteration, kind, **info)`, `close()`.
 
-    `start_iteration`: the iteration a resumed run continues from (0 for a fresh run).
+    `start_iteration`: the iteration a resumed run continues from (0 for a fresh run). `log_train` returns
+    the console line when one is due (see `LogInterval`), else None.
     """
 
     def __init__(self, cfg, rank: int, start_iteration: int = 0):
+        self.console = LogInterval(cfg.logging.log_interval)
         self.path = metrics_path(cfg) if rank == 0 else None
         self.file = None
         self.tb = None
@@ -117,7 +134,8 @@ class MetricsWriter:
         if self.tb and isinstance(value, (int, float)) and not isinstance(value, bool):
             self.tb.add_scalar(tag, value, step)
 
-    def log_train(self, record: dict) -> None:
+    def log_train(self, record: dict) -> Optional[str]:
+        """Write the iteration's record as it is (per iteration); return the console line if one is due."""
         missing = [k for k in TRAIN_KEYS if k not in record]
         if missing:
             raise ValueError(f"training record lacks {', '.join(missing)} (None is allowed, absence is not)")
@@ -125,6 +143,7 @@ class MetricsWriter:
         for key, tag in TB_TAGS.items():
             if key in record:
                 self._scalar(tag, record[key], record["iteration"])
+        return self.console.add(record)
 
     def log_valid(self, iteration: int, loss: float, **extra) -> None:
         loss = _clean(loss)
@@ -145,59 +164,164 @@ class MetricsWriter:
             self.tb = None
 
 
-def _si(x: float) -> str:
-    """12345678 -> '12.3M'."""
+def _si(x: float, digits: int = 3) -> str:
+    """12345678 -> '12.3M' (`digits` significant digits)."""
     for div, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(x) >= div:
-            return f"{x / div:.3g}{suffix}"
-    return f"{x:.3g}"
+            return f"{x / div:.{digits}g}{suffix}"
+    return f"{x:.{digits}g}"
 
 
 def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+    """3700 -> '1:01:40'; a day or more -> '2 days, 3:04:05'."""
+    return str(datetime.timedelta(seconds=round(seconds)))
+
+
+def timestamp(seconds: float) -> str:
+    """Epoch seconds -> '[2026-11-23 15:40:01]' (local time), the prefix of the console line."""
+    return time.strftime("[%Y-%m-%d %H:%M:%S]", time.localtime(seconds))
+
+
+def _number(x: float) -> str:
+    return f"{x:.1f}" if abs(x) >= 10 else f"{x:.3g}"
 
 
 def format_log_line(record: dict) -> str:
-    """One compact console line from a training record; fields that are absent or None are left out.
+    """The console line, in Megatron-LM's layout, from a training record or an interval's summary
+    (`LogInterval.summary`); fields that are absent or None are left out.
 
-    Besides the TRAIN_KEYS it reads the optional keys train_iters, consumed_tokens (else
-    consumed_samples is shown), tokens_per_sec_per_gpu, mem_peak_gb, iter_time_s and eta_s (else the
-    ETA is the remaining iterations times iter_time_s).
+    Besides the TRAIN_KEYS it reads the optional keys time (epoch seconds: the timestamp), train_iters,
+    consumed_tokens, iter_time_s, tokens_per_sec_per_gpu, mem_peak_gb, skipped_iterations (those of the
+    interval; without it the line shows none) and eta_s (else the remaining iterations times iter_time_s).
     """
     r = {k: _clean(v) for k, v in record.items()}
     have = lambda key: r.get(key) is not None  # noqa: E731
     total = r.get("train_iters")
-    parts = [f"iter {r['iteration']}" + (f"/{total}" if total else "")]
+    head = f"{timestamp(r['time'])} " if have("time") else ""
+    parts = [f"{head}iteration {r['iteration']:8d}" + (f"/{total:8d}" if total else "")]
+    if have("consumed_samples"):
+        parts.append(f"consumed samples: {r['consumed_samples']:12d}")
     if have("consumed_tokens"):
-        parts.append(f"tokens {_si(r['consumed_tokens'])}")
-    elif have("consumed_samples"):
-        parts.append(f"samples {_si(r['consumed_samples'])}")
-    parts.append(f"loss {r['lm_loss']:.4f}" if have("lm_loss") else "loss nan")
-    if have("lr"):
-        parts.append(f"lr {r['lr']:.3e}")
-    if have("grad_norm"):
-        parts.append(f"gnorm {r['grad_norm']:.3f}")
-    if have("loss_scale"):
-        parts.append(f"scale {r['loss_scale']:g}")
-    if have("skipped"):
-        parts.append(f"skipped {r['skipped']}")
-    if have("tokens_per_sec"):
-        per_gpu = f" ({_si(r['tokens_per_sec_per_gpu'])}/gpu)" if have("tokens_per_sec_per_gpu") else ""
-        parts.append(f"{_si(r['tokens_per_sec'])} tok/s{per_gpu}")
-    if have("tflops_per_gpu"):
-        t = r["tflops_per_gpu"]
-        parts.append(f"{t:.1f} TFLOP/s/gpu" if t >= 10 else f"{t:.3g} TFLOP/s/gpu")
-    if have("mfu"):
-        parts.append(f"MFU {100 * r['mfu']:.1f}%")
-    if have("mem_peak_gb"):
-        parts.append(f"mem {r['mem_peak_gb']:.1f} GiB")
+        parts.append(f"consumed tokens: {_si(r['consumed_tokens'], 4)}")
     if have("iter_time_s"):
-        parts.append(f"{1000 * r['iter_time_s']:.0f} ms/it")
+        parts.append(f"elapsed time per iteration (ms): {1000 * r['iter_time_s']:.1f}")
+    if have("tflops_per_gpu"):
+        parts.append(f"throughput per GPU (TFLOP/s/GPU): {_number(r['tflops_per_gpu'])}")
+    if have("tokens_per_sec"):
+        per_gpu = f" ({r['tokens_per_sec_per_gpu']:,.0f} per GPU)" if have("tokens_per_sec_per_gpu") else ""
+        parts.append(f"tokens per second: {r['tokens_per_sec']:,.0f}{per_gpu}")
+    if have("mfu"):
+        parts.append(f"MFU: {_number(100 * r['mfu'])}%")
+    if have("lr"):
+        parts.append(f"learning rate: {r['lr']:.6E}")
+    parts.append(f"lm loss: {r['lm_loss']:.6E}" if have("lm_loss") else "lm loss: nan")
+    if have("loss_scale"):
+        parts.append(f"loss scale: {r['loss_scale']:.1f}")
+    if have("grad_norm"):
+        parts.append(f"grad norm: {r['grad_norm']:.3f}")
+    if have("mem_peak_gb"):
+        parts.append(f"peak memory (GiB): {r['mem_peak_gb']:.2f}")
+    if have("skipped_iterations"):
+        parts.append(f"number of skipped iterations: {r['skipped_iterations']:3d}")
     if have("eta_s"):
-        parts.append(f"ETA {_duration(r['eta_s'])}")
+        parts.append(f"ETA: {_duration(r['eta_s'])}")
     elif have("iter_time_s") and total:
-        parts.append(f"ETA {_duration(max(total - r['iteration'], 0) * r['iter_time_s'])}")
+        parts.append(f"ETA: {_duration(max(total - r['iteration'], 0) * r['iter_time_s'])}")
     return " | ".join(parts)
+
+
+def _skipped(r: dict) -> bool:
+    """The stability guard's rule (engine.stability): a non-finite loss or gradient norm skips the step
+    (records hold non-finite values as None once cleaned)."""
+    return r.get("lm_loss") is None or ("grad_norm" in r and r["grad_norm"] is None)
+
+
+class LogInterval:
+    """The console line of every `log_interval` iterations, from the per-iteration training records.
+
+    `add(record)` once per iteration; it returns the line when one is due (the iteration is a multiple of
+    `log_interval`, or the record's last one, train_iters), else None. The line stands for the interval:
+    - lm loss: the mean over its iterations, skipped ones (non-finite loss or grad norm) left out of the
+      mean and counted in "number of skipped iterations";
+    - tokens/s, TFLOP/s and MFU: the interval's tokens (FLOPs) over its total iteration time, i.e. each
+      iteration's value weighted by its time; elapsed time per iteration: the mean;
+    - lr, grad norm, loss scale, consumed samples/tokens, peak memory: the last iteration's;
+    - ETA: the remaining iterations times the mean iteration time over every iteration this process has run
+      except its first (warm-up), so it moves smoothly from line to line.
+    Iteration times are the trainer's (the step itself): evaluation and checkpoint saves are not in them.
+    """
+
+    def __init__(self, log_interval: int = 1, clock=time.time):
+        self.log_interval, self.clock = max(int(log_interval or 1), 1), clock
+        self.records: list = []
+        self.first_seconds: Optional[float] = None  # this process's first iteration: warm-up, not in the ETA
+        self.seconds, self.iterations = 0.0, 0  # every timed iteration since
+
+    def add(self, record: dict) -> Optional[str]:
+        r = {k: _clean(v) for k, v in record.items()}
+        self.records.append(r)
+        if r.get("iter_time_s") is not None:
+            if self.first_seconds is None:
+                self.first_seconds = r["iter_time_s"]
+            else:
+                self.seconds, self.iterations = self.seconds + r["iter_time_s"], self.iterations + 1
+        if r["iteration"] % self.log_interval and r["iteration"] != r.get("train_iters"):
+            return None
+        line = format_log_line(self.summary())
+        self.records = []
+        return line
+
+    def seconds_per_iteration(self) -> Optional[float]:
+        """The ETA's speed: the mean over every iteration since start but the first (that one while alone)."""
+        return self.seconds / self.iterations if self.iterations else self.first_seconds
+
+    def summary(self) -> dict:
+        """The interval so far as one record (format_log_line's input); see the class docstring."""
+        rs, last = self.records, self.records[-1]
+        losses = [r["lm_loss"] for r in rs if not _skipped(r)]
+        timed = [r for r in rs if r.get("iter_time_s")]
+        seconds = sum(r["iter_time_s"] for r in timed)
+
+        def per_second(key):  # sum(value * time) / sum(time) over the iterations that have the value
+            pairs = [(r[key], r["iter_time_s"]) for r in timed if r.get(key) is not None]
+            return sum(v * t for v, t in pairs) / sum(t for _, t in pairs) if pairs else None
+
+        out = {**last, "lm_loss": sum(losses) / len(losses) if losses else None, "time": self.clock(),
+               "skipped_iterations": len(rs) - len(losses), "interval_iterations": len(rs),
+               "iter_time_s": seconds / len(timed) if timed else None, "eta_s": None}
+        out.update({key: per_second(key) for key in ("tokens_per_sec", "tokens_per_sec_per_gpu", "tflops_per_gpu",
+                                                      "mfu")})
+        speed, total = self.seconds_per_iteration(), last.get("train_iters")
+        if speed is not None and total:
+            out["eta_s"] = max(total - last["iteration"], 0) * speed
+        return out
+
+
+@contextlib.contextmanager
+def save_report(checkpointer, iteration: int, log=print):
+    """The console lines around one checkpoint save; wrap `checkpointer.save(...)` in it (every rank does;
+    `log` prints on rank 0 only). Before: "saving checkpoint at iteration N into DIR ...". After a
+    synchronous save: "saved checkpoint at iteration N in X.XX s". With --async-save: "checkpoint save at
+    iteration N scheduled (async) in X.XX s", then, from a thread that waits for rank 0's writer (the one
+    that publishes the checkpoint), "saved checkpoint at iteration N in X.XX s (async)" once it is on disk.
+    Nothing more is said when the save fails: the error ends the run (or the next save) on every rank.
+
+    `checkpointer`: an engine.checkpoint.Checkpointer (its cfg, ctx and the save in flight, `pending`)."""
+    ck = checkpointer.cfg.checkpoint
+    log(f"saving checkpoint at iteration {iteration} into {ck.save}{' (async)' if ck.async_save else ''} ...")
+    start = time.time()
+    yield
+    pending = checkpointer.pending
+    if pending is None or getattr(pending, "thread", None) is None:
+        log(f"saved checkpoint at iteration {iteration} in {time.time() - start:.2f} s")
+        return
+    log(f"checkpoint save at iteration {iteration} scheduled (async) in {time.time() - start:.2f} s")
+    if checkpointer.ctx.rank == 0:
+        threading.Thread(target=_report_written, args=(pending, iteration, start, log), daemon=True,
+                         name=f"checkpoint-report-{iteration}").start()
+
+
+def _report_written(pending, iteration: int, start: float, log) -> None:
+    pending.thread.join()
+    if pending.error is None:
+        log(f"saved checkpoint at iteration {iteration} in {time.time() - start:.2f} s (async)")

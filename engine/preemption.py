@@ -1,17 +1,26 @@
-"""Stop cleanly when the cluster asks: SIGTERM / SIGUSR1 (pre-emption) or --exit-duration-in-mins.
+"""Stop cleanly when asked: SIGTERM / SIGUSR1 (pre-emption), SIGINT (Ctrl-C) or --exit-duration-in-mins.
 
 A signal only sets a flag; the trainer finishes its step, asks `should_stop()` (one all-reduce, so
-every rank agrees even when the signal reached only some of them), saves and exits 0.
+every rank agrees even when the signal reached only some of them), saves and exits 0. A signal during
+a save lets the save finish first. Ctrl-C three times aborts at once without saving.
+
+`watch_parent` ends a torchrun worker whose agent is gone (SIGKILLed, or stopped by a signal it does
+not forward): the worker stops as if pre-empted — finishing its step and saving — and exits within a
+grace period even if a peer never answers, so no orphan keeps training, writing or holding a GPU.
 """
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import threading
 import time
 from typing import Optional
 
 from engine.parallel.comm import any_rank
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+ABORT_AFTER_SIGINTS = 3
 
 
 class PreemptionHandler:
@@ -21,11 +30,22 @@ class PreemptionHandler:
         self.deadline = None if exit_duration_in_mins is None else \
             (start_time or time.monotonic()) + 60.0 * exit_duration_in_mins
         self.received: Optional[str] = None
+        self.interrupts = 0
         self.reason: Optional[str] = None
         self._previous = {s: signal.signal(s, self._on_signal) for s in signals}
 
     def _on_signal(self, signum, frame) -> None:
-        self.received = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts >= ABORT_AFTER_SIGINTS:
+                print("interrupted again: aborting without saving", file=sys.stderr, flush=True)
+                os._exit(130)
+        if self.received is None and os.environ.get("RANK", "0") == "0":
+            print(f"received {name}: finishing this iteration, then saving and exiting"
+                  + (f" (Ctrl-C {ABORT_AFTER_SIGINTS - 1} more times aborts without saving)"
+                     if signum == signal.SIGINT else ""), file=sys.stderr, flush=True)
+        self.received = name
 
     def should_stop(self) -> bool:
         """Collective: True on every rank once any rank got a signal or the time limit has passed."""
@@ -41,3 +61,22 @@ class PreemptionHandler:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
+
+
+def watch_parent(grace_s: float = 60.0, poll_s: float = 1.0) -> threading.Thread:
+    """Stop this process when its parent (the torchrun agent) dies: SIGTERM to itself (a clean stop with a
+    save where the trainer is running), then exit 1 if it is still alive `grace_s` later."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        print(f"pid {os.getpid()}: the launching agent (pid {parent}) is gone; stopping this worker",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    thread.start()
+    return thread

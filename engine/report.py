@@ -2,15 +2,20 @@
 
 The launcher calls `banner` once the model is built; it is the only part of a run that consults the
 planner (for the memory estimate of this very layout), so the training loop does not depend on it.
+Before that, `report_arguments` prints the resolved arguments in Megatron-LM's layout and keeps them
+beside the metrics file.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
+from typing import Optional
 
 import torch
 
 from engine.config import model_dtype, precision_name
+from engine.metrics import arguments_path
 from engine.parallel import comm
 from engine.parallel.layers import spec_of
 from engine.planner.memory import GIB, Layout, memory_per_gpu
@@ -74,3 +79,39 @@ def banner(cfg, ctx, chunks, device, layout: str) -> str:
              f"device: {device}" + (f", {torch.get_num_threads()} CPU threads per process"
                                    if torch.device(device).type == "cpu" else "")]
     return "\n".join(lines)
+
+
+ARGUMENTS_RULE = "------------------------ arguments ------------------------"
+ARGUMENTS_END = "-------------------- end of arguments ---------------------"
+
+
+def resolved_arguments(cfg) -> dict:
+    """Every flag's value after resolution (engine.config.resolve), by its name with underscores, sorted.
+
+    These are exactly the keys a --config file takes, so the saved copy (`report_arguments`) runs again as
+    `--config FILE` (JSON is YAML)."""
+    return dict(sorted((name, value) for section in cfg.to_dict().values() for name, value in section.items()))
+
+
+def arguments_text(arguments: dict) -> str:
+    """Megatron-LM's printout: a rule, then `  name ........ value` per argument (in the given order), a rule."""
+    lines = [f"  {name} {'.' * max(48 - len(name), 3)} {value}" for name, value in arguments.items()]
+    return "\n".join([ARGUMENTS_RULE, *lines, ARGUMENTS_END])
+
+
+def report_arguments(cfg, rank: int, log=print) -> Optional[str]:
+    """Once at start, on rank 0: print the resolved arguments and save them as JSON beside the metrics file
+    (engine.metrics.arguments_path: `<metrics file without its extension>.args.json`). Not collective.
+
+    Returns the file's path (None on other ranks, or when the run has no metrics file)."""
+    if rank != 0:
+        return None
+    arguments = resolved_arguments(cfg)
+    path = arguments_path(cfg)
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as fh:
+            json.dump(arguments, fh, indent=1)
+            fh.write("\n")
+    log(arguments_text(arguments) + (f"\narguments saved to {path} (runs again as --config {path})" if path else ""))
+    return path

@@ -20,9 +20,10 @@ from typing import Optional
 import torch
 
 from engine.checkpoint import Checkpointer
+from engine.checkpoint.resume import check_resumed
 from engine.config import model_dtype, resolve
 from engine.data import BatchSampler, BatchSizeSchedule, build_datasets, make_batch
-from engine.metrics import MetricsWriter, format_log_line, peak_memory_gb, peak_tflops, perplexity, throughput
+from engine.metrics import MetricsWriter, peak_memory_gb, peak_tflops, perplexity, save_report, throughput
 from engine.optim import build_optimizer, lr_at
 from engine.optim.optimizer import StepResult
 from engine.phase import Phase
@@ -63,7 +64,7 @@ class Trainer:
         tr, lg = self.cfg.training, self.cfg.logging
         train = self.batch_sizes.samples_before(tr.train_iters) * self.guard.data_headroom
         evaluations = (tr.train_iters // lg.eval_interval + 1) if lg.eval_interval else 0
-        return build_datasets(self.cfg, train, evaluations * lg.eval_iters * tr.global_batch_size, 0)[:2]
+        return build_datasets(self.cfg, train, evaluations * lg.eval_iters * tr.global_batch_size, 0, self.log)[:2]
 
     @property
     def consumed(self) -> int:
@@ -77,32 +78,32 @@ class Trainer:
         self.phase.text = "started"
 
     # ------------------------------------------------------------------ checkpoints
-    def checkpoint_source(self) -> Optional[str]:
-        """Where to resume from: --save when it holds a checkpoint (a restarted job), else --load."""
-        ck = self.cfg.checkpoint
-        return next((d for d in (ck.save, ck.load) if d and self.checkpointer.latest(d) is not None), None)
-
-    def _load(self, load_dir: str, load_optim: bool) -> Optional[dict]:
-        with self.phase(f"loading the checkpoint in {load_dir}", "all"):
-            extra = self.checkpointer.load(load_dir, self.chunks, self.optimizer, load_optim=load_optim)
+    def _load(self, point, load_optim: bool) -> Optional[dict]:
+        with self.phase(f"loading the checkpoint in {point.directory}", "all"):
+            extra = self.checkpointer.load(point.directory, self.chunks, self.optimizer, load_optim=load_optim,
+                                           iteration=point.iteration)
         if extra is not None:
             self.iteration = extra["iteration"]
             self.sampler.load_state_dict(extra.get("data") or {"consumed_samples": extra["consumed_samples"]})
         return extra
 
     def resume(self) -> bool:
-        load_dir = self.checkpoint_source()
-        extra = self._load(load_dir, not self.cfg.checkpoint.no_load_optim) if load_dir else None
+        """Load what resume.py decides (the run's own --save, else --load); check the run may go on from it."""
+        with self.phase("deciding where to resume from", "all"):
+            point = self.checkpointer.resume_point(self.log)
+        extra = self._load(point, not self.cfg.checkpoint.no_load_optim) if point else None
         if extra is None:
             return False
+        check_resumed(self.cfg, point.directory, self.iteration, extra["config"], self.log)
         if "guard" in extra:
             self.guard.load_state_dict(extra["guard"])
-        self.log(f"resumed from {load_dir} at iteration {self.iteration} ({self.consumed} samples consumed)")
+        self.log(f"resumed from {point.directory} at iteration {self.iteration} ({self.consumed} samples consumed)")
         return True
 
     def save(self) -> None:
         extra = {"consumed_samples": self.consumed, "guard": self.guard.state_dict(), "data": self.sampler.state_dict()}
-        with self.phase(f"saving the checkpoint of iteration {self.iteration}", "all"):
+        with self.phase(f"saving the checkpoint of iteration {self.iteration}", "all"), \
+                save_report(self.checkpointer, self.iteration, self.log):  # "saving ..." and "saved ... in X s"
             self.checkpointer.save(self.iteration, self.chunks, self.optimizer, extra)
 
     def rollback(self) -> None:
@@ -111,9 +112,9 @@ class Trainer:
         The live guard is kept (not the checkpoint's): its counts record what happened.
         """
         spike_iteration, spike_consumed = self.iteration, self.consumed
-        load_dir = self.checkpoint_source()
+        point = self.checkpointer.resume_point()
         # --no-load-optim is about how the run started; going back within the run restores everything
-        if load_dir is None or self._load(load_dir, load_optim=True) is None:
+        if point is None or self._load(point, load_optim=True) is None:
             return self._report(spike_iteration, self.guard.rollback_events(spike_iteration, None, spike_consumed))
         self.guard.rolled_back(self.iteration)
         self.sampler.load_state_dict({"consumed_samples": spike_consumed})  # the batches since are not replayed
@@ -175,10 +176,11 @@ class Trainer:
             decision = self.guard.check(self.iteration, loss, result.grad_norm)
             with self.phase(f"pre-emption check after iteration {self.iteration}", "all"):
                 stop = self.preemption.should_stop()
+            with self.phase(f"checking the checkpoint save in flight after iteration {self.iteration}", "all"):
+                self.checkpointer.check_in_flight()
             self.last_record = self._record(loss, lr, result, gbs, time.time() - start)
-            self.metrics.log_train(self.last_record)
-            if self.iteration % lg.log_interval == 0:
-                self.log(format_log_line(self.last_record))
+            if (line := self.metrics.log_train(self.last_record)) is not None:  # every --log-interval iterations
+                self.log(line)
             self._report(self.iteration, self.guard.events(decision, self.iteration))
         if decision.kind == ROLLBACK:
             self.rollback()
@@ -190,18 +192,18 @@ class Trainer:
         if ck.save and (due or stop) and self.checkpointer.latest(ck.save) != self.iteration:
             self.save()  # (after a rollback the iteration reached is the checkpoint's: no re-save)
         if stop:
-            saved = "; checkpoint saved" if ck.save else "; no --save, nothing saved"
+            saved = f"; checkpoint saved in {ck.save}; to resume, run the same command (it resumes from --save)" \
+                if ck.save else "; no --save, nothing saved"
             self.log(f"stopping at iteration {self.iteration}: {self.preemption.reason}{saved}")
         return not stop
 
     def _record(self, loss: float, lr: float, result: StepResult, global_batch: int, seconds: float) -> dict:
         """The metrics file's training record of the iteration just done."""
-        g, m = self.guard, self.cfg.model
+        g, m, mem = self.guard, self.cfg.model, peak_memory_gb(torch.device(self.device))
         record = {"iteration": self.iteration, "train_iters": self.cfg.training.train_iters,
                   "consumed_samples": self.consumed, "consumed_tokens": self.consumed * m.seq_length, "lm_loss": loss,
                   "lr": lr, "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped": g.skipped,
-                  "spikes": g.spikes, "rollbacks": g.rollbacks,
-                  "mem_peak_gb": peak_memory_gb(torch.device(self.device))}
+                  "spikes": g.spikes, "rollbacks": g.rollbacks, "mem_peak_gb": mem}
         return record | throughput(m, global_batch, seconds, self.ctx.world_size, self.ctx.tp_size, self.peak)
 
     def train(self) -> None:

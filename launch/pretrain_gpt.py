@@ -25,6 +25,12 @@ import warnings
 from engine.config import ConfigError, parse_config, resolve, validate
 
 _WAIT_FOR_RANK0_S = 30.0
+_held = []  # rank 0's lock on --save, given back however the process ends (os._exit included)
+
+
+def _release_locks() -> None:
+    while _held:
+        _held.pop().release()
 
 
 def _env_int(name: str, default: int) -> int:
@@ -67,6 +73,7 @@ def _die(error: BaseException, rank: int, where: str, timeout_minutes: float) ->
         print(f"pretrain_gpt.py: rank {rank}: {type(error).__name__} during {where}: {first[:300]}; stopping",
               file=sys.stderr, flush=True)
     sys.stdout.flush()
+    _release_locks()
     os._exit(1)
 
 
@@ -109,15 +116,25 @@ def main(argv=None) -> int:
         validate(cfg, world)
         resolve(cfg, world)
         device, backend = _pick_device(cfg, world)
+        # One writer per --save, taken before any process group: also the start-up write test of --save.
+        if rank == 0 and cfg.checkpoint.save:
+            from engine.checkpoint.lock import RunLock
+            _held.append(RunLock(cfg.checkpoint.save).acquire())
     except ConfigError as e:
         return _fail(str(e), rank, before_groups=True)
+    for note in cfg.notices if rank == 0 else ():  # choices made for the user (e.g. --data-path over mock data)
+        print(f"pretrain_gpt.py: note: {note}", flush=True)
 
     import torch
     import torch.distributed as dist
 
+    from engine.preemption import watch_parent
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker outlives no agent (see engine/preemption.py)
+        watch_parent()
+
     from engine.parallel import comm
     from engine.parallel.topology import build_context, layout_table
-    from engine.report import banner
+    from engine.report import banner, report_arguments
     from engine.training import Trainer
 
     timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
@@ -134,6 +151,7 @@ def main(argv=None) -> int:
                             seed=cfg.training.seed, device_type=torch.device(device).type)
         where = "building the model, optimizer and data"
         log = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)
+        report_arguments(cfg, rank, log)  # rank 0: the resolved arguments, printed and saved beside the metrics
         with warnings.catch_warnings():
             if rank != 0:
                 warnings.simplefilter("ignore")
@@ -155,6 +173,7 @@ def main(argv=None) -> int:
                 dist.destroy_process_group()
             except Exception as e:  # noqa: BLE001 - a peer that died after this rank finished
                 _die(e, rank, "the teardown barrier (all ranks)", cfg.parallel.distributed_timeout_minutes)
+        _release_locks()
     return 0
 
 

@@ -98,7 +98,8 @@ def test_retention_and_resaving_an_iteration(tmp_path):
     _stamp(chunks, opt, 5.0)
     save_checkpoint(str(tmp_path), 7, chunks, opt, ctx, cfg, {"again": True})
     assert latest_iteration(str(tmp_path)) == 7
-    assert load_checkpoint(str(tmp_path), chunks, opt, ctx) == {"again": True, "iteration": 7}
+    extra = load_checkpoint(str(tmp_path), chunks, opt, ctx)
+    assert extra.pop("config")["checkpoint"]["keep_every"] == 3 and extra == {"again": True, "iteration": 7}
     assert all(torch.all(p == 5.0) for p in chunks[0].parameters())
     assert len(os.listdir(tmp_path)) == 4, "nothing left behind by the replacement"
 
@@ -130,6 +131,37 @@ def test_merge_tool_user_errors(tmp_path, capsys):
                         "--target-pp", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--target-tp 3" in err
+
+
+def test_merge_tool_blames_only_what_is_wrong_and_never_suggests_ckpt_fallback(tmp_path, capsys):
+    empty, save, out = tmp_path / "empty", tmp_path / "save", str(tmp_path / "o")
+    empty.mkdir()
+    assert _merge_main(["--load", str(empty), "--out", out]) == 2
+    assert capsys.readouterr().err == (f"merge_ckpt.py: error: --load {empty}: holds no checkpoint (no "
+                                       "latest_checkpointed_iteration.txt, no iter_NNNNNNN folder); give the --save "
+                                       "directory of a run that saved one\n")
+    cfg, ctx, chunks, opt = _tiny(hidden=16, layers=1)
+    for it in (4, 8):
+        save_checkpoint(str(save), it, chunks, opt, ctx, cfg, {})
+    latest, it8 = save / "latest_checkpointed_iteration.txt", save / "iter_0000008"
+    cases = [  # (damage, undo, the line's start, its end)
+        (lambda: latest.rename(tmp_path / "l"), lambda: (tmp_path / "l").rename(latest),
+         f"--load {save}: latest_checkpointed_iteration.txt is missing",
+         "saved iterations: 4, 8; pass --iteration N to read another"),
+        (lambda: it8.rename(tmp_path / "i"), lambda: (tmp_path / "i").rename(it8),
+         f"--load {save}: latest_checkpointed_iteration.txt names iteration 8 but {it8} is missing",
+         "saved iterations: 4; pass --iteration N to read another"),
+        (lambda: (it8 / "metadata.json").unlink(), lambda: None,
+         f"checkpoint {it8} is incomplete: {it8}/metadata.json is missing", "pass --iteration N to read another"),
+    ]
+    for damage, undo, start, end in cases:
+        damage()
+        assert _merge_main(["--load", str(save), "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"merge_ckpt.py: error: {start}") and err.rstrip().endswith(end), err
+        assert err.count("\n") == 1 and "--ckpt-fallback" not in err and "--iteration 8" not in err
+        undo()
+    assert _merge_main(["--load", str(save), "--iteration", "4", "--out", out]) == 0  # the intact one still merges
 
 
 @pytest.mark.parametrize("style", ["gpt", "llama"])

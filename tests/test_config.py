@@ -34,7 +34,7 @@ def test_help_documents_every_flag(capsys):
 
 def check(argv, world, *needles):
     with pytest.raises(ConfigError) as info:
-        validate(parse_config(argv + ["--mock-data"]), world)
+        validate(parse_config(argv + ([] if "--data-path" in argv else ["--mock-data"])), world)
     msg = str(info.value)
     assert "\n" not in msg
     for needle in needles:
@@ -176,9 +176,9 @@ def test_yaml_only_fields_have_no_flag_and_pass_through_from_yaml(tmp_path):
     flags = {s for a in build_parser()._actions for s in a.option_strings}
     assert "--data-phases" not in flags
     assert {config.flag_of(f.name) for _, f in config._all_fields() if not f.metadata["yaml_only"]} <= flags
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(ConfigError, match="^--data-phases: data_phases has no command-line form; set it in the "
+                                          "--config YAML file"):
         parse_config(["--data-phases", "x"])
-    assert exit_info.value.code == 2
     phases = [{"start_iter": 5, "weights": [0.3, 0.7]}, {"start_iter": 9, "weights": [1, 0]}]
     assert config._coerce("data_phases", phases) is phases
     path = write(tmp_path, "data_phases:\n  - {start_iter: 5, weights: [0.3, 0.7]}\n"
@@ -196,3 +196,65 @@ def test_field_types_come_from_the_annotations(tmp_path):
     assert type(cfg.logging.peak_tflops) is float and cfg.parallel.gpus_per_node == 8
     with pytest.raises(ConfigError, match="^--num-query-groups: value 2.5 is not a valid int;"):
         parse_config(["--config", write(tmp_path, "num_query_groups: 2.5\n", "bad.yaml")])
+
+
+def test_unknown_flags_and_bad_values_are_one_line_naming_the_nearest_flag():
+    with pytest.raises(ConfigError) as info:
+        parse_config(["--mock-data", "--sequence-paralel"])
+    assert str(info.value) == ("unknown flag --sequence-paralel; did you mean --sequence-parallel? "
+                               "(python launch/pretrain_gpt.py --help lists them)")
+    with pytest.raises(ConfigError, match=r"^unknown flag --frobnicate \(python launch/pretrain_gpt.py --help"):
+        parse_config(["--frobnicate=3"])
+    with pytest.raises(ConfigError, match=r"^argument --tensor-model-parallel-size/--tp: invalid int value: 'x' "):
+        parse_config(["--tp", "x"])
+    with pytest.raises(ConfigError, match="^unexpected argument '2'"):
+        parse_config(["--lr", "1", "2"])
+
+
+def test_every_boolean_switches_off_from_the_command_line(tmp_path):
+    bools = [f.name for _, f in config._all_fields() if config._field_type(f) is bool]
+    assert "mock_data" in bools and "sequence_parallel" in bools
+    path = write(tmp_path, "".join(f"{name}: true\n" for name in bools))
+    assert all(getattr(getattr(parse_config(["--config", path]), config.FIELD_SECTION[n]), n) for n in bools)
+    off = [("--load-optim" if n == "no_load_optim" else "--no-" + n.replace("_", "-")) for n in bools]
+    cfg = parse_config(["--config", path, *off])
+    assert not any(getattr(getattr(cfg, config.FIELD_SECTION[n]), n) for n in bools)
+    assert parse_config(["--no-load-optim"]).checkpoint.no_load_optim  # the Megatron-LM name still works
+
+
+def test_data_path_overrides_a_config_files_mock_data_with_a_notice(tmp_path):
+    path = write(tmp_path, "mock_data: true\nnum_layers: 2\n")
+    cfg = parse_config(["--config", path, "--data-path", "corpus_text_document"])
+    assert not cfg.data.mock_data and cfg.data.data_path == ["corpus_text_document"]
+    assert cfg.notices == [f"--data-path given: training on corpus_text_document, not on the synthetic tokens that "
+                           f"mock_data: true in {path} asks for (pass --mock-data for those)"]
+    cfg = parse_config(["--config", path])
+    assert cfg.data.mock_data and cfg.notices == []  # mock only when asked (here: by the file, with no data)
+    both = write(tmp_path, "mock_data: true\ndata_path: [a]\n", "both.yaml")
+    cfg = parse_config(["--config", both, "--mock-data"])  # the command line beats the file
+    assert cfg.data.mock_data and cfg.data.data_path is None and "is not used" in cfg.notices[0]
+    assert not parse_config(["--config", both]).data.mock_data  # data given in the file wins over its mock flag
+    with pytest.raises(ConfigError, match="^--mock-data with --data-path: choose one"):
+        parse_config(["--mock-data", "--data-path", "a"])
+
+
+@pytest.mark.parametrize("data_path,needle", [
+    (["nan", "a", "1", "b"], "--data-path nan: each blend weight must be a finite non-negative number"),
+    (["inf", "a", "1", "b"], "--data-path inf: each blend weight must be a finite"),
+    (["-1", "a", "1", "b"], "--data-path -1: each blend weight"),
+    (["0", "a", "0", "b"], "--data-path 0 a 0 b: the blend weights sum to 0"),
+])
+def test_bad_blend_weights_are_one_line_naming_the_weight(data_path, needle):
+    with pytest.raises(ConfigError) as info:
+        config.data_prefixes(data_path)
+    assert str(info.value).startswith(needle) and "\n" not in str(info.value)
+
+
+def test_every_shipped_mock_config_trains_on_data_when_given(tmp_path):
+    import glob
+    shipped = [p for p in sorted(glob.glob("configs/*.yaml")) if parse_config(["--config", p]).data.mock_data]
+    assert len(shipped) == 5, shipped  # gpt2-125m, gpt3-175b, llama2-70b, llama3-1b, llama3-8b
+    for path in shipped:
+        cfg = parse_config(["--config", path, "--data-path", "corpus_text_document", "--tokenizer-model", "t.model"])
+        assert not cfg.data.mock_data and len(cfg.notices) == 1 and path in cfg.notices[0]
+        assert cfg.data.tokenizer_model == "t.model"  # resolve() then takes the vocabulary from the tokenizer

@@ -230,3 +230,90 @@ def test_make_batch_shifts_labels_by_one():
     assert batch["loss_mask"].dtype == torch.float32 and bool((batch["loss_mask"] == 1).all())
     assert torch.equal(batch["labels"][0], torch.from_numpy(ds[3][1:]))
     assert torch.equal(batch["tokens"][1], torch.from_numpy(ds[4][:-1]))
+
+
+def write_docs(prefix, docs, dtype=np.uint16):
+    writer = IndexedDatasetWriter(prefix, dtype)
+    for doc in docs:
+        writer.add_document(doc)
+    writer.finalize()
+
+
+def test_an_empty_dataset_is_named_alone_and_in_a_blend(tmp_path):
+    empty, a = str(tmp_path / "empty"), str(tmp_path / "a")
+    write_docs(empty, [])
+    write_dataset(a, 20, seed=1)
+    for data_path in ([empty], ["1", a, "1", empty]):
+        with pytest.raises(ConfigError) as info:
+            build_datasets(make_cfg(data_path=data_path), 10, 10, 0)
+        assert str(info.value).startswith(f"--data-path {empty}: {empty}.bin holds no tokens (0 documents)")
+        assert "--split" not in str(info.value)
+
+
+def test_token_ids_past_the_vocabulary_name_file_id_vocab_and_flag(tmp_path):
+    prefix = str(tmp_path / "c")
+    write_dataset(prefix, 50, seed=0)  # ids 2 and 10..999
+    cfg = make_cfg(data_path=[prefix])
+    cfg.model.vocab_size = 256
+    with pytest.raises(ConfigError) as info:
+        build_datasets(cfg, 10, 0, 0)
+    high = int(IndexedDataset(prefix).token_range()[1])
+    assert high == max(int(IndexedDataset(prefix)[i].max(initial=0)) for i in range(50)) and high >= 256
+    assert str(info.value) == (f"--data-path {prefix}: {prefix}.bin holds token id {high} but the vocabulary has 256 "
+                               "ids (--vocab-size 256); give the tokenizer the data was made with (--tokenizer-model "
+                               f"FILE.model) or a --vocab-size above {high}")
+    cfg.model.vocab_size = high + 1
+    assert build_datasets(cfg, 10, 0, 0, log=lambda line: None)[0] is not None
+    # The range is computed once and kept beside the data; rewriting the data computes it again.
+    cached = [f for f in os.listdir(tmp_path / "cache") if "-token-range-" in f]
+    assert len(cached) == 1
+    write_docs(prefix, [np.array([5, 4000, 2])])
+    assert IndexedDataset(prefix).token_range() == (0, 4000)
+    write_docs(prefix, [np.array([5, -7, 2])], np.int32)
+    with pytest.raises(ConfigError, match="negative token id -7"):
+        build_datasets(cfg, 10, 0, 0)
+
+
+def test_token_range_of_a_few_megabytes_is_cheap(tmp_path):
+    import time
+    prefix = str(tmp_path / "big")
+    tokens = np.random.default_rng(0).integers(0, 32000, size=4_000_000).astype(np.uint16)  # 8 MB
+    write_docs(prefix, np.split(tokens, 1000))
+    start = time.perf_counter()
+    assert IndexedDataset(prefix).token_range() == (0, int(tokens.max()))
+    assert time.perf_counter() - start < 1.0
+
+
+def test_summary_per_source_and_a_warning_when_the_run_repeats_a_tiny_split(tmp_path):
+    tiny, big = str(tmp_path / "tiny"), str(tmp_path / "big")
+    write_docs(tiny, [np.arange(10, 20)])  # one document of 10 tokens
+    write_dataset(big, 300, seed=2)
+    cfg = make_cfg(data_path=[tiny], split="1,0,0")
+    cfg.model.seq_length = 64
+    lines = []
+    build_datasets(cfg, 16, 0, 0, log=lines.append)
+    assert lines[0] == f"data: {tiny}: 1 document, 10 tokens; train 1 document, 10 tokens: 16 samples need 102 epochs"
+    assert len(lines) == 2 and lines[1] == (
+        f"warning: data: the run reads the train split of {tiny} (1 document, 10 tokens) 102 times over (16 samples "
+        "of 64 tokens); past 4 epochs repeated data adds little (Muennighoff et al. 2023): add data, lower "
+        "--train-iters or give train a larger --split share")
+    lines.clear()
+    write_docs(tiny, [np.arange(10, 20)] * 10)  # now 10 such documents
+    cfg = make_cfg(data_path=["0.5", big, "0.5", tiny], split="90,10,0")
+    build_datasets(cfg, 100, 20, 0, log=lines.append)
+    assert [line.split(":")[1].strip() for line in lines[:2]] == [f"{big} (weight 0.5)", f"{tiny} (weight 0.5)"]
+    assert "train 270 documents" in lines[0] and "valid 30 documents" in lines[0] and len(lines) == 3
+    assert "warning" in lines[2] and tiny in lines[2]  # the blend's tiny source, not the big one
+    ok = make_cfg(data_path=[big], split="90,10,0")
+    lines.clear()
+    build_datasets(ok, 100, 20, 0, log=lines.append)
+    assert len(lines) == 1 and "epochs" in lines[0] and "warning" not in lines[0]
+
+
+def test_bad_phase_weights_are_refused(tmp_path):
+    a = str(tmp_path / "a")
+    write_dataset(a, 30, seed=1)
+    for weights in ([float("nan"), 1.0], [float("inf"), 1.0], [0, 0]):
+        cfg = make_cfg(data_path=["1", a, "1", a], data_phases=[{"start_iter": 5, "weights": weights}])
+        with pytest.raises(ConfigError, match="data_phases: weights .* with a positive sum"):
+            build_datasets(cfg, 100, 0, 0)

@@ -1,6 +1,7 @@
 """tools/train_tokenizer.py, tools/preprocess_data.py and the demo corpus, run as users run them."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -36,6 +37,7 @@ def corpus(tmp_path_factory):
         f.write("{not json\n")
     result = run_tool("train_tokenizer.py", "--input", path, "--vocab-size", 400, "--model-prefix", d / "tok")
     assert result.returncode == 0, result.stderr
+    (d / "train_tokenizer.stderr").write_text(result.stderr)  # its progress bars
     return d, path, texts, result.stdout
 
 
@@ -128,3 +130,65 @@ def test_demo_corpus_builds_from_stdlib_and_is_cached(tmp_path):
     built = {p: os.path.getmtime(p) for p in (model, prefix + ".bin", prefix + ".idx")}
     assert build_demo_corpus(str(tmp_path), vocab_size=512, max_files=25) == (model, prefix)
     assert {p: os.path.getmtime(p) for p in built} == built, "a second call must reuse the cached corpus"
+
+
+ETA = re.compile(r"\[\d\d:\d\d<\d\d:\d\d")  # tqdm's [elapsed<remaining]
+
+
+def test_tokenizer_training_and_preprocessing_show_progress_with_an_eta(corpus, tmp_path):
+    d, path, _, _ = corpus
+    bars = (d / "train_tokenizer.stderr").read_text()
+    for name, eta in (("reading input", True), ("BPE merges", False)):  # this small run merges too few for an ETA
+        shown = [part for part in re.split(r"[\r\n]", bars) if part.startswith(name)]
+        assert shown and "100%" in shown[-1] and (ETA.search(shown[-1]) or not eta), bars
+    result = run_tool("preprocess_data.py", "--input", path, "--tokenizer-model", d / "tok.model",
+                      "--output-prefix", tmp_path / "bar")
+    assert result.returncode == 0, result.stderr
+    last = [p for p in re.split(r"[\r\n]", result.stderr) if p.startswith("tokenizing")][-1]
+    assert "100%" in last and ETA.search(last) and "304 documents" in last, result.stderr
+
+
+def test_a_missing_json_key_or_an_empty_output_is_one_line_and_writes_nothing(corpus, tmp_path):
+    d, path, _, _ = corpus
+    out = tmp_path / "x"
+    missing = "--json-keys body: the first record of {} has no key 'body' (its keys: 'text', 'title')".format(path)
+    for tool, args in (("preprocess_data.py", ["--tokenizer-model", d / "tok.model", "--output-prefix", out]),
+                       ("train_tokenizer.py", ["--vocab-size", 400, "--model-prefix", out])):
+        result = run_tool(tool, "--input", path, "--json-keys", "body", *args)
+        assert result.returncode == 2 and result.stderr == f"{tool}: error: {missing}\n", result.stderr
+    result = run_tool("preprocess_data.py", "--input", path, "--tokenizer-model", d / "tok.model",
+                      "--output-prefix", out, "--min-words", 10_000, "--quiet")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("preprocess_data.py: error: no tokens to write: 304 documents read from ")
+    assert "0 kept (303 fewer than 10000 words, 1 malformed JSON or missing key)" in result.stderr
+    assert os.listdir(tmp_path) == [], "nothing a training run could pick up is left behind"
+
+
+def test_tool_parsers_answer_an_unknown_flag_in_one_line(corpus, tmp_path):
+    d, path, _, _ = corpus
+    result = run_tool("preprocess_data.py", "--input", path, "--tokenizer-model", d / "tok.model",
+                      "--output-prefix", tmp_path / "x", "--json-kyes", "text")
+    assert result.returncode == 2 and result.stderr == (
+        "preprocess_data.py: error: unknown flag --json-kyes; did you mean --json-keys? "
+        "(python tools/preprocess_data.py --help lists them)\n")
+
+
+def test_the_merges_bar_follows_sentencepieces_log_with_an_eta(capfd):
+    import time
+
+    from engine.data.tokenizer import TrainingProgress
+    progress = TrainingProgress(input_bytes=1000, vocab_size=1300)
+    with progress:
+        progress.read(1000)
+        os.write(2, b"I0000 00:00:1.0  1 trainer_interface.cc:601] Alphabet size=40\n")
+        for done in (100, 200, 300):  # sentencepiece 0.2's line every 100 merges
+            os.write(2, b"I0000 00:00:1.0  1 bpe_model_trainer.cc:421] Merged: freq=9 merges=%d piece=ab\n" % done)
+            time.sleep(0.25)
+        os.write(2, b"E0000 00:00:1.0  1 trainer.cc:1] something failed\n")
+    err = capfd.readouterr().err
+    merges = [p for p in re.split(r"[\r\n]", err) if p.startswith("BPE merges")]
+    assert merges and "/1000 " in merges[-1] and "300/1000" in err, err  # 1300 - 256 bytes - 4 specials - 40 chars
+    assert any(ETA.search(p) for p in merges), err
+    assert progress.errors == ["something failed"] and "Merged:" not in err
+    os.write(2, b"back on stderr\n")
+    assert capfd.readouterr().err == "back on stderr\n"

@@ -250,11 +250,26 @@ def test_cli_table_given_layout_and_command_line(capsys):
     assert "--recompute-granularity selective" in out and "--sequence-parallel" in out
 
 
-def test_layouts_that_do_not_fit_are_marked(capsys):
+def test_layouts_that_do_not_fit_are_marked_and_the_exit_code_says_none_fits(capsys):
     cfg = os.path.join(ROOT, "configs", "llama2-70b.yaml")
-    assert run_cli("--config", cfg, "--num-gpus", "8", "--gpu", "a100-40g", "--json", "--top", "1000") == 0
-    rows = json.loads(capsys.readouterr().out)
+    assert run_cli("--config", cfg, "--num-gpus", "8", "--gpu", "a100-40g", "--json", "--top", "100000") == 1
+    out, err = capsys.readouterr()
+    rows = json.loads(out)
     assert rows and not any(r["fits"] for r in rows)
+    least = min(r["memory_gb_per_gpu"] for r in rows)
+    assert err == (f"find_parallelism.py: error: none of the {len(rows)} layouts of {cfg} fits on 8 x "
+                   f"{GPU_PRESETS['a100-40g'].name} (40 GiB each; the least needs {least:.1f} GiB per GPU); add GPUs, "
+                   "lower the batch per GPU, or use a larger-memory --gpu\n")
+    assert run_cli("--config", cfg, "--num-gpus", "8", "--gpu", "a100-40g", "--tp", "8", "--pp", "1") == 1
+    out, err = capsys.readouterr()
+    assert "NO" in out and err.startswith("find_parallelism.py: error: the given layout of") and err.count("\n") == 1
+    assert run_cli("--config", cfg, "--num-gpus", "64", "--json") == 0  # some layout fits: exit 0
+
+
+def test_an_unknown_flag_names_the_nearest_one(capsys):
+    assert run_cli("--config", os.path.join(ROOT, "configs", "llama3-8b.yaml"), "--num-gpu", "8", "--jsn") == 2
+    assert capsys.readouterr().err == ("find_parallelism.py: error: unknown flag --jsn; did you mean --json? "
+                                       "(python tools/find_parallelism.py --help lists them)\n")
 
 
 def test_custom_hardware_flags_change_the_prediction(capsys):

@@ -1,4 +1,5 @@
-"""Metrics file and TensorBoard tags as the contract names them; the console line; resume appends."""
+"""Metrics file and TensorBoard tags as the contract names them; the console line's fields (its averaging
+over --log-interval: tests/test_log_line.py); resume appends."""
 import json
 import math
 
@@ -105,11 +106,15 @@ def test_other_ranks_write_nothing_and_resume_appends(tmp_path):
 
 def test_format_log_line(tmp_path):
     cfg = make_cfg(tmp_path)
-    rec = {**train_record(cfg, 4, 2.345678), "consumed_tokens": 2_500_000, "skipped": 1}
+    rec = {**train_record(cfg, 4, 2.345678), "consumed_tokens": 2_500_000, "skipped_iterations": 1}
     line = format_log_line(rec)
-    for piece in ("iter 4/10", "tokens 2.5M", "loss 2.3457", "lr 1.000e-03", "gnorm 0.500", "skipped 1",
-                  "tok/s", "/gpu)", "TFLOP/s/gpu", "MFU", "mem 1.5 GiB", "500 ms/it", "ETA 0m03s"):
+    for piece in ("iteration        4/      10", "consumed samples:           32", "consumed tokens: 2.5M",
+                  "lm loss: 2.345678E+00", "learning rate: 1.000000E-03", "grad norm: 0.500", "loss scale: 1.0",
+                  "number of skipped iterations:   1", "tokens per second: ", " per GPU)", "(TFLOP/s/GPU): ",
+                  "MFU: ", "peak memory (GiB): 1.50", "elapsed time per iteration (ms): 500.0", "ETA: 0:00:03"):
         assert piece in line, (piece, line)
-    assert "ETA 1h01m" in format_log_line({**rec, "eta_s": 3700.0})
+    assert line.startswith("iteration ")  # no timestamp without a "time"
+    assert format_log_line({**rec, "time": 0.0}).startswith("[19")  # with one: [YYYY-MM-DD HH:MM:SS] first
+    assert "ETA: 1:01:40" in format_log_line({**rec, "eta_s": 3700.0})
     bare = format_log_line({"iteration": 7, "lm_loss": float("nan"), "mfu": None})
-    assert bare == "iter 7 | loss nan"
+    assert bare == "iteration        7 | lm loss: nan"

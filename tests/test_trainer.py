@@ -11,6 +11,7 @@ import glob
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config", "configs/gpt-tiny.yaml", "--mock-data", "--num-layers", "2", "--hidden-size", "32",
         "--seq-length", "32", "--max-position-embeddings", "32", "--log-interval", "1"]
 TAG = "TERNION_TEST_JOB"
+LOG_LINE = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +\d+/ *\d+ \| ")  # engine.metrics.LogInterval
 
 
 # ---------------------------------------------------------------------- running jobs
@@ -178,8 +180,8 @@ def test_metrics_file_holds_one_record_per_iteration_with_the_contract_keys(refe
         assert math.isfinite(r["lm_loss"]) and r["grad_norm"] > 0 and r["tokens_per_sec"] > 0
     assert train[-1]["lm_loss"] < train[0]["lm_loss"] - 0.05, "the model does not learn"
     assert not [r for r in reference["records"] if "event" in r], "an uneventful run logged events"
-    lines = [line for line in reference["output"].splitlines() if line.startswith("iter ")]
-    assert len(lines) == 12 and "loss" in lines[0] and "TFLOP/s/gpu" in lines[0] and "MFU" in lines[0]
+    lines = [line for line in reference["output"].splitlines() if LOG_LINE.match(line)]
+    assert len(lines) == 12 and "lm loss: " in lines[0] and "(TFLOP/s/GPU): " in lines[0] and "MFU: " in lines[0]
 
 
 def test_evaluation_writes_valid_records_and_tensorboard_scalars(reference):

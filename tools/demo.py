@@ -6,7 +6,9 @@
 3. a second launch that resumes from the latest checkpoint and trains on;
 4. the sharded checkpoint merged into one file, and a few lines of text sampled from it;
 5. the loss curve and the pipeline timeline drawn as PNGs.
-Everything lands in demo_out/ (the corpus is cached in .cache/demo and reused).
+Everything lands in demo_out/ (the corpus is cached in .cache/demo and reused). The training steps print
+what a real run prints: the resolved arguments, the start-up banner, a Megatron-style line every 5
+iterations (averaged over them, with a timestamp and an ETA) and a line per checkpoint save.
 """
 from __future__ import annotations
 
@@ -86,13 +88,15 @@ def main() -> int:
     step("5/5 loss curve and pipeline timeline")
     metrics = os.path.join(tb, "metrics.jsonl")
     run([sys.executable, "tools/plot_metrics.py", metrics, "--out", os.path.join(out, "loss.png")])
-    run([sys.executable, "tools/plot_pipeline.py", os.path.join(out, "trace"), "--out", os.path.join(out, "pipeline.png")])
+    run([sys.executable, "tools/plot_pipeline.py", os.path.join(out, "trace"), "--out",
+         os.path.join(out, "pipeline.png")])
 
     curve = losses(metrics)
     first, last = curve[min(curve)], curve[max(curve)]
     print(f"\nloss {first:.3f} at iteration {min(curve)} -> {last:.3f} at iteration {max(curve)} "
           f"({'falling' if last < first else 'NOT falling'}); {time.time() - start:.0f} s in all")
-    print(f"outputs in {out}: loss.png, pipeline.png, checkpoints/, merged/, tensorboard/")
+    print(f"outputs in {out}: loss.png, pipeline.png, checkpoints/, merged/, tensorboard/ (with metrics.jsonl, one "
+          f"record per iteration, and metrics.args.json, the resolved arguments)")
     return 0 if last < first else 1
 
 

@@ -7,6 +7,8 @@
 
 The memory and time model is engine/planner/step_time.py (constants and sources documented there);
 --verify builds every pipeline stage on the meta device and checks the analytic parameter counts.
+Exit codes: 0 when a layout fits in memory, 1 when none does (the table or JSON is still printed, then
+one line on stderr), 2 for a mistake on the command line.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import dataclasses
 import json
 import sys
 
-from engine.config import ConfigError, parse_config, precision_name, resolve, validate
+from engine.config import ConfigError, OneLineParser, parse_config, precision_name, resolve, validate
 from engine.planner.flops import GPU_PRESETS, flops_per_iteration
 from engine.planner.memory import GIB, Layout, params_per_rank
 from engine.planner.step_time import Software, chinchilla_optimal, estimate, rank_layouts
@@ -25,9 +27,11 @@ class UsageError(Exception):
     """A mistake on the command line; printed as one line, exit code 2."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(f"{message} (see --help)")
+class _Parser(OneLineParser):
+    """One line per mistake (an unknown flag names the nearest one), raised as a UsageError."""
+
+    def error(self, message, hint="--help lists the flags"):
+        raise UsageError(f"{message} (python tools/find_parallelism.py {hint})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,7 +222,7 @@ def main(argv=None) -> int:
     if args.json:
         out = [dict(e.to_dict(), **({"plan": plan} if plan and i == 0 else {})) for i, e in enumerate(shown)]
         print(json.dumps(out, indent=1))
-        return 0
+        return _nothing_fits(args, gpu, rows)
     fitting = sum(e.fits for e in rows)
     print(f"{cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
           f"{sum(params_per_rank(cfg.model, Layout())) / 1e9:.2f}B params on {args.num_gpus} x {gpu.name} "
@@ -228,14 +232,24 @@ def main(argv=None) -> int:
     best = rows[0]
     if best.fits:
         print(("\ncommand line:\n  " if args.tp else "\nbest layout:\n  ") + torchrun_command(args, best.layout, batch, seq, precision))
-    else:
-        print("\nno layout fits in memory: add GPUs, lower the batch per GPU, or use a larger-memory --gpu")
     if plan:
         print(f"\ncompute plan for the best layout: {plan['tokens']:.3g} tokens, {plan['training_flops']:.3g} FLOPs, "
               f"{plan['days']:.1f} days on {args.num_gpus} GPUs, {plan['gpu_hours']:,.0f} GPU-hours\n"
               f"Chinchilla-optimal for this budget (~20 tokens/param): {plan['chinchilla_params'] / 1e9:.2f}B params "
               f"on {plan['chinchilla_tokens']:.3g} tokens (this model: {plan['params'] / 1e9:.2f}B)")
-    return 0
+    return _nothing_fits(args, gpu, rows)
+
+
+def _nothing_fits(args, gpu, rows) -> int:
+    """0 when a layout fits in memory; else one line on stderr and exit code 1 (the table or JSON is still out)."""
+    if any(e.fits for e in rows):
+        return 0
+    least = min(e.memory.total for e in rows) / GIB
+    what = "the given layout" if args.tp is not None else f"none of the {len(rows)} layouts"
+    print(f"find_parallelism.py: error: {what} of {args.config} fits on {args.num_gpus} x {gpu.name} "
+          f"({gpu.memory_gib:.0f} GiB each; the least needs {least:.1f} GiB per GPU); add GPUs, lower the batch per "
+          "GPU, or use a larger-memory --gpu", file=sys.stderr)
+    return 1
 
 
 def cli(argv=None) -> int:

@@ -13,7 +13,6 @@ checking a model, not for serving one.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -21,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from engine.config import Config, ConfigError
+from engine.config import Config, ConfigError, OneLineParser
 from engine.data.tokenizer import Tokenizer
 from engine.model import GPTModel
 from engine.parallel.topology import ParallelContext
@@ -45,11 +44,12 @@ def load_model(path: str, device: str = "cpu") -> tuple:
             raise ConfigError(f"--load {path}: {MERGED_CONFIG} lacks the run config or vocab_size; "
                               "write it again with tools/merge_ckpt.py")
     elif files.read_latest(path) is not None or files.list_iterations(path):
-        reader = open_iteration(path)
+        reader = open_iteration(path, choose="merge one with tools/merge_ckpt.py --iteration N and --load its --out")
         run_config, vocab_size = reader.meta.config, reader.meta.vocab_size
     else:
-        raise ConfigError(f"--load {path}: neither a merged checkpoint ({MERGED_WEIGHTS} + {MERGED_CONFIG}) nor "
-                          "a checkpoint directory; merge one with tools/merge_ckpt.py")
+        raise ConfigError(f"--load {path}: holds neither a merged checkpoint ({MERGED_WEIGHTS} + {MERGED_CONFIG}) "
+                          "nor a run's checkpoints (iter_NNNNNNN folders); give a tools/merge_ckpt.py --out folder "
+                          "or a run's --save directory")
     cfg = Config.from_dict(run_config)
     ctx = ParallelContext()
     # Built with its random init on the device it runs on (not on the meta device: parameters keep the
@@ -100,7 +100,7 @@ def tokenizer_path(cfg: Config, override: Optional[str], load: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="generate.py", script="tools/generate.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--load", required=True, help="merged checkpoint directory or a run's --save directory")
     p.add_argument("--prompt", required=True, help="text to continue (empty: start a new document)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")

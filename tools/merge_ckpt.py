@@ -17,11 +17,12 @@ import sys
 from engine.checkpoint.hf import export_hf
 from engine.checkpoint.merged import merge_native, split
 from engine.checkpoint.reader import open_iteration
-from engine.config import ConfigError
+from engine.config import ConfigError, OneLineParser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Merge a sharded Ternion checkpoint, or split it into another layout.")
+    p = OneLineParser(prog="merge_ckpt.py", script="tools/merge_ckpt.py",
+                      description="Merge a sharded Ternion checkpoint, or split it into another layout.")
     p.add_argument("--load", required=True, help="checkpoint directory (the --save of the run)")
     p.add_argument("--iteration", type=int, help="iteration to read (default: the latest)")
     p.add_argument("--out", required=True, help="output directory")
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
             merge_native(reader, args.out)
             print(f"iteration {reader.iteration} merged into {args.out}")
     except ConfigError as e:
-        print(f"merge_ckpt.py: {e}", file=sys.stderr)
+        print(f"merge_ckpt.py: error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -2,6 +2,9 @@
 
     python tools/preprocess_data.py --input FILE.jsonl --json-keys text --tokenizer-model FILE.model \\
         --output-prefix PREFIX --workers N --append-eod [--dedup] [--min-words N] [--max-symbol-ratio R]
+
+A key of --json-keys missing from the first record, or an output with no tokens, ends it with one line
+and exit code 2 (an empty output is removed). The progress bar (stderr) shows an ETA; --quiet drops it.
 """
 from __future__ import annotations
 
@@ -9,12 +12,14 @@ import argparse
 import os
 import sys
 
-from engine.data.preprocess import Options, preprocess
+from engine.config import OneLineParser
+from engine.data.preprocess import Options, check_inputs, preprocess
 from engine.data.tokenizer import Tokenizer
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="preprocess_data.py", script="tools/preprocess_data.py",
+                      description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True,
                    help="input files: .jsonl/.json (one JSON object per line) or plain text (one document per line)")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys to tokenize, one output per key")
@@ -54,7 +59,7 @@ def check(args: argparse.Namespace) -> str | None:
         return f"--max-symbol-ratio {args.max_symbol_ratio}: must be in (0, 1]"
     if len(set(args.json_keys)) != len(args.json_keys):
         return f"--json-keys {' '.join(args.json_keys)}: each key may appear once"
-    return None
+    return check_inputs(args.input, args.json_keys)
 
 
 def main(argv=None) -> int:
@@ -67,6 +72,15 @@ def main(argv=None) -> int:
                       min_words=args.min_words, max_symbol_ratio=args.max_symbol_ratio)
     summary = preprocess(args.input, args.tokenizer_model, args.output_prefix, options,
                          workers=args.workers, progress=not args.quiet)
+    if summary.tokens == 0:  # an empty dataset is no result: say why, and leave nothing a run could pick up
+        for prefix in summary.outputs:
+            for ext in (".bin", ".idx"):
+                os.remove(prefix + ext)
+        why = ", ".join(f"{n} {reason}" for reason, n in sorted(summary.dropped.items())) or "no text in them"
+        print(f"preprocess_data.py: error: no tokens to write: {summary.documents} documents read from "
+              f"{' '.join(args.input)}, {summary.kept} kept ({why}); check --input, --json-keys and the filters",
+              file=sys.stderr)
+        return 2
     print("\n".join(summary.lines()))
     return 0
 

@@ -11,6 +11,7 @@ import os
 from typing import Optional
 
 from engine.checkpoint.loader import latest_iteration, load_checkpoint
+from engine.checkpoint.resume import ResumePoint, resume_point
 from engine.checkpoint.saver import PendingSave, save_checkpoint
 
 
@@ -25,6 +26,12 @@ class Checkpointer:
         self.pending = save_checkpoint(self.cfg.checkpoint.save, iteration, model_chunks, optimizer, self.ctx, self.cfg,
                                        extra_state, async_save=self.cfg.checkpoint.async_save)
 
+    def check_in_flight(self) -> None:
+        """Collective, once per iteration: a background save that failed on any rank stops the run now, on
+        every rank, naming the rank and its error (not at the next save, iterations later)."""
+        if self.pending is not None and self.pending.failed():
+            self.finalize()
+
     def finalize(self) -> None:
         """Wait for the save in flight, if any; raise on every rank if it failed (call before exiting too)."""
         pending, self.pending = self.pending, None
@@ -38,8 +45,20 @@ class Checkpointer:
             return pending.iteration
         return latest_iteration(directory)
 
-    def load(self, directory: str, model_chunks: list, optimizer, load_optim: bool = True) -> Optional[dict]:
-        """Load the newest complete checkpoint of `directory` (see loader.load_checkpoint); None if there is none."""
+    def resume_point(self, log=None) -> Optional[ResumePoint]:
+        """Where this run resumes from (collective; see resume.py); None: from scratch (after logging why
+        when the choice needs saying)."""
+        point = resume_point(self.cfg.checkpoint, self.latest, self.ctx.rank)
+        if point is not None and point.note:
+            if log is not None:
+                log(point.note)
+            return None
+        return point
+
+    def load(self, directory: str, model_chunks: list, optimizer, load_optim: bool = True,
+             iteration: Optional[int] = None) -> Optional[dict]:
+        """Load `iteration` (default the newest complete checkpoint) of `directory` (see loader.load_checkpoint);
+        None if there is none."""
         self.finalize()
         return load_checkpoint(directory, model_chunks, optimizer, self.ctx, fallback=self.cfg.checkpoint.ckpt_fallback,
-                               load_optim=load_optim)
+                               load_optim=load_optim, iteration=iteration, model_cfg=self.cfg.model)

@@ -1,14 +1,17 @@
 """Load the newest complete checkpoint into model chunks and optimizer of any layout.
 
-Each rank checks the files it will read (size and sha256 against metadata.json) and the names and
-shapes it needs; the ranks then agree, so all of them load the same iteration or all of them stop
-with the same one-line error naming the damaged file. With `fallback`, older iterations are tried
+Rank 0 picks the iteration and every rank confirms it sees the same one. Each rank checks the files
+it will read (size and sha256 against metadata.json); the checkpoint must hold exactly the model's
+tensors (over all ranks) at their full shapes, so a checkpoint of another model is refused with one
+line naming the tensor, both shapes and the flags that differ. The ranks then agree, so all of them
+load the same iteration or all of them stop with the same one-line error. With `fallback`, older iterations are tried
 newest first. Tensors are read slice by slice (see reader.py), so a changed tp, pp, vpp, dp or
 distributed-optimizer setting reshards at load. RNG streams are restored only when the layout is
 the one saved, since a stream belongs to a rank's position in that layout.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from collections.abc import Mapping
@@ -21,6 +24,7 @@ from engine.checkpoint.layout import local_tensors
 from engine.checkpoint.reader import CheckpointReader
 from engine.config import ConfigError
 from engine.parallel.comm import all_gather_object
+from engine.parallel.layers import spec_of
 
 
 def latest_iteration(save_dir: str) -> Optional[int]:
@@ -30,34 +34,46 @@ def latest_iteration(save_dir: str) -> Optional[int]:
 
 
 def load_checkpoint(load_dir: str, model_chunks: list, optimizer, ctx, fallback: bool = False,
-                    load_optim: bool = True) -> Optional[dict]:
-    """Load into `model_chunks` (and `optimizer`); return the saved extra_state plus `iteration`, or None
-    when `load_dir` holds no checkpoint. Raises ConfigError (one line naming the file) on damage.
+                    load_optim: bool = True, iteration: Optional[int] = None, model_cfg=None) -> Optional[dict]:
+    """Load into `model_chunks` (and `optimizer`); return the saved extra_state plus `iteration` and the saved
+    `config`, or None when `load_dir` holds no checkpoint. Raises ConfigError (one line) on damage or a
+    checkpoint of a different model.
 
-    The iteration loaded is the one `latest_checkpointed_iteration.txt` names (the newest iteration
-    folder if that file is gone); with `fallback`, older complete ones are tried when it is damaged.
+    The iteration loaded is `iteration`, else the one `latest_checkpointed_iteration.txt` names (the newest
+    iteration folder if that file is gone); with `fallback`, older complete ones are tried when it is
+    damaged. Rank 0 resolves the candidates and every rank checks that it sees the same checkpoint
+    (a collective): ranks never load different iterations. With `model_cfg` (the run's resolved
+    ModelConfig) the checkpoint must hold no tensor the model lacks, and a mismatch names the flags.
     """
     if not os.path.isdir(load_dir):
         raise ConfigError(f"--load {load_dir}: directory not found; check the path or drop --load")
-    candidates = _candidates(load_dir, fallback)
+    candidates = _agreed_candidates(load_dir, fallback, iteration, ctx)
     if not candidates:
         return None
     tensors = local_tensors(model_chunks, ctx)
+    model_names = _model_names(model_cfg) if model_cfg is not None else None
     ranges = {}  # local name -> the flat range of it this rank's optimizer updates
     if optimizer is not None and load_optim:
         ranges = {name: tuple(e["range"]) for name, e in optimizer.state_dict()["params"].items()}
-    for n, iteration in enumerate(candidates):
-        path = os.path.join(load_dir, files.iter_dir_name(iteration))
-        reader, problem = _open_and_check(path, tensors, ranges, ctx)
+    for n, it in enumerate(candidates):
+        path = os.path.join(load_dir, files.iter_dir_name(it))
+        reader, problem = _open_and_check(path, tensors, ranges, ctx, model_names, model_cfg)
         problems = [p for p in all_gather_object(problem) if p]
         if not problems:
+            _same_everywhere(reader, path)
             return _load(reader, tensors, optimizer, ranges, ctx)
-        if n + 1 == len(candidates):
-            hint = "" if fallback else "; use --ckpt-fallback to load the newest complete checkpoint instead"
+        model_mismatch = problems[0].startswith(MISMATCH)
+        if n + 1 == len(candidates) or model_mismatch:
+            older = len(files.list_iterations(load_dir)) > 1
+            hint = "; use --ckpt-fallback to load the newest complete checkpoint instead" \
+                if older and not fallback and not model_mismatch else ""
             raise ConfigError(problems[0] + hint)
         if ctx.rank == 0:
             print(f"checkpoint: {problems[0]}; falling back to iteration {candidates[n + 1]}", file=sys.stderr)
     return None
+
+
+MISMATCH = "the checkpoint is of a different model:"
 
 
 def _candidates(load_dir: str, fallback: bool) -> list:
@@ -68,22 +84,87 @@ def _candidates(load_dir: str, fallback: bool) -> list:
     return [latest] + [i for i in done if i != latest] if fallback else [latest]
 
 
-def _open_and_check(path: str, tensors: list, ranges: dict, ctx) -> tuple:
-    """(reader or None, None or one line saying what is wrong) for this rank's part."""
+def _agreed_candidates(load_dir: str, fallback: bool, iteration: Optional[int], ctx) -> list:
+    """Rank 0's candidates, after every rank confirmed it sees the same first one (else ConfigError everywhere)."""
+    mine = [iteration] if iteration is not None else _candidates(load_dir, fallback)
+    seen = all_gather_object(mine[0] if mine else None)
+    odd = [r for r, it in enumerate(seen) if it != seen[0]]
+    if odd:
+        raise ConfigError(f"--load {load_dir}: ranks see different checkpoints (rank 0: iteration {seen[0]}, rank "
+                          f"{odd[0]}: iteration {seen[odd[0]]}); another job may be writing there, or the file "
+                          f"system is not shared alike by all nodes; stop the other writer and restart")
+    return all_gather_object(mine)[0]
+
+
+def _same_everywhere(reader, path: str) -> None:
+    """Every rank opened the same metadata (same bytes): a second writer replacing it mid-load is an error."""
+    with open(os.path.join(path, files.METADATA_FILE), "rb") as fh:
+        digest = hashlib.sha256(fh.read()).hexdigest()
+    digests = all_gather_object(digest)
+    odd = [r for r, d in enumerate(digests) if d != digests[0]]
+    if odd:
+        raise ConfigError(f"checkpoint {path} changed while loading (rank {odd[0]} read different metadata than "
+                          "rank 0); another job is writing into this directory; stop it and restart")
+
+
+def _mismatch(path: str, what: str, model_cfg, saved_cfg: dict) -> str:
+    """One line: the tensor and shapes that differ, and the flags (saved vs this run) to change."""
+    flags = _model_flag_differences(saved_cfg.get("model") or {}, model_cfg) if model_cfg is not None else []
+    fix = (f"it was saved with {' '.join(f'{f} {old}' for f, old, _ in flags)} (this run: "
+           f"{' '.join(f'{f} {new}' for f, _, new in flags)}); use those flags") if flags else \
+        "use the model flags it was saved with"
+    return f"{MISMATCH} {path}: {what}; {fix}"
+
+
+# Model settings that change which tensors exist or their shapes.
+SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "kv_channels", "vocab_size", "max_position_embeddings", "normalization", "position_embedding_type",
+                "swiglu", "untie_embeddings_and_output_weights", "disable_bias_linear")
+
+
+def _model_names(model_cfg) -> set:
+    """The global names of every tensor the model of `model_cfg` has, whatever the layout (a meta-device build)."""
+    from engine.model import GPTModel
+    from engine.parallel.topology import ParallelContext
+    model = GPTModel(model_cfg, ParallelContext.virtual(), device="meta")
+    return {spec_of(p).copy_of or name for name, p in model.named_parameters()}
+
+
+def _model_flag_differences(saved: dict, model_cfg) -> list:
+    out = []
+    for name in SHAPE_FIELDS:
+        if name in saved and saved[name] != getattr(model_cfg, name, saved[name]):
+            out.append(("--" + name.replace("_", "-"), saved[name], getattr(model_cfg, name)))
+    return out
+
+
+def _open_and_check(path: str, tensors: list, ranges: dict, ctx, model_names, model_cfg=None) -> tuple:
+    """(reader or None, None or one line saying what is wrong) for this rank's part.
+
+    The checkpoint must hold this rank's tensors at their full shapes, with as many vocabulary rows, and
+    when `model_names` (the whole model's) is known, exactly those: it is loaded whole or not at all."""
     try:
         reader = CheckpointReader(path)
     except ConfigError as e:
         return None, str(e)
-    missing = [lt.name for lt in tensors if lt.name not in reader.tensors]
+    saved_cfg = reader.meta.config or {}
+    missing = sorted((model_names or {lt.name for lt in tensors}) - set(reader.tensors))
     if missing:
-        return None, (f"checkpoint {path} has no tensor {missing[0]}: it was saved from a different model "
-                      "(layers, embeddings or biases differ); use the same model flags")
+        return None, _mismatch(path, f"it has no tensor {missing[0]}", model_cfg, saved_cfg)
+    extra = sorted(set(reader.tensors) - model_names) if model_names is not None else []
+    if extra:
+        return None, _mismatch(path, f"it holds {extra[0]}, which this model does not have", model_cfg, saved_cfg)
     for lt in tensors:
-        saved = tuple(reader.tensors[lt.name].shape)
-        rows = reader.tensors[lt.name].valid_rows
-        if saved != lt.full_shape and (saved[1:] != lt.full_shape[1:] or rows is None):
-            return None, (f"checkpoint {path}: tensor {lt.name} has shape {saved} but the model's is "
-                          f"{lt.full_shape}; use the model flags it was saved with")
+        entry = reader.tensors[lt.name]
+        saved, rows = tuple(entry.shape), entry.valid_rows
+        padding_only = saved[1:] == lt.full_shape[1:] and rows is not None and rows == lt.valid_rows
+        if saved != lt.full_shape and not padding_only:
+            what = f"tensor {lt.name} has shape {saved}" + (f" ({rows} vocabulary rows)" if rows else "") + \
+                f" but the model's is {lt.full_shape}" + (f" ({lt.valid_rows} rows)" if lt.valid_rows else "")
+            return None, _mismatch(path, what, model_cfg, saved_cfg)
+        if rows is not None and lt.valid_rows is not None and rows != lt.valid_rows:
+            return None, _mismatch(path, f"tensor {lt.name} holds {rows} vocabulary rows but the model has "
+                                         f"{lt.valid_rows}", model_cfg, saved_cfg)
     needed = reader.model_files(lt.name for lt in tensors)
     if ranges and reader.optimizer is not None:
         for lt in tensors:
@@ -113,6 +194,7 @@ def _load(reader: CheckpointReader, tensors: list, optimizer, ranges: dict, ctx)
         rng.restore(states[ctx.rank], ctx.rng)
     extra = dict(reader.meta.extra_state)
     extra.setdefault("iteration", reader.iteration)
+    extra["config"] = reader.meta.config or {}
     return extra
 
 

@@ -24,22 +24,19 @@ class CheckpointReader:
         self.path = path
         meta_path = os.path.join(path, files.METADATA_FILE)
         if not os.path.isfile(meta_path):
-            raise ConfigError(f"checkpoint {path} is incomplete: {meta_path} is missing; "
-                              "load another iteration or use --ckpt-fallback")
+            raise ConfigError(f"checkpoint {path} is incomplete: {meta_path} is missing")
         try:
             with open(meta_path) as fh:
                 raw = json.load(fh)
         except (OSError, ValueError):
-            raise ConfigError(f"checkpoint file {meta_path} is damaged (not valid JSON); "
-                              "use --ckpt-fallback to load the previous checkpoint") from None
+            raise ConfigError(f"checkpoint file {meta_path} is damaged (not valid JSON)") from None
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             found = raw.get("format") if isinstance(raw, dict) else None
             raise ConfigError(f"{meta_path} is not a Ternion checkpoint's metadata (format {found!r})")
         try:
             self.meta = CheckpointMeta.from_json(raw)
         except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"checkpoint file {meta_path} is damaged ({type(e).__name__}: {e}); "
-                              "use --ckpt-fallback to load the previous checkpoint") from None
+            raise ConfigError(f"checkpoint file {meta_path} is damaged ({type(e).__name__}: {e})") from None
         self._handles: dict = {}
         self._joined: dict = {}
 
@@ -147,23 +144,38 @@ class CheckpointReader:
         return self._joined[cache_key]
 
 
-def open_iteration(load: str, iteration: Optional[int] = None) -> "CheckpointReader":
+def open_iteration(load: str, iteration: Optional[int] = None,
+                   choose: str = "pass --iteration N to read another") -> "CheckpointReader":
     """Iteration `iteration` (default: the latest) of the checkpoint directory `load`, every file verified.
 
-    For the offline tools (merge, generate); a user mistake is a ConfigError naming --load or --iteration.
+    For the offline tools (merge, generate); a user mistake is a ConfigError naming --load, or --iteration
+    when one was given. `choose` is the tool's way to pick another saved iteration, said after the list.
     """
     if not os.path.isdir(load):
         raise ConfigError(f"--load {load}: directory not found; give the --save directory of a run")
-    if iteration is None:
+    saved = files.list_iterations(load)
+    have = f"saved iterations: {', '.join(map(str, saved))}; {choose}" if saved else "no iteration is saved there"
+    if iteration is not None:
+        path = os.path.join(load, files.iter_dir_name(iteration))
+        if not os.path.isdir(path):
+            raise ConfigError(f"--iteration {iteration}: {path} not found; {have}")
+    else:
         iteration = files.read_latest(load)
+        if iteration is None and not saved:
+            raise ConfigError(f"--load {load}: holds no checkpoint (no {files.LATEST_FILE}, no iter_NNNNNNN folder); "
+                              "give the --save directory of a run that saved one")
         if iteration is None:
-            raise ConfigError(f"--load {load}: no {files.LATEST_FILE}; pass --iteration N")
-    path = os.path.join(load, files.iter_dir_name(iteration))
-    if not os.path.isdir(path):
-        have = ", ".join(map(str, files.list_iterations(load))) or "none"
-        raise ConfigError(f"--iteration {iteration}: {path} not found; saved iterations: {have}")
-    reader = CheckpointReader(path)
+            raise ConfigError(f"--load {load}: {files.LATEST_FILE} is missing or unreadable (a save did not "
+                              f"finish?); {have}")
+        path = os.path.join(load, files.iter_dir_name(iteration))
+        if not os.path.isdir(path):
+            raise ConfigError(f"--load {load}: {files.LATEST_FILE} names iteration {iteration} but {path} is "
+                              f"missing; {have}")
+    try:
+        reader = CheckpointReader(path)
+    except ConfigError as e:
+        raise ConfigError(f"{e}; {have}") from None
     problem = reader.check_files(reader.meta.files)
     if problem:
-        raise ConfigError(problem)
+        raise ConfigError(f"{problem}; {have}")
     return reader

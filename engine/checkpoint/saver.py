@@ -28,6 +28,7 @@ from engine.checkpoint.metadata import CheckpointMeta, FileRecord, OptimizerMeta
 from engine.parallel.comm import all_gather_object, any_rank
 
 _MARKER = ".done.rank{:05d}.json"
+_CANCELLED = "stopped waiting for the other ranks' files"
 
 
 def save_checkpoint(save_dir: str, iteration: int, model_chunks: list, optimizer, ctx, cfg, extra_state: dict,
@@ -51,7 +52,10 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks: list, optimizer
         job.thread = threading.Thread(target=job.run, name=f"checkpoint-save-{iteration}", daemon=True)
         job.thread.start()
         return job
-    job.run()
+    job.guarded(job.write_shards)
+    job.agree()  # every rank wrote its files, or every rank raises naming the first that failed (disk full...)
+    if ctx.rank == 0:
+        job.guarded(job.publish)
     job.agree()  # every rank returns once the checkpoint is published, or every rank raises
     return None
 
@@ -103,6 +107,7 @@ class PendingSave:
         self.ckpt_cfg, self.timeout = ckpt_cfg, timeout
         self.error: Optional[str] = None
         self.thread: Optional[threading.Thread] = None
+        self.cancelled = threading.Event()
 
     def finish(self) -> None:
         """Wait for the writer thread; raise on every rank if any rank failed. Every rank calls it.
@@ -113,25 +118,45 @@ class PendingSave:
             self.thread.join()
         self.agree()
 
-    def agree(self) -> None:
-        if any_rank(self.error is not None):
-            self.error = self.error or "another rank failed to write its part"
-            raise RuntimeError(f"saving checkpoint iteration {self.iteration} to {self.save_dir} failed: {self.error}")
+    def failed(self) -> bool:
+        """Collective, for a save in flight: has any rank's writer failed yet? Then every rank stops it and
+        `finish()` raises the failure; training need not wait for the next save to hear of it."""
+        if not any_rank(self.error is not None):
+            return False
+        self.cancelled.set()  # rank 0 stops waiting for markers that will never come
+        return True
 
-    def run(self) -> None:
+    def agree(self) -> None:
+        """Collective: raise on every rank, naming the first rank that failed and its error."""
+        errors = all_gather_object(self.error)
+        failed = [(r, e) for r, e in enumerate(errors) if e and _CANCELLED not in e]
+        failed = failed or [(r, e) for r, e in enumerate(errors) if e]
+        if failed:
+            rank, error = failed[0]
+            raise RuntimeError(f"saving checkpoint iteration {self.iteration} to {self.save_dir} failed on rank "
+                               f"{rank}: {error}")
+
+    def guarded(self, step) -> None:
+        """Run one step of the save; an error is kept for agree() (a crashed writer must not kill training
+        silently), and a non-zero rank also leaves it where rank 0's marker wait sees it."""
+        if self.error is not None:
+            return
         try:
-            self._write_shards()
-            if self.rank == 0:
-                self._publish()
-        except Exception as e:  # reported by agree(); a crashed writer must not kill training silently
+            step()
+        except Exception as e:  # noqa: BLE001
             self.error = f"{type(e).__name__}: {e}"
-            if self.rank != 0:  # tell rank 0 now rather than let it wait for the timeout
+            if self.rank != 0:
                 try:
                     files.write_json_atomic(os.path.join(self.tmp, _MARKER.format(self.rank)), {"error": self.error})
-                except OSError:
+                except OSError:  # a full disk takes the marker too: agree()/failed() still carry the error
                     pass
 
-    def _write_shards(self) -> None:
+    def run(self) -> None:
+        self.guarded(self.write_shards)
+        if self.rank == 0:
+            self.guarded(self.publish)
+
+    def write_shards(self) -> None:
         if not self.shards:
             return
         done = {}
@@ -143,7 +168,7 @@ class PendingSave:
         self.shards = None  # drop the copies as soon as they are on disk
         files.write_json_atomic(os.path.join(self.tmp, _MARKER.format(self.rank)), done)
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
         self.meta.files = self._collect_markers()
         publish(self.save_dir, self.tmp, self.iteration, self.meta, self.ckpt_cfg.keep_last, self.ckpt_cfg.keep_every)
 
@@ -162,6 +187,8 @@ class PendingSave:
                     os.remove(path)
                     waiting.discard(r)
             if waiting:
+                if self.cancelled.is_set():
+                    raise RuntimeError(f"{_CANCELLED} (another rank failed)")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"ranks {sorted(waiting)} did not finish writing within {self.timeout:.0f}s")
                 time.sleep(0.005)

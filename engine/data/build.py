@@ -1,7 +1,19 @@
-"""From the run's config to its train, valid and test datasets."""
+"""From the run's config to its train, valid and test datasets, and a summary of what each source gives.
+
+Each --data-path dataset is checked when it is opened (it holds tokens, and every token id is inside the
+model's vocabulary); once the splits are sized, one line per source says how many documents and tokens
+each split holds and how many epochs over them the run needs, printed once (rank 0).
+"""
 from __future__ import annotations
 
-from engine.config import Config, ConfigError, data_prefixes
+import math
+import os
+import sys
+from typing import Callable, Optional
+
+import numpy as np
+
+from engine.config import Config, ConfigError, data_prefixes, vocab_source
 from engine.data.blend import BlendedDataset, blend_indices
 from engine.data.gpt_dataset import GPTDataset, split_ranges
 from engine.data.indexed_dataset import IndexedDataset
@@ -9,45 +21,118 @@ from engine.data.mock import MockGPTDataset
 from engine.data.rampup import BatchSizeSchedule
 
 SPLITS = ("train", "valid", "test")
+# A train split read more often than this gets a warning. Repeating data for up to about 4 epochs costs
+# little against fresh data; beyond that each repeat is worth less and less (Muennighoff et al. 2023,
+# "Scaling Data-Constrained Language Models"). Validation may cycle its small split without harm.
+EPOCH_WARNING = 4.0
 
 
-def build_datasets(cfg: Config, train_samples: int, valid_samples: int, test_samples: int) -> tuple:
+def build_datasets(cfg: Config, train_samples: int, valid_samples: int, test_samples: int,
+                   log: Optional[Callable[[str], None]] = None) -> tuple:
     """(train, valid, test): datasets whose `ds[i]` is an np.int64 array of seq_length + 1 tokens.
 
     A split asked for 0 samples is None. `cfg` is resolved (engine.config.resolve): its vocabulary size
-    sizes mock data, and its batch-size schedule places the `data_phases` switches.
+    sizes mock data and bounds the token ids, and its batch-size schedule places the `data_phases`
+    switches. The data summary goes to `log` (default: print on rank 0).
     """
+    log = log or _print_on_rank0
     d, seq_length, seed = cfg.data, cfg.model.seq_length, cfg.training.seed
     sizes = (train_samples, valid_samples, test_samples)
     if d.mock_data:
         vocab = cfg.model.vocab_size
+        log(f"data: synthetic tokens (--mock-data), vocabulary {vocab}, seed {seed}")
         return tuple(MockGPTDataset(seq_length, vocab, n, seed + k) if n else None for k, n in enumerate(sizes))
     if not d.data_path:
         raise ConfigError("--data-path (none): give --data-path PREFIX or use --mock-data")
     sources = data_prefixes(d.data_path)
-    indexed = [_open(prefix) for _, prefix in sources]
+    indexed = check_data(d.data_path, cfg.model.vocab_size, vocab_source(cfg))
     weights = [w for w, _ in sources]
     train_phases = _phases(cfg, weights)
-    out = []
+    out, drawn = [], np.zeros((len(indexed), len(SPLITS)), dtype=np.int64)  # samples per source and split
     for split, n in enumerate(sizes):
         if not n:
             out.append(None)
             continue
         if len(indexed) == 1:
+            drawn[0, split] = n
             out.append(_gpt_dataset(cfg, indexed[0], split, n))
             continue
         source, within = blend_indices(train_phases if split == 0 else [(0, weights)], n)
         counts = [int(within[source == k].max(initial=-1)) + 1 for k in range(len(indexed))]
+        drawn[:, split] = counts
         parts = [_gpt_dataset(cfg, ix, split, c) if c else None for ix, c in zip(indexed, counts)]
         out.append(BlendedDataset(parts, source, within))
+    _summarise(cfg, sources, indexed, drawn, log)
     return tuple(out)
 
 
-def _open(prefix: str) -> IndexedDataset:
+def check_data(data_path: list, vocab_size: Optional[int], vocab_from: str = "") -> list:
+    """Open every dataset of `data_path` ([W1] PREFIX1 ...): each must hold tokens, all of them ids below
+    `vocab_size` (not checked when None; `vocab_from` says which flag set it). Raises ConfigError."""
+    return [_open(prefix, vocab_size, vocab_from) for _, prefix in data_prefixes(data_path)]
+
+
+def _open(prefix: str, vocab_size: Optional[int], vocab_from: str) -> IndexedDataset:
     try:
-        return IndexedDataset(prefix)
+        indexed = IndexedDataset(prefix)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"--data-path {prefix}: {e}") from None
+    if indexed.num_tokens == 0:
+        raise ConfigError(f"--data-path {prefix}: {prefix}.bin holds no tokens ({indexed.num_documents} documents); "
+                          "make it again with tools/preprocess_data.py (check --input and --json-keys) or leave it out")
+    if vocab_size:
+        low, high = indexed.token_range()
+        if low < 0:
+            raise ConfigError(f"--data-path {prefix}: {prefix}.bin holds the negative token id {low}; it is damaged "
+                              "or not token ids: make it again with tools/preprocess_data.py")
+        if high >= vocab_size:
+            raise ConfigError(f"--data-path {prefix}: {prefix}.bin holds token id {high} but the vocabulary has "
+                              f"{vocab_size} ids ({vocab_from}); give the tokenizer the data was made with "
+                              f"(--tokenizer-model FILE.model) or a --vocab-size above {high}")
+    return indexed
+
+
+def _summarise(cfg: Config, sources: list, indexed: list, drawn: np.ndarray, log) -> None:
+    """One line per source: its documents and tokens, and for each split used what the run draws from it."""
+    seq, warnings = cfg.model.seq_length, []
+    for (weight, prefix), ix, samples in zip(sources, indexed, drawn):
+        parts = []
+        for split, (first, last) in enumerate(split_ranges(cfg.data.split, ix.num_documents)):
+            if not samples[split]:
+                continue
+            tokens = int(ix.sequence_lengths[ix.document_indices[first]:ix.document_indices[last]].sum(dtype=np.int64))
+            epochs = (int(samples[split]) * seq + 1) / max(tokens, 1)
+            size = f"{_count(last - first, 'document')}, {_count(tokens, 'token')}"
+            parts.append(f"{SPLITS[split]} {size}: {samples[split]:,} samples need {_epochs(epochs)} epochs")
+            if split == 0 and epochs > EPOCH_WARNING:
+                warnings.append(f"warning: data: the run reads the train split of {prefix} ({size}) {_epochs(epochs)} "
+                                f"times over ({samples[split]:,} samples of {seq} tokens); past {EPOCH_WARNING:g} "
+                                "epochs repeated data adds little (Muennighoff et al. 2023): add data, lower "
+                                "--train-iters or give train a larger --split share")
+        weight_note = f" (weight {weight:g})" if len(sources) > 1 else ""
+        log(f"data: {prefix}{weight_note}: {_count(ix.num_documents, 'document')}, {_count(ix.num_tokens, 'token')}; "
+            + "; ".join(parts))
+    for line in warnings:
+        log(line)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def _epochs(epochs: float) -> str:
+    return f"{epochs:.2f}" if epochs < 10 else f"{math.floor(epochs):,}"
+
+
+def _print_on_rank0(line: str) -> None:
+    """Print on global rank 0 only: the process group's rank once one exists, else $RANK (torchrun's)."""
+    dist = sys.modules.get("torch.distributed")  # never imported here: the tools use this module without torch
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank()
+    else:
+        rank = int(os.environ.get("RANK", "0") or 0)
+    if rank == 0:
+        print(line, flush=True)
 
 
 def _gpt_dataset(cfg: Config, indexed: IndexedDataset, split: int, num_samples: int) -> GPTDataset:
@@ -78,8 +163,7 @@ def _phases(cfg: Config, weights: list) -> list:
         start, w = phase["start_iter"], phase["weights"]
         if not isinstance(start, int) or start < 0:
             raise ConfigError(f"data_phases: start_iter {start!r} must be a non-negative integer")
-        if not isinstance(w, list) or len(w) != len(weights) or not all(isinstance(x, (int, float)) and x >= 0 for x in w) \
-                or sum(w) <= 0:
+        if not isinstance(w, list) or len(w) != len(weights) or not _weights_ok(w) or sum(w) <= 0:
             raise ConfigError(f"data_phases: weights {w!r} must list {len(weights)} non-negative numbers "
                               "(one per --data-path prefix) with a positive sum")
         if start <= previous:
@@ -91,3 +175,7 @@ def _phases(cfg: Config, weights: list) -> list:
         else:
             out.append((sample, w))
     return out
+
+
+def _weights_ok(weights: list) -> bool:
+    return all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in weights)

@@ -8,7 +8,9 @@ steps, each counted in the summary:
 - quality filters: fewer than `min_words` whitespace words, or more than `max_symbol_ratio` of its
   characters neither letters, digits, underscore nor whitespace.
 Input files ending in .jsonl or .json hold one JSON object per line (the texts under `json_keys`);
-any other file is plain text with one document per line.
+any other file is plain text with one document per line. `check_inputs` refuses, before any work, an
+input whose first record lacks a key (both tools call it); a progress bar with an ETA follows the input
+bytes read.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from engine.data.indexed_dataset import IndexedDatasetWriter, token_dtype
 from engine.data.tokenizer import Tokenizer
@@ -66,6 +69,54 @@ def output_prefix(prefix: str, key: str) -> str:
     return f"{prefix}_{key}_document"
 
 
+def is_json_input(path: str) -> bool:
+    return path.endswith((".jsonl", ".json"))
+
+
+def check_inputs(paths: Sequence[str], keys: Sequence[str]) -> Optional[str]:
+    """The first problem of the inputs as one line, or None: every file must hold text, and in a .jsonl/.json
+    file the first JSON object must hold a string under each key (later lines that do not are dropped
+    and counted, as before)."""
+    for path in paths:
+        record = _first_record(path)
+        if record is None:
+            return f"--input {path}: the file holds no text"
+        if not is_json_input(path):
+            continue
+        if not isinstance(record, dict):
+            return (f"--input {path}: no line is a JSON object; give one object per line, or name a plain-text "
+                    "file other than .json/.jsonl")
+        for key in keys:
+            if key not in record:
+                present = ", ".join(map(repr, record)) or "none"
+                return (f"--json-keys {' '.join(keys)}: the first record of {path} has no key {key!r} "
+                        f"(its keys: {present})")
+            if not isinstance(record[key], str):
+                return (f"--json-keys {' '.join(keys)}: key {key!r} in the first record of {path} holds "
+                        f"{str(record[key])[:40]!r} ({type(record[key]).__name__}), not a string")
+    return None
+
+
+def _first_record(path: str):
+    """The first JSON object of a .jsonl/.json file (else its first non-blank line, or True for a text file
+    with one); None when the file holds no non-blank line."""
+    found = None
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            if not is_json_input(path):
+                return True
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = line
+            if isinstance(record, dict):
+                return record
+            found = record if found is None else found
+    return found
+
+
 def preprocess(inputs: Sequence[str], tokenizer_model: str, prefix: str, options: Options,
                workers: int = 1, progress: bool = True) -> Summary:
     """Tokenize every document of `inputs` into one dataset per JSON key; returns the counts."""
@@ -74,7 +125,8 @@ def preprocess(inputs: Sequence[str], tokenizer_model: str, prefix: str, options
     summary = Summary()
     writers = {k: IndexedDatasetWriter(output_prefix(prefix, k), dtype) for k in options.json_keys}
     seen: set[bytes] = set()
-    bar = _Progress(sum(os.path.getsize(p) for p in inputs), enabled=progress)
+    bar = tqdm(total=sum(os.path.getsize(p) for p in inputs), unit="B", unit_scale=True, unit_divisor=1024,
+               desc="tokenizing", disable=not progress, dynamic_ncols=True)
     start = time.perf_counter()
     # fork starts workers in milliseconds and they touch nothing but the tokenizer; macOS lacks a safe fork.
     ctx = mp.get_context("spawn" if sys.platform == "darwin" else "fork")
@@ -93,7 +145,8 @@ def preprocess(inputs: Sequence[str], tokenizer_model: str, prefix: str, options
                 for key, (data, length) in zip(options.json_keys, per_key):
                     writers[key].add_raw(data, (length,))
                     summary.tokens += length
-            bar.update(nbytes, summary.documents, summary.tokens)
+            bar.set_postfix_str(f"{summary.documents:,} documents, {summary.tokens:,} tokens", refresh=False)
+            bar.update(nbytes)
     for key, writer in writers.items():
         writer.finalize()
         summary.outputs.append(writer.prefix)
@@ -105,7 +158,7 @@ def preprocess(inputs: Sequence[str], tokenizer_model: str, prefix: str, options
 def _chunks(inputs: Sequence[str]) -> Iterator[tuple[bool, list[bytes]]]:
     """(is_jsonl, lines) in chunks of CHUNK_LINES lines or CHUNK_BYTES bytes, file by file."""
     for path in inputs:
-        is_json = path.endswith((".jsonl", ".json"))
+        is_json = is_json_input(path)
         with open(path, "rb") as f:
             lines, size = [], 0
             for line in f:
@@ -178,28 +231,3 @@ def _rejected(texts: list[str], opt: Options) -> Optional[str]:
 def _digest(texts: list[str]) -> bytes:
     normalised = "\x00".join(" ".join(t.lower().split()) for t in texts)
     return hashlib.blake2b(normalised.encode("utf-8"), digest_size=16).digest()
-
-
-class _Progress:
-    """One self-overwriting stderr line: share of input read, documents/s and tokens/s."""
-
-    def __init__(self, total_bytes: int, enabled: bool):
-        self.total, self.enabled = max(total_bytes, 1), enabled
-        self.done, self.start, self.last = 0, time.perf_counter(), 0.0
-
-    def update(self, nbytes: int, docs: int, tokens: int) -> None:
-        self.done += nbytes
-        now = time.perf_counter()
-        if not self.enabled or now - self.last < 0.5:
-            return
-        self.last = now
-        frac = min(self.done / self.total, 1.0)
-        elapsed = max(now - self.start, 1e-9)
-        bar = "#" * int(frac * 30)
-        sys.stderr.write(f"\r[{bar:<30}] {frac:6.1%}  {docs} docs  {docs / elapsed:,.0f} docs/s  "
-                         f"{tokens / elapsed:,.0f} tokens/s")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.last:
-            sys.stderr.write("\n")
