@@ -59,15 +59,17 @@ def _is_collective_failure(error: BaseException) -> bool:
                                       "timed out", "Broken pipe")))
 
 
-def _die(error: BaseException, rank: int, where: str, timeout_minutes: float) -> None:
-    """One line naming the failed operation, then exit 1 at once: no teardown barrier a dead peer would block."""
+def _die(error: BaseException, rank: int, where: str, timeout_minutes: float, liveness=None) -> None:
+    """One line naming the failed operation (and, from the heartbeats, the rank that stopped), then exit 1 at
+    once: no teardown barrier a dead peer would block."""
     first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
     first = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first)  # gloo's source location
     first = re.split(r"(?<=\.)\s", first, maxsplit=1)[0]  # its first sentence; the rest is generic advice
     if _is_collective_failure(error):
+        culprits = liveness.culprits() if liveness is not None else None
         print(f"pretrain_gpt.py: rank {rank}: collective failed during {where}: {first[:300]} "
-              f"(a peer rank died or stalled; --distributed-timeout-minutes {timeout_minutes:g}); stopping",
-              file=sys.stderr, flush=True)
+              f"({culprits or 'a peer rank died or stalled'}; --distributed-timeout-minutes {timeout_minutes:g}); "
+              "stopping", file=sys.stderr, flush=True)
     else:
         traceback.print_exc()
         print(f"pretrain_gpt.py: rank {rank}: {type(error).__name__} during {where}: {first[:300]}; stopping",
@@ -132,6 +134,7 @@ def main(argv=None) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker outlives no agent (see engine/preemption.py)
         watch_parent()
 
+    from engine.liveness import Liveness
     from engine.parallel import comm
     from engine.parallel.topology import build_context, layout_table
     from engine.report import banner, report_arguments
@@ -142,8 +145,11 @@ def main(argv=None) -> int:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
                             store=_restart_store(rank, world, timeout))
-    ctx = trainer = None
+    ctx = trainer = liveness = None
     where = "building the process groups"
+    store = comm.side_store("ternion/liveness") if world > 1 else None
+    if store is not None:  # who stopped, and where, when a collective fails
+        liveness = Liveness(store, rank, world, lambda: str(trainer.phase) if trainer else where).start()
     try:
         par = cfg.parallel
         ctx = build_context(world, rank, cfg.tp, cfg.pp, vpp=cfg.vpp, sequence_parallel=par.sequence_parallel,
@@ -163,8 +169,11 @@ def main(argv=None) -> int:
     except ConfigError as e:
         return _fail(str(e), rank)
     except Exception as e:  # noqa: BLE001 - every failure must end this rank now, never hang in teardown
-        _die(e, rank, str(trainer.phase) if trainer is not None else where, cfg.parallel.distributed_timeout_minutes)
+        _die(e, rank, str(trainer.phase) if trainer is not None else where, cfg.parallel.distributed_timeout_minutes,
+             liveness)
     finally:
+        if liveness is not None:
+            liveness.stop()
         if dist.is_initialized():
             try:
                 comm.barrier()
@@ -172,7 +181,7 @@ def main(argv=None) -> int:
                     ctx.destroy()
                 dist.destroy_process_group()
             except Exception as e:  # noqa: BLE001 - a peer that died after this rank finished
-                _die(e, rank, "the teardown barrier (all ranks)", cfg.parallel.distributed_timeout_minutes)
+                _die(e, rank, "the teardown barrier (all ranks)", cfg.parallel.distributed_timeout_minutes, liveness)
         _release_locks()
     return 0
 

@@ -106,6 +106,12 @@ def check_resumed(cfg, directory: str, iteration: int, saved_cfg: dict, log=prin
     if train_iters == iteration:
         log(f"the checkpoint in {directory} is at iteration {iteration} = --train-iters: nothing left to train; "
             "raise --train-iters to continue")
+    saved_tokenizer = (saved_cfg.get("data") or {}).get("tokenizer_model")
+    if saved_tokenizer and cfg.data.tokenizer_model and \
+            os.path.abspath(saved_tokenizer) != os.path.abspath(cfg.data.tokenizer_model):
+        log(f"note: the checkpoint was trained with --tokenizer-model {saved_tokenizer}; this run uses "
+            f"{cfg.data.tokenizer_model} (same vocabulary size, or loading would have failed): make sure it is the "
+            "same tokenizer")
     changed = schedule_differences(saved_cfg, cfg)
     if not changed:
         return

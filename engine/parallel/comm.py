@@ -155,6 +155,21 @@ def any_rank(flag: bool, device="cpu") -> bool:
     return bool(t.item())
 
 
+def side_store(prefix: str, timeout_s: float = 10.0):
+    """A client of its own to the job's rendezvous store (MASTER_ADDR:MASTER_PORT), keys under `prefix`, for a
+    background thread: the process group's client must not be shared with one. None without a store."""
+    import datetime
+    import os
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    try:
+        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                               timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError, OSError):
+        return None
+    return dist.PrefixStore(prefix, client)
+
+
 def barrier(group=None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
