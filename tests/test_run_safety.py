@@ -3,6 +3,7 @@ orphan outlives its torchrun agent, save failures named within seconds on every 
 import errno
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -16,7 +17,7 @@ from engine.checkpoint import files, latest_iteration
 from engine.checkpoint.lock import LOCK_FILE, STALE_AFTER_S, RunLock
 from engine.config import ConfigError
 from harness import run_ranks
-from test_trainer import TAG, TINY, job_processes, worker_pid
+from test_trainer import TAG, TINY, job_processes, last_train_records, launch, read_records, worker_pid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,8 +73,9 @@ def _run(args, **kw):
 
 
 def test_two_jobs_on_one_save_the_second_is_refused_and_ctrl_c_saves_and_exits_0(tmp_path):
+    """The first job saves every iteration (synchronously), so Ctrl-C mostly lands during a save."""
     save = str(tmp_path / "run")
-    args = TINY + ["--train-iters", "100000", "--save", save, "--save-interval", "100000"]
+    args = TINY + ["--train-iters", "100000", "--save", save, "--save-interval", "1"]
     first = _run(args)
     try:
         deadline = time.monotonic() + 90
@@ -84,7 +86,7 @@ def test_two_jobs_on_one_save_the_second_is_refused_and_ctrl_c_saves_and_exits_0
         assert second.returncode == 2, err[-2000:]
         ours = [line for line in err.splitlines() if line.startswith("pretrain_gpt.py: error:")]
         assert len(ours) == 1 and f"--save {save} is in use by another job" in ours[0], err[-2000:]
-        assert files.list_iterations(save) == [], "the refused job wrote nothing"
+        assert json.load(open(os.path.join(save, LOCK_FILE)))["pid"] == first.pid, "the lock stays the first job's"
         time.sleep(2.0)  # let the first job train a little
         first.send_signal(signal.SIGINT)
         out, err = first.communicate(timeout=120)
@@ -96,16 +98,18 @@ def test_two_jobs_on_one_save_the_second_is_refused_and_ctrl_c_saves_and_exits_0
     stop = [line for line in out.splitlines() if line.startswith("stopping at iteration")]
     assert stop and "signal SIGINT" in stop[0] and "to resume, run the same command" in stop[0], out[-2000:]
     iteration = int(stop[0].split()[3].rstrip(":"))
-    assert latest_iteration(save) == iteration >= 1
+    assert latest_iteration(save) == iteration >= 1 and files.list_iterations(save)[-1] == iteration
     assert not os.path.exists(os.path.join(save, LOCK_FILE)), "the lock is given back at exit"
 
 
 # ------------------------------------------------------------------ no orphans
 
 @pytest.mark.slow
-def test_workers_stop_when_their_torchrun_agent_is_killed(tmp_path):
-    """SIGKILL to the torchrun agent alone (its workers live in sessions of their own): they stop as if
-    pre-empted, saving first, and are gone within their grace period."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGUSR1])
+def test_workers_stop_when_their_torchrun_agent_is_killed(tmp_path, sig):
+    """SIGKILL, or SIGUSR1 (which a plain torchrun does not handle), to the torchrun agent alone (its
+    workers live in sessions of their own): they stop as if pre-empted, saving first, and are gone within
+    their grace period."""
     save, tag = str(tmp_path / "run"), uuid.uuid4().hex
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{TAG: tag})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -120,8 +124,8 @@ def test_workers_stop_when_their_torchrun_agent_is_killed(tmp_path):
             time.sleep(0.2)
         workers = [worker_pid(tag, r) for r in (0, 1)]
         assert all(workers)
-        agent.kill()
-        agent.wait()
+        agent.send_signal(sig)
+        agent.wait(timeout=30)
         deadline = time.monotonic() + 75  # the workers' grace period (60 s) plus slack
         while any(_running(pid) for pid in workers):
             assert time.monotonic() < deadline, f"workers {workers} outlived their agent"
@@ -204,3 +208,40 @@ def test_a_really_full_disk_is_reported_as_such(tmp_path):
         assert latest_iteration(str(mnt / "run")) is None
     finally:
         subprocess.run(["umount", str(mnt)])
+
+
+# ------------------------------------------------------------------ whole-job SIGKILL, three times
+
+@pytest.mark.slow
+def test_whole_job_sigkill_during_every_iteration_saves_resumes_the_uninterrupted_curve(tmp_path):
+    """Every process of the job (agent and workers) SIGKILLed at random moments while it saves every
+    iteration, three times: each restart resumes `latest` on every rank, and the losses equal an
+    uninterrupted run's bitwise."""
+    base = TINY + ["--pp", "2", "--train-iters", "12"]
+    code, output, _ = launch(base + ["--metrics-file", str(tmp_path / "ref.jsonl")], 2, timeout=120)
+    assert code == 0, output[-3000:]
+    reference = {i: r["lm_loss"] for i, r in last_train_records(read_records(str(tmp_path / "ref.jsonl"))).items()}
+    save, metrics = str(tmp_path / "run"), str(tmp_path / "m.jsonl")
+    args = base + ["--save", save, "--save-interval", "1", "--metrics-file", metrics]
+    rng = random.Random(21)
+    for at in (3, 6, 9):
+        delay, sent = rng.uniform(0.0, 0.3), []
+
+        def watch(tag, _elapsed, at=at, delay=delay, sent=sent):
+            records = last_train_records(read_records(metrics))
+            if not sent and records and max(records) >= at:
+                time.sleep(delay)
+                for pid in job_processes(tag):
+                    os.kill(pid, signal.SIGKILL)
+                sent.append(max(records))
+        latest = latest_iteration(save)
+        code, output, _ = launch(args, 2, timeout=120, watch=watch)
+        assert sent, f"the job was not killed at iteration {at}:\n{output[-3000:]}"
+        if latest is not None:
+            assert f"resumed from {save} at iteration {latest} " in output, output[-3000:]
+    latest = latest_iteration(save)
+    code, output, _ = launch(args, 2, timeout=120)
+    assert code == 0, output[-3000:]
+    assert f"resumed from {save} at iteration {latest} " in output and "taking over the lock" in output
+    resumed = {i: r["lm_loss"] for i, r in last_train_records(read_records(metrics)).items()}
+    assert resumed == reference
