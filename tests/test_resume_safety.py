@@ -162,3 +162,15 @@ def test_a_changed_lr_schedule_is_refused_unless_overridden_or_taken_from_the_ch
     cfg.checkpoint.override_opt_param_scheduler, cfg.checkpoint.use_checkpoint_opt_param_scheduler = False, True
     check_resumed(cfg, "ckpt", 5, saved_cfg, lines.append)
     assert (cfg.optim.lr, cfg.optim.lr_decay_iters) == (3e-4, 100) and "taken from the checkpoint" in lines[1]
+
+
+def test_a_different_tokenizer_path_on_resume_is_said():
+    cfg = gpt()
+    cfg.optim.lr_decay_iters = 100
+    cfg.data.tokenizer_model = "/data/new.model"
+    saved_cfg = {"optim": {"lr_decay_iters": 100}, "data": {"tokenizer_model": "/data/old.model"}}
+    lines = []
+    check_resumed(cfg, "ckpt", 5, saved_cfg, lines.append)
+    assert lines == ["note: the checkpoint was trained with --tokenizer-model /data/old.model; this run uses "
+                     "/data/new.model (same vocabulary size, or loading would have failed): make sure it is the "
+                     "same tokenizer"]
