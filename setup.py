@@ -22,6 +22,7 @@ setup(
     ],
     extras_require={
         "gpu": ["flash-attn"],
-        "dev": ["pytest", "pytest-timeout", "transformers"],
+        # megatron-core: the reference tests/test_megatron_data.py compares the data order with (CPU dataset code).
+        "dev": ["pytest", "pytest-timeout", "transformers", "megatron-core==0.16.1"],
     },
 )

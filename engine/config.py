@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import typing
@@ -23,6 +24,8 @@ class ConfigError(ValueError):
 
 
 FAULT_KINDS = ("nan", "spike")  # --inject-fault drills (engine.stability.FaultDrill)
+# --tokenizer-type, with Megatron-LM's names (engine.data.tokenizer: what each reads)
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 
 
 def _f(default, help, *, aliases=(), choices=None, nargs=None, action=None, type=None, yaml_only=False):
@@ -50,14 +53,25 @@ class ModelConfig:
     norm_epsilon: float = _f(1e-5, "epsilon of the normalization layers")
     position_embedding_type: str = _f("learned_absolute", "position encoding", choices=("learned_absolute", "rope"))
     rotary_base: float = _f(10000.0, "RoPE base frequency")
+    use_rope_scaling: bool = _f(False, "Llama 3.x RoPE frequency scaling (HF rope_type llama3)")
+    rope_scaling_factor: float = _f(8.0, "with --use-rope-scaling: divide the low frequencies by this")
+    rope_scaling_low_freq_factor: float = _f(1.0, "with --use-rope-scaling: wavelengths above original/this are "
+                                                  "divided by the factor (HF low_freq_factor)")
+    rope_scaling_high_freq_factor: float = _f(4.0, "with --use-rope-scaling: wavelengths below original/this are "
+                                                   "kept (HF high_freq_factor); those between are blended")
+    rope_scaling_original_max_position_embeddings: int = _f(8192, "with --use-rope-scaling: the context length "
+                                                                  "the model was pretrained with")
     swiglu: bool = _f(False, "SwiGLU MLP instead of GELU")
+    openai_gelu: bool = _f(False, "tanh approximation of GELU (HF gelu_new) instead of the exact erf form")
     untie_embeddings_and_output_weights: bool = _f(False, "separate output layer instead of the tied embedding")
     disable_bias_linear: bool = _f(False, "no biases in linear layers")
+    add_qkv_bias: bool = _f(False, "a bias in the QKV projection even with --disable-bias-linear (Qwen2)")
     hidden_dropout: float = _f(0.0, "dropout on the residual branches")
     attention_dropout: float = _f(0.0, "dropout on attention probabilities")
     init_method_std: float = _f(0.02, "std of the normal weight init; output projections use std/sqrt(2*layers)")
-    attention_backend: str = _f("auto", "attention implementation (auto picks the fastest available)",
-                                choices=("auto", "flash", "triton", "sdpa", "local"))
+    attention_backend: str = _f("auto", "attention implementation (auto picks the fastest available; Megatron-LM's "
+                                "fused and unfused are read as auto and local)",
+                                choices=("auto", "flash", "triton", "sdpa", "local", "fused", "unfused"))
     recompute_granularity: Optional[str] = _f(None, "activation recomputation", choices=("full", "selective"))
     recompute_num_layers: Optional[int] = _f(None, "with full recomputation: layers per stage recomputed (default all)")
 
@@ -101,6 +115,8 @@ class TrainingConfig:
     global_batch_size: Optional[int] = _f(None, "samples per iteration over all dp ranks (default micro*dp)")
     rampup_batch_size: Optional[list] = _f(None, "batch ramp-up: START INCREMENT SAMPLES", nargs=3, type=int)
     train_iters: int = _f(100, "iterations to train")
+    train_samples: Optional[int] = _f(None, "samples to train instead of --train-iters (Megatron-LM's sample-based "
+                                            "run: the iterations are derived, the LR schedule counts samples)")
     bf16: bool = _f(False, "bf16 parameters and compute, fp32 master weights")
     fp16: bool = _f(False, "fp16 parameters and compute with loss scaling")
     loss_scale: Optional[float] = _f(None, "static loss scale for fp16 (default: dynamic)")
@@ -114,10 +130,20 @@ class TrainingConfig:
 class OptimizerConfig:
     lr: float = _f(3e-4, "peak learning rate")
     min_lr: float = _f(0.0, "learning rate at the end of decay")
-    lr_decay_style: str = _f("cosine", "decay after warm-up", choices=("constant", "linear", "cosine", "wsd"))
+    lr_decay_style: str = _f("cosine", "decay after warm-up (WSD: Megatron-LM's spelling of wsd)",
+                             choices=("constant", "linear", "cosine", "inverse-square-root", "wsd", "WSD"))
     lr_warmup_iters: int = _f(0, "linear warm-up iterations")
     lr_decay_iters: Optional[int] = _f(None, "iterations over which the LR decays (default train-iters)")
     lr_wsd_decay_iters: Optional[int] = _f(None, "with wsd: length of the final decay phase")
+    lr_wsd_decay_style: str = _f("exponential", "with wsd: shape of the final decay",
+                                 choices=("exponential", "linear", "cosine", "minus_sqrt"))
+    lr_warmup_fraction: Optional[float] = _f(None, "warm-up length as this fraction of the decay length (instead of "
+                                                   "--lr-warmup-iters/--lr-warmup-samples)")
+    lr_warmup_init: float = _f(0.0, "learning rate at the start of the warm-up")
+    lr_warmup_samples: int = _f(0, "with --train-samples: linear warm-up samples")
+    lr_decay_samples: Optional[int] = _f(None, "with --train-samples: samples over which the LR decays (default "
+                                               "train-samples)")
+    lr_wsd_decay_samples: Optional[int] = _f(None, "with --train-samples and wsd: samples of the final decay phase")
     weight_decay: float = _f(0.01, "AdamW weight decay, matrices only")
     adam_beta1: float = _f(0.9, "Adam beta1")
     adam_beta2: float = _f(0.999, "Adam beta2")
@@ -130,7 +156,12 @@ class OptimizerConfig:
 class DataConfig:
     data_path: Optional[list] = _f(None, "[W1] PREFIX1 [W2 PREFIX2 ...]: indexed datasets and blend weights", nargs="+")
     split: str = _f("969,30,1", "train,valid,test proportions of the documents")
-    tokenizer_model: Optional[str] = _f(None, "SentencePiece model file")
+    tokenizer_model: Optional[str] = _f(None, "SentencePiece .model file, a tokenizer.json, or a transformers tokenizer "
+                                              "directory")
+    tokenizer_type: Optional[str] = _f(None, "how text becomes ids (default: implied by the files given, "
+                                             "SentencePieceTokenizer for a .model file)", choices=TOKENIZER_TYPES)
+    vocab_file: Optional[str] = _f(None, "GPT2BPETokenizer: GPT-2's vocab.json")
+    merge_file: Optional[str] = _f(None, "GPT2BPETokenizer: GPT-2's merges.txt")
     mock_data: bool = _f(False, "synthetic tokens that depend only on --seed and the sample index (a config "
                                 "file's mock_data gives way to --data-path)")
     data_phases: Optional[list] = _f(None, "blend phases: a list of {start_iter, weights}", yaml_only=True)
@@ -146,6 +177,10 @@ class CheckpointConfig:
     keep_every: Optional[int] = _f(None, "also keep every checkpoint whose iteration is a multiple of N")
     ckpt_fallback: bool = _f(False, "if the newest checkpoint is damaged, load the newest complete one")
     no_load_optim: bool = _f(False, "load model weights only")
+    finetune: bool = _f(False, "take only the model weights from --load: iteration 0, a fresh optimizer and data "
+                               "position, no LR-schedule check (a restart resumes --save as usual)")
+    pretrained_checkpoint: Optional[str] = _f(None, "checkpoint whose model weights start the run when --load and "
+                                                    "--save hold none (as with --finetune)")
     override_opt_param_scheduler: bool = _f(False, "on resume, keep this run's LR schedule where the checkpoint's "
                                             "differs", aliases=("--override-opt_param-scheduler",))
     use_checkpoint_opt_param_scheduler: bool = _f(False, "on resume, take the LR schedule the checkpoint was "
@@ -196,6 +231,9 @@ class Config:
     stability: StabilityConfig = field(default_factory=StabilityConfig)
     config_file: Optional[str] = None
     notices: list = field(default_factory=list)  # lines the launcher prints once (rank 0): choices made for the user
+    # --vocab-size as given, kept by resolve() when a NullTokenizer adds its end-of-document id to it (so resolving
+    # again does not add a second one)
+    given_vocab_size: Optional[int] = None
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
@@ -287,6 +325,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The launcher's flags. A mistake raises ConfigError (one line); `--help` prints the usage and exits 0."""
+    from engine import megatron_flags  # it imports this module
     yaml_only = {flag_of(f.name): f"{flag_of(f.name)}: {f.name} has no command-line form; set it in the --config "
                                   "YAML file" for _, f in _all_fields() if f.metadata["yaml_only"]}
     p = OneLineParser(
@@ -294,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Ternion: pretrain GPT/Llama models with tensor, pipeline and data parallelism. "
                     "Run under torchrun; YAML keys are these flag names. Each boolean flag --X has a --no-X "
                     "that switches it off (a value from the YAML file included).",
-        argument_default=argparse.SUPPRESS, raise_errors=True, script="launch/pretrain_gpt.py", elsewhere=yaml_only)
+        argument_default=argparse.SUPPRESS, raise_errors=True, script="launch/pretrain_gpt.py",
+        elsewhere={**yaml_only, **megatron_flags.refusals()})
     p.add_argument("--config", help="YAML file of flag values; command-line flags override it")
     for section, cls in SECTIONS.items():
         group = p.add_argument_group(section)
@@ -320,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
                 if m["choices"]:
                     kw["choices"] = m["choices"]
             group.add_argument(*names, **kw)
+    megatron_flags.add_flags(p)  # Megatron-LM's flags that are no config field: their meaning, note or one line
     return p
 
 
@@ -385,16 +426,33 @@ def _coerce(name: str, value):
 
 def parse_config(argv: Optional[list] = None) -> Config:
     """Flags (and the YAML they name) -> Config. Raises ConfigError, bad syntax and unknown flags included."""
+    from engine import megatron_flags  # it imports this module
     ns = vars(build_parser().parse_args(argv))
     values = {}
     cfg_file = ns.pop("config", None)
     if cfg_file:
         values.update({k: _coerce(k, v) for k, v in _load_yaml(cfg_file).items()})
     values.update(ns)
-    cfg = Config(config_file=cfg_file, notices=_mock_or_data(values, set(ns), cfg_file))
+    notices = megatron_flags.translate(values) + _iters_or_samples(values, set(ns), cfg_file)
+    cfg = Config(config_file=cfg_file, notices=notices + _mock_or_data(values, set(ns), cfg_file))
     for name, value in values.items():
         setattr(getattr(cfg, FIELD_SECTION[name]), name, value)
     return cfg
+
+
+def _iters_or_samples(values: dict, given: set, cfg_file: Optional[str]) -> list:
+    """The run's length is --train-iters or --train-samples (Megatron-LM refuses both on its command line, and
+    so does this one): the command line's beats the config file's, and a file with both (a run's saved
+    arguments) keeps train_samples, from which train_iters was derived. Returns the notice when one gave way."""
+    both = {"train_iters", "train_samples"}
+    if not both <= set(values) or values["train_samples"] is None:
+        return []
+    if both <= given:
+        raise ConfigError("--train-iters with --train-samples: give the run's length in one of them (with "
+                          "--train-samples the iterations are derived)")
+    kept, dropped = ("train_iters", "train_samples") if "train_iters" in given else ("train_samples", "train_iters")
+    values.pop(dropped)
+    return [] if not given & both else [f"{flag_of(kept)} {values[kept]} given: {dropped} in {cfg_file} is not used"]
 
 
 def _mock_or_data(values: dict, given: set, cfg_file: Optional[str]) -> list:
@@ -460,7 +518,7 @@ def validate(cfg: Config, world_size: int) -> None:
     _check_split(cfg.model, cfg.parallel, tp, pp, vpp)
     _check_parallel(cfg.parallel, world_size)
     _check_training(cfg.training, world_size // (tp * pp), pp, vpp)
-    _check_optim(cfg.optim)
+    _check_optim(cfg.optim, cfg.training)
     _check_logging(cfg.logging)
     _check_files(cfg)
     _check_checkpoint(cfg.checkpoint)
@@ -542,6 +600,23 @@ def _check_model(m: ModelConfig) -> None:
     if m.attention_backend == "triton" and m.attention_dropout > 0:
         _err("--attention-backend", "triton", "the Triton flash kernel has no dropout; use --attention-dropout 0 "
                                               "or --attention-backend sdpa")
+    if m.openai_gelu and m.swiglu:
+        _err("--openai-gelu", "with --swiglu", "the GELU form applies to the GELU MLP only; drop one of them")
+    if m.use_rope_scaling:
+        _check_rope_scaling(m)
+
+
+def _check_rope_scaling(m: ModelConfig) -> None:
+    """Llama 3's scaling needs rotary positions and 0 < low freq factor < high freq factor."""
+    if m.position_embedding_type != "rope":
+        _err("--use-rope-scaling", "with --position-embedding-type learned_absolute", "needs rotary positions: add "
+                                                                                    "--position-embedding-type rope")
+    if m.rope_scaling_factor < 1:
+        _err("--rope-scaling-factor", m.rope_scaling_factor, "must be at least 1 (Llama 3.1 uses 8)")
+    if not 0 < m.rope_scaling_low_freq_factor < m.rope_scaling_high_freq_factor:
+        _err("--rope-scaling-low-freq-factor", m.rope_scaling_low_freq_factor,
+             f"must be positive and below --rope-scaling-high-freq-factor {m.rope_scaling_high_freq_factor}")
+    _at_least_one(m, "rope_scaling_original_max_position_embeddings")
 
 
 def _check_split(m: ModelConfig, par: ParallelConfig, tp: int, pp: int, vpp: int) -> None:
@@ -578,15 +653,19 @@ def _check_parallel(par: ParallelConfig, world_size: int) -> None:
 
 def _check_training(tr: TrainingConfig, dp: int, pp: int, vpp: int) -> None:
     """Batch sizes in whole microbatches for every dp rank (and pp-sized groups when interleaved); one precision."""
-    _at_least_one(tr, "micro_batch_size", "train_iters")
+    _at_least_one(tr, "micro_batch_size", "train_iters", "train_samples")
     per_step = tr.micro_batch_size * dp
     gbs = tr.global_batch_size or per_step
+    if tr.train_samples is not None and not tr.rampup_batch_size and tr.train_samples < gbs:
+        _err("--train-samples", tr.train_samples, f"is less than one global batch ({gbs}); the run would take no step")
     if gbs % per_step:
         _err("--global-batch-size", gbs,
              f"must be a multiple of --micro-batch-size {tr.micro_batch_size} x dp {dp} = {per_step}")
     sizes = [("--global-batch-size", gbs)]
     if tr.rampup_batch_size:
         start, incr, _ = tr.rampup_batch_size
+        if min(start, incr) < 1:
+            _err("--rampup-batch-size", " ".join(map(str, tr.rampup_batch_size)), "START and INCR must be at least 1")
         if start % per_step or incr % per_step or (gbs - start) % max(incr, 1):
             _err("--rampup-batch-size", " ".join(map(str, tr.rampup_batch_size)),
                  f"START and INCR must be multiples of micro x dp = {per_step} and reach --global-batch-size {gbs}")
@@ -597,11 +676,32 @@ def _check_training(tr: TrainingConfig, dp: int, pp: int, vpp: int) -> None:
         _err("--bf16", "with --fp16", "choose one precision")
 
 
-def _check_optim(opt: OptimizerConfig) -> None:
-    if opt.lr_decay_style == "wsd" and not opt.lr_wsd_decay_iters:
-        _err("--lr-decay-style", "wsd", "also give --lr-wsd-decay-iters (length of the final decay)")
+def _check_optim(opt: OptimizerConfig, tr: Optional[TrainingConfig] = None) -> None:
+    unit = "samples" if tr is not None and tr.train_samples is not None else "iters"
+    _check_schedule_unit(opt, unit)
+    if opt.lr_decay_style.lower() == "wsd" and not getattr(opt, f"lr_wsd_decay_{unit}"):
+        _err("--lr-decay-style", "wsd", f"also give --lr-wsd-decay-{unit} (length of the final decay)")
     if opt.min_lr > opt.lr:
         _err("--min-lr", opt.min_lr, f"must not exceed --lr {opt.lr}")
+    if not 0 <= opt.lr_warmup_init <= opt.lr:
+        _err("--lr-warmup-init", opt.lr_warmup_init, f"must be between 0 and --lr {opt.lr}")
+    if opt.lr_warmup_fraction is not None and not 0 <= opt.lr_warmup_fraction < 1:
+        _err("--lr-warmup-fraction", opt.lr_warmup_fraction, "must be at least 0 and below 1 (e.g. 0.01)")
+
+
+def _check_schedule_unit(opt: OptimizerConfig, unit: str) -> None:
+    """Megatron-LM's rule: a --train-samples run gives its LR lengths in samples, a --train-iters run in
+    iterations; the warm-up is a length or --lr-warmup-fraction, not both."""
+    other = "iters" if unit == "samples" else "samples"
+    for name in (f"lr_decay_{other}", f"lr_wsd_decay_{other}", f"lr_warmup_{other}"):
+        if getattr(opt, name):
+            instead = flag_of(name)[:-len(other)] + unit
+            _err(flag_of(name), getattr(opt, name),
+                 f"a --train-samples run counts its schedule in samples: use {instead}" if unit == "samples" else
+                 f"is for a --train-samples run; add --train-samples, or use {instead} with --train-iters")
+    if opt.lr_warmup_fraction is not None and getattr(opt, f"lr_warmup_{unit}"):
+        _err("--lr-warmup-fraction", opt.lr_warmup_fraction, f"give it or --lr-warmup-{unit}, not both")
+    _at_least_one(opt, "lr_decay_samples", "lr_wsd_decay_samples")
 
 
 def _check_logging(lg: LoggingConfig) -> None:
@@ -614,8 +714,7 @@ def _check_logging(lg: LoggingConfig) -> None:
 
 def _check_files(cfg: Config) -> None:
     d = cfg.data
-    if d.tokenizer_model and not os.path.isfile(d.tokenizer_model):
-        _err("--tokenizer-model", d.tokenizer_model, "file not found; train one with tools/train_tokenizer.py")
+    tokenizer_of(cfg)  # the tokenizer flags fit together and name files that exist, mock data or not
     if d.data_path:
         for _, prefix in data_prefixes(d.data_path):
             for ext in (".bin", ".idx"):
@@ -627,8 +726,10 @@ def _check_files(cfg: Config) -> None:
     if d.data_path and not d.mock_data:
         from engine.data.build import check_data  # opens each index (numpy only): empty data, ids past the vocabulary
         check_data(d.data_path, data_vocab_size(cfg), vocab_source(cfg))
-    if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
-        _err("--load", cfg.checkpoint.load, "directory not found; check the path or drop --load")
+    ck = cfg.checkpoint  # Megatron-LM's --save X --load X: the first run of the job makes X
+    first_of_job = ck.save and os.path.abspath(ck.load or "") == os.path.abspath(ck.save)
+    if ck.load and not os.path.isdir(ck.load) and not first_of_job:
+        _err("--load", ck.load, "directory not found; check the path or drop --load")
 
 
 def _check_checkpoint(ck: CheckpointConfig) -> None:
@@ -637,6 +738,12 @@ def _check_checkpoint(ck: CheckpointConfig) -> None:
              "they contradict each other: keep this run's LR schedule or the checkpoint's, not both")
     if ck.load and os.path.isfile(ck.load):
         _err("--load", ck.load, "is a file; give the --save directory of a run (or one of its iter_NNNNNNN folders)")
+    if ck.pretrained_checkpoint and not os.path.isdir(ck.pretrained_checkpoint):
+        _err("--pretrained-checkpoint", ck.pretrained_checkpoint, "directory not found; give a checkpoint directory "
+                                                                  "(e.g. made by tools/convert_hf.py)")
+    if ck.finetune and not (ck.load or ck.pretrained_checkpoint):
+        _err("--finetune", "without --load", "give --load DIR (or --pretrained-checkpoint DIR): the checkpoint whose "
+                                             "weights to start from")
 
 
 def _check_stability(st: StabilityConfig) -> None:
@@ -664,33 +771,67 @@ def resolve(cfg: Config, world_size: int) -> Config:
     """Fill in, once, what the flags leave to be derived, so that no other module derives it again.
 
     The vocabulary size becomes the tokenizer's when a tokenizer reads real data, else --vocab-size, else
-    256 (mock data); the global batch size defaults to micro batch x dp. Idempotent; returns `cfg`.
+    256 (mock data); the global batch size defaults to micro batch x dp; --train-samples sets --train-iters
+    as Megatron-LM counts them. (The LR lengths in samples follow from these in engine.optim.schedule, at
+    each step, so a schedule taken from a checkpoint on resume applies.) Idempotent; returns `cfg`.
     """
     m, tr = cfg.model, cfg.training
+    if cfg.data.tokenizer_type == "NullTokenizer" and cfg.given_vocab_size is None:
+        cfg.given_vocab_size = m.vocab_size  # its end-of-document id is added once (data_vocab_size)
     m.vocab_size = data_vocab_size(cfg)
     if tr.global_batch_size is None:
         tr.global_batch_size = tr.micro_batch_size * (world_size // (cfg.tp * cfg.pp))
+    if tr.train_samples is not None:
+        tr.train_iters = _iterations_for_samples(tr)
     return cfg
 
 
+def _iterations_for_samples(tr: TrainingConfig) -> int:
+    """--train-samples as iterations, Megatron-LM's update_train_iters: whole global batches (a last partial
+    one is dropped); under ramp-up the ramp's steps (see engine.data.rampup), then whole final batches."""
+    if not tr.rampup_batch_size:
+        return tr.train_samples // tr.global_batch_size
+    from engine.data.rampup import BatchSizeSchedule  # engine.data imports torch: only ramped sample runs need it
+    return BatchSizeSchedule.from_config(tr).iterations_for(tr.train_samples)
+
+
 def data_vocab_size(cfg: Config) -> int:
-    """The vocabulary a run trains with: the tokenizer's when one reads real data, else --vocab-size, else 256."""
-    d = cfg.data
-    if d.tokenizer_model and not d.mock_data:
-        from engine.data.tokenizer import Tokenizer  # a leaf module (sentencepiece); only runs on real text need it
-        try:
-            return Tokenizer(d.tokenizer_model).vocab_size
-        except (OSError, RuntimeError):
-            _err("--tokenizer-model", d.tokenizer_model, "not a SentencePiece model; train one with "
-                                                         "tools/train_tokenizer.py")
+    """The vocabulary a run trains with: the tokenizer's when one reads real data (a NullTokenizer's: --vocab-size
+    plus its end-of-document id, as in Megatron-LM), else --vocab-size, else 256."""
+    spec = None if cfg.data.mock_data else tokenizer_of(cfg)
+    if spec is not None:
+        return _tokenizer_vocab(spec, _mtimes(spec))  # a file that is not what the type needs: one ConfigError line
     return cfg.model.vocab_size or DEFAULT_VOCAB_SIZE
+
+
+def tokenizer_of(cfg: Config):
+    """The run's tokenizer flags as an engine.data.tokenizer.TokenizerSpec (None when they name none); a
+    combination that cannot work, or a missing file, is one ConfigError line. Opens no file."""
+    d = cfg.data
+    if not (d.tokenizer_type or d.tokenizer_model or d.vocab_file or d.merge_file):
+        return None
+    from engine.data.tokenizer import tokenizer_spec  # a leaf module (sentencepiece); only runs on real text need it
+    given = cfg.given_vocab_size if cfg.given_vocab_size is not None else cfg.model.vocab_size
+    return tokenizer_spec(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, given)
+
+
+def _mtimes(spec) -> tuple:
+    paths = (spec.model, spec.vocab_file, spec.merge_file)
+    return tuple(os.path.getmtime(p) if p and os.path.exists(p) else None for p in paths)
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_vocab(spec, mtimes: tuple) -> int:
+    """Opened once per process for validate and each resolve (a transformers tokenizer takes seconds to load)."""
+    return spec.vocab_size()
 
 
 def vocab_source(cfg: Config) -> str:
     """Which flag set the vocabulary size, for messages about token ids."""
     d, vocab = cfg.data, cfg.model.vocab_size
-    if d.tokenizer_model and not d.mock_data:
-        return f"--tokenizer-model {d.tokenizer_model}"
+    spec = None if d.mock_data else tokenizer_of(cfg)
+    if spec is not None:
+        return spec.source + (f" and its end-of-document id {spec.null_vocab}" if spec.null_vocab is not None else "")
     if vocab is None:
         return f"{DEFAULT_VOCAB_SIZE}, the default without --tokenizer-model or --vocab-size"
     return f"--vocab-size {vocab}"

@@ -1,9 +1,10 @@
 """The GPT / Llama decoder, written once from tensor-parallel layers.
 
-One class covers GPT-2/3 (LayerNorm, learned positions, GELU, biases, tied embeddings) and Llama 2/3
-(RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases, untied output). Activations are
-[s, b, h] between layers, or this rank's slice of the sequence where the parallel context splits it
-(sequence parallelism: the context decides, the model asks it). A pipeline stage or virtual chunk
+One class covers GPT-2/3 (LayerNorm, learned positions, exact or tanh GELU, biases, tied embeddings) and
+Llama 2/3 (RMSNorm, rotary positions with optional Llama 3.1 scaling, SwiGLU, grouped-query attention, no
+biases, untied output); Mistral is Llama-shaped and Qwen2 adds a bias to the QKV projection only.
+Activations are [s, b, h] between layers, or this rank's slice of the sequence where the parallel context
+splits it (sequence parallelism: the context decides, the model asks it). A pipeline stage or virtual chunk
 is the same class holding a subset of the layers (by global id, so parameter names do not depend on
 the layout), with the embedding on the first chunk (`pre_process`) and final norm, output layer and
 loss on the last (`post_process`).
@@ -39,6 +40,20 @@ WORD_EMBEDDING_KEY = "embedding.word.weight"  # the random stream both copies of
 TIED_EMBEDDING = "word.weight"  # the first stage's embedding: the last stage's tied copy is stored under this name
 
 
+def llama3_scaled(inv: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Llama 3.1's scaling of the RoPE inverse frequencies (HF rope_type "llama3", Megatron --use-rope-scaling).
+
+    Wavelengths longer than original/low_freq_factor are stretched by the factor, those shorter than
+    original/high_freq_factor kept, and those between blended linearly in original/wavelength.
+    """
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor
+    original = cfg.rope_scaling_original_max_position_embeddings
+    wavelen = 2 * math.pi / inv
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv / factor + smooth * inv
+    return torch.where(wavelen > original / low, inv / factor, torch.where(wavelen < original / high, inv, blended))
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx, out_std, device, dtype):
         super().__init__()
@@ -49,7 +64,8 @@ class Attention(nn.Module):
         # Fused QKV in group-interleaved order [g0: q.. k v | g1: q.. k v | ...]: a row split by tp gives
         # each rank whole groups, so the full tensor is the same for every tp.
         self.qkv = ColumnParallelLinear(cfg.hidden_size, self.groups * (per_group + 2) * self.head_dim, ctx,
-                                        bias=bias, std=cfg.init_method_std, device=device, dtype=dtype)
+                                        bias=bias or cfg.add_qkv_bias, std=cfg.init_method_std, device=device,
+                                        dtype=dtype)
         self.proj = RowParallelLinear(self.heads * self.head_dim, cfg.hidden_size, ctx, bias=bias, std=out_std,
                                       device=device, dtype=dtype)
         self.selective = cfg.recompute_granularity == "selective"
@@ -84,7 +100,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx, out_std, device, dtype):
         super().__init__()
         ffn, bias = cfg.resolved_ffn_hidden_size(), not cfg.disable_bias_linear
-        self.swiglu = cfg.swiglu
+        self.swiglu, self.gelu_form = cfg.swiglu, "tanh" if cfg.openai_gelu else "none"
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, ffn, ctx, bias=bias, std=cfg.init_method_std,
                                         stack=2 if cfg.swiglu else 1, device=device, dtype=dtype)
         self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, ctx, bias=bias, std=out_std, device=device, dtype=dtype)
@@ -95,7 +111,7 @@ class MLP(nn.Module):
             gate, up = y.chunk(2, dim=-1)
             y = dispatch.swiglu(gate, up)
         else:
-            y = F.gelu(y, approximate="tanh")
+            y = F.gelu(y, approximate=self.gelu_form)
         return self.fc2(y)
 
 
@@ -175,6 +191,8 @@ class GPTModel(nn.Module):
             return None
         d = self.cfg.head_dim()
         inv = 1.0 / (self.cfg.rotary_base ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+        if self.cfg.use_rope_scaling:
+            inv = llama3_scaled(inv, self.cfg)
         return torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
 
     def embed(self, tokens):

@@ -89,8 +89,12 @@ def resolved_arguments(cfg) -> dict:
     """Every flag's value after resolution (engine.config.resolve), by its name with underscores, sorted.
 
     These are exactly the keys a --config file takes, so the saved copy (`report_arguments`) runs again as
-    `--config FILE` (JSON is YAML)."""
-    return dict(sorted((name, value) for section in cfg.to_dict().values() for name, value in section.items()))
+    `--config FILE` (JSON is YAML). A vocabulary the resolution grew (NullTokenizer's end-of-document id)
+    is saved as given, so that resolving the file again grows it once."""
+    args = dict(sorted((name, value) for section in cfg.to_dict().values() for name, value in section.items()))
+    if getattr(cfg, "given_vocab_size", None) is not None:
+        args["vocab_size"] = cfg.given_vocab_size
+    return args
 
 
 def arguments_text(arguments: dict) -> str:

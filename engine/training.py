@@ -24,8 +24,8 @@ from engine.checkpoint.resume import check_resumed
 from engine.config import model_dtype, resolve
 from engine.data import BatchSampler, BatchSizeSchedule, build_datasets, make_batch
 from engine.metrics import MetricsWriter, peak_memory_gb, peak_tflops, perplexity, save_report, throughput
-from engine.optim import build_optimizer, lr_at
-from engine.optim.optimizer import StepResult
+from engine.optim import StepResult, build_optimizer
+from engine.optim.schedule import lr_at_sample
 from engine.phase import Phase
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
@@ -80,21 +80,21 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def _load(self, point, load_optim: bool) -> Optional[dict]:
         with self.phase(f"loading the checkpoint in {point.directory}", "all"):
-            extra = self.checkpointer.load(point.directory, self.chunks, self.optimizer, load_optim=load_optim,
-                                           iteration=point.iteration)
+            extra = point.start(self.checkpointer.load(point.directory, self.chunks, self.optimizer,
+                                                       load_optim and not point.finetune, point.iteration))
         if extra is not None:
             self.iteration = extra["iteration"]
             self.sampler.load_state_dict(extra.get("data") or {"consumed_samples": extra["consumed_samples"]})
         return extra
 
     def resume(self) -> bool:
-        """Load what resume.py decides (the run's own --save, else --load); check the run may go on from it."""
+        """Load where resume.py says (own --save, else --load, else --pretrained-checkpoint); check it may go on."""
         with self.phase("deciding where to resume from", "all"):
             point = self.checkpointer.resume_point(self.log)
         extra = self._load(point, not self.cfg.checkpoint.no_load_optim) if point else None
         if extra is None:
             return False
-        check_resumed(self.cfg, point.directory, self.iteration, extra["config"], self.log)
+        check_resumed(self.cfg, point.directory, self.iteration, extra["config"], self.log, extra.get("finetune"))
         if "guard" in extra:
             self.guard.load_state_dict(extra["guard"])
         self.log(f"resumed from {point.directory} at iteration {self.iteration} ({self.consumed} samples consumed)")
@@ -133,8 +133,8 @@ class Trainer:
     def train_step(self) -> tuple:
         """Forward-backward over this iteration's microbatches, grad reduction, optimizer step (or its skip)."""
         n, tr = self.iteration + 1, self.cfg.training
-        position = self.batch_sizes.lr_position(self.consumed, self.iteration)
-        lr = lr_at(position, self.cfg.optim, tr.train_iters) * self.guard.lr_multiplier(n)
+        position = self.batch_sizes.lr_samples(self.consumed, self.iteration)  # Megatron-LM's unit: samples
+        lr = lr_at_sample(position, self.cfg.optim, tr) * self.guard.lr_multiplier(n)
         gbs = self.sampler.batch_size
         mbs, scale_loss = self.drill.arm(n, self._tensors(self.train_ds, next(self.sampler)), self.optimizer.scale_loss)
         for model in self.chunks:

@@ -2,8 +2,9 @@
 
 tests/fixtures/ckpt_50af432 holds iteration 2 of a tiny run saved by commit 50af432 (tp 1 x pp 2 x dp 2,
 distributed optimizer, embeddings tied across the two stages) and the losses that run logged at
-iterations 3-5 (continuation.json, with the command that made it). Resuming from it must continue that
-curve: bitwise at the layout it was saved with, within 1e-5 when it is resharded to tp 2 x dp 2 with
+iterations 3-5 (continuation.json, with the command that made it; re-recorded once, when the sampler took
+Megatron's order of samples within a batch, see its note). Resuming from it must continue that curve:
+bitwise at the layout it was saved with, within 1e-5 when it is resharded to tp 2 x dp 2 with
 the optimizer replicated. Two 4-rank torchrun jobs, about 15 s.
 """
 import json

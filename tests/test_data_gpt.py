@@ -48,26 +48,30 @@ def stream_of(ds):
 
 
 def test_samples_are_packed_slices_of_the_shuffled_stream_over_several_epochs(data):
+    """Megatron-LM's order: full epochs are shuffled together; a last epoch used under 80% is kept apart
+    (its documents after all the others', its samples served after theirs), one used more joins the rest."""
     prefix, docs = data
     ix = IndexedDataset(prefix)
     tokens = sum(len(d) for d in docs)
     seq = 32
-    num_samples = 3 * tokens // seq + 5  # needs a little of a fourth epoch
-    ds = GPTDataset(ix, (0, len(docs)), seq, num_samples, seed=5)
-    assert len(ds) >= num_samples
-    assert len(ds.document_index) == 4 * len(docs)  # 3 epochs and a bit
-    for e in range(4):
-        assert sorted(ds.document_index[e * len(docs):(e + 1) * len(docs)].tolist()) == list(range(len(docs)))
-    assert sorted(ds.shuffle_index.tolist()) == list(range(len(ds)))
-    stream = stream_of(ds)
-    for i in range(len(ds)):
-        j = int(ds.shuffle_index[i])
-        sample = ds[i]
-        assert sample.dtype == np.int64 and sample.shape == (seq + 1,)
-        assert np.array_equal(sample, stream[j * seq:j * seq + seq + 1])
-    # Samples of the final, partial epoch come after all the full ones.
-    full = ((3 * tokens) - 1) // seq
-    assert set(ds.shuffle_index[:full].tolist()) == set(range(full))
+    full = ((3 * tokens) - 1) // seq  # samples of the first three epochs
+    per_epoch = (tokens - 1) // seq
+    for num_samples, apart in ((full + 5, True), (full + int(0.9 * per_epoch), False)):
+        ds = GPTDataset(ix, (0, len(docs)), seq, num_samples, seed=5)
+        assert len(ds) >= num_samples
+        assert len(ds.document_index) == 4 * len(docs)  # 3 epochs and a bit
+        first, last = ds.document_index[:3 * len(docs)].tolist(), ds.document_index[3 * len(docs):].tolist()
+        assert sorted(first + last) == sorted(list(range(len(docs))) * 4)
+        assert (sorted(last) == list(range(len(docs)))) == apart
+        assert sorted(ds.shuffle_index.tolist()) == list(range(len(ds)))
+        stream = stream_of(ds)
+        for i in range(len(ds)):
+            j = int(ds.shuffle_index[i])
+            sample = ds[i]
+            assert sample.dtype == np.int64 and sample.shape == (seq + 1,)
+            assert np.array_equal(sample, stream[j * seq:j * seq + seq + 1])
+        # Kept apart: the final epoch's samples come after all the full ones.
+        assert (set(ds.shuffle_index[:full].tolist()) == set(range(full))) == apart
 
 
 def test_indices_are_deterministic_cached_and_keyed_by_parameters(data, monkeypatch):

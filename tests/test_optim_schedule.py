@@ -3,9 +3,10 @@ import math
 
 import pytest
 
-from engine.config import OptimizerConfig, TrainingConfig
+from engine.config import Config, OptimizerConfig, TrainingConfig, resolve
 from engine.data import BatchSampler, BatchSizeSchedule
 from engine.optim import LossScaler, lr_at
+from engine.optim.schedule import lr_at_sample
 
 
 def _opt(**kw):
@@ -47,6 +48,112 @@ def test_lr_schedule_landmarks():
     assert lr_at(110, wsd, 500) == pytest.approx(1e-4)  # the anneal ends exactly at min-lr
     # Without --lr-decay-iters the decay spans --train-iters.
     assert lr_at(50, _opt(lr_decay_style="linear", lr_decay_iters=None, lr_warmup_iters=0), 100) == pytest.approx(5.5e-4)
+
+
+def megatron_lr(step, *, lr, min_lr, warmup, decay, style, init=0.0, wsd=None, wsd_style="exponential"):
+    """Megatron-LM's OptimizerParamScheduler.get_lr at `step` (samples), from its documented behaviour: linear
+    warm-up from init, then the decay style; WSD holds lr until its last `wsd` steps, then anneals by wsd_style."""
+    if warmup > 0 and step <= warmup:
+        return init + (lr - init) * float(step) / float(warmup)
+    if style == "constant":
+        return lr
+    if step > decay:
+        return min_lr
+    if style == "inverse-square-root":
+        return max(min_lr, lr * max(warmup, 1) ** 0.5 / (max(step, 1) ** 0.5))
+    ratio = (step - warmup) / (decay - warmup)
+    if style == "linear":
+        coeff = 1.0 - ratio
+    elif style == "cosine":
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    elif step <= decay - wsd:  # WSD: the stable phase
+        coeff = 1.0
+    else:
+        q = (step - (decay - wsd)) / wsd
+        coeff = {"exponential": 2.0 * 0.5 ** q - 1.0, "linear": 1.0 - q, "cosine": 0.5 * (math.cos(math.pi * q) + 1.0),
+                 "minus_sqrt": 1.0 - math.sqrt(q)}[wsd_style]
+    return min_lr + coeff * (lr - min_lr)
+
+
+@pytest.mark.parametrize("wsd_style", ["exponential", "linear", "cosine", "minus_sqrt"])
+def test_wsd_decay_shapes_equal_megatron_formulas_bitwise(wsd_style):
+    opt = _opt(lr_decay_style="WSD", lr_wsd_decay_iters=40, lr_wsd_decay_style=wsd_style)
+    tr = TrainingConfig(global_batch_size=12, train_iters=500)
+    landmarks = {70: 1e-3, 90: None, 110: 1e-4}  # stable to the anneal's start, min-lr at its end
+    for it in range(0, 131):
+        want = megatron_lr(it * 12, lr=1e-3, min_lr=1e-4, warmup=120, decay=1320, style="WSD", wsd=480,
+                           wsd_style=wsd_style)
+        assert lr_at_sample(it * 12, opt, tr) == want, (wsd_style, it)
+        assert lr_at(it, opt, 500) == pytest.approx(want, rel=1e-12, abs=1e-15)  # the same curve in iterations
+        if landmarks.get(it) is not None:
+            assert want == pytest.approx(landmarks[it])
+    mid = lr_at(90, opt, 500)  # half-way through the anneal: each shape's own value
+    assert mid == pytest.approx(1e-4 + 9e-4 * {"exponential": 2 * 0.5 ** 0.5 - 1, "linear": 0.5, "cosine": 0.5,
+                                               "minus_sqrt": 1 - 0.5 ** 0.5}[wsd_style])
+
+
+def test_inverse_square_root_and_warmup_init_equal_megatron():
+    opt = _opt(lr_decay_style="inverse-square-root", lr_warmup_init=2e-4)
+    tr = TrainingConfig(global_batch_size=24, train_iters=100)
+    for it in range(0, 120):
+        got = lr_at_sample(it * 24, opt, tr)
+        assert got == megatron_lr(it * 24, lr=1e-3, min_lr=1e-4, warmup=240, decay=2640, style="inverse-square-root",
+                                  init=2e-4)
+    assert lr_at_sample(0, opt, tr) == 2e-4 and lr_at_sample(240, opt, tr) == 1e-3
+    assert lr_at_sample(4 * 240, opt, tr) == pytest.approx(5e-4)  # lr * sqrt(warmup / step)
+
+
+def test_sample_based_schedule_counts_samples_as_megatron_does():
+    """--train-samples: lengths in samples (decay default train-samples), warm-up as samples, a fraction of the
+    decay, and from --lr-warmup-init; iteration runs convert by the global batch size."""
+    tr = TrainingConfig(global_batch_size=24, train_samples=1000)
+    cases = [
+        (dict(lr_warmup_samples=77, lr_decay_samples=650), dict(warmup=77, decay=650)),
+        (dict(lr_warmup_samples=77), dict(warmup=77, decay=1000)),
+        (dict(lr_warmup_fraction=0.013, lr_decay_samples=650), dict(warmup=0.013 * 650, decay=650)),
+        (dict(lr_warmup_samples=50, lr_warmup_init=3e-4, lr_decay_style="linear"), dict(warmup=50, decay=1000)),
+    ]
+    for kw, lengths in cases:
+        opt = _opt(lr_warmup_iters=0, lr_decay_iters=None, **kw)
+        for samples in range(0, 1100, 7):
+            want = megatron_lr(samples, lr=1e-3, min_lr=1e-4, style=opt.lr_decay_style, init=opt.lr_warmup_init,
+                               **lengths)
+            assert lr_at_sample(samples, opt, tr) == want, (kw, samples)
+    # Iteration-based with a warm-up fraction: fraction x (decay iterations x batch) samples.
+    it_tr, opt = TrainingConfig(global_batch_size=24, train_iters=30), _opt(lr_warmup_iters=0, lr_warmup_fraction=0.05)
+    for it in range(40):
+        assert lr_at_sample(it * 24, opt, it_tr) == megatron_lr(it * 24, lr=1e-3, min_lr=1e-4, warmup=0.05 * 110 * 24,
+                                                                decay=110 * 24, style="cosine")
+    # A batch that is no power of two: positions in samples are Megatron's values; lr_at in iterations is within
+    # rounding of them (the reason the trainer counts samples).
+    opt = _opt(lr_decay_style="linear")
+    values = [(lr_at_sample(it * 24, opt, it_tr), lr_at(it, opt, 30)) for it in range(120)]
+    assert all(s == pytest.approx(i, rel=1e-12, abs=1e-15) for s, i in values)
+
+
+def _megatron_train_iters(train_samples, rampup, global_batch):
+    """Megatron-LM's update_train_iters, re-derived from its description: whole global batches; with ramp-up,
+    step the ramp while the consumed samples are within both the ramp and train-samples, then whole batches."""
+    if rampup is None:
+        return train_samples // global_batch
+    iterations = consumed = 0
+    while consumed <= rampup[2] and consumed <= train_samples:
+        consumed += _megatron_rampup(consumed, *rampup, global_batch)
+        iterations += 1
+    return iterations + (train_samples - consumed) // global_batch if train_samples > consumed else iterations
+
+
+@pytest.mark.parametrize("rampup", [None, [8, 8, 200], [16, 16, 1000], [4, 12, 90]])
+def test_train_samples_gives_megatrons_iterations(rampup):
+    for train_samples in (16, 17, 100, 199, 200, 201, 333, 1000, 1024, 5000):
+        cfg = Config(training=TrainingConfig(micro_batch_size=4, global_batch_size=64 if rampup != [4, 12, 90] else 40,
+                                             rampup_batch_size=rampup, train_samples=train_samples))
+        cfg.data.mock_data = True
+        tr = resolve(cfg, 1).training
+        assert tr.train_iters == _megatron_train_iters(train_samples, rampup, tr.global_batch_size), train_samples
+        assert resolve(cfg, 1).training.train_iters == tr.train_iters  # idempotent
+    if rampup == [8, 8, 200]:  # 200 / 7 samples per increment: 8 8 8 8 16 16 24 32 40 48 = 208 samples, past 201
+        assert _megatron_train_iters(201, rampup, 64) == 10 and _megatron_train_iters(5000, rampup, 64) == 10 + 74
 
 
 def _megatron_rampup(consumed, start, incr, samples, target):

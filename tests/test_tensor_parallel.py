@@ -77,6 +77,12 @@ def test_virtual_context_coordinates():
 
 STYLES = {"gpt2": gpt2_style, "llama": llama_style}
 TP_LAYOUTS = [(style, tp, sp) for style in STYLES for tp in (1, 2, 4) for sp in ((False, True) if tp > 1 else (False,))]
+# What the HF import needs, one layout each: Qwen2's QKV-only bias with Llama 3 RoPE scaling (an original
+# context of 8 scales frequencies within the 16 tokens), and GPT-2's tanh GELU (exact is the default).
+STYLES |= {"qwen2-rope3": lambda: llama_style(add_qkv_bias=True, use_rope_scaling=True,
+                                              rope_scaling_original_max_position_embeddings=8),
+           "gpt2-tanh": lambda: gpt2_style(openai_gelu=True)}
+TP_LAYOUTS += [("qwen2-rope3", 2, True), ("gpt2-tanh", 2, False)]
 
 
 def _tp_case(rank, world, style, tp, sp):

@@ -2,10 +2,13 @@
 
     python tools/generate.py --load DIR_OR_MERGED --prompt TEXT [--max-new-tokens N] [--top-k K]
                              [--temperature T] [--seed S] [--tokenizer-model FILE] [--device cpu|cuda]
+                             [--tokenizer-type T] [--vocab-file F --merge-file F]
 
 --load is a merged checkpoint (tools/merge_ckpt.py --format native: model.safetensors + config.json)
 or a run's --save directory (its latest checkpoint is read directly, any layout). The model and
-tokenizer settings come from the saved run config; --tokenizer-model overrides the tokenizer path.
+tokenizer settings come from the saved run config (any --tokenizer-type; a tokenizer file that moved is
+also looked for beside the checkpoint); --tokenizer-model, --vocab-file and --merge-file override its files,
+--tokenizer-type its type. With a NullTokenizer the prompt and the output are integer ids.
 Top-k of 0 or 1 decodes greedily; otherwise the next token is drawn from the k most likely ones at the
 given temperature, from a generator seeded with --seed. Generation stops after N tokens or at the end-
 of-document token. Without a KV cache each step re-runs the (at most seq-length) context: fine for
@@ -20,8 +23,8 @@ from typing import Optional
 
 import torch
 
-from engine.config import Config, ConfigError, OneLineParser
-from engine.data.tokenizer import Tokenizer
+from engine.config import TOKENIZER_TYPES, Config, ConfigError, OneLineParser
+from engine.data.tokenizer import run_tokenizer_spec
 from engine.model import GPTModel
 from engine.parallel.topology import ParallelContext
 
@@ -87,16 +90,15 @@ def generate(model, prompt: list, max_new_tokens: int, vocab_size: int, max_leng
     return new
 
 
-def tokenizer_path(cfg: Config, override: Optional[str], load: str) -> str:
-    """--tokenizer-model, else the run's, found as given or beside the checkpoint."""
-    path = override or cfg.data.tokenizer_model
-    if not path:
-        raise ConfigError("--tokenizer-model: the run used no tokenizer (mock data?); pass the .model file")
-    for candidate in (path, os.path.join(load, os.path.basename(path))):
-        if os.path.isfile(candidate):
-            return candidate
-    flag = "--tokenizer-model" if override else "tokenizer"
-    raise ConfigError(f"{flag} {path}: file not found; pass --tokenizer-model FILE.model")
+def load_tokenizer(cfg: Config, args, vocab_size: int):
+    """The run's tokenizer (files found as saved or beside the checkpoint), with this tool's flags over it."""
+    spec = run_tokenizer_spec(cfg.to_dict()["data"], vocab_size, near=[args.load], tokenizer_type=args.tokenizer_type,
+                              tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
+                              merge_file=args.merge_file)
+    if spec is None:
+        raise ConfigError("--tokenizer-model: the run used no tokenizer (mock data?); pass --tokenizer-model "
+                          "FILE.model (or --tokenizer-type with its files)")
+    return spec.build()
 
 
 def main(argv=None) -> int:
@@ -107,7 +109,11 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 or 1: greedy")
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature for sampling")
     p.add_argument("--seed", type=int, default=1234, help="seed of the sampling generator")
-    p.add_argument("--tokenizer-model", help="SentencePiece model (default: the one the run trained with)")
+    p.add_argument("--tokenizer-model", help="SentencePiece .model, tokenizer.json or transformers tokenizer "
+                                             "directory (default: the run's)")
+    p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, help="default: the run's")
+    p.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json (default: the run's)")
+    p.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt (default: the run's)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)")
     args = p.parse_args(argv)
     try:
@@ -120,14 +126,21 @@ def main(argv=None) -> int:
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda: no GPU visible; use --device cpu")
         model, cfg, vocab_size = load_model(args.load, args.device)
-        tok = Tokenizer(tokenizer_path(cfg, args.tokenizer_model, args.load))
+        tok = load_tokenizer(cfg, args, vocab_size)
         if tok.vocab_size > vocab_size:
-            raise ConfigError(f"--tokenizer-model {tok.model_path}: {tok.vocab_size} pieces but the model has "
-                              f"{vocab_size}; use the tokenizer the model was trained with")
+            raise ConfigError(f"{tok.source}: {tok.vocab_size} ids but the model has {vocab_size}; use the tokenizer "
+                              "the model was trained with")
+        try:
+            prompt = tok.encode(args.prompt)
+        except ValueError as e:  # a NullTokenizer's prompt that is not ids
+            raise ConfigError(f"--prompt {args.prompt!r}: {e}") from None
+        if not prompt and tok.eod is None:
+            raise ConfigError(f"--prompt '': {tok.source} has no end-of-document token to start a new one with; "
+                              "give a prompt")
     except ConfigError as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2
-    prompt = tok.encode(args.prompt) or [tok.eod]
+    prompt = prompt or [tok.eod]
     max_length = cfg.model.seq_length
     if cfg.model.position_embedding_type == "learned_absolute":
         max_length = min(max_length, cfg.model.max_position_embeddings or max_length)

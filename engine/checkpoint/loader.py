@@ -118,7 +118,7 @@ def _mismatch(path: str, what: str, model_cfg, saved_cfg: dict) -> str:
 
 # Model settings that change which tensors exist or their shapes.
 SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                "kv_channels", "vocab_size", "max_position_embeddings", "normalization", "position_embedding_type",
+                "add_qkv_bias", "kv_channels", "vocab_size", "max_position_embeddings", "normalization", "position_embedding_type",
                 "swiglu", "untie_embeddings_and_output_weights", "disable_bias_linear")
 
 

@@ -6,6 +6,8 @@ each split holds and how many epochs over them the run needs, printed once (rank
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import sys
@@ -14,8 +16,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from engine.config import Config, ConfigError, data_prefixes, vocab_source
-from engine.data.blend import BlendedDataset, blend_indices
-from engine.data.gpt_dataset import GPTDataset, split_ranges
+from engine.data.blend import BlendedDataset, blend_indices, blend_sizes
+from engine.data.gpt_dataset import GPTDataset, cached_arrays, split_ranges
 from engine.data.indexed_dataset import IndexedDataset
 from engine.data.mock import MockGPTDataset
 from engine.data.rampup import BatchSizeSchedule
@@ -53,13 +55,19 @@ def build_datasets(cfg: Config, train_samples: int, valid_samples: int, test_sam
         if not n:
             out.append(None)
             continue
-        if len(indexed) == 1:
+        if len(d.data_path) == 1:  # one prefix and no weight: Megatron-LM builds its dataset alone
             drawn[0, split] = n
             out.append(_gpt_dataset(cfg, indexed[0], split, n))
             continue
-        source, within = blend_indices(train_phases if split == 0 else [(0, weights)], n)
-        counts = [int(within[source == k].max(initial=-1)) + 1 for k in range(len(indexed))]
-        drawn[:, split] = counts
+        # A weighted --data-path, even of one prefix, is a blend in Megatron-LM: its length and each source's
+        # dataset size are Megatron's (blend_sizes). With data_phases (Ternion's) it is n samples long and
+        # each source is sized for what the phases take from it.
+        phases = train_phases if split == 0 else [(0, weights)]
+        size, counts = blend_sizes(phases[0][1], n) if len(phases) == 1 else (n, None)
+        source, within = _blend_indices(phases, size, indexed[0].prefix)
+        if counts is None:
+            counts = [int(within[source == k].max(initial=-1)) + 1 for k in range(len(indexed))]
+        drawn[:, split] = np.bincount(source[:n], minlength=len(indexed))
         parts = [_gpt_dataset(cfg, ix, split, c) if c else None for ix, c in zip(indexed, counts)]
         out.append(BlendedDataset(parts, source, within))
     _summarise(cfg, sources, indexed, drawn, log)
@@ -97,10 +105,10 @@ def _summarise(cfg: Config, sources: list, indexed: list, drawn: np.ndarray, log
     seq, warnings = cfg.model.seq_length, []
     for (weight, prefix), ix, samples in zip(sources, indexed, drawn):
         parts = []
-        for split, (first, last) in enumerate(split_ranges(cfg.data.split, ix.num_documents)):
+        for split, (first, last) in enumerate(split_ranges(cfg.data.split, len(ix))):
             if not samples[split]:
                 continue
-            tokens = int(ix.sequence_lengths[ix.document_indices[first]:ix.document_indices[last]].sum(dtype=np.int64))
+            tokens = int(ix.sequence_lengths[first:last].sum(dtype=np.int64))
             epochs = (int(samples[split]) * seq + 1) / max(tokens, 1)
             size = f"{_count(last - first, 'document')}, {_count(tokens, 'token')}"
             parts.append(f"{SPLITS[split]} {size}: {samples[split]:,} samples need {_epochs(epochs)} epochs")
@@ -138,16 +146,25 @@ def _print_on_rank0(line: str) -> None:
 def _gpt_dataset(cfg: Config, indexed: IndexedDataset, split: int, num_samples: int) -> GPTDataset:
     d = cfg.data
     try:
-        first, last = split_ranges(d.split, indexed.num_documents)[split]
+        first, last = split_ranges(d.split, len(indexed))[split]  # over sequences, as Megatron-LM splits
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if first == last:
         raise ConfigError(f"--split {d.split}: the {SPLITS[split]} split of {indexed.prefix} gets none of its "
-                          f"{indexed.num_documents} documents; give that split a larger share")
+                          f"{len(indexed)} documents; give that split a larger share")
     try:
         return GPTDataset(indexed, (first, last), cfg.model.seq_length, num_samples, cfg.training.seed)
     except ValueError as e:
         raise ConfigError(f"--data-path {indexed.prefix}: {SPLITS[split]} split: {e}") from None
+
+
+def _blend_indices(phases: list, size: int, prefix: str) -> tuple:
+    """blend_indices, kept in the first source's cache/ (they depend only on the phases and the size: a
+    Python loop of about 0.3 s per million samples, paid once)."""
+    key = json.dumps({"version": 1, "phases": [[int(s), [float(x) for x in w]] for s, w in phases], "size": size})
+    stem = os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache",
+                        f"blend-{hashlib.sha1(key.encode()).hexdigest()[:16]}")
+    return cached_arrays(stem, ("source", "within"), lambda: blend_indices(phases, size))
 
 
 def _phases(cfg: Config, weights: list) -> list:

@@ -11,6 +11,8 @@ Input files ending in .jsonl or .json hold one JSON object per line (the texts u
 any other file is plain text with one document per line. `check_inputs` refuses, before any work, an
 input whose first record lacks a key (both tools call it); a progress bar with an ETA follows the input
 bytes read.
+The tokenizer is any `--tokenizer-type` (engine.data.tokenizer.TokenizerSpec, rebuilt in every worker); a
+document it cannot encode (a NullTokenizer's text that is not integer ids) is dropped and counted.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 from engine.data.indexed_dataset import IndexedDatasetWriter, token_dtype
-from engine.data.tokenizer import Tokenizer
+from engine.data.tokenizer import TokenizerSpec, tokenizer_spec
 
 # Work is handed to workers in chunks of at most this many lines or bytes: large enough to amortise
 # the inter-process traffic, small enough to keep every worker busy until the end.
@@ -117,10 +119,14 @@ def _first_record(path: str):
     return found
 
 
-def preprocess(inputs: Sequence[str], tokenizer_model: str, prefix: str, options: Options,
+def preprocess(inputs: Sequence[str], tokenizer_model, prefix: str, options: Options,
                workers: int = 1, progress: bool = True) -> Summary:
-    """Tokenize every document of `inputs` into one dataset per JSON key; returns the counts."""
-    tokenizer = Tokenizer(tokenizer_model)
+    """Tokenize every document of `inputs` into one dataset per JSON key; returns the counts. `tokenizer_model`
+    is a TokenizerSpec or the path of a tokenizer file (its type implied: a .model file is SentencePiece)."""
+    spec = tokenizer_model if isinstance(tokenizer_model, TokenizerSpec) else tokenizer_spec(None, tokenizer_model)
+    tokenizer = spec.build()
+    if options.append_eod and tokenizer.eod is None:
+        raise ValueError(f"{tokenizer.source}: the tokenizer has no end-of-document token for append_eod")
     dtype = token_dtype(tokenizer.vocab_size)
     summary = Summary()
     writers = {k: IndexedDatasetWriter(output_prefix(prefix, k), dtype) for k in options.json_keys}
@@ -130,7 +136,7 @@ def preprocess(inputs: Sequence[str], tokenizer_model: str, prefix: str, options
     start = time.perf_counter()
     # fork starts workers in milliseconds and they touch nothing but the tokenizer; macOS lacks a safe fork.
     ctx = mp.get_context("spawn" if sys.platform == "darwin" else "fork")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_model, options, dtype.str)) as pool:
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(spec, options, dtype.str)) as pool:
         for chunk in pool.imap(_encode_chunk, _chunks(inputs), chunksize=1):
             nbytes, docs, dropped = chunk
             summary.documents += len(docs) + sum(dropped.values())
@@ -174,8 +180,10 @@ def _chunks(inputs: Sequence[str]) -> Iterator[tuple[bool, list[bytes]]]:
 _worker: dict = {}
 
 
-def _init_worker(model: str, options: Options, dtype: str) -> None:
-    _worker.update(tokenizer=Tokenizer(model), options=options, dtype=np.dtype(dtype))
+def _init_worker(spec: TokenizerSpec, options: Options, dtype: str) -> None:
+    # One thread per worker for the Rust tokenizers too: the parallelism is the workers'.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker.update(tokenizer=spec.build(), options=options, dtype=np.dtype(dtype))
 
 
 def _encode_chunk(job: tuple[bool, list[bytes]]):
@@ -205,8 +213,12 @@ def _encode_chunk(job: tuple[bool, list[bytes]]):
             continue
         kept_texts.append(texts)
     docs = []
-    per_key = [tok.encode_batch([t[k] for t in kept_texts]) for k in range(len(opt.json_keys))]
+    per_key = [_encode_all(tok, [t[k] for t in kept_texts]) for k in range(len(opt.json_keys))]
     for d, texts in enumerate(kept_texts):
+        refused = next((ids for ids in (per_key[k][d] for k in range(len(texts))) if isinstance(ids, str)), None)
+        if refused:
+            dropped[refused] += 1
+            continue
         digest = _digest(texts) if opt.dedup else None
         encoded = []
         for ids in (per_key[k][d] for k in range(len(texts))):
@@ -215,6 +227,20 @@ def _encode_chunk(job: tuple[bool, list[bytes]]):
             encoded.append((np.asarray(ids, dtype=dtype).tobytes(), len(ids)))
         docs.append((digest, encoded))
     return sum(map(len, lines)), docs, dropped
+
+
+def _encode_all(tok, texts: list[str]) -> list:
+    """Each text's ids; where the tokenizer refuses a text (ValueError), the reason instead."""
+    try:
+        return tok.encode_batch(texts)
+    except ValueError:
+        out = []
+        for text in texts:
+            try:
+                out.append(tok.encode(text))
+            except ValueError as e:
+                out.append(str(e) or "the tokenizer refused it")
+        return out
 
 
 def _rejected(texts: list[str], opt: Options) -> Optional[str]:

@@ -55,7 +55,22 @@ class BatchSizeSchedule:
             consumed += size
         return consumed
 
+    def iterations_for(self, train_samples: int) -> int:
+        """Iterations of a --train-samples run under this ramp-up, as Megatron-LM's update_train_iters counts
+        them: step through the ramp (its last step may pass --train-samples), then whole final batches."""
+        iterations = consumed = 0
+        while consumed <= self.samples and consumed <= train_samples:
+            consumed += self.at(consumed)
+            iterations += 1
+        return iterations + max(train_samples - consumed, 0) // self.final
+
+    def lr_samples(self, consumed_samples: int, iteration: int) -> int:
+        """Where the LR schedule stands in Megatron-LM's unit, samples: those consumed while ramping, else
+        iteration x the batch size (the same in a run without spike rollbacks, which skip data; the
+        schedule then follows the iteration)."""
+        return consumed_samples if self.ramping else iteration * self.final
+
     def lr_position(self, consumed_samples: int, iteration: int) -> float:
-        """Where the LR schedule stands: in samples over the final batch size while ramping (Megatron-LM
-        counts warm-up and decay that way under ramp-up), else the iteration count."""
+        """The same in iterations (engine.optim.lr_at's unit): samples over the final batch size while ramping
+        (Megatron-LM counts warm-up and decay that way under ramp-up), else the iteration count."""
         return consumed_samples / self.final if self.ramping else iteration

@@ -1,10 +1,14 @@
 """Which global samples each data-parallel rank reads at each iteration; resumable from one number.
 
 An iteration takes the next G samples of the dataset, [consumed, consumed + G), where G is the batch-size
-schedule's size at `consumed` (engine.data.rampup). Data-parallel rank r reads the r-th contiguous slice
-of G / dp samples, cut into microbatches. The only state is `consumed_samples`: a run resumed with the
-count it checkpointed reads exactly the batches an uninterrupted run would have read, and a rollback
-that skips data just moves it forward.
+schedule's size at `consumed` (engine.data.rampup). They are dealt as Megatron-LM's
+MegatronPretrainingSampler deals them: the samples go by in rounds of micro_batch_size x dp, and in each
+round data-parallel rank r takes the r-th micro_batch_size of them as its next microbatch. So microbatch
+m of rank r is [start + (m x dp + r) x mbs, + mbs): a Megatron run and a Ternion run with the same
+layout give every rank the same samples in the same microbatches, ramp-up included (a global batch is a
+whole number of rounds). The only state is `consumed_samples`: a run resumed with the count it
+checkpointed reads exactly the batches an uninterrupted run would have read, and a rollback that skips
+data just moves it forward.
 """
 from __future__ import annotations
 
@@ -12,10 +16,11 @@ from engine.data.rampup import BatchSizeSchedule
 
 
 def rank_microbatches(start: int, size: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> list:
-    """Global batch [start, start + size): dp rank r's contiguous slice, cut into microbatches of indices."""
-    local = size // dp_size
-    first = start + dp_rank * local
-    return [list(range(first + m, first + m + micro_batch_size)) for m in range(0, local, micro_batch_size)]
+    """Global batch [start, start + size): dp rank r's microbatches of indices, Megatron-LM's way -- in each
+    round of micro_batch_size x dp samples, the r-th micro_batch_size."""
+    first = start + dp_rank * micro_batch_size
+    stride = micro_batch_size * dp_size
+    return [list(range(first + m, first + m + micro_batch_size)) for m in range(0, size, stride)]
 
 
 class BatchSampler:

@@ -1,16 +1,25 @@
-"""Learning-rate schedules with Megatron-LM's semantics.
+"""Learning-rate schedules with Megatron-LM's semantics, value for value.
 
-LR: linear warm-up from 0 to --lr over --lr-warmup-iters, then one of
-  constant: --lr
-  linear:   min + (lr - min) * (1 - r)
-  cosine:   min + (lr - min) * (1 + cos(pi r)) / 2
-  wsd:      --lr until the last --lr-wsd-decay-iters of the decay, then
-            min + (lr - min) * (2 * 0.5**q - 1) (Megatron's default "exponential" WSD anneal)
-with r = (it - warmup) / (decay_iters - warmup), q the fraction of the WSD anneal done, and --min-lr
-after decay_iters (default --train-iters).
+LR: linear warm-up from --lr-warmup-init (default 0) to --lr, then one of
+  constant:            --lr
+  linear:              min + (lr - min) * (1 - r)
+  cosine:              min + (lr - min) * (1 + cos(pi r)) / 2
+  inverse-square-root: max(min, lr * sqrt(max(warmup, 1)) / sqrt(max(step, 1)))
+  wsd:                 --lr until the last --lr-wsd-decay-iters/-samples of the decay, then
+                       min + (lr - min) * c(q) with c(q) by --lr-wsd-decay-style: exponential 2 * 0.5**q - 1
+                       (the default), linear 1 - q, cosine (1 + cos(pi q)) / 2, minus_sqrt 1 - sqrt(q)
+with r = (step - warmup) / (decay - warmup), q the fraction of the WSD anneal done, and --min-lr after the
+decay length (default: the whole run). `WSD` is Megatron-LM's spelling of wsd.
 
-The position fed to `lr_at` is the iteration count, or under batch-size ramp-up the samples consumed
-over the final batch size (engine.data.rampup.BatchSizeSchedule.lr_position).
+Megatron-LM counts the schedule in samples: an iteration-based run's lengths are iterations x the global
+batch size, a --train-samples run gives them in samples (--lr-decay-samples, default --train-samples;
+--lr-warmup-samples; --lr-wsd-decay-samples), and --lr-warmup-fraction makes the warm-up that fraction of
+the decay length. `lr_at_sample` computes exactly so, operation for operation (`_lengths`, `_lr` follow
+Megatron's get_optimizer_param_scheduler and OptimizerParamScheduler.get_lr), so the trainer's LR equals
+Megatron's bit for bit; `lr_at` is the same schedule in iterations (fractional positions allowed).
+
+The trainer's position is the samples consumed under batch-size ramp-up, else iteration x global batch
+(engine.data.rampup.BatchSizeSchedule.lr_samples; the same in a run without spike rollbacks).
 """
 from __future__ import annotations
 
@@ -18,29 +27,70 @@ import math
 
 
 def lr_at(iteration: float, opt, train_iters: int) -> float:
-    """LR for the step taken after `iteration` completed steps (or that schedule position).
+    """LR for the step taken after `iteration` completed steps (or that schedule position, in iterations).
 
-    `opt` is an OptimizerConfig. Like Megatron, step 0 of a warm-up runs at LR 0.
+    `opt` is an OptimizerConfig; the run is iteration-based (its *_samples settings are not read). Like
+    Megatron, step 0 of a warm-up runs at --lr-warmup-init (default 0).
     """
-    peak, floor = opt.lr, opt.min_lr
-    warmup = opt.lr_warmup_iters
-    decay_iters = opt.lr_decay_iters or train_iters
-    if warmup > 0 and iteration <= warmup:
-        return peak * iteration / warmup
-    if opt.lr_decay_style == "constant":
+    return _lr(iteration, opt, *_lengths(opt, train_iters, None, 1))
+
+
+def lr_at_sample(samples: int, opt, training) -> float:
+    """LR for the step taken after `samples` samples, in Megatron-LM's unit: the samples of a --train-samples
+    run, else iterations x --global-batch-size. `training` is a resolved TrainingConfig."""
+    return _lr(samples, opt, *_lengths(opt, training.train_iters, training.train_samples, training.global_batch_size))
+
+
+def _lengths(opt, train_iters: int, train_samples, per_iteration: int) -> tuple:
+    """(warm-up, decay, WSD anneal) lengths in the schedule's unit, as Megatron-LM's get_optimizer_param_scheduler
+    derives them; the anneal is None when not set."""
+    if train_samples is None:
+        decay = (opt.lr_decay_iters or train_iters) * per_iteration
+        wsd = None if opt.lr_wsd_decay_iters is None else opt.lr_wsd_decay_iters * per_iteration
+        warmup = opt.lr_warmup_iters * per_iteration
+    else:
+        decay = opt.lr_decay_samples or train_samples
+        wsd, warmup = opt.lr_wsd_decay_samples, opt.lr_warmup_samples
+    if opt.lr_warmup_fraction is not None:
+        warmup = opt.lr_warmup_fraction * decay
+    return warmup, decay, wsd
+
+
+def _lr(step, opt, warmup, decay, wsd) -> float:
+    """Megatron-LM's OptimizerParamScheduler.get_lr at `step`, in the same operations and order."""
+    peak, floor, init = opt.lr, opt.min_lr, opt.lr_warmup_init
+    if warmup > 0 and step <= warmup:
+        return init + (peak - init) * float(step) / float(warmup)
+    style = opt.lr_decay_style.lower()
+    if style == "constant":
         return peak
-    if iteration > decay_iters or decay_iters <= warmup:
+    if step > decay or decay <= warmup:
         return floor
-    ratio = (iteration - warmup) / (decay_iters - warmup)
-    if opt.lr_decay_style == "linear":
+    if style == "inverse-square-root":
+        return max(floor, peak * max(warmup, 1) ** 0.5 / (max(step, 1) ** 0.5))
+    ratio = float(step - warmup) / float(decay - warmup)
+    if style == "linear":
         coeff = 1.0 - ratio
-    elif opt.lr_decay_style == "cosine":
+    elif style == "cosine":
         coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-    elif opt.lr_decay_style == "wsd":
-        anneal = opt.lr_wsd_decay_iters
-        anneal_start = decay_iters - anneal
-        coeff = 1.0 if iteration <= anneal_start else 2.0 * 0.5 ** ((iteration - anneal_start) / anneal) - 1.0
+    elif style == "wsd":
+        coeff = _wsd_coeff(step, decay - wsd, wsd, opt.lr_wsd_decay_style)
     else:
         raise ValueError(f"unknown --lr-decay-style {opt.lr_decay_style!r}")
     return floor + coeff * (peak - floor)
 
+
+def _wsd_coeff(step, anneal_start, anneal, style: str) -> float:
+    """1 until the anneal starts, then the --lr-wsd-decay-style shape from 1 down to 0."""
+    if step <= anneal_start:
+        return 1.0
+    q = float(step - anneal_start) / float(anneal)
+    if style == "linear":
+        return 1.0 - q
+    if style == "cosine":
+        return 0.5 * (math.cos(math.pi * q) + 1.0)
+    if style == "minus_sqrt":
+        return 1.0 - math.sqrt(q)
+    if style == "exponential":
+        return (2.0 * math.pow(0.5, q)) - 1.0
+    raise ValueError(f"unknown --lr-wsd-decay-style {style!r}")

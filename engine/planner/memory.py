@@ -87,7 +87,7 @@ def layer_params(model: ModelConfig, tp: int) -> int:
     fc1_out = 2 * ffn if model.swiglu else ffn
     bias = not model.disable_bias_linear
     norm = h * (2 if model.normalization == "LayerNorm" else 1)
-    qkv = (nq + 2 * nkv) * d * (h + bias) // tp
+    qkv = (nq + 2 * nkv) * d * (h + (bias or model.add_qkv_bias)) // tp
     proj = h * nq * d // tp + bias * h
     fc1 = fc1_out * (h + bias) // tp
     fc2 = h * ffn // tp + bias * h
