@@ -162,6 +162,7 @@ class DataConfig:
                                              "SentencePieceTokenizer for a .model file)", choices=TOKENIZER_TYPES)
     vocab_file: Optional[str] = _f(None, "GPT2BPETokenizer: GPT-2's vocab.json")
     merge_file: Optional[str] = _f(None, "GPT2BPETokenizer: GPT-2's merges.txt")
+    eod_mask_loss: bool = _f(False, "no loss on the token that follows an end-of-document token (Megatron-LM's)")
     mock_data: bool = _f(False, "synthetic tokens that depend only on --seed and the sample index (a config "
                                 "file's mock_data gives way to --data-path)")
     data_phases: Optional[list] = _f(None, "blend phases: a list of {start_iter, weights}", yaml_only=True)
@@ -186,6 +187,7 @@ class CheckpointConfig:
     use_checkpoint_opt_param_scheduler: bool = _f(False, "on resume, take the LR schedule the checkpoint was "
                                                   "trained with", aliases=("--use-checkpoint-opt_param-scheduler",))
     exit_duration_in_mins: Optional[float] = _f(None, "save and exit after this many minutes")
+    exit_interval: Optional[int] = _f(None, "save and exit after the first iteration that is a multiple of N")
 
 
 @dataclass
@@ -723,6 +725,8 @@ def _check_files(cfg: Config) -> None:
                          f"{prefix + ext} not found; give the prefix without .bin/.idx, made by tools/preprocess_data.py")
     if not d.data_path and not d.mock_data:
         _err("--data-path", "(none)", "give --data-path PREFIX or use --mock-data")
+    if d.eod_mask_loss and d.mock_data:
+        _err("--eod-mask-loss", "with --mock-data", "synthetic tokens have no end-of-document token; drop one of them")
     if d.data_path and not d.mock_data:
         from engine.data.build import check_data  # opens each index (numpy only): empty data, ids past the vocabulary
         check_data(d.data_path, data_vocab_size(cfg), vocab_source(cfg))

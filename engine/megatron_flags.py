@@ -216,11 +216,7 @@ FLAGS = (
                                           "positions run over the whole sample; drop it"),
     Flag("--reset-attention-mask", REFUSED, "masking attention across documents is not implemented: each token "
                                             "attends to the whole sample before it; drop it"),
-    Flag("--eod-mask-loss", REFUSED, "masking the loss at end-of-document tokens is not implemented: every token "
-                                     "counts; drop it"),
     *(Flag(name, REFUSED, _PER_SPLIT) for name in ("--train-data-path", "--valid-data-path", "--test-data-path")),
-    Flag("--exit-interval", REFUSED, "stopping at a multiple of N iterations is not implemented; use "
-                                     "--exit-duration-in-mins or send SIGTERM (both save, then stop)"),
     Flag("--use-checkpoint-args", REFUSED, "the model flags are not read from the checkpoint; pass those of the run "
                                            "that saved it (its metrics.args.json is a --config file holding all)"),
     Flag("--decoupled-lr", REFUSED, _DECOUPLED),

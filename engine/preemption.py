@@ -25,12 +25,13 @@ ABORT_AFTER_SIGINTS = 3
 
 class PreemptionHandler:
     def __init__(self, exit_duration_in_mins: Optional[float] = None, signals=PREEMPTION_SIGNALS,
-                 device="cpu", start_time: Optional[float] = None):
+                 device="cpu", start_time: Optional[float] = None, exit_interval: Optional[int] = None):
         self.device = device
         self.deadline = None if exit_duration_in_mins is None else \
             (start_time or time.monotonic()) + 60.0 * exit_duration_in_mins
         self.received: Optional[str] = None
         self.interrupts = 0
+        self.exit_interval = exit_interval
         self.reason: Optional[str] = None
         self._previous = {s: signal.signal(s, self._on_signal) for s in signals}
 
@@ -47,14 +48,16 @@ class PreemptionHandler:
                      if signum == signal.SIGINT else ""), file=sys.stderr, flush=True)
         self.received = name
 
-    def should_stop(self) -> bool:
-        """Collective: True on every rank once any rank got a signal or the time limit has passed."""
-        local = self.received is not None or (self.deadline is not None and time.monotonic() >= self.deadline)
-        stop = any_rank(local, self.device)
-        if stop and self.reason is None:
-            self.reason = f"signal {self.received}" if self.received else \
-                ("--exit-duration-in-mins reached" if local else "another rank was asked to stop")
-        return stop
+    def should_stop(self, iteration: Optional[int] = None) -> bool:
+        """Collective: True on every rank once any rank got a signal, the time limit has passed, or `iteration`
+        is a multiple of --exit-interval (the same on every rank)."""
+        timed = self.deadline is not None and time.monotonic() >= self.deadline
+        stop = any_rank(self.received is not None or timed, self.device)
+        interval = bool(self.exit_interval and iteration and iteration % self.exit_interval == 0)
+        if (stop or interval) and self.reason is None:
+            self.reason = f"signal {self.received}" if self.received else "--exit-duration-in-mins reached" \
+                if timed else "another rank was asked to stop" if stop else f"--exit-interval {self.exit_interval}"
+        return stop or interval
 
     def restore(self) -> None:
         """Put back the handlers that were installed before."""

@@ -39,7 +39,8 @@ class Trainer:
     def __init__(self, cfg, ctx, device, log=print):
         self.cfg, self.ctx, self.device, self.log = cfg, ctx, device, log
         # First, so that a pre-emption signal during the (slow) set-up stops the run instead of killing it.
-        self.preemption = PreemptionHandler(cfg.checkpoint.exit_duration_in_mins, device=device)
+        self.preemption = PreemptionHandler(cfg.checkpoint.exit_duration_in_mins, device=device,
+                                            exit_interval=cfg.checkpoint.exit_interval)
         self.phase = Phase(ctx, "building the model and optimizer")
         tr, m = resolve(cfg, ctx.world_size).training, cfg.model
         self.dtype = model_dtype(cfg)
@@ -175,7 +176,7 @@ class Trainer:
             loss, lr, result, gbs = self.train_step()
             decision = self.guard.check(self.iteration, loss, result.grad_norm)
             with self.phase(f"pre-emption check after iteration {self.iteration}", "all"):
-                stop = self.preemption.should_stop()
+                stop = self.preemption.should_stop(self.iteration)
             with self.phase(f"checking the checkpoint save in flight after iteration {self.iteration}", "all"):
                 self.checkpointer.check_in_flight()
             self.last_record = self._record(loss, lr, result, gbs, time.time() - start)

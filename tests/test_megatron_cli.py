@@ -194,3 +194,31 @@ def test_table_names_no_config_field_and_the_notes_come_once_per_kind():
         "accepted, Ternion always does this: --exit-signal-handler (SIGTERM, SIGUSR1 and SIGINT save and stop)",
         "accepted, not done here (training is the same): --log-params-norm (not computed); --log-num-zeros-in-grad "
         "(not computed); --no-load-rng (the checkpoint's random state, which only dropout draws on, is restored)"]
+
+
+def test_exit_interval_stops_at_the_first_multiple_with_megatron_meaning():
+    from engine.config import parse_config
+    from engine.preemption import PreemptionHandler
+    cfg = parse_config(["--config", "configs/gpt-tiny.yaml", "--mock-data", "--exit-interval", "3"])
+    handler = PreemptionHandler(signals=(), exit_interval=cfg.checkpoint.exit_interval)
+    assert [handler.should_stop(i) for i in (1, 2)] == [False, False] and handler.reason is None
+    assert handler.should_stop(3) and handler.reason == "--exit-interval 3"
+
+
+def test_eod_mask_loss_drops_the_loss_on_the_token_after_each_end_of_document():
+    import numpy as np
+    import pytest
+
+    from engine.config import ConfigError, parse_config, validate
+    from engine.data.batch import make_batch
+    from engine.data.build import end_of_document
+
+    class Data(list):
+        eod_mask = 9
+    batch = make_batch(Data([np.array([1, 2, 9, 4, 5, 9, 7])]), [0])
+    assert batch["loss_mask"].tolist() == [[1.0, 1.0, 0.0, 1.0, 1.0, 0.0]]  # inputs 9 predict the next document
+    cfg = parse_config(["--config", "configs/gpt-tiny.yaml", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                        "100", "--mock-data", "--eod-mask-loss"])
+    assert end_of_document(cfg) == 100  # NullTokenizer: --vocab-size N ends documents with id N
+    with pytest.raises(ConfigError, match="--eod-mask-loss with --mock-data: synthetic tokens have no end-of-document"):
+        validate(cfg, 1)

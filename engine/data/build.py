@@ -71,7 +71,23 @@ def build_datasets(cfg: Config, train_samples: int, valid_samples: int, test_sam
         parts = [_gpt_dataset(cfg, ix, split, c) if c else None for ix, c in zip(indexed, counts)]
         out.append(BlendedDataset(parts, source, within))
     _summarise(cfg, sources, indexed, drawn, log)
+    if d.eod_mask_loss:  # make_batch reads it: no loss on the token after an end-of-document token
+        eod = end_of_document(cfg)
+        for ds in out:
+            if ds is not None:
+                ds.eod_mask = eod
     return tuple(out)
+
+
+def end_of_document(cfg: Config) -> int:
+    """The id that ends each document in the run's data (its tokenizer's), for --eod-mask-loss."""
+    from engine.config import tokenizer_of
+    spec = tokenizer_of(cfg)
+    eod = spec.build().eod if spec is not None else None
+    if eod is None:
+        raise ConfigError("--eod-mask-loss: the run names no tokenizer with an end-of-document token; give the "
+                          "--tokenizer-model (or --tokenizer-type) the data was made with, or drop --eod-mask-loss")
+    return eod
 
 
 def check_data(data_path: list, vocab_size: Optional[int], vocab_from: str = "") -> list:
