@@ -23,7 +23,8 @@ import statistics
 import sys
 import time
 
-from engine.config import ConfigError, parse_config, resolve, validate
+from engine.cli import parse_config
+from engine.config import ConfigError, resolve, validate
 
 
 def _parse(argv):

@@ -1,22 +1,21 @@
-"""Typed run configuration: dataclasses per concern, YAML files, Megatron-LM flag names, validation.
+"""Typed run configuration: dataclasses per concern, Megatron-LM flag names, validation, resolution.
 
 Every field of every section is a command-line flag named after it (`num_layers` -> `--num-layers`);
-YAML keys are the same names with `-` or `_`. Flags given on the command line override the file.
+YAML keys are the same names with `-` or `_`. engine/cli.py reads the command line and YAML files into
+a `Config` (flags given on the command line override the file).
 All checks that can be made before any process group exists live in `validate` (one function per
 section); each failure is one `ConfigError` naming the flag, the value and the fix. Rules that library
 code enforces again on its own path are the public `check_*` functions, so each has one message.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import difflib
 import functools
 import math
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 
 class ConfigError(ValueError):
@@ -283,204 +282,9 @@ def _field_type(f) -> type:
     return typing.get_origin(t) or t
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that answers a mistake with one line, never the whole usage; an unknown flag names the nearest
-    known one. With `raise_errors` the line is raised as a ConfigError (the launcher prints it from rank 0
-    only); otherwise it is printed as `PROG: error: ...` and the process exits 2, as argparse does.
-    `script` is how the help is asked for in the hint; `elsewhere` maps a flag that exists in another form
-    (e.g. a YAML-only key) to the line that says so."""
-
-    def __init__(self, *args, raise_errors: bool = False, script: Optional[str] = None,
-                 elsewhere: Optional[dict] = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.raise_errors, self.elsewhere = raise_errors, elsewhere or {}
-        self.script = script or self.prog
-
-    def parse_args(self, args=None, namespace=None):
-        ns, extras = self.parse_known_args(args, namespace)
-        if extras:
-            message = self._unknown(extras)
-            self.error(message, hint="--help lists them" if message.startswith("unknown flag") else "--help")
-        return ns
-
-    def _unknown(self, extras: list) -> str:
-        first = extras[0]
-        if not first.startswith("-") or len(first) < 2:
-            return f"unexpected argument {first!r}: it follows no flag that takes it"
-        flag = first.split("=", 1)[0]
-        if flag in self.elsewhere:
-            return self.elsewhere[flag]
-        known = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
-        near = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
-        return f"unknown flag {flag}" + (f"; did you mean {near[0]}?" if near else "")
-
-    def print_help(self, file=None):
-        if os.environ.get("RANK", "0") == "0":  # under torchrun, once (rank 0) rather than on every process
-            super().print_help(file)
-
-    def error(self, message: str, hint: str = "--help lists the flags"):
-        line = f"{message} (python {self.script} {hint})"
-        if self.raise_errors:
-            raise ConfigError(line)
-        self.exit(2, f"{self.prog}: error: {line}\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The launcher's flags. A mistake raises ConfigError (one line); `--help` prints the usage and exits 0."""
-    from engine import megatron_flags  # it imports this module
-    yaml_only = {flag_of(f.name): f"{flag_of(f.name)}: {f.name} has no command-line form; set it in the --config "
-                                  "YAML file" for _, f in _all_fields() if f.metadata["yaml_only"]}
-    p = OneLineParser(
-        prog="pretrain_gpt.py",
-        description="Ternion: pretrain GPT/Llama models with tensor, pipeline and data parallelism. "
-                    "Run under torchrun; YAML keys are these flag names. Each boolean flag --X has a --no-X "
-                    "that switches it off (a value from the YAML file included).",
-        argument_default=argparse.SUPPRESS, raise_errors=True, script="launch/pretrain_gpt.py",
-        elsewhere={**yaml_only, **megatron_flags.refusals()})
-    p.add_argument("--config", help="YAML file of flag values; command-line flags override it")
-    for section, cls in SECTIONS.items():
-        group = p.add_argument_group(section)
-        for f in dataclasses.fields(cls):
-            m = f.metadata
-            if m["yaml_only"]:
-                continue
-            names = [flag_of(f.name), *m["aliases"]]
-            kw: dict[str, Any] = dict(dest=f.name, help=f"{m['help']} (default: {_default_of(f)})")
-            if m["action"] == "append":
-                kw["action"] = "append"
-            elif _field_type(f) is bool and f.name.startswith("no_"):
-                # --no-load-optim keeps its Megatron-LM name; its opposite switches it off.
-                kw["action"] = "store_true"
-                group.add_argument(flag_of(f.name[3:]), dest=f.name, action="store_false",
-                                   help=f"switch off {flag_of(f.name)} (e.g. set in the YAML file)")
-            elif _field_type(f) is bool:
-                kw["action"] = argparse.BooleanOptionalAction
-            else:
-                kw["type"] = m["type"] or _scalar_type(f)
-                if m["nargs"]:
-                    kw["nargs"] = m["nargs"]
-                if m["choices"]:
-                    kw["choices"] = m["choices"]
-            group.add_argument(*names, **kw)
-    megatron_flags.add_flags(p)  # Megatron-LM's flags that are no config field: their meaning, note or one line
-    return p
-
-
 def _default_of(f):
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
-
-def _scalar_type(f):
-    t = _field_type(f)
-    return t if t in (int, float) else str
-
-
-def _load_yaml(path: str) -> dict:
-    import yaml
-    if not os.path.isfile(path):
-        raise ConfigError(f"--config: file {path!r} does not exist; pass the path of a YAML file such as configs/gpt-tiny.yaml")
-    try:
-        with open(path) as fh:
-            raw = yaml.safe_load(fh) or {}
-    except yaml.YAMLError as e:
-        line = getattr(getattr(e, "problem_mark", None), "line", None)
-        where = f" at line {line + 1}" if line is not None else ""
-        raise ConfigError(f"--config: {path} is not valid YAML{where}; fix the syntax") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"--config: {path} must hold a mapping of flag names to values")
-    out = {}
-    valid = list(FIELD_SECTION)
-    for key, value in raw.items():
-        name = str(key).replace("-", "_")
-        if name not in FIELD_SECTION:
-            near = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
-            hint = f"; did you mean '{near[0].replace('_', '-')}'?" if near else "; see pretrain_gpt.py --help for valid names"
-            raise ConfigError(f"--config: unknown key '{key}' in {path}{hint}")
-        out[name] = value
-    return out
-
-
-def _coerce(name: str, value):
-    """Bring a YAML value to the field's type, or say which key is wrong."""
-    f = _FIELDS[name]
-    if value is None or f.metadata["yaml_only"]:
-        return value  # a structured value is checked where it is used (data_phases: engine/data/build.py)
-    if f.metadata["choices"] and value not in f.metadata["choices"]:
-        raise ConfigError(f"{flag_of(name)}: {value!r} is not one of {', '.join(f.metadata['choices'])}")
-    t = _field_type(f)
-    try:
-        if t is bool:
-            if not isinstance(value, bool):
-                raise ValueError
-            return value
-        if t is list:
-            vals = value if isinstance(value, list) else str(value).split()
-            conv = f.metadata["type"] or str
-            return [conv(v) if conv is not str else str(v) for v in vals]
-        conv = _scalar_type(f)
-        if conv is int and isinstance(value, float) and not value.is_integer():
-            raise ValueError
-        return conv(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{flag_of(name)}: value {value!r} is not a valid {t.__name__}; "
-                          "fix the config file") from None
-
-
-def parse_config(argv: Optional[list] = None) -> Config:
-    """Flags (and the YAML they name) -> Config. Raises ConfigError, bad syntax and unknown flags included."""
-    from engine import megatron_flags  # it imports this module
-    ns = vars(build_parser().parse_args(argv))
-    values = {}
-    cfg_file = ns.pop("config", None)
-    if cfg_file:
-        values.update({k: _coerce(k, v) for k, v in _load_yaml(cfg_file).items()})
-    values.update(ns)
-    notices = megatron_flags.translate(values) + _iters_or_samples(values, set(ns), cfg_file)
-    cfg = Config(config_file=cfg_file, notices=notices + _mock_or_data(values, set(ns), cfg_file))
-    for name, value in values.items():
-        setattr(getattr(cfg, FIELD_SECTION[name]), name, value)
-    return cfg
-
-
-def _iters_or_samples(values: dict, given: set, cfg_file: Optional[str]) -> list:
-    """The run's length is --train-iters or --train-samples (Megatron-LM refuses both on its command line, and
-    so does this one): the command line's beats the config file's, and a file with both (a run's saved
-    arguments) keeps train_samples, from which train_iters was derived. Returns the notice when one gave way."""
-    both = {"train_iters", "train_samples"}
-    if not both <= set(values) or values["train_samples"] is None:
-        return []
-    if both <= given:
-        raise ConfigError("--train-iters with --train-samples: give the run's length in one of them (with "
-                          "--train-samples the iterations are derived)")
-    kept, dropped = ("train_iters", "train_samples") if "train_iters" in given else ("train_samples", "train_iters")
-    values.pop(dropped)
-    return [] if not given & both else [f"{flag_of(kept)} {values[kept]} given: {dropped} in {cfg_file} is not used"]
-
-
-def _mock_or_data(values: dict, given: set, cfg_file: Optional[str]) -> list:
-    """Settle --mock-data against --data-path in `values`; returns the notices that say what was chosen.
-
-    Data that is given is trained on: a file's `mock_data: true` gives way to --data-path (or to the file's
-    own data_path). Only --mock-data on the command line beats a data_path from the file; both on the
-    command line contradict each other."""
-    notices = []
-    data, tokenizer = values.get("data_path"), values.get("tokenizer_model")
-    if values.get("mock_data") and data:
-        if {"mock_data", "data_path"} <= given:
-            raise ConfigError("--mock-data with --data-path: choose one (--mock-data trains on synthetic tokens, "
-                              "--data-path on your data)")
-        if "mock_data" in given:
-            values["data_path"] = None
-            notices.append(f"--mock-data: training on synthetic tokens; the data_path of {cfg_file} is not used")
-        else:
-            values["mock_data"] = False
-            where = "--data-path" if "data_path" in given else f"data_path in {cfg_file}"
-            notices.append(f"{where} given: training on {' '.join(data)}, not on the synthetic tokens that "
-                           f"mock_data: true in {cfg_file} asks for (pass --mock-data for those)")
-    elif values.get("mock_data") and tokenizer:
-        notices.append(f"--tokenizer-model {tokenizer} is not used: mock_data trains on synthetic tokens; give "
-                       "--data-path to train on your data")
-    return notices
 
 
 def _err(flag: str, value, fix: str):

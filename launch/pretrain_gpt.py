@@ -22,7 +22,8 @@ import time
 import traceback
 import warnings
 
-from engine.config import ConfigError, parse_config, resolve, validate
+from engine.cli import parse_config
+from engine.config import ConfigError, resolve, validate
 
 _WAIT_FOR_RANK0_S = 30.0
 _held = []  # rank 0's lock on --save, given back however the process ends (os._exit included)
@@ -109,26 +110,58 @@ def _pick_device(cfg, world: int) -> tuple:
     return "cpu", "gloo"
 
 
+def _configure(argv, rank: int, world: int) -> tuple:
+    """Flags -> (resolved config, device, backend), and rank 0's lock on --save; a mistake is a ConfigError
+    raised before any process group exists."""
+    cfg = parse_config(argv)
+    if cfg.parallel.gpus_per_node is None and "LOCAL_WORLD_SIZE" in os.environ:
+        cfg.parallel.gpus_per_node = _env_int("LOCAL_WORLD_SIZE", world)
+    validate(cfg, world)
+    resolve(cfg, world)
+    device, backend = _pick_device(cfg, world)
+    if rank == 0 and cfg.checkpoint.save:  # one writer per --save, before any group: also the write test of --save
+        from engine.checkpoint.lock import RunLock
+        _held.append(RunLock(cfg.checkpoint.save).acquire())
+    for note in cfg.notices if rank == 0 else ():  # choices made for the user (e.g. --data-path over mock data)
+        print(f"pretrain_gpt.py: note: {note}", flush=True)
+    return cfg, device, backend
+
+
+def _init_process_group(cfg, backend: str, rank: int, world: int) -> None:
+    import torch.distributed as dist
+    timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+    if "MASTER_ADDR" not in os.environ:  # plain `python launch/pretrain_gpt.py`: a world of one
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                            store=_restart_store(rank, world, timeout))
+
+
+def _teardown(ctx, liveness, rank: int, timeout_minutes: float) -> None:
+    """Every rank waits for the others, then the groups go; a peer that died meanwhile ends this rank at once."""
+    import torch.distributed as dist
+
+    from engine.parallel import comm
+    if liveness is not None:
+        liveness.stop()
+    if dist.is_initialized():
+        try:
+            comm.barrier()
+            if ctx is not None:
+                ctx.destroy()
+            dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001 - a peer that died after this rank finished
+            _die(e, rank, "the teardown barrier (all ranks)", timeout_minutes, liveness)
+    _release_locks()
+
+
 def main(argv=None) -> int:
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     try:
-        cfg = parse_config(argv)
-        if cfg.parallel.gpus_per_node is None and "LOCAL_WORLD_SIZE" in os.environ:
-            cfg.parallel.gpus_per_node = _env_int("LOCAL_WORLD_SIZE", world)
-        validate(cfg, world)
-        resolve(cfg, world)
-        device, backend = _pick_device(cfg, world)
-        # One writer per --save, taken before any process group: also the start-up write test of --save.
-        if rank == 0 and cfg.checkpoint.save:
-            from engine.checkpoint.lock import RunLock
-            _held.append(RunLock(cfg.checkpoint.save).acquire())
+        cfg, device, backend = _configure(argv, rank, world)
     except ConfigError as e:
         return _fail(str(e), rank, before_groups=True)
-    for note in cfg.notices if rank == 0 else ():  # choices made for the user (e.g. --data-path over mock data)
-        print(f"pretrain_gpt.py: note: {note}", flush=True)
 
     import torch
-    import torch.distributed as dist
 
     from engine.preemption import watch_parent
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker outlives no agent (see engine/preemption.py)
@@ -140,18 +173,14 @@ def main(argv=None) -> int:
     from engine.report import banner, report_arguments
     from engine.training import Trainer
 
-    timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
-    if "MASTER_ADDR" not in os.environ:  # plain `python launch/pretrain_gpt.py`: a world of one
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
-                            store=_restart_store(rank, world, timeout))
+    _init_process_group(cfg, backend, rank, world)
     ctx = trainer = liveness = None
     where = "building the process groups"
     store = comm.side_store("ternion/liveness") if world > 1 else None
     if store is not None:  # who stopped, and where, when a collective fails
         liveness = Liveness(store, rank, world, lambda: str(trainer.phase) if trainer else where).start()
+    par = cfg.parallel
     try:
-        par = cfg.parallel
         ctx = build_context(world, rank, cfg.tp, cfg.pp, vpp=cfg.vpp, sequence_parallel=par.sequence_parallel,
                             gpus_per_node=par.gpus_per_node, timeout_minutes=par.distributed_timeout_minutes,
                             seed=cfg.training.seed, device_type=torch.device(device).type)
@@ -169,20 +198,9 @@ def main(argv=None) -> int:
     except ConfigError as e:
         return _fail(str(e), rank)
     except Exception as e:  # noqa: BLE001 - every failure must end this rank now, never hang in teardown
-        _die(e, rank, str(trainer.phase) if trainer is not None else where, cfg.parallel.distributed_timeout_minutes,
-             liveness)
+        _die(e, rank, str(trainer.phase) if trainer is not None else where, par.distributed_timeout_minutes, liveness)
     finally:
-        if liveness is not None:
-            liveness.stop()
-        if dist.is_initialized():
-            try:
-                comm.barrier()
-                if ctx is not None:
-                    ctx.destroy()
-                dist.destroy_process_group()
-            except Exception as e:  # noqa: BLE001 - a peer that died after this rank finished
-                _die(e, rank, "the teardown barrier (all ranks)", cfg.parallel.distributed_timeout_minutes, liveness)
-        _release_locks()
+        _teardown(ctx, liveness, rank, par.distributed_timeout_minutes)
     return 0
 
 

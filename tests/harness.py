@@ -228,3 +228,41 @@ def close_pools() -> None:
 
 
 atexit.register(close_pools)
+
+
+_PEAK_RSS = """
+import importlib, json, sys, threading, time
+sys.path[:0] = json.loads(sys.argv[1])
+main = getattr(importlib.import_module(sys.argv[2]), "main")
+
+def rss_kb():
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
+
+base, peak, done = rss_kb(), [0], threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss_kb())
+        time.sleep(0.001)
+t = threading.Thread(target=sample)
+t.start()
+code = main(sys.argv[3:])
+done.set()
+t.join()
+print(json.dumps({"code": code, "peak_bytes": (max(peak[0], rss_kb()) - base) * 1024}))
+"""
+
+
+def peak_rss_growth(module: str, argv: list, paths: list) -> tuple:
+    """Run `module.main(argv)` in a fresh Python process (`paths` put first on its sys.path) and return
+    (exit code, growth of its resident set over the call in bytes, sampled every millisecond, stderr)."""
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _PEAK_RSS, json.dumps(paths), module, *argv], capture_output=True,
+                         text=True)
+    lines = out.stdout.strip().splitlines()
+    if not lines:
+        return None, None, out.stderr
+    result = json.loads(lines[-1])
+    return result["code"], result["peak_bytes"], out.stderr

@@ -18,6 +18,7 @@ from engine.optim import build_optimizer
 from engine.parallel.topology import ParallelContext
 from engine.pipeline.partition import build_model_chunks
 from engine.preemption import PreemptionHandler
+from harness import peak_rss_growth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -188,34 +189,8 @@ def test_hf_export_loads_in_transformers_with_the_same_logits(tmp_path, style):
     assert (ours - theirs).abs().max().item() < 1e-4
 
 
-_MEASURE_MERGE = """
-import json, sys, threading, time
-sys.path.insert(0, sys.argv[1])
-from tools.merge_ckpt import main
-
-def rss_kb():
-    with open("/proc/self/status") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
-
-base, peak, done = rss_kb(), [0], threading.Event()
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], rss_kb())
-        time.sleep(0.001)
-t = threading.Thread(target=sample)
-t.start()
-code = main(sys.argv[2:])
-done.set()
-t.join()
-print(json.dumps({"code": code, "peak_bytes": (max(peak[0], rss_kb()) - base) * 1024}))
-"""
-
-
 def test_merge_streams_tensor_by_tensor(tmp_path):
     """Peak resident-set growth of a fresh merge process, sampled every millisecond."""
-    import json
-    import subprocess
-    import sys
     cfg = Config()
     m = cfg.model
     m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 6, 1024, 8, 64, 8000
@@ -228,12 +203,11 @@ def test_merge_streams_tensor_by_tensor(tmp_path):
     assert model_bytes > 300e6 and largest < model_bytes / 8
     bound = 2 * largest + 64 * 2 ** 20  # two copies of the largest tensor plus a fixed allowance (allocator caching)
     for fmt in ("native", "hf"):
-        out = subprocess.run([sys.executable, "-c", _MEASURE_MERGE, ROOT, "--load", str(tmp_path / "save"),
-                              "--out", str(tmp_path / fmt), "--format", fmt], capture_output=True, text=True)
-        result = json.loads(out.stdout.strip().splitlines()[-1])
-        assert result["code"] == 0, out.stderr
-        assert result["peak_bytes"] < bound, (f"{fmt}: peak {result['peak_bytes'] / 2**20:.0f} MB, bound "
-                                              f"{bound / 2**20:.0f} MB, model {model_bytes / 2**20:.0f} MB")
+        code, peak, err = peak_rss_growth("tools.merge_ckpt", ["--load", str(tmp_path / "save"), "--out",
+                                                               str(tmp_path / fmt), "--format", fmt], [ROOT])
+        assert code == 0, err
+        assert peak < bound, (f"{fmt}: peak {peak / 2**20:.0f} MB, bound {bound / 2**20:.0f} MB, model "
+                              f"{model_bytes / 2**20:.0f} MB")
     assert os.path.getsize(tmp_path / "native" / "model.safetensors") > 300e6
 
 

@@ -1,8 +1,9 @@
 """Config: YAML + flags, aliases, --help, and one clear line per mistake (before any process group)."""
 import pytest
 
-from engine import config
-from engine.config import ConfigError, build_parser, parse_config, validate
+from engine import cli, config
+from engine.cli import build_parser, parse_config
+from engine.config import ConfigError, validate
 
 
 def write(tmp_path, text, name="c.yaml"):
@@ -180,7 +181,7 @@ def test_yaml_only_fields_have_no_flag_and_pass_through_from_yaml(tmp_path):
                                           "--config YAML file"):
         parse_config(["--data-phases", "x"])
     phases = [{"start_iter": 5, "weights": [0.3, 0.7]}, {"start_iter": 9, "weights": [1, 0]}]
-    assert config._coerce("data_phases", phases) is phases
+    assert cli._coerce("data_phases", phases) is phases
     path = write(tmp_path, "data_phases:\n  - {start_iter: 5, weights: [0.3, 0.7]}\n"
                            "  - {start_iter: 9, weights: [1, 0]}\n")
     assert parse_config(["--config", path]).data.data_phases == phases

@@ -26,7 +26,8 @@ import time
 import pytest
 import torch
 
-from engine.config import ConfigError, ModelConfig, parse_config, validate
+from engine.cli import parse_config
+from engine.config import ConfigError, ModelConfig, validate
 from engine.pipeline.schedules import peak_in_flight
 from engine.planner.flops import GPU_PRESETS
 from engine.planner.memory import (

@@ -11,8 +11,6 @@ child process), plus about 20 s for the torchrun case (marked slow).
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,10 +18,11 @@ import torch
 from engine.checkpoint import files, load_checkpoint
 from engine.checkpoint.hf import ARCHITECTURES, hf_config, imported_config, model_fields
 from engine.checkpoint.resume import ResumePoint, resume_point
-from engine.config import CheckpointConfig, Config, ConfigError, parse_config, validate
+from engine.cli import parse_config
+from engine.config import CheckpointConfig, Config, ConfigError, validate
 from engine.parallel.topology import ParallelContext, build_context
 from engine.pipeline.partition import build_model_chunks
-from harness import run_ranks
+from harness import peak_rss_growth, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, SEQ = 300, 32
@@ -330,28 +329,6 @@ def test_convert_finetune_at_tp2_pp2_under_torchrun_and_export(tmp_path):
 
 # ------------------------------------------------------------------ streaming
 
-_MEASURE = """
-import json, sys, threading, time
-from convert_hf import main
-
-def rss_kb():
-    with open("/proc/self/status") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
-
-base, peak, done = rss_kb(), [0], threading.Event()
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], rss_kb())
-        time.sleep(0.001)
-t = threading.Thread(target=sample)
-t.start()
-code = main(sys.argv[1:])
-done.set()
-t.join()
-print(json.dumps({"code": code, "peak_bytes": (max(peak[0], rss_kb()) - base) * 1024}))
-"""
-
-
 def test_conversion_streams_tensor_by_tensor(tmp_path):
     """A ~250 MB Llama-shaped folder in two shards, written without transformers; the peak RSS growth of the
     converting process, sampled every millisecond, stays near two copies of the largest tensor."""
@@ -377,11 +354,9 @@ def test_conversion_streams_tensor_by_tensor(tmp_path):
                                                                                  for n in p}}))
     total = sum(torch.Size(s).numel() * 4 for s in shapes.values())
     largest = max(torch.Size(s).numel() * 4 for s in shapes.values()) * 8064 // 8000  # padded to 63 x 128 rows
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tools")]))
-    out = subprocess.run([sys.executable, "-c", _MEASURE, "--hf", str(hf), "--out", str(tmp_path / "ckpt"),
-                          "--seq-length", "64"], capture_output=True, text=True, env=env)
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["code"] == 0, out.stderr
+    code, peak, err = peak_rss_growth("convert_hf", ["--hf", str(hf), "--out", str(tmp_path / "ckpt"),
+                                                     "--seq-length", "64"], [ROOT, os.path.join(ROOT, "tools")])
+    assert code == 0, err
     print(f"model {total / 2**20:.0f} MB, largest tensor {largest / 2**20:.1f} MB, "
-          f"peak RSS growth {result['peak_bytes'] / 2**20:.1f} MB")
-    assert total > 240e6 and result["peak_bytes"] < 2 * largest + 64 * 2 ** 20, result
+          f"peak RSS growth {peak / 2**20:.1f} MB")
+    assert total > 240e6 and peak < 2 * largest + 64 * 2 ** 20, peak

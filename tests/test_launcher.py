@@ -91,7 +91,7 @@ def test_pipeline_trace_is_written_per_rank_and_drawn(tmp_path):
 def test_batch_rampup_keeps_sampler_accumulation_and_lr_consistent(tmp_path):
     import json
 
-    from engine.config import parse_config
+    from engine.cli import parse_config
     from engine.data import BatchSizeSchedule
     from engine.optim import lr_at
     args = ["--config", "configs/gpt-tiny.yaml", "--mock-data", "--num-layers", "2", "--rampup-batch-size", "4", "4",

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.config import Config, parse_config, resolve
+from engine.cli import parse_config
+from engine.config import Config, resolve
 from engine.metrics import LogInterval, MetricsWriter, arguments_path, format_log_line, save_report
 from engine.report import ARGUMENTS_END, ARGUMENTS_RULE, report_arguments, resolved_arguments
 

@@ -24,7 +24,8 @@ import pytest
 from test_launcher import ERROR, launch, our_lines
 
 from engine import megatron_flags
-from engine.config import ConfigError, build_parser, parse_config, resolve, validate
+from engine.cli import build_parser, parse_config
+from engine.config import ConfigError, resolve, validate
 
 KNOWN = {s for a in build_parser()._actions for s in a.option_strings}
 
@@ -197,7 +198,7 @@ def test_table_names_no_config_field_and_the_notes_come_once_per_kind():
 
 
 def test_exit_interval_stops_at_the_first_multiple_with_megatron_meaning():
-    from engine.config import parse_config
+    from engine.cli import parse_config
     from engine.preemption import PreemptionHandler
     cfg = parse_config(["--config", "configs/gpt-tiny.yaml", "--mock-data", "--exit-interval", "3"])
     handler = PreemptionHandler(signals=(), exit_interval=cfg.checkpoint.exit_interval)
@@ -209,7 +210,8 @@ def test_eod_mask_loss_drops_the_loss_on_the_token_after_each_end_of_document():
     import numpy as np
     import pytest
 
-    from engine.config import ConfigError, parse_config, validate
+    from engine.cli import parse_config
+    from engine.config import ConfigError, validate
     from engine.data.batch import make_batch
     from engine.data.build import end_of_document
 

@@ -15,7 +15,8 @@ import sys
 import pytest
 from demo_corpus import stdlib_sources
 
-from engine.config import ConfigError, parse_config, resolve, validate
+from engine.cli import parse_config
+from engine.config import ConfigError, resolve, validate
 from engine.data import IndexedDataset
 from engine.data.tokenizer import tokenizer_spec, train_sentencepiece
 

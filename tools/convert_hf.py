@@ -20,7 +20,8 @@ import os
 import sys
 
 from engine.checkpoint.hf import import_hf
-from engine.config import TOKENIZER_TYPES, ConfigError, OneLineParser, flag_of
+from engine.cli import OneLineParser
+from engine.config import TOKENIZER_TYPES, ConfigError, flag_of
 
 CONFIG_FILE = "model.yaml"
 FOUND_FIRST = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")  # the order they are looked for

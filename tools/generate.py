@@ -23,7 +23,8 @@ from typing import Optional
 
 import torch
 
-from engine.config import TOKENIZER_TYPES, Config, ConfigError, OneLineParser
+from engine.cli import OneLineParser
+from engine.config import TOKENIZER_TYPES, Config, ConfigError
 from engine.data.tokenizer import run_tokenizer_spec
 from engine.model import GPTModel
 from engine.parallel.topology import ParallelContext

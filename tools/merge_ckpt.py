@@ -17,7 +17,8 @@ import sys
 from engine.checkpoint.hf import export_hf
 from engine.checkpoint.merged import merge_native, split
 from engine.checkpoint.reader import open_iteration
-from engine.config import ConfigError, OneLineParser
+from engine.cli import OneLineParser
+from engine.config import ConfigError
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -16,7 +16,8 @@ import argparse
 import os
 import sys
 
-from engine.config import TOKENIZER_TYPES, ConfigError, OneLineParser
+from engine.cli import OneLineParser
+from engine.config import TOKENIZER_TYPES, ConfigError
 from engine.data.preprocess import Options, check_inputs, preprocess
 from engine.data.tokenizer import tokenizer_spec
 

@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Callable, Iterator, Optional
 
-from engine.config import OneLineParser
+from engine.cli import OneLineParser
 from engine.data.preprocess import check_inputs, is_json_input
 from engine.data.tokenizer import TrainingProgress, fertility, train_sentencepiece
 
