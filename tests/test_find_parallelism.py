@@ -370,3 +370,19 @@ def test_layout_validation_matches_trainer():
             validate(cfg, 32)
         except ConfigError as e:
             pytest.fail(f"{lay}: {e}")
+
+
+def test_llama3_405b_published_layout_with_uneven_stages_is_evaluated(capsys):
+    """126 layers over pp 16 as Llama 3 405B ran them (7 layers on the first and last stage): the one-layout
+    mode takes Megatron-LM's uneven-stage flags, and a split that cannot work is one line. (Whether it fits
+    in 80 GiB is the memory model's question, issue 18: the tool answers either way.)"""
+    cfg = os.path.join(ROOT, "configs", "llama3-405b.yaml")
+    args = ["--config", cfg, "--num-gpus", "16384", "--gpu", "h100-sxm", "--tp", "8", "--pp", "16",
+            "--decoder-first-pipeline-num-layers", "7", "--decoder-last-pipeline-num-layers", "7", "--json"]
+    run_cli(*args)
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 1 and (rows[0]["tp"], rows[0]["pp"], rows[0]["dp"]) == (8, 16, 128)
+    assert (rows[0]["first_stage_layers"], rows[0]["last_stage_layers"]) == (7, 7) and rows[0]["step_time_s"] > 0
+    code = run_cli(*args[:-5], "--decoder-first-pipeline-num-layers", "6", "--decoder-last-pipeline-num-layers", "6")
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--decoder-first-pipeline-num-layers" in err, err

@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", dest="vpp", type=int)
     one.add_argument("--micro-batch-size", type=int)
     one.add_argument("--recompute-granularity", choices=("none", "selective", "full"))
+    one.add_argument("--decoder-first-pipeline-num-layers", type=int, help="layers on the first stage (uneven split)")
+    one.add_argument("--decoder-last-pipeline-num-layers", type=int, help="layers on the last stage (uneven split)")
     plan = p.add_argument_group("compute planning")
     plan.add_argument("--tokens", type=float, help="training tokens, e.g. 300e9")
     plan.add_argument("--chinchilla", action="store_true", help="train on 20 tokens per parameter (Hoffmann et al. 2022)")
@@ -100,13 +102,15 @@ def _given_layout(args, cfg, batch) -> Layout:
         raise UsageError(f"--tp {args.tp} exceeds --gpus-per-node {args.gpus_per_node}; a TP group stays in a node")
     par = cfg.parallel
     keep_split = args.pp == cfg.pp and args.vpp is None  # the config's vpp / uneven stages still apply
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if first is None and last is None and keep_split:
+        first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
     dp = args.num_gpus // (args.tp * args.pp)
     c = dataclasses.replace(cfg)
     c.parallel = dataclasses.replace(
         par, tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size if keep_split else args.vpp,
-        decoder_first_pipeline_num_layers=par.decoder_first_pipeline_num_layers if keep_split else None,
-        decoder_last_pipeline_num_layers=par.decoder_last_pipeline_num_layers if keep_split else None,
+        decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
         sequence_parallel=args.tp > 1, use_distributed_optimizer=dp > 1, gpus_per_node=args.gpus_per_node)
     c.training = dataclasses.replace(cfg.training, global_batch_size=batch,
                                      micro_batch_size=args.micro_batch_size or cfg.training.micro_batch_size)
@@ -246,10 +250,13 @@ def _nothing_fits(args, gpu, rows) -> int:
     if any(e.fits for e in rows):
         return 0
     least = min(e.memory.total for e in rows) / GIB
-    what = "the given layout" if args.tp is not None else f"none of the {len(rows)} layouts"
-    print(f"find_parallelism.py: error: {what} of {args.config} fits on {args.num_gpus} x {gpu.name} "
-          f"({gpu.memory_gib:.0f} GiB each; the least needs {least:.1f} GiB per GPU); add GPUs, lower the batch per "
-          "GPU, or use a larger-memory --gpu", file=sys.stderr)
+    what = "the given layout of {} does not fit" if args.tp is not None else \
+        f"none of the {len(rows)} layouts of {{}} fits"
+    fix = ("try --recompute-granularity selective or full, a larger --tp/--pp, or a larger-memory --gpu"
+           if args.tp is not None else "add GPUs, lower the batch per GPU, or use a larger-memory --gpu")
+    print(f"find_parallelism.py: error: {what.format(args.config)} on {args.num_gpus} x {gpu.name} "
+          f"({gpu.memory_gib:.0f} GiB each; {'it' if args.tp is not None else 'the least'} needs {least:.1f} GiB per "
+          f"GPU); {fix}", file=sys.stderr)
     return 1
 
 
