@@ -386,3 +386,14 @@ def test_llama3_405b_published_layout_with_uneven_stages_is_evaluated(capsys):
     code = run_cli(*args[:-5], "--decoder-first-pipeline-num-layers", "6", "--decoder-last-pipeline-num-layers", "6")
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "--decoder-first-pipeline-num-layers" in err, err
+
+
+def test_llama3_405b_search_puts_uneven_stage_layouts_in_its_top_five(capsys):
+    """126 layers divide by no power-of-two pp: the search splits them unevenly (fewer layers on the end stages)
+    and such layouts rank in the top five, the published tp 8 x pp 16 with 7/../7 among them."""
+    cfg = os.path.join(ROOT, "configs", "llama3-405b.yaml")
+    run_cli("--config", cfg, "--num-gpus", "16384", "--gpu", "h100-sxm", "--top", "5", "--json")
+    rows = json.loads(capsys.readouterr().out)[:5]
+    uneven = [(r["tp"], r["pp"], r["first_stage_layers"], r["last_stage_layers"]) for r in rows
+              if r["first_stage_layers"] is not None]
+    assert uneven and (8, 16, 7, 7) in uneven, rows
