@@ -66,9 +66,10 @@ class PreemptionHandler:
         self._previous = {}
 
 
-def watch_parent(grace_s: float = 60.0, poll_s: float = 1.0) -> threading.Thread:
+def watch_parent(grace_s: float = 60.0, poll_s: float = 1.0, on_exit=None) -> threading.Thread:
     """Stop this process when its parent (the torchrun agent) dies: SIGTERM to itself (a clean stop with a
-    save where the trainer is running), then exit 1 if it is still alive `grace_s` later."""
+    save where the trainer is running), then, if it is still alive `grace_s` later (e.g. its teardown waits
+    on the agent's store), call `on_exit` (giving back what the process holds) and exit 1."""
     parent = os.getppid()
 
     def watch():
@@ -78,6 +79,8 @@ def watch_parent(grace_s: float = 60.0, poll_s: float = 1.0) -> threading.Thread
               file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_s)
+        if on_exit is not None:
+            on_exit()
         os._exit(1)
 
     thread = threading.Thread(target=watch, name="parent-watch", daemon=True)

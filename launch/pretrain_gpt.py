@@ -137,10 +137,14 @@ def _init_process_group(cfg, backend: str, rank: int, world: int) -> None:
 
 
 def _teardown(ctx, liveness, rank: int, timeout_minutes: float) -> None:
-    """Every rank waits for the others, then the groups go; a peer that died meanwhile ends this rank at once."""
+    """Every rank waits for the others, then the groups go; a peer that died meanwhile ends this rank at once.
+
+    The lock on --save goes first: every write of this rank is done, and a process group torn down after its
+    torchrun agent died can abort the process in C++ (gloo), past any Python cleanup."""
     import torch.distributed as dist
 
     from engine.parallel import comm
+    _release_locks()
     if liveness is not None:
         liveness.stop()
     if dist.is_initialized():
@@ -165,7 +169,7 @@ def main(argv=None) -> int:
 
     from engine.preemption import watch_parent
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker outlives no agent (see engine/preemption.py)
-        watch_parent()
+        watch_parent(on_exit=_release_locks)
 
     from engine.liveness import Liveness
     from engine.parallel import comm
