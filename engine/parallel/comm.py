@@ -51,14 +51,6 @@ class CommCounter:
         return sum(r.sent for r in self.records
                    if (group is ... or r.group is group) and (op is None or r.op == op))
 
-    def sent_by_group(self) -> list:
-        """[(group, bytes sent)] for every group that carried traffic, in order of first use."""
-        totals: dict = {}
-        for r in self.records:
-            entry = totals.setdefault(id(r.group), [r.group, 0.0])
-            entry[1] += r.sent
-        return [tuple(v) for v in totals.values()]
-
 
 _counter: Optional[CommCounter] = None
 
