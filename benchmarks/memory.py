@@ -105,7 +105,7 @@ def measure(cfg: ModelConfig, ctx, device) -> tuple:
     s_local = SEQ // ctx.seq_split
     torch.manual_seed(0)
     x = torch.randn(s_local, MICRO, cfg.hidden_size, device=device, requires_grad=True)
-    tables = model.rope_freqs(SEQ, x.device) if hasattr(model, "rope_freqs") else None
+    tables = model.rope_freqs(torch.arange(SEQ, device=x.device)) if hasattr(model, "rope_freqs") else None
     layer = model.layers["1"]
     saved = SavedBytes(model.parameters())
     peak = None

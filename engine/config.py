@@ -100,6 +100,11 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = _f(1, "pipeline-parallel size", aliases=("--pp",))
     virtual_pipeline_model_parallel_size: Optional[int] = _f(None, "model chunks per pipeline rank (interleaved 1F1B)", aliases=("--vpp",))
     sequence_parallel: bool = _f(False, "split norms and dropout over the sequence within the TP group")
+    context_parallel_size: int = _f(1, "context-parallel size: each sequence split over this many ranks "
+                                       "(load-balanced causal chunks, ring attention)", aliases=("--cp",))
+    cp_comm_type: str = _f("p2p", "how attention sees the other CP ranks' keys and values: p2p passes them round "
+                                  "a ring, overlapped with attention; all_gather (Megatron-LM: allgather) gathers "
+                                  "them once", choices=("p2p", "all_gather", "allgather"))
     use_distributed_optimizer: bool = _f(False, "shard fp32 master weights and Adam state over dp (ZeRO-1)")
     overlap_grad_reduce: bool = _f(False, "start each gradient bucket's reduction as soon as backward fills it")
     gpus_per_node: Optional[int] = _f(None, "ranks per node (default: LOCAL_WORLD_SIZE); a TP group may not span nodes")
@@ -256,6 +261,14 @@ class Config:
     def vpp(self) -> int:
         return self.parallel.virtual_pipeline_model_parallel_size or 1
 
+    @property
+    def cp(self) -> int:
+        return self.parallel.context_parallel_size
+
+    def dp(self, world_size: int) -> int:
+        """Data-parallel size: the model replicas of tp x cp x pp ranks in the world."""
+        return world_size // (self.tp * self.cp * self.pp)
+
 
 def _all_fields():
     """(section name, dataclass field) for every flag."""
@@ -312,7 +325,7 @@ def data_prefixes(data_path: list) -> list:
     return pairs
 
 
-TP_FLAG, PP_FLAG = "--tensor-model-parallel-size", "--pipeline-model-parallel-size"
+TP_FLAG, PP_FLAG, CP_FLAG = "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"
 
 
 def validate(cfg: Config, world_size: int) -> None:
@@ -323,7 +336,7 @@ def validate(cfg: Config, world_size: int) -> None:
     # The split before the world size: a tp that the heads reject is the more useful line to print.
     _check_split(cfg.model, cfg.parallel, tp, pp, vpp)
     _check_parallel(cfg.parallel, world_size)
-    _check_training(cfg.training, world_size // (tp * pp), pp, vpp)
+    _check_training(cfg.training, cfg.dp(world_size), pp, vpp)
     _check_optim(cfg.optim, cfg.training)
     _check_logging(cfg.logging)
     _check_files(cfg)
@@ -331,12 +344,24 @@ def validate(cfg: Config, world_size: int) -> None:
     _check_stability(cfg.stability)
 
 
-def check_world_size(world_size: int, tp: int, pp: int) -> None:
-    """The world must hold a whole number of tp x pp model replicas (the dp size)."""
-    if world_size % (tp * pp):
-        flag, value = (PP_FLAG, pp) if pp > 1 else (TP_FLAG, tp)
-        _err(flag, value, f"tp {tp} x pp {pp} = {tp * pp} does not divide the world size {world_size}; "
-                          f"launch a multiple of {tp * pp} processes or change --tp/--pp")
+def check_world_size(world_size: int, tp: int, pp: int, cp: int = 1) -> None:
+    """The world must hold a whole number of tp x cp x pp model replicas (the dp size)."""
+    if world_size % (tp * cp * pp):
+        flag, value = (PP_FLAG, pp) if pp > 1 else (CP_FLAG, cp) if cp > 1 else (TP_FLAG, tp)
+        sizes = f"tp {tp} x pp {pp}" + (f" x cp {cp}" if cp > 1 else "")
+        _err(flag, value, f"{sizes} = {tp * cp * pp} does not divide the world size {world_size}; launch a "
+                          f"multiple of {tp * cp * pp} processes or change --tp/--pp" + ("/--cp" if cp > 1 else ""))
+
+
+def check_context_split(seq_length: int, cp: int, tp: int = 1, sequence_parallel: bool = False) -> None:
+    """Context parallelism cuts each sequence into 2 x cp equal chunks (two per CP rank, for equal causal
+    work); sequence parallelism then splits each CP rank's part over tp."""
+    if cp > 1 and seq_length % (2 * cp):
+        _err("--seq-length", seq_length, f"must be divisible by 2 x --context-parallel-size {cp} = {2 * cp} "
+                                         f"(each sequence is cut into {2 * cp} equal chunks); change one of them")
+    if sequence_parallel and tp > 1 and seq_length % (tp * cp):
+        what = f"tp {tp} x cp {cp} = {tp * cp}" if cp > 1 else f"tp {tp}"
+        _err("--seq-length", seq_length, f"with --sequence-parallel it must be divisible by {what}")
 
 
 def check_tp_fits_node(tp: int, gpus_per_node: Optional[int]) -> None:
@@ -385,7 +410,9 @@ def _at_least_one(section, *names: str) -> None:
 def _check_parallel_sizes(par: ParallelConfig) -> None:
     """First of all: every later check divides by these sizes."""
     _at_least_one(par, "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                  "virtual_pipeline_model_parallel_size")
+                  "virtual_pipeline_model_parallel_size", "context_parallel_size")
+    if par.cp_comm_type == "allgather":
+        par.cp_comm_type = "all_gather"  # Megatron-LM's spelling
     vpp = par.virtual_pipeline_model_parallel_size
     if (vpp or 1) > 1 and par.pipeline_model_parallel_size < 2:
         _err("--virtual-pipeline-model-parallel-size", vpp, "needs --pipeline-model-parallel-size of at least 2")
@@ -430,8 +457,10 @@ def _check_split(m: ModelConfig, par: ParallelConfig, tp: int, pp: int, vpp: int
     first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
     uneven = first is not None or last is not None
     check_model_split(m, tp, 1 if uneven else pp, vpp=1 if uneven else vpp)  # uneven stages: their own rule below
-    if par.sequence_parallel and m.seq_length % tp:
-        _err("--seq-length", m.seq_length, f"with --sequence-parallel it must be divisible by tp {tp}")
+    check_context_split(m.seq_length, par.context_parallel_size, tp, par.sequence_parallel)
+    if par.context_parallel_size > 1 and m.attention_backend == "flash":
+        _err("--attention-backend", "flash", "context parallelism merges attention blocks by their log-sum-exp, "
+                                             "which Ternion takes from its own kernels; use auto or triton")
     if uneven:
         _check_pipeline_split(m.num_layers, first, last, pp, vpp)
 
@@ -451,7 +480,8 @@ def _check_pipeline_split(layers: int, first: Optional[int], last: Optional[int]
 
 
 def _check_parallel(par: ParallelConfig, world_size: int) -> None:
-    check_world_size(world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size)
+    check_world_size(world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                     par.context_parallel_size)
     check_tp_fits_node(par.tensor_model_parallel_size, par.gpus_per_node)
     if par.distributed_timeout_minutes <= 0:
         _err("--distributed-timeout-minutes", par.distributed_timeout_minutes, "must be positive (e.g. 10)")
@@ -588,7 +618,7 @@ def resolve(cfg: Config, world_size: int) -> Config:
         cfg.given_vocab_size = m.vocab_size  # its end-of-document id is added once (data_vocab_size)
     m.vocab_size = data_vocab_size(cfg)
     if tr.global_batch_size is None:
-        tr.global_batch_size = tr.micro_batch_size * (world_size // (cfg.tp * cfg.pp))
+        tr.global_batch_size = tr.micro_batch_size * cfg.dp(world_size)
     if tr.train_samples is not None:
         tr.train_iters = _iterations_for_samples(tr)
     return cfg

@@ -34,6 +34,7 @@ from engine.parallel.layers import (
     mark_tied,
 )
 from engine.parallel.recompute import recompute
+from engine.parallel.ring_attention import ContextAttention
 from kernels import dispatch
 
 WORD_EMBEDDING_KEY = "embedding.word.weight"  # the random stream both copies of a tied embedding are drawn from
@@ -72,12 +73,19 @@ class Attention(nn.Module):
         # The backend is resolved once, for the device and dtype the layer is built on (a model built on the
         # meta device only describes shapes and never runs).
         device = torch.device(device) if device is not None else torch.get_default_device()
-        self.attend = None if device.type == "meta" else dispatch.attention_fn(dispatch.resolve_attention_backend(
-            cfg.attention_backend, device, cfg.attention_dropout, dtype or torch.get_default_dtype()))
+        self.attend = None
+        if device.type != "meta":
+            backend = dispatch.resolve_attention_backend(cfg.attention_backend, device, cfg.attention_dropout,
+                                                         dtype or torch.get_default_dtype())
+            self.attend = dispatch.attention_fn(backend)
+            if ctx.cp_size > 1:  # the sequence is split over CP ranks: attention runs round them
+                self.attend = ContextAttention(ctx, dispatch.attention_block_backend(backend, device))
 
     def _core(self, q, k, v):
         p = self.cfg.attention_dropout if self.training else 0.0
         with self.ctx.dropout_rng(split_over_tp=True):  # heads are split over TP
+            if self.ctx.cp_size > 1:
+                return self.attend(q, k, v, p)
             return self.attend(q, k, v, True, p, None)
 
     def forward(self, x, freqs):
@@ -186,19 +194,21 @@ class GPTModel(nn.Module):
     def output_weight(self):
         return self.word.weight if self.tied and self.pre_process else self.output
 
-    def rope_freqs(self, seq_len: int, device) -> Optional[torch.Tensor]:
+    def rope_freqs(self, positions: torch.Tensor) -> Optional[torch.Tensor]:
+        """RoPE angles [len(positions), d/2] of the given token positions (this rank's, under CP)."""
         if self.cfg.position_embedding_type != "rope":
             return None
-        d = self.cfg.head_dim()
+        d, device = self.cfg.head_dim(), positions.device
         inv = 1.0 / (self.cfg.rotary_base ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
         if self.cfg.use_rope_scaling:
             inv = llama3_scaled(inv, self.cfg)
-        return torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
+        return torch.outer(positions.to(torch.float32), inv)
 
     def embed(self, tokens):
-        x = self.word(tokens)
+        """Embeddings of this rank's positions of `tokens` [b, s] (the whole sequences)."""
+        x = self.word(self.ctx.cp_split(tokens, 1))
         if self.cfg.position_embedding_type == "learned_absolute":
-            x = x + self.ctx.local_seq(self.position[: tokens.shape[1]]).unsqueeze(1)
+            x = x + self.ctx.local_seq(self.ctx.cp_split(self.position[: tokens.shape[1]], 0)).unsqueeze(1)
         if self.training and self.cfg.hidden_dropout:
             with self.ctx.residual_dropout_rng():
                 x = F.dropout(x, self.cfg.hidden_dropout, training=True)
@@ -206,7 +216,7 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens=None, hidden=None, labels=None, loss_mask=None):
         x = self.embed(tokens) if self.pre_process else hidden
-        freqs = self.rope_freqs(self.ctx.full_seq_len(x.shape[0]), x.device)
+        freqs = self.rope_freqs(self.ctx.positions(self.ctx.full_seq_len(x.shape[0]), x.device))
         for i in self.layer_ids:
             layer = self.layers[str(i)]
             if i in self.full_recompute and self.training:
@@ -218,14 +228,17 @@ class GPTModel(nn.Module):
         return self.head(self.final_norm(x), labels, loss_mask)
 
     def head(self, x, labels, loss_mask):
+        """Logits, or the loss of this rank's positions over the whole sequences' token count: under CP the
+        ranks' losses add up to the mean over every unmasked token of the microbatch."""
         logits = mappings.enter_tp_linear(x, self.output_weight(), None, self.ctx)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)
         s, b, v = logits.shape
-        loss = vocab_parallel_cross_entropy(logits.reshape(s * b, v), labels.t().reshape(-1), self.ctx,
+        local_labels = self.ctx.cp_split(labels, 1)
+        loss = vocab_parallel_cross_entropy(logits.reshape(s * b, v), local_labels.t().reshape(-1), self.ctx,
                                             self.vocab_size, self.z_loss_weight).view(s, b).t()
         if loss_mask is None:
-            return loss.mean()
+            return loss.mean() if self.ctx.cp_size == 1 else loss.sum() / labels.numel()
         loss_mask = loss_mask.float()
-        return (loss * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+        return (loss * self.ctx.cp_split(loss_mask, 1)).sum() / loss_mask.sum().clamp(min=1.0)
 

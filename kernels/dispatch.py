@@ -157,6 +157,35 @@ def attention_fn(backend: str):
     return _ATTENTION[backend]
 
 
+def _triton_block_forward(q, k, v, causal, softmax_scale=None, dropout_p=0.0, seed=None):
+    assert dropout_p == 0.0, "the Triton flash kernel has no dropout (validation refuses the combination)"
+    return _triton_module("flash_triton").forward(q, k, v, causal, softmax_scale)
+
+
+def _triton_block_backward(do, q, k, v, out, lse, causal, softmax_scale=None, dropout_p=0.0, seed=None):
+    do, out, lse = (t.contiguous() for t in (do, out, lse))  # slices of the merged whole
+    return _triton_module("flash_triton").backward(do, q, k, v, out, lse, causal, softmax_scale)
+
+
+def attention_block_backend(backend: str, device) -> str:
+    """The kernels blockwise (context-parallel) attention uses for a resolved `backend`: the Triton flash
+    kernel, which returns the log-sum-exp that blocks are merged by, where attention would run a fused
+    kernel on CUDA; the PyTorch reference otherwise (CPU, fp32, or attention dropout)."""
+    fused = backend in ("flash", "triton") and torch.device(device).type == "cuda" and triton_available()
+    return "triton" if fused else "reference"
+
+
+_BLOCKS = {"triton": (_triton_block_forward, _triton_block_backward),
+           "reference": (reference.attention_block_forward, reference.attention_block_backward)}
+
+
+def attention_block_fns(block_backend: str) -> tuple:
+    """(forward, backward) of one attention block: forward(q, k, v, causal, scale, dropout_p, seed) -> (out,
+    lse [b, nq, sq] fp32); backward(do, q, k, v, out, lse, causal, scale, dropout_p, seed) -> (dq, dk, dv),
+    given the merged `out` and `lse` of the whole row (kernels.reference documents both)."""
+    return _BLOCKS[block_backend]
+
+
 def attention(q, k, v, causal=True, dropout_p=0.0, backend="auto", softmax_scale=None):
     """q [b, s, nq, d], k and v [b, s, nkv, d] (query head j uses kv head j // (nq // nkv)) -> [b, s, nq, d].
 

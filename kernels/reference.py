@@ -169,6 +169,67 @@ def attention_lse(q, k, causal=True, softmax_scale=None) -> torch.Tensor:
     return scores.logsumexp(dim=-1).reshape(b, nq, s)
 
 
+def _block_scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+    """Scaled scores [b, nkv, group, sq, sk] in fp32 (or wider), -inf above the diagonal when causal."""
+    b, sq, nq, d = q.shape
+    nkv = k.shape[2]
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", _wide(q).reshape(b, sq, nkv, nq // nkv, d), _wide(k)) * scale
+    if causal:  # a diagonal block: query i sees keys 0..i of the same chunk
+        keep = torch.ones(sq, k.shape[1], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return scores
+
+
+def _block_dropout(shape, dropout_p: float, seed: int, device) -> torch.Tensor:
+    """The kept-and-rescaled mask of one block, drawn from its own generator so backward can redraw it."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    keep = torch.rand(shape, generator=gen, device=device) >= dropout_p
+    return keep.float() / (1.0 - dropout_p)
+
+
+def attention_block_forward(q, k, v, causal: bool, softmax_scale: Optional[float] = None, dropout_p: float = 0.0,
+                            seed: Optional[int] = None) -> tuple:
+    """One block of blockwise (ring) attention: (out [b, sq, nq, d], lse [b, nq, sq]), both fp32 (or wider).
+
+    `out` is normalised by this block's own log-sum-exp and kept wide: blocks are merged by
+    their lse, and the caller casts the merged result. `causal`: the block is on the diagonal (queries and
+    keys from the same positions); off-diagonal blocks are full. Dropout uses a generator seeded by `seed`.
+    """
+    b, sq, nq, d = q.shape
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    scores = _block_scores(q, k, causal, scale)
+    lse = scores.logsumexp(dim=-1)
+    probs = (scores - lse[..., None]).exp()
+    if dropout_p > 0.0:
+        probs = probs * _block_dropout(probs.shape, dropout_p, seed, q.device)
+    out = torch.einsum("bhgqk,bkhd->bqhgd", probs, _wide(v)).reshape(b, sq, nq, d)
+    return out, lse.reshape(b, nq, sq)
+
+
+def attention_block_backward(do, q, k, v, out, lse, causal: bool, softmax_scale: Optional[float] = None,
+                             dropout_p: float = 0.0, seed: Optional[int] = None) -> tuple:
+    """(dq, dk, dv) of one block, in fp32 (or wider), given the merged output `out` and its `lse`: with the
+    whole row's lse the block's probabilities are final, so the blocks' gradients simply add up."""
+    b, sq, nq, d = q.shape
+    nkv = k.shape[2]
+    group = nq // nkv
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    probs = (_block_scores(q, k, causal, scale) - lse.reshape(b, nkv, group, sq)[..., None].to(_wide(q).dtype)).exp()
+    dof = _wide(do).reshape(b, sq, nkv, group, d)
+    delta = (dof * _wide(out).reshape(b, sq, nkv, group, d)).sum(-1).permute(0, 2, 3, 1)  # [b, nkv, group, sq]
+    dprobs = torch.einsum("bqhgd,bkhd->bhgqk", dof, _wide(v))
+    kept = probs
+    if dropout_p > 0.0:
+        mask = _block_dropout(probs.shape, dropout_p, seed, q.device)
+        kept, dprobs = probs * mask, dprobs * mask
+    dv = torch.einsum("bhgqk,bqhgd->bkhd", kept, dof)
+    ds = probs * (dprobs - delta[..., None]) * scale
+    dq = torch.einsum("bhgqk,bkhd->bqhgd", ds, _wide(k)).reshape(b, sq, nq, d)
+    dk = torch.einsum("bhgqk,bqhgd->bkhd", ds, _wide(q).reshape(b, sq, nkv, group, d))
+    return dq, dk, dv
+
+
 def _row_chunks(logits: torch.Tensor):
     rows = max(1, CE_CHUNK_ELEMENTS // max(1, logits.shape[1]))
     for start in range(0, logits.shape[0], rows):

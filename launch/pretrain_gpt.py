@@ -187,7 +187,8 @@ def main(argv=None) -> int:
     try:
         ctx = build_context(world, rank, cfg.tp, cfg.pp, vpp=cfg.vpp, sequence_parallel=par.sequence_parallel,
                             gpus_per_node=par.gpus_per_node, timeout_minutes=par.distributed_timeout_minutes,
-                            seed=cfg.training.seed, device_type=torch.device(device).type)
+                            seed=cfg.training.seed, device_type=torch.device(device).type, cp=cfg.cp,
+                            cp_comm_type=par.cp_comm_type)
         where = "building the model, optimizer and data"
         log = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)
         report_arguments(cfg, rank, log)  # rank 0: the resolved arguments, printed and saved beside the metrics
@@ -197,7 +198,8 @@ def main(argv=None) -> int:
             trainer = Trainer(cfg, ctx, device, log=log)
             trainer.start()
             with trainer.phase("the start-up banner (all_gather_object)", "all"):
-                log(banner(cfg, ctx, trainer.chunks, device, layout_table(world, cfg.tp, cfg.pp, par.gpus_per_node)))
+                table = layout_table(world, cfg.tp, cfg.pp, par.gpus_per_node, cfg.cp)
+                log(banner(cfg, ctx, trainer.chunks, device, table))
             trainer.train()
     except ConfigError as e:
         return _fail(str(e), rank)

@@ -37,14 +37,8 @@ from engine.planner.memory import (
     params_per_rank,
     state_bytes,
 )
-from engine.planner.step_time import (
-    Software,
-    candidate_layouts,
-    chinchilla_optimal,
-    estimate,
-    rank_layouts,
-    uneven_split,
-)
+from engine.planner.search import candidate_layouts, chinchilla_optimal, rank_layouts, uneven_split
+from engine.planner.step_time import Software, estimate
 from engine.planner.verify import meta_params_per_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

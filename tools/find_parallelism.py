@@ -21,7 +21,8 @@ from engine.cli import OneLineParser, parse_config
 from engine.config import ConfigError, precision_name, resolve, validate
 from engine.planner.flops import GPU_PRESETS, flops_per_iteration
 from engine.planner.memory import GIB, Layout, params_per_rank
-from engine.planner.step_time import Software, chinchilla_optimal, estimate, rank_layouts
+from engine.planner.search import chinchilla_optimal, rank_layouts
+from engine.planner.step_time import Software, estimate
 
 
 class UsageError(Exception):

@@ -51,14 +51,14 @@ def local_tensors(model_chunks: list, ctx) -> list:
             seen.add(id(p))
             spec = spec_of(p)
             name = spec.copy_of or local_name
-            writer = ctx.dp_rank == 0 and spec.copy_of is None and (ctx.tp_rank == 0 or spec.tp_axis is not None)
+            writer = ctx.dp_cp_rank == 0 and spec.copy_of is None and (ctx.tp_rank == 0 or spec.tp_axis is not None)
             out.append(LocalTensor(c, local_name, name, p, writer))
     return out
 
 
 def shard_file(kind: str, tp_rank: int, pp_rank: int, dp_rank: Optional[int] = None) -> str:
     """The file a rank writes: model_tpTT_ppPP.safetensors, or optim_tpTT_ppPP[_dpDDD].safetensors (per dp
-    rank only under the distributed optimizer)."""
+    rank only under the distributed optimizer; with context parallelism DDD numbers the dp x cp replicas)."""
     dp = f"_dp{dp_rank:03d}" if dp_rank is not None else ""
     return f"{kind}_tp{tp_rank:02d}_pp{pp_rank:02d}{dp}.safetensors"
 

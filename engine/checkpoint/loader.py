@@ -189,7 +189,8 @@ def _load(reader: CheckpointReader, tensors: list, optimizer, ranges: dict, ctx)
         else:
             optimizer.reload_model_params()
     layout, states = reader.meta.layout, reader.meta.rng
-    same = (layout.tp, layout.pp, layout.dp, layout.vpp) == (ctx.tp_size, ctx.pp_size, ctx.dp_size, ctx.vpp_size)
+    same = (layout.tp, layout.pp, layout.dp, layout.vpp, layout.cp) == (ctx.tp_size, ctx.pp_size, ctx.dp_size,
+                                                                       ctx.vpp_size, ctx.cp_size)
     if same and ctx.rank < len(states) and states[ctx.rank]:
         rng.restore(states[ctx.rank], ctx.rng)
     extra = dict(reader.meta.extra_state)

@@ -58,6 +58,7 @@ class SavedLayout:
     world_size: int
     distributed_optimizer: bool
     stage_layers: list  # [pp rank][vpp chunk] -> global layer ids
+    cp: int = 1  # context-parallel size (weights replicated over it; optimizer shards over dp x cp)
 
 
 @dataclass
@@ -151,7 +152,7 @@ class CheckpointMeta:
         extra = json.loads(json.dumps(extra_state or {}))  # a JSON round trip: fail now, not in the writer thread
         opt = next((p.optimizer for p in parts if p.optimizer is not None), None)
         layout = SavedLayout(ctx.tp_size, ctx.pp_size, ctx.vpp_size, ctx.dp_size, ctx.world_size,
-                             bool(opt and opt.distributed), _stage_layers(tensors, ctx.pp_size))
+                             bool(opt and opt.distributed), _stage_layers(tensors, ctx.pp_size), ctx.cp_size)
         return cls(FORMAT, VERSION, iteration, extra.get("consumed_samples"), layout, config,
                    next((e.valid_rows for e in tensors.values() if e.valid_rows), None), extra, opt, tensors, optim,
                    [p.rng for p in sorted(parts, key=lambda p: p.rank)], {}, time.time())

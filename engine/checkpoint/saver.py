@@ -70,7 +70,7 @@ def _copy(t: torch.Tensor, copy: bool) -> torch.Tensor:
 
 def _snapshot(model_chunks: list, optimizer, ctx, copy: bool) -> tuple:
     """({file: [(key, tensor)]} this rank writes, the RankPart rank 0 builds the metadata from)."""
-    t, d, p = ctx.tp_rank, ctx.dp_rank, ctx.pp_rank
+    t, d, p = ctx.tp_rank, ctx.dp_cp_rank, ctx.pp_rank  # d: the optimizer shard (dp x cp replica)
     model_file, shards, part = shard_file("model", t, p), {}, RankPart(ctx.rank)
     tensors = local_tensors(model_chunks, ctx)
     for lt in tensors:

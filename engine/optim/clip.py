@@ -7,8 +7,8 @@ the groups that hold different pieces:
   rank 0 only.
 - pp: stages hold different layers and are summed; the last stage's copy of the embedding tied across
   stages (`copy_of` in its spec) does not count, the first stage's original does.
-- dp: replicas hold the same reduced gradients, except under the distributed optimizer, where each
-  holds its own shard and the shards are summed.
+- dp (with cp: the dp x cp replicas): replicas hold the same reduced gradients, except under the
+  distributed optimizer, where each holds its own shard and the shards are summed.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def global_grad_norm(grads: list, ctx, *, sharded_over_dp: bool, device) -> floa
     else:
         groups = [(ctx.tp_group, ctx.tp_size), (ctx.pp_group, ctx.pp_size)]
     if sharded_over_dp:
-        groups.append((ctx.dp_group, ctx.dp_size))
+        groups.append((ctx.dp_cp_group, ctx.dp_cp_size))
     for group, size in groups:
         if size > 1:
             comm.all_reduce(sq, group=group)

@@ -12,7 +12,7 @@ or reduce-scatter under the distributed optimizer, after dividing by dp); nothin
 `finish()` starts whatever is left, waits for all, then sums the gradients that are partial over TP
 (sequence parallelism) and the embedding tied across the first and last pipeline stage.
 
-Under the distributed optimizer every bucket is padded to a multiple of dp and rank r owns the r-th
+Under the distributed optimizer every bucket is padded to a multiple of dp x cp and replica r owns the r-th
 contiguous slice of each bucket; `local_range(p)` says which elements of `p` fall in this rank's slices.
 The tied embedding gets a bucket of its own so that its slice covers the same elements on both stages.
 """
@@ -49,13 +49,15 @@ class GradBuffer:
         self.ctx = ctx
         self.distributed = distributed
         self.overlap = overlap
-        self.dp_size, self.dp_rank = ctx.dp_size, ctx.dp_rank
+        # Replicas of these weights: dp x cp ranks (CP ranks hold the same weights and add their positions'
+        # gradients). The distributed optimizer shards over all of them.
+        self.replicas, self.replica_rank = ctx.dp_cp_size, ctx.dp_cp_rank
         self.params: list = []
         self.offsets: list = []
         self.buckets: list = []
         self._bucket_of: list = []
         self._index: dict = {}
-        self._layout(model_chunks, bucket_numel, SHARD_ALIGN * self.dp_size if distributed else 1)
+        self._layout(model_chunks, bucket_numel, SHARD_ALIGN * self.replicas if distributed else 1)
         device = self.params[0].device if self.params else torch.device("cpu")
         self.data = torch.zeros(self.buckets[-1].end if self.buckets else 0, dtype=torch.float32, device=device)
         for b in self.buckets:
@@ -131,15 +133,17 @@ class GradBuffer:
         """This rank's slice of `bucket`, relative to the bucket's start."""
         if not self.distributed:
             return 0, bucket.size
-        size = bucket.size // self.dp_size
-        return self.dp_rank * size, (self.dp_rank + 1) * size
+        size = bucket.size // self.replicas
+        return self.replica_rank * size, (self.replica_rank + 1) * size
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
-        if self.dp_size == 1:
+        if self.replicas == 1:
             return
-        bucket.data.div_(self.dp_size)  # the loss is already averaged over microbatches; average over dp too
-        group = self.ctx.dp_group
+        # The loss is already averaged over microbatches; average over dp too. CP ranks' parts add up (each
+        # rank's loss is its positions' share of the mean), so they are summed, not averaged.
+        bucket.data.div_(self.ctx.dp_size)
+        group = self.ctx.dp_cp_group
         if self.distributed:
             lo, hi = self.shard_bounds(bucket)
             bucket.work = comm.reduce_scatter_into(bucket.data[lo:hi], bucket.data, group=group, async_op=True)

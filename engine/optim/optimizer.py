@@ -138,8 +138,8 @@ class Optimizer:
             lo, hi = self.buffer.shard_bounds(bucket)
             for e, off in by_bucket.get(bucket.index, []):
                 out[off + e.start:off + e.end].copy_(e.master)
-            if self.buffer.dp_size > 1:
-                comm.all_gather_into(out, out[lo:hi], group=self.ctx.dp_group)
+            if self.buffer.replicas > 1:
+                comm.all_gather_into(out, out[lo:hi], group=self.ctx.dp_cp_group)
             for p in bucket.params:
                 _, off = self.buffer.offset_in_bucket(p)
                 p.detach().view(-1).copy_(out[off:off + p.numel()])

@@ -3,7 +3,9 @@
 Activations replicated over TP must see the same dropout mask on every TP rank: they use the default
 generator, seeded the same within a TP group. Activations split over TP (attention heads; everything
 under sequence parallelism) must see different masks: they run inside `fork("tp")`, a stream seeded
-per TP rank. Recomputation saves and restores every stream so replayed masks match.
+per TP rank. Context-parallel ranks hold different positions of the same sequences, so both their
+streams are seeded apart (by `_CP_SEED_OFFSET` per CP rank): no two positions share a mask by layout.
+Recomputation saves and restores every stream so replayed masks match.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 
 TP_STREAM = "tp"
 _TP_SEED_OFFSET = 2718  # any constant: keeps the TP stream apart from the default one
+_CP_SEED_OFFSET = 1_000_003  # a prime far above 100 x pp: keeps CP ranks' streams apart from every stage's
 
 
 def _get_state(device_type):
@@ -35,8 +38,9 @@ class RNGTracker:
 
     @classmethod
     def for_context(cls, ctx, seed: int, device_type: str = "cpu") -> "RNGTracker":
-        """Seed python/numpy/torch (same within a TP group, distinct per pipeline stage) and the TP stream."""
-        base = seed + 100 * ctx.pp_rank
+        """Seed python/numpy/torch (same within a TP group, distinct per pipeline stage and CP rank) and the TP
+        stream."""
+        base = seed + 100 * ctx.pp_rank + _CP_SEED_OFFSET * getattr(ctx, "cp_rank", 0)
         random.seed(base)
         np.random.seed(base % 2 ** 32)
         torch.manual_seed(base)

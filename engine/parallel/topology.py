@@ -1,8 +1,10 @@
-"""Ranks laid out as (tp, dp, pp) coordinates and the process groups built from that one order.
+"""Ranks laid out as (tp, cp, dp, pp) coordinates and the process groups built from that one order.
 
-Megatron's order: tp varies fastest, then dp, then pp, so a TP group is a run of adjacent ranks on one
-node (NVLink) and pipeline neighbours are a whole tp*dp block apart. Every group is derived from
-`rank_grid`, a pure function the tests check without any process group.
+Megatron's order: tp varies fastest, then cp, then dp, then pp, so a TP group is a run of adjacent ranks
+on one node (NVLink), a context-parallel ring stays on the node while tp x cp fits in it, and pipeline
+neighbours are a whole tp*cp*dp block apart. CP ranks hold replicas of the weights, like dp ranks: the
+gradients are reduced, and the distributed optimizer shards, over the dp x cp group ("dp_cp"). Every
+group is derived from `rank_grid`, a pure function the tests check without any process group.
 """
 from __future__ import annotations
 
@@ -12,28 +14,37 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from engine.config import check_tp_fits_node, check_world_size
-from engine.parallel import comm
+from engine.parallel import comm, context_split
 from engine.parallel.random import RNGTracker
 
 
-def rank_grid(world_size: int, tp: int, pp: int) -> dict:
-    """Global-rank lists of every group kind: tp, dp, pp, mp (tp x pp) and embedding (first+last stage)."""
-    check_world_size(world_size, tp, pp)
-    dp = world_size // (tp * pp)
-    rank = lambda t, d, p: t + tp * (d + dp * p)  # noqa: E731 - the layout in one line
+def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1) -> dict:
+    """Global-rank lists of every group kind: tp, cp, dp, dp_cp, pp, mp (tp x pp) and embedding (first+last stage)."""
+    check_world_size(world_size, tp, pp, cp)
+    dp = world_size // (tp * cp * pp)
+    rank = lambda t, c, d, p: t + tp * (c + cp * (d + dp * p))  # noqa: E731 - the layout in one line
+    T, C, D, P = range(tp), range(cp), range(dp), range(pp)
     grid = {
-        "tp": [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "dp": [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "pp": [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
-        "mp": [[rank(t, d, p) for p in range(pp) for t in range(tp)] for d in range(dp)],
+        "tp": [[rank(t, c, d, p) for t in T] for p in P for d in D for c in C],
+        "cp": [[rank(t, c, d, p) for c in C] for p in P for d in D for t in T],
+        "dp": [[rank(t, c, d, p) for d in D] for p in P for c in C for t in T],
+        "dp_cp": [[rank(t, c, d, p) for d in D for c in C] for p in P for t in T],
+        "pp": [[rank(t, c, d, p) for p in P] for d in D for c in C for t in T],
+        "mp": [[rank(t, c, d, p) for p in P for t in T] for d in D for c in C],
     }
     grid["embedding"] = [sorted({g[0], g[-1]}) for g in grid["pp"]]
     return grid
 
 
-def coords(rank: int, tp: int, dp: int) -> tuple:
+def grid_coords(rank: int, tp: int, cp: int, dp: int) -> tuple:
+    """(tp_rank, cp_rank, dp_rank, pp_rank) of a global rank."""
+    return rank % tp, (rank // tp) % cp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
+
+
+def coords(rank: int, tp: int, dp: int, cp: int = 1) -> tuple:
     """(tp_rank, dp_rank, pp_rank) of a global rank."""
-    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+    t, _, d, p = grid_coords(rank, tp, cp, dp)
+    return t, d, p
 
 
 @dataclass
@@ -44,29 +55,51 @@ class ParallelContext:
     tp_size: int = 1
     pp_size: int = 1
     dp_size: int = 1
+    cp_size: int = 1
     vpp_size: int = 1
     sequence_parallel: bool = False
+    cp_comm_type: str = "p2p"  # how attention reaches the other CP ranks' K/V (engine.parallel.ring_attention)
     tp_group: object = None
     dp_group: object = None
     pp_group: object = None
     mp_group: object = None
     embedding_group: object = None
+    cp_group: object = None
+    dp_cp_group: object = None  # gradients and optimizer shards: the dp group itself when cp is 1
     pp_ranks: list = field(default_factory=lambda: [0])
     tp_ranks: list = field(default_factory=lambda: [0])
     dp_ranks: list = field(default_factory=lambda: [0])
+    cp_ranks: list = field(default_factory=lambda: [0])
+    dp_cp_ranks: list = field(default_factory=lambda: [0])
     rng: object = None  # engine.parallel.random.RNGTracker, set by build_context / the trainer
+
+    def _coords(self) -> tuple:
+        return grid_coords(self.rank, self.tp_size, self.cp_size, self.dp_size)
 
     @property
     def tp_rank(self) -> int:
-        return coords(self.rank, self.tp_size, self.dp_size)[0]
+        return self._coords()[0]
+
+    @property
+    def cp_rank(self) -> int:
+        return self._coords()[1]
 
     @property
     def dp_rank(self) -> int:
-        return coords(self.rank, self.tp_size, self.dp_size)[1]
+        return self._coords()[2]
 
     @property
     def pp_rank(self) -> int:
-        return coords(self.rank, self.tp_size, self.dp_size)[2]
+        return self._coords()[3]
+
+    @property
+    def dp_cp_size(self) -> int:
+        """Replicas of this rank's weights: gradients are reduced, and optimizer state sharded, over them."""
+        return self.dp_size * self.cp_size
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return self.cp_rank + self.cp_size * self.dp_rank
 
     @property
     def is_first_stage(self) -> bool:
@@ -83,15 +116,25 @@ class ParallelContext:
         return self.tp_size if self.sequence_parallel else 1
 
     def local_seq(self, t):
-        """This rank's part of a tensor laid out by sequence position along dim 0."""
+        """This rank's part (under sequence parallelism) of a tensor laid out by this CP rank's positions
+        along dim 0."""
         return t.chunk(self.seq_split, dim=0)[self.tp_rank] if self.seq_split > 1 else t
 
+    def cp_split(self, t, dim: int):
+        """This CP rank's positions of a tensor laid out by whole-sequence position along `dim`."""
+        return context_split.split(t, dim, self.cp_size, self.cp_rank)
+
+    def positions(self, seq_length: int, device=None):
+        """The positions of the whole sequence this rank's activations hold (all of them when cp is 1)."""
+        return context_split.positions(seq_length, self.cp_size, self.cp_rank, device)
+
     def full_seq_len(self, local_len: int) -> int:
-        return local_len * self.seq_split
+        """The whole sequence's length from the length of this rank's activations."""
+        return local_len * self.seq_split * self.cp_size
 
     def activation_shape(self, seq_length: int, micro_batch: int, hidden: int) -> tuple:
         """The shape of the activations a layer takes and gives (and pipeline stages exchange): [s, b, h]."""
-        return seq_length // self.seq_split, micro_batch, hidden
+        return seq_length // (self.seq_split * self.cp_size), micro_batch, hidden
 
     def dropout_rng(self, split_over_tp: bool):
         """The random stream for dropout on a tensor: per TP rank when the tensor is split over TP, the one
@@ -104,54 +147,70 @@ class ParallelContext:
 
     @classmethod
     def virtual(cls, tp: int = 1, pp: int = 1, dp: int = 1, vpp: int = 1, tp_rank: int = 0, pp_rank: int = 0,
-                dp_rank: int = 0, sequence_parallel: bool = False) -> "ParallelContext":
+                dp_rank: int = 0, sequence_parallel: bool = False, cp: int = 1,
+                cp_rank: int = 0) -> "ParallelContext":
         """A context with coordinates but no process groups: for building shapes (meta device, planners)."""
-        rank = tp_rank + tp * (dp_rank + dp * pp_rank)
-        grid = rank_grid(tp * pp * dp, tp, pp)
-        ctx = cls(world_size=tp * pp * dp, rank=rank, tp_size=tp, pp_size=pp, dp_size=dp, vpp_size=vpp,
+        rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+        world = tp * cp * pp * dp
+        ctx = cls(world_size=world, rank=rank, tp_size=tp, pp_size=pp, dp_size=dp, cp_size=cp, vpp_size=vpp,
                   sequence_parallel=sequence_parallel and tp > 1)
-        ctx._fill_ranks(grid)
+        ctx._fill_ranks(rank_grid(world, tp, pp, cp))
         return ctx
 
     def _fill_ranks(self, grid: dict) -> None:
         mine = lambda kind: next(g for g in grid[kind] if self.rank in g)  # noqa: E731
         self.tp_ranks, self.dp_ranks, self.pp_ranks = mine("tp"), mine("dp"), mine("pp")
+        self.cp_ranks, self.dp_cp_ranks = mine("cp"), mine("dp_cp")
 
     def destroy(self) -> None:
         """Release the subgroups this context made (the default group stays)."""
-        for name in ("tp_group", "dp_group", "pp_group", "mp_group", "embedding_group"):
+        if self.dp_cp_group is self.dp_group:
+            self.dp_cp_group = None
+        for name in GROUPS.values():
             comm.destroy_group(getattr(self, name))
             setattr(self, name, None)
 
 
+# The group kinds of `rank_grid` a context keeps, and the attribute each is kept in. cp and dp_cp are
+# made only when cp > 1 (with cp 1 there is no CP group, and dp x cp is the dp group).
+GROUPS = {"tp": "tp_group", "dp": "dp_group", "pp": "pp_group", "mp": "mp_group", "embedding": "embedding_group",
+          "cp": "cp_group", "dp_cp": "dp_cp_group"}
+
+
 def build_context(world_size: int, rank: int, tp: int, pp: int, *, vpp: int = 1, sequence_parallel: bool = False,
                   gpus_per_node: Optional[int] = None, timeout_minutes: Optional[float] = None,
-                  seed: int = 1234, device_type: str = "cpu") -> ParallelContext:
+                  seed: int = 1234, device_type: str = "cpu", cp: int = 1,
+                  cp_comm_type: str = "p2p") -> ParallelContext:
     """Make every group (each rank takes part in all new_group calls, in one order) and the RNG tracker."""
     check_tp_fits_node(tp, gpus_per_node)  # callers other than the launcher skip validate
-    grid = rank_grid(world_size, tp, pp)
-    ctx = ParallelContext(world_size=world_size, rank=rank, tp_size=tp, pp_size=pp, dp_size=world_size // (tp * pp),
-                          vpp_size=vpp, sequence_parallel=sequence_parallel and tp > 1)
+    grid = rank_grid(world_size, tp, pp, cp)
+    ctx = ParallelContext(world_size=world_size, rank=rank, tp_size=tp, pp_size=pp,
+                          dp_size=world_size // (tp * cp * pp), cp_size=cp, vpp_size=vpp,
+                          sequence_parallel=sequence_parallel and tp > 1, cp_comm_type=cp_comm_type)
     ctx._fill_ranks(grid)
     timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes else None
-    for kind, attr in (("tp", "tp_group"), ("dp", "dp_group"), ("pp", "pp_group"), ("mp", "mp_group"),
-                       ("embedding", "embedding_group")):
+    for kind, attr in GROUPS.items():
+        if cp == 1 and kind in ("cp", "dp_cp"):
+            continue
         for ranks in grid[kind]:
             group = comm.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 setattr(ctx, attr, group)
+    if cp == 1:
+        ctx.dp_cp_group = ctx.dp_group
     if pp == 1:
         ctx.embedding_group = None  # nothing to tie across stages
     ctx.rng = RNGTracker.for_context(ctx, seed, device_type)
     return ctx
 
 
-def layout_table(world_size: int, tp: int, pp: int, gpus_per_node: Optional[int] = None) -> str:
+def layout_table(world_size: int, tp: int, pp: int, gpus_per_node: Optional[int] = None, cp: int = 1) -> str:
     """A compact table of every rank's node and coordinates, printed by rank 0 at start."""
-    dp = world_size // (tp * pp)
+    dp = world_size // (tp * cp * pp)
     per_node = gpus_per_node or world_size
-    rows = [f"{'rank':>5} {'node':>5} {'tp':>3} {'pp':>3} {'dp':>3}"]
+    cp_col = lambda c: f" {c:>3}" if cp > 1 else ""  # noqa: E731 - a cp column only when there is CP
+    rows = [f"{'rank':>5} {'node':>5} {'tp':>3}{cp_col('cp')} {'pp':>3} {'dp':>3}"]
     for r in range(world_size):
-        t, d, p = coords(r, tp, dp)
-        rows.append(f"{r:>5} {r // per_node:>5} {t:>3} {p:>3} {d:>3}")
+        t, c, d, p = grid_coords(r, tp, cp, dp)
+        rows.append(f"{r:>5} {r // per_node:>5} {t:>3}{cp_col(c)} {p:>3} {d:>3}")
     return "\n".join(rows)

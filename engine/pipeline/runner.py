@@ -76,13 +76,14 @@ class PipelineRunner:
         return None if x is None else x.grad
 
     def _share_loss(self, losses: list) -> float:
-        """Mean loss over microbatches from the last stage to every rank, averaged over dp."""
+        """Mean loss over microbatches from the last stage to every rank: summed over CP ranks (each holds
+        its positions' share of the mean), averaged over dp."""
         ctx = self.ctx
         value = torch.stack(losses).float().mean() if losses else torch.zeros((), device=self.device)
         value = value.reshape(1).clone()
         if ctx.pp_size > 1:
             comm.broadcast(value, ctx.pp_ranks[-1], ctx.pp_group)
-        if ctx.dp_size > 1:
-            comm.all_reduce(value, ctx.dp_group)
+        if ctx.dp_cp_size > 1:
+            comm.all_reduce(value, ctx.dp_cp_group)
             value /= ctx.dp_size
         return value.item()

@@ -67,14 +67,30 @@ class Layout:
     distributed_optimizer: bool = False
     first_stage_layers: Optional[int] = None   # uneven pipeline split (--decoder-first-pipeline-num-layers)
     last_stage_layers: Optional[int] = None
+    cp: int = 1                        # context parallel: each sequence split over cp ranks
 
     @property
     def num_gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks that hold replicas of the same weights: gradients reduce over them and the distributed
+        optimizer shards over them (dp x cp: CP ranks replicate the weights)."""
+        return self.dp * self.cp
 
 
 def stage_layer_counts(num_layers: int, layout: Layout) -> list:
-    """Layers per (pipeline rank, model chunk): the engine's own split (engine.pipeline.partition)."""
+    """Layers per (pipeline rank, model chunk): the engine's own split (engine.pipeline.partition).
+
+    Uneven first/last stages with an interleaved schedule (the engine does not run it; Llama 3 405B did)
+    split each rank's layers over its chunks as evenly as they go, for evaluating published layouts."""
+    uneven = layout.first_stage_layers is not None or layout.last_stage_layers is not None
+    if uneven and layout.vpp > 1:
+        per_rank = [len(stage_layers(num_layers, layout.pp, 1, r, 0, layout.first_stage_layers,
+                                     layout.last_stage_layers)) for r in range(layout.pp)]
+        v = layout.vpp
+        return [[n // v + (c < n % v) for c in range(v)] for n in per_rank]
     return [[len(stage_layers(num_layers, layout.pp, layout.vpp, r, c, layout.first_stage_layers,
                               layout.last_stage_layers)) for c in range(layout.vpp)] for r in range(layout.pp)]
 
@@ -126,9 +142,12 @@ def params_per_rank(model: ModelConfig, layout: Layout) -> list:
 
 def layer_activation_bytes(model: ModelConfig, seq_length: int, micro_batch: int, tp: int = 1,
                            sequence_parallel: bool = False, recompute: str = "none",
-                           flash_attention: bool = False) -> float:
-    """Activation bytes one layer keeps for backward, for one microbatch on one tp rank."""
-    s, b, h = seq_length, micro_batch, model.hidden_size
+                           flash_attention: bool = False, cp: int = 1) -> float:
+    """Activation bytes one layer keeps for backward, for one microbatch on one tp rank.
+
+    Under context parallelism a rank holds seq_length/cp tokens of each sequence and saves only its own
+    Q, K, V (the ring re-sends the other ranks' K/V in backward), so every term is divided by cp."""
+    s, b, h = seq_length // cp, micro_batch, model.hidden_size
     sp = tp if sequence_parallel else 1
     if recompute == "full":
         return 2 * s * b * h / sp
@@ -141,7 +160,7 @@ def layer_activation_bytes(model: ModelConfig, seq_length: int, micro_batch: int
     mlp = (6 if model.swiglu else 4) * ffn * s * b
     split = 2 * s * b * (nq * d + nkv * d) + 2 * s * b * nkv * d + 2 * s * b * nq * d + mlp
     # Softmax output (2), its dropout mask (1) and dropout output (2) per score.
-    scores = 0 if (flash_attention or recompute == "selective") else 5 * nq * s * s * b
+    scores = 0 if (flash_attention or recompute == "selective") else 5 * nq * s * s * cp * b
     return replicated / sp + (split + scores) / tp
 
 
@@ -170,7 +189,7 @@ class Memory:
 
 def state_bytes(params: int, layout: Layout, precision: str) -> tuple:
     """(weights, gradients, optimizer state) bytes for `params` parameters on one GPU."""
-    shard = layout.dp if layout.distributed_optimizer else 1
+    shard = layout.shard_group if layout.distributed_optimizer else 1
     master = MASTER_BYTES if (precision != "fp32" or layout.distributed_optimizer) else 0
     return (params * PARAM_BYTES[precision], params * GRAD_BYTES,
             params * (ADAM_MOMENT_BYTES + master) / shard)
@@ -182,14 +201,14 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
     counts = stage_layer_counts(model.num_layers, layout)
     params = params_per_rank(model, layout)
     act_layer = layer_activation_bytes(model, seq_length, layout.micro_batch_size, layout.tp,
-                                       layout.sequence_parallel, layout.recompute, flash_attention)
+                                       layout.sequence_parallel, layout.recompute, flash_attention, layout.cp)
     # Full recomputation rebuilds one layer's complete activations during its backward pass.
     workspace = 0.0
     if layout.recompute == "full":
         workspace = layer_activation_bytes(model, seq_length, layout.micro_batch_size, layout.tp,
-                                           layout.sequence_parallel, "none", flash_attention)
+                                           layout.sequence_parallel, "none", flash_attention, layout.cp)
     vocab_shard = model.padded_vocab_size(layout.tp) // layout.tp
-    logits = LOGIT_BYTES * seq_length * layout.micro_batch_size * vocab_shard
+    logits = LOGIT_BYTES * seq_length // layout.cp * layout.micro_batch_size * vocab_shard
     ffn = model.resolved_ffn_hidden_size() * (2 if model.swiglu else 1)
     largest_layer_weight = max(ffn, (model.num_attention_heads + 2 * model.resolved_query_groups())
                                * model.head_dim()) * model.hidden_size // layout.tp

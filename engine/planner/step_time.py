@@ -15,9 +15,8 @@ costed at the tensor-core (bf16) peak whatever the precision; fp32 changes only 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 from engine.config import ModelConfig
 from engine.planner.flops import GPUSpec, flops_per_iteration
@@ -33,20 +32,24 @@ from engine.planner.memory import (
     stage_layer_counts,
 )
 
-# Fraction of the dense peak the layer GEMMs of a training step reach, large-shape limit. A100:
-# fitted (0.74; it folds in launch gaps and small kernels the model does not list). Hopper and
-# Blackwell reach a smaller fraction of their higher peaks (cuBLAS on large bf16 shapes, roughly: 85%
-# of peak on A100, 75% on H100, 70% on B200), so their values are the A100 fit scaled by those ratios;
-# no published Hopper/Blackwell run is in the tests, so treat those as estimates.
-GEMM_EFFICIENCY = {"a100-40g": 0.74, "a100-80g": 0.74, "h100-sxm": 0.65, "h100-pcie": 0.65,
-                   "h200": 0.65, "b200": 0.61}
+# Fraction of the dense peak the layer GEMMs of a training step reach, large-shape limit. A100: fitted
+# (0.74; it folds in launch gaps and small kernels the model does not list) on Narayanan et al. 2021's
+# Table 1. H100: fitted (0.66) on the held-in H100 runs of engine/planner/published.py (llm-foundry, Llama 3
+# 405B on 8,192 GPUs); H200 has the same GH100 compute. B200: the A100 fit scaled by the ratio of
+# cuBLAS large-shape bf16 efficiencies (~70% of peak vs ~85%); no published B200 run is checked.
+GEMM_EFFICIENCY = {"a100-40g": 0.74, "a100-80g": 0.74, "h100-sxm": 0.66, "h100-pcie": 0.66,
+                   "h200": 0.66, "b200": 0.61}
 GEMM_EFFICIENCY_DEFAULT = 0.65
 # Each GEMM dimension x costs a factor x/(x + GEMM_HALF_DIM): small dimensions leave tensor cores
 # idle (tile quantisation, wave effects). Fitted.
 GEMM_HALF_DIM = 64.0
-# Flash attention's attention-core throughput as a fraction of the dense peak (FlashAttention-2
-# paper: 50-73% of A100 peak forward), and its backward-to-forward time ratio (5 matmuls vs 2).
-FLASH_ATTENTION_EFFICIENCY = 0.5
+# Flash attention's attention-core throughput as a fraction of the dense peak, in the FLOPs this planner
+# counts (the full s x s scores: a causal kernel skips half of them, so these can exceed what the
+# kernel's own counter reports), and its backward-to-forward time ratio (5 matmuls vs 2).
+# A100: FlashAttention-2 paper (Dao 2023), 50-73% of peak forward. H100: fitted (see below).
+FLASH_ATTENTION_EFFICIENCY = {"a100-40g": 0.5, "a100-80g": 0.5, "h100-sxm": 0.5, "h100-pcie": 0.5,
+                              "h200": 0.5, "b200": 0.5}
+FLASH_ATTENTION_DEFAULT = 0.5
 FLASH_BACKWARD_RATIO = 2.5
 # Unfused attention (Megatron-LM 2021-22): scaled-masked softmax reads and writes the scores, then
 # dropout reads them and writes output and a 1-byte mask: 2+2+2+2+1 bytes per score forward.
@@ -68,21 +71,34 @@ NETWORK_LATENCY_S = 30e-6
 # With overlap, gradient reduction hides behind the last microbatch's backward pass except for the
 # last bucket (Megatron-LM default buckets of 40M parameters: a few % of a large stage).
 LAST_BUCKET_FRACTION = 0.05
+# FSDP (parameters sharded and re-gathered for every microbatch): the fraction of its collectives that
+# overlap hides. Fitted on the held-in llm-foundry H100 runs (PyTorch 2.0-era FSDP keeps the NCCL kernels
+# and the GEMMs competing for the same SMs, and prefetches one layer ahead: little of it is hidden).
+FSDP_HIDDEN_FRACTION = 0.1
 # Adam step bytes per parameter of the (sharded) state: read+write fp32 master, m, v (24), read the
 # fp32 gradient (4), write the 2-byte weight (2).
 OPTIMIZER_STEP_BYTES = 30
-# Search limits: micro batch sizes tried (powers of two up to this) and virtual stages per rank.
-MAX_MICRO_BATCH = 16
-MAX_VPP = 8
 
 
 @dataclass(frozen=True)
 class Software:
-    """Engine features that change the cost but not the layout."""
+    """Engine features that change the cost but not the layout.
+
+    tp_comm_overlap: fraction of the tensor-parallel collectives hidden behind GEMMs (Megatron-Core's
+    --tp-comm-overlap; this engine does not overlap them: 0). fsdp: parameters are sharded too and
+    gathered for every microbatch's forward and backward (PyTorch FSDP FULL_SHARD), overlapped with
+    compute. attention_efficiency: the flash-attention kernel's throughput as a fraction of peak when
+    it differs from the GPU's default (FLASH_ATTENTION_EFFICIENCY), e.g. an older kernel.
+    """
     flash_attention: bool = True
     overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
     precision: str = "bf16"
     grad_reduce_bytes: int = GRAD_BYTES   # fp32 main gradients; fp16 runs of 2021 reduced 2-byte grads
+    tp_comm_overlap: float = 0.0
+    fsdp: bool = False
+    cp_comm_type: str = "p2p"             # p2p: K/V ring overlapped with attention; all_gather: gathered first
+    attention_efficiency: Optional[float] = None
 
 
 @dataclass
@@ -142,161 +158,157 @@ class _Costs:
     embed: float
     head: float
     p2p: float
+    cp_comm: float      # exposed K/V ring (or all-gather) time per layer, forward + backward
 
 
-def _costs(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: Software,
-           nvlink: _Link, pp_link: _Link) -> _Costs:
-    t, b, s, h = layout.tp, layout.micro_batch_size, seq, model.hidden_size
+@dataclass
+class _Links:
+    """The link each group's collectives run over (rank order tp, cp, dp, pp: Megatron's)."""
+    tp: _Link
+    cp: _Link
+    dp: _Link
+    pp: _Link
+
+
+def _links(layout: Layout, gpu: GPUSpec, gpus_per_node: int, cp_collective: bool = False) -> _Links:
+    """A CP group is tp*cp consecutive ranks (stride tp), a dp x cp group tp*cp*dp; pipeline neighbours are
+    tp*cp*dp ranks apart, so they share a node only when the whole job does. A ring collective whose group
+    has k members in each node runs k rings side by side (NCCL channels), one per member's NIC, so across
+    nodes it moves k x one NIC's bandwidth (capped by NVLink); a point-to-point ring step (the CP K/V
+    exchange) crosses a node boundary through one NIC."""
+    nvlink = _Link(gpu.nvlink_gbps, NVLINK_EFFICIENCY, NVLINK_LATENCY_S)
+
+    def group(span: int, stride: int, collective: bool) -> _Link:
+        if span <= gpus_per_node:
+            return nvlink
+        per_node = max(1, gpus_per_node // stride) if collective else 1
+        return _Link(min(gpu.nvlink_gbps, per_node * gpu.network_gbps), NETWORK_EFFICIENCY, NETWORK_LATENCY_S)
+
+    tp, cp = layout.tp, layout.cp
+    return _Links(nvlink, group(tp * cp, tp, cp_collective), group(tp * cp * layout.dp, tp, True),
+                  group(layout.num_gpus, tp * cp * layout.dp, False))
+
+
+def _attention_seconds(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: Software) -> tuple:
+    """(forward, backward) seconds of one layer's attention core for one microbatch on one GPU. Under cp
+    each rank computes 1/cp of the (load-balanced) score blocks."""
+    b, t, cp = layout.micro_batch_size, layout.tp, layout.cp
+    d, heads = model.head_dim(), model.num_attention_heads / t
+    if sw.flash_attention:
+        eff = sw.attention_efficiency or FLASH_ATTENTION_EFFICIENCY.get(gpu.name, FLASH_ATTENTION_DEFAULT)
+        fwd = 4 * b * seq * seq * heads * d / cp / (gpu.peak_tflops * 1e12 * eff)
+        return fwd, FLASH_BACKWARD_RATIO * fwd
+    s_local = seq / cp
+    per_head = gemm_seconds(s_local, seq, d, gpu) + gemm_seconds(s_local, d, seq, gpu)
+    softmax = UNFUSED_SCORE_TRAFFIC * heads * b * s_local * seq / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
+    fwd = b * heads * per_head + softmax
+    return fwd, 2 * fwd
+
+
+def _cp_comm(model: ModelConfig, layout: Layout, seq: int, sw: Software, link: _Link, attn: tuple) -> float:
+    """Exposed seconds of the K/V exchange of one layer, forward and backward. Forward: every rank sends
+    cp - 1 blocks of K and V ((s/cp) b (groups/tp) d elements each); backward sends K/V again plus their
+    gradients (2x). The ring overlaps each step's transfer with the attention of the block in hand;
+    all_gather gathers K/V before attention (Llama 3's choice), so nothing hides it."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0
+    block = 2 * (seq / cp) * layout.micro_batch_size * model.resolved_query_groups() / layout.tp * model.head_dim()
+    fwd = (cp - 1) * (link.seconds(2 * block) - link.latency) + (cp - 1) * link.latency
+    bwd = 2 * fwd
+    if sw.cp_comm_type == "all_gather":
+        return fwd + bwd
+    return max(0.0, fwd - attn[0]) + max(0.0, bwd - attn[1])
+
+
+def _costs(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: Software, links: _Links) -> _Costs:
+    t, h = layout.tp, model.hidden_size
     d, nq, nkv = model.head_dim(), model.num_attention_heads, model.resolved_query_groups()
     ffn = model.resolved_ffn_hidden_size()
-    tokens = b * s
+    tokens = layout.micro_batch_size * seq / layout.cp  # this rank's share of the microbatch
     gemm = (gemm_seconds(tokens, (nq + 2 * nkv) * d / t, h, gpu) + gemm_seconds(tokens, h, nq * d / t, gpu)
             + gemm_seconds(tokens, (2 if model.swiglu else 1) * ffn / t, h, gpu)
             + gemm_seconds(tokens, h, ffn / t, gpu))
-    heads = nq / t
-    if sw.flash_attention:
-        attn_fwd = 4 * b * s * s * heads * d / (gpu.peak_tflops * 1e12 * FLASH_ATTENTION_EFFICIENCY)
-        attn_bwd = FLASH_BACKWARD_RATIO * attn_fwd
-    else:
-        per_head = gemm_seconds(s, s, d, gpu) + gemm_seconds(s, d, s, gpu)
-        softmax = UNFUSED_SCORE_TRAFFIC * heads * b * s * s / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
-        attn_fwd = b * heads * per_head + softmax
-        attn_bwd = 2 * attn_fwd
-    stored = layer_activation_bytes(model, s, b, t, layout.sequence_parallel, "none", flash_attention=True)
+    attn_fwd, attn_bwd = _attention_seconds(model, layout, seq, gpu, sw)
+    stored = layer_activation_bytes(model, seq, layout.micro_batch_size, t, layout.sequence_parallel, "none",
+                                    flash_attention=True, cp=layout.cp)
     elementwise = ELEMENTWISE_TRAFFIC * stored / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
-    tp_comm = 2 * _all_reduce(2 * tokens * h, t, nvlink)
+    tp_comm = 2 * _all_reduce(2 * tokens * h, t, links.tp) * (1 - sw.tp_comm_overlap)
     fwd = gemm + attn_fwd + elementwise + tp_comm
     bwd = 2 * gemm + attn_bwd + 2 * elementwise + tp_comm
     recompute = {"full": fwd, "selective": attn_fwd}.get(layout.recompute, 0.0)
     vocab = model.padded_vocab_size(t)
     logits_traffic = CROSS_ENTROPY_TRAFFIC * tokens * vocab / t / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
-    head = 3 * gemm_seconds(tokens, vocab / t, h, gpu) + logits_traffic + 2 * _all_reduce(2 * tokens * h, t, nvlink)
-    embed = 2 * _all_reduce(2 * tokens * h, t, nvlink)
+    head = 3 * gemm_seconds(tokens, vocab / t, h, gpu) + logits_traffic + 2 * _all_reduce(2 * tokens * h, t, links.tp)
+    embed = 2 * _all_reduce(2 * tokens * h, t, links.tp)
     # Megatron's scatter-gather optimisation (or sequence parallelism) sends 1/t of the activations.
-    p2p = pp_link.seconds(2 * tokens * h / t) if layout.pp > 1 else 0.0
-    return _Costs(fwd, bwd, recompute, embed, head, p2p)
+    p2p = links.pp.seconds(2 * tokens * h / t) if layout.pp > 1 else 0.0
+    cp_comm = _cp_comm(model, layout, seq, sw, links.cp, (attn_fwd, attn_bwd))
+    return _Costs(fwd, bwd, recompute, embed, head, p2p, cp_comm)
 
 
-def _links(layout: Layout, gpu: GPUSpec, gpus_per_node: int) -> tuple:
-    nvlink = _Link(gpu.nvlink_gbps, NVLINK_EFFICIENCY, NVLINK_LATENCY_S)
-    net = _Link(gpu.network_gbps, NETWORK_EFFICIENCY, NETWORK_LATENCY_S)
-    # Rank order is tp fastest, then dp, then pp: a dp group stays in a node while tp·dp fits in it,
-    # and neighbouring pipeline stages are tp·dp ranks apart.
-    inside = layout.tp * layout.dp <= gpus_per_node
-    return nvlink, (nvlink if inside else net), (nvlink if inside else net)
+def _stage_times(model: ModelConfig, layout: Layout, c: _Costs) -> tuple:
+    """(forward+backward seconds of one microbatch on each pipeline rank, backward seconds of each)."""
+    layer = c.layer_fwd + c.layer_bwd + c.layer_recompute + c.cp_comm
+    times, bwd = [], []
+    for r, chunks in enumerate(stage_layer_counts(model.num_layers, layout)):
+        n = sum(chunks)
+        times.append(n * layer + 2 * len(chunks) * c.p2p + (c.embed if r == 0 else 0.0)
+                     + (c.head if r == layout.pp - 1 else 0.0))
+        bwd.append(n * (c.layer_bwd + c.layer_recompute))
+    return times, bwd
+
+
+def _data_parallel_seconds(params: int, layout: Layout, gpu: GPUSpec, sw: Software, link: _Link,
+                           micro: tuple, m: int) -> dict:
+    """Exposed gradient reduction and parameter gathering over the dp x cp replicas, and the Adam step.
+    micro: (forward, backward) seconds of one microbatch on the slowest stage; m: microbatches."""
+    n = layout.shard_group
+    grad = _all_reduce(sw.grad_reduce_bytes * params, n, link)
+    gather = 0.0
+    if layout.distributed_optimizer or sw.fsdp:
+        grad /= 2  # reduce-scatter only
+        gather = _all_reduce(PARAM_BYTES[sw.precision] * params, n, link) / 2
+    if sw.fsdp:  # gathered for every microbatch's forward and backward, gradients reduce-scattered each time
+        per_micro = (2 * gather + grad) * (1 - FSDP_HIDDEN_FRACTION)
+        return dict(dp_comm=m * per_micro,
+                    optimizer=OPTIMIZER_STEP_BYTES * params / n / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY))
+    if sw.overlap_grad_reduce:
+        grad = max(grad - micro[1], LAST_BUCKET_FRACTION * grad)
+    if sw.overlap_param_gather:
+        gather = max(gather - micro[0], LAST_BUCKET_FRACTION * gather)
+    opt_params = params / n if layout.distributed_optimizer else params
+    return dict(dp_comm=grad + gather,
+                optimizer=OPTIMIZER_STEP_BYTES * opt_params / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY))
 
 
 def estimate(model: ModelConfig, layout: Layout, gpu: GPUSpec, global_batch: int, seq: int,
              gpus_per_node: int = 8, software: Software = Software()) -> Estimate:
     """Memory and step time of one layout (which must be valid: see candidate_layouts)."""
     m = global_batch // (layout.dp * layout.micro_batch_size)
-    nvlink, dp_link, pp_link = _links(layout, gpu, gpus_per_node)
-    c = _costs(model, layout, seq, gpu, software, nvlink, pp_link)
-    counts = stage_layer_counts(model.num_layers, layout)
-    layer = c.layer_fwd + c.layer_bwd + c.layer_recompute
-    stage_times, stage_bwd = [], []
-    for r, chunks in enumerate(counts):
-        n = sum(chunks)
-        time = n * layer + 2 * len(chunks) * c.p2p
-        time += c.embed if r == 0 else 0.0
-        time += c.head if r == layout.pp - 1 else 0.0
-        stage_times.append(time)
-        stage_bwd.append(n * (c.layer_bwd + c.layer_recompute))
+    links = _links(layout, gpu, gpus_per_node, software.cp_comm_type == "all_gather")
+    c = _costs(model, layout, seq, gpu, software, links)
+    stage_times, stage_bwd = _stage_times(model, layout, c)
     slowest = max(range(layout.pp), key=lambda r: stage_times[r])
     t_stage = stage_times[slowest]
     compute = m * t_stage
     bubble = (layout.pp - 1) / layout.vpp * t_stage
-
     params = params_per_rank(model, layout)[slowest]
-    n_dp = layout.dp
-    grad_reduce = _all_reduce(software.grad_reduce_bytes * params, n_dp, dp_link)
-    param_gather = 0.0
-    if layout.distributed_optimizer:
-        grad_reduce /= 2  # reduce-scatter only
-        param_gather = _all_reduce(PARAM_BYTES[software.precision] * params, n_dp, dp_link) / 2
-    if software.overlap_grad_reduce:
-        grad_reduce = max(grad_reduce - stage_bwd[slowest], LAST_BUCKET_FRACTION * grad_reduce)
-    opt_params = params / n_dp if layout.distributed_optimizer else params
-    optimizer = OPTIMIZER_STEP_BYTES * opt_params / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
-    step = compute + bubble + grad_reduce + param_gather + optimizer
+    micro = (t_stage - stage_bwd[slowest], stage_bwd[slowest])
+    dp = _data_parallel_seconds(params, layout, gpu, software, links.dp, micro, m)
+    step = compute + bubble + dp["dp_comm"] + dp["optimizer"]
 
     mem = memory_per_gpu(model, layout, seq, m, software.precision, software.flash_attention)
     n_gpus = layout.num_gpus
     model_flops = flops_per_iteration(model, global_batch, seq, None, layout.tp)
     hw_flops = flops_per_iteration(model, global_batch, seq,
                                    None if layout.recompute == "none" else layout.recompute, layout.tp)
-    breakdown = dict(compute=compute, bubble=bubble, dp_comm=grad_reduce + param_gather, optimizer=optimizer,
-                     tp_comm_per_layer=2 * _all_reduce(2 * layout.micro_batch_size * seq * model.hidden_size,
-                                                       layout.tp, nvlink))
+    n_layers = max(sum(ch) for ch in stage_layer_counts(model.num_layers, layout))
+    breakdown = dict(compute=compute, bubble=bubble, **dp,
+                     tp_comm_per_layer=2 * _all_reduce(2 * layout.micro_batch_size * seq / layout.cp
+                                                       * model.hidden_size, layout.tp, links.tp),
+                     cp_comm=m * n_layers * c.cp_comm)
     return Estimate(layout, mem, mem.total <= gpu.memory_gib * GIB, step, breakdown,
                     global_batch * seq / step, model_flops / step / n_gpus / 1e12,
                     hw_flops / step / n_gpus / 1e12, model_flops / step / n_gpus / 1e12 / gpu.peak_tflops)
 
-
-def _divisors(n: int) -> list:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def uneven_split(num_layers: int, pp: int) -> Optional[tuple]:
-    """(first, last) stage layers when pp does not divide the layers: middle stages get
-    ceil(L/pp) each, the first and last share the rest (fewer layers where embedding and output sit)."""
-    if pp < 2 or num_layers < pp:
-        return None
-    if pp == 2:
-        return num_layers - num_layers // 2, num_layers // 2
-    per = -(-num_layers // pp)
-    rest = num_layers - (pp - 2) * per
-    if rest < 2:
-        per = (num_layers - 2) // (pp - 2)
-        rest = num_layers - (pp - 2) * per
-    if per < 1 or rest < 2 or (num_layers - rest) != (pp - 2) * per:
-        return None
-    return rest - rest // 2, rest // 2
-
-
-def candidate_layouts(model: ModelConfig, num_gpus: int, gpus_per_node: int, global_batch: int,
-                      seq: int) -> Iterator[Layout]:
-    """Every valid layout: tp inside a node dividing heads, query groups and the MLP width; pp
-    dividing the layers (or an uneven split); vpp for even splits; micro batches dividing the batch."""
-    nq, nkv, ffn, L = (model.num_attention_heads, model.resolved_query_groups(),
-                       model.resolved_ffn_hidden_size(), model.num_layers)
-    for tp in _divisors(min(gpus_per_node, num_gpus)):
-        if gpus_per_node % tp or nq % tp or nkv % tp or ffn % tp or num_gpus % tp:
-            continue
-        for pp in _divisors(num_gpus // tp):
-            if pp > L:
-                continue
-            dp = num_gpus // (tp * pp)
-            if global_batch % dp:
-                continue
-            split = None if L % pp == 0 else uneven_split(L, pp)
-            if L % pp and split is None:
-                continue
-            per_dp = global_batch // dp
-            for mb in (x for x in (2 ** i for i in range(MAX_MICRO_BATCH.bit_length())) if per_dp % x == 0):
-                m = per_dp // mb
-                vpps = [1]
-                if split is None and pp > 1 and m % pp == 0:
-                    vpps += [v for v in _divisors(L // pp) if 1 < v <= MAX_VPP]
-                for vpp in vpps:
-                    for recompute in ("none", "selective", "full"):
-                        for sp in ((False, True) if tp > 1 and seq % tp == 0 else (False,)):
-                            for dist in ((False, True) if dp > 1 else (False,)):
-                                yield Layout(tp, pp, dp, vpp, mb, recompute, sp, dist,
-                                             split[0] if split else None, split[1] if split else None)
-
-
-def rank_layouts(model: ModelConfig, num_gpus: int, gpu: GPUSpec, global_batch: int, seq: int,
-                 gpus_per_node: int = 8, software: Software = Software()) -> list:
-    """All candidate layouts, fastest first; layouts that do not fit come after those that do."""
-    out = [estimate(model, lay, gpu, global_batch, seq, gpus_per_node, software)
-           for lay in candidate_layouts(model, num_gpus, gpus_per_node, global_batch, seq)]
-    out.sort(key=lambda e: (not e.fits, round(e.step_time_s, 6), e.memory.total))
-    return out
-
-
-def chinchilla_optimal(compute_flops: float) -> tuple:
-    """(parameters, tokens) minimising loss for a FLOP budget: Hoffmann et al. 2022 find tokens ≈ 20 x
-    parameters at the optimum; with C = 6·N·D that is N = sqrt(C/120), D = 20·N."""
-    n = math.sqrt(compute_flops / 120.0)
-    return n, 20.0 * n

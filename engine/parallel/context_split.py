@@ -1,0 +1,30 @@
+"""Which positions of a sequence a context-parallel rank holds: the load-balanced causal layout.
+
+The sequence is cut into 2 x cp equal chunks and CP rank r holds chunks r and 2cp - 1 - r. Under causal
+attention a query chunk attends to every chunk up to its own, so chunk i costs i + 1/2 chunk-pairs; the
+pair (r, 2cp - 1 - r) costs 2cp for every r, and each rank does the same work (the plain split, chunk r
+of cp, would leave the last rank cp times the work of the first). Tokens, labels, the loss mask, position
+ids and RoPE angles are all cut by `split`, so a rank's activations are its two chunks, in this order.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def chunk_ids(cp: int, cp_rank: int) -> tuple:
+    """The two chunks (of 2 x cp) CP rank `cp_rank` holds, in the order its activations keep them."""
+    return cp_rank, 2 * cp - 1 - cp_rank
+
+
+def split(t: torch.Tensor, dim: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """This CP rank's part of `t` along its sequence dimension `dim` (t itself when cp is 1)."""
+    if cp == 1:
+        return t
+    size = t.shape[dim] // (2 * cp)
+    first, second = chunk_ids(cp, cp_rank)
+    return torch.cat((t.narrow(dim, first * size, size), t.narrow(dim, second * size, size)), dim=dim)
+
+
+def positions(seq_length: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
+    """The positions (0-based token indices of the whole sequence) this CP rank holds, in its order."""
+    return split(torch.arange(seq_length, device=device), 0, cp, cp_rank)

@@ -1,0 +1,103 @@
+"""The search over parallel layouts: every valid (tp, cp, pp, vpp, dp, micro batch, recomputation, ...) for
+a model on N GPUs, each estimated by engine.planner.step_time and ranked fastest first."""
+from __future__ import annotations
+
+import math
+from typing import Iterator, Optional
+
+from engine.config import ModelConfig
+from engine.planner.flops import GPUSpec
+from engine.planner.memory import Layout
+from engine.planner.step_time import Software, estimate
+
+# Search limits: micro batch sizes tried (powers of two up to this), virtual stages per rank, and the
+# largest context-parallel size; cp > 1 is tried only for sequences of at least LONG_SEQUENCE tokens
+# (below that, activations are small enough for tp, pp and recomputation to handle).
+MAX_MICRO_BATCH = 16
+MAX_VPP = 8
+MAX_CP = 32
+LONG_SEQUENCE = 16384
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def uneven_split(num_layers: int, pp: int) -> Optional[tuple]:
+    """(first, last) stage layers when pp does not divide the layers: middle stages get
+    ceil(L/pp) each, the first and last share the rest (fewer layers where embedding and output sit)."""
+    if pp < 2 or num_layers < pp:
+        return None
+    if pp == 2:
+        return num_layers - num_layers // 2, num_layers // 2
+    per = -(-num_layers // pp)
+    rest = num_layers - (pp - 2) * per
+    if rest < 2:
+        per = (num_layers - 2) // (pp - 2)
+        rest = num_layers - (pp - 2) * per
+    if per < 1 or rest < 2 or (num_layers - rest) != (pp - 2) * per:
+        return None
+    return rest - rest // 2, rest // 2
+
+
+def context_sizes(seq: int, room: int) -> list:
+    """cp values worth trying: 1, and for long sequences the powers of two dividing `room` (the GPUs left
+    per tp group) whose 2*cp chunks cut the sequence evenly."""
+    sizes = [1]
+    if seq >= LONG_SEQUENCE:
+        sizes += [c for c in (2 ** i for i in range(1, MAX_CP.bit_length())) if room % c == 0 and seq % (2 * c) == 0]
+    return sizes
+
+
+def _tensor_sizes(model: ModelConfig, num_gpus: int, gpus_per_node: int) -> list:
+    nq, nkv, ffn = model.num_attention_heads, model.resolved_query_groups(), model.resolved_ffn_hidden_size()
+    return [tp for tp in _divisors(min(gpus_per_node, num_gpus))
+            if not (gpus_per_node % tp or nq % tp or nkv % tp or ffn % tp or num_gpus % tp)]
+
+
+def _options(layout_args: tuple, tp: int, dp: int, seq: int, cp: int) -> Iterator[Layout]:
+    """Recomputation, sequence parallelism and the distributed optimizer for one (tp, cp, pp, dp, mb, vpp)."""
+    tp_, pp, vpp, mb, split = layout_args
+    for recompute in ("none", "selective", "full"):
+        for sp in ((False, True) if tp > 1 and seq % (tp * cp) == 0 else (False,)):
+            for dist in ((False, True) if dp * cp > 1 else (False,)):
+                yield Layout(tp, pp, dp, vpp, mb, recompute, sp, dist, split[0] if split else None,
+                             split[1] if split else None, cp)
+
+
+def candidate_layouts(model: ModelConfig, num_gpus: int, gpus_per_node: int, global_batch: int,
+                      seq: int) -> Iterator[Layout]:
+    """Every valid layout: tp inside a node dividing heads, query groups and the MLP width; cp for long
+    sequences; pp dividing the layers (or an uneven split); vpp for even splits; micro batches dividing
+    the batch."""
+    L = model.num_layers
+    for tp in _tensor_sizes(model, num_gpus, gpus_per_node):
+        for cp in context_sizes(seq, num_gpus // tp):
+            for pp in _divisors(num_gpus // (tp * cp)):
+                dp = num_gpus // (tp * cp * pp)
+                split = None if L % pp == 0 else uneven_split(L, pp)
+                if pp > L or global_batch % dp or (L % pp and split is None):
+                    continue
+                per_dp = global_batch // dp
+                for mb in (x for x in (2 ** i for i in range(MAX_MICRO_BATCH.bit_length())) if per_dp % x == 0):
+                    vpps = [1]
+                    if split is None and pp > 1 and (per_dp // mb) % pp == 0:
+                        vpps += [v for v in _divisors(L // pp) if 1 < v <= MAX_VPP]
+                    for vpp in vpps:
+                        yield from _options((tp, pp, vpp, mb, split), tp, dp, seq, cp)
+
+
+def rank_layouts(model: ModelConfig, num_gpus: int, gpu: GPUSpec, global_batch: int, seq: int,
+                 gpus_per_node: int = 8, software: Software = Software()) -> list:
+    """All candidate layouts, fastest first; layouts that do not fit come after those that do."""
+    out = [estimate(model, lay, gpu, global_batch, seq, gpus_per_node, software)
+           for lay in candidate_layouts(model, num_gpus, gpus_per_node, global_batch, seq)]
+    out.sort(key=lambda e: (not e.fits, round(e.step_time_s, 6), e.memory.total))
+    return out
+
+
+def chinchilla_optimal(compute_flops: float) -> tuple:
+    """(parameters, tokens) minimising loss for a FLOP budget: Hoffmann et al. 2022 find tokens ≈ 20 x
+    parameters at the optimum; with C = 6·N·D that is N = sqrt(C/120), D = 20·N."""
+    n = math.sqrt(compute_flops / 120.0)
+    return n, 20.0 * n
