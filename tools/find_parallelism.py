@@ -4,9 +4,11 @@
         --global-batch-size 1536
     python tools/find_parallelism.py --config configs/llama3-8b.yaml --num-gpus 8 --tp 2 --pp 1
     python tools/find_parallelism.py --config configs/llama3-8b.yaml --num-gpus 64 --tokens 15e12
+    python tools/find_parallelism.py --config configs/llama3-8b-128k.yaml --num-gpus 64 --tp 8 --cp 4 --pp 1
 
-The memory and time model is engine/planner/step_time.py (constants and sources documented there);
---verify builds every pipeline stage on the meta device and checks the analytic parameter counts.
+The memory model is engine/planner/memory.py, the time model engine/planner/step_time.py (constants and
+sources documented there, checked against published runs in engine/planner/published.py), the search
+engine/planner/search.py (context parallelism is tried for sequences of 16K tokens and more); --verify builds every pipeline stage on the meta device and checks the analytic parameter counts.
 Exit codes: 0 when a layout fits in memory, 1 when none does (the table or JSON is still printed, then
 one line on stderr), 2 for a mistake on the command line.
 """
@@ -54,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "assumed when tp > 1, the distributed optimizer when dp > 1)")
     one.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int)
     one.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int)
+    one.add_argument("--cp", "--context-parallel-size", dest="cp", type=int,
+                     help="context-parallel size: each sequence split over this many ranks (default 1)")
     one.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", dest="vpp", type=int)
     one.add_argument("--micro-batch-size", type=int)
     one.add_argument("--recompute-granularity", choices=("none", "selective", "full"))
@@ -88,6 +92,9 @@ def _check(args, cfg):
                          "use whole nodes")
     if (args.tp is None) != (args.pp is None):
         raise UsageError("give both --tp and --pp to evaluate one layout, or neither to rank all layouts")
+    if args.cp is not None and (args.tp is None or args.cp < 1):
+        raise UsageError("--cp needs --tp and --pp (one layout) and must be at least 1; without them the search "
+                         "tries cp itself for long sequences")
     if args.global_batch_size is not None and args.global_batch_size < 1:
         raise UsageError("--global-batch-size must be at least 1")
     if args.tokens is not None and args.tokens <= 0:
@@ -97,8 +104,10 @@ def _check(args, cfg):
 def _given_layout(args, cfg, batch) -> Layout:
     """The one layout asked for, checked by the trainer's own validation. Sequence parallelism is on
     whenever tp > 1 and the distributed optimizer whenever dp > 1 (both only save memory)."""
-    if args.num_gpus % (args.tp * args.pp):
-        raise UsageError(f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp} does not divide --num-gpus {args.num_gpus}")
+    cp = args.cp or 1
+    if args.num_gpus % (args.tp * cp * args.pp):
+        raise UsageError(f"--tp {args.tp} x --cp {cp} x --pp {args.pp} = {args.tp * cp * args.pp} does not divide "
+                         f"--num-gpus {args.num_gpus}")
     if args.tp > args.gpus_per_node:
         raise UsageError(f"--tp {args.tp} exceeds --gpus-per-node {args.gpus_per_node}; a TP group stays in a node")
     par = cfg.parallel
@@ -106,21 +115,21 @@ def _given_layout(args, cfg, batch) -> Layout:
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     if first is None and last is None and keep_split:
         first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
-    dp = args.num_gpus // (args.tp * args.pp)
+    dp = args.num_gpus // (args.tp * cp * args.pp)
     c = dataclasses.replace(cfg)
     c.parallel = dataclasses.replace(
-        par, tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+        par, tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, context_parallel_size=cp,
         virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size if keep_split else args.vpp,
         decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
-        sequence_parallel=args.tp > 1, use_distributed_optimizer=dp > 1, gpus_per_node=args.gpus_per_node)
+        sequence_parallel=args.tp > 1, use_distributed_optimizer=dp * cp > 1, gpus_per_node=args.gpus_per_node)
     c.training = dataclasses.replace(cfg.training, global_batch_size=batch,
                                      micro_batch_size=args.micro_batch_size or cfg.training.micro_batch_size)
     c.data = dataclasses.replace(cfg.data, mock_data=True)
     c.checkpoint = dataclasses.replace(cfg.checkpoint, load=None)
     validate(c, args.num_gpus)
     recompute = args.recompute_granularity or cfg.model.recompute_granularity or "none"
-    return Layout(args.tp, args.pp, dp, c.vpp, c.training.micro_batch_size, recompute, args.tp > 1, dp > 1,
-                  c.parallel.decoder_first_pipeline_num_layers, c.parallel.decoder_last_pipeline_num_layers)
+    return Layout(args.tp, args.pp, dp, c.vpp, c.training.micro_batch_size, recompute, args.tp > 1, dp * cp > 1,
+                  c.parallel.decoder_first_pipeline_num_layers, c.parallel.decoder_last_pipeline_num_layers, cp)
 
 
 def torchrun_command(args, layout: Layout, batch: int, seq: int, precision: str) -> str:
@@ -131,6 +140,8 @@ def torchrun_command(args, layout: Layout, batch: int, seq: int, precision: str)
         cmd += ["--rdzv-backend c10d", "--rdzv-endpoint $MASTER_ADDR:29500"]
     cmd += ["launch/pretrain_gpt.py", f"--config {args.config}",
             f"--tensor-model-parallel-size {layout.tp}", f"--pipeline-model-parallel-size {layout.pp}"]
+    if layout.cp > 1:
+        cmd.append(f"--context-parallel-size {layout.cp}")
     if layout.vpp > 1:
         cmd.append(f"--virtual-pipeline-model-parallel-size {layout.vpp}")
     if layout.first_stage_layers is not None:
@@ -144,7 +155,7 @@ def torchrun_command(args, layout: Layout, batch: int, seq: int, precision: str)
         cmd.append(f"--recompute-granularity {layout.recompute}")
     if layout.distributed_optimizer:
         cmd.append("--use-distributed-optimizer")
-    if layout.dp > 1:
+    if layout.shard_group > 1:
         cmd.append("--overlap-grad-reduce")
     if precision != "fp32":
         cmd.append(f"--{precision}")
@@ -159,7 +170,7 @@ def _verify(args, cfg) -> int:
     vpp = args.vpp or (cfg.vpp if args.pp is None else 1)
     c = dataclasses.replace(cfg)
     c.parallel = dataclasses.replace(par, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     virtual_pipeline_model_parallel_size=vpp)
+                                     virtual_pipeline_model_parallel_size=vpp, context_parallel_size=1)
     c.data = dataclasses.replace(cfg.data, mock_data=True)
     c.checkpoint = dataclasses.replace(cfg.checkpoint, load=None)
     # Parameter counts do not depend on the batch: any size the schedule accepts will do.
@@ -187,13 +198,13 @@ def _plan(args, cfg, est, batch, seq) -> dict:
 
 
 def _table(rows) -> str:
-    head = ("tp", "pp", "vpp", "dp", "mb", "sp", "dopt", "recompute", "mem GiB", "fits", "step s",
+    head = ("tp", "cp", "pp", "vpp", "dp", "mb", "sp", "dopt", "recompute", "mem GiB", "fits", "step s",
             "tokens/s", "TFLOP/s", "MFU")
     lines = [head]
     for e in rows:
         lay = e.layout
         vpp = f"{lay.first_stage_layers}/../{lay.last_stage_layers}" if lay.first_stage_layers is not None else lay.vpp
-        lines.append((lay.tp, lay.pp, vpp, lay.dp, lay.micro_batch_size, "y" if lay.sequence_parallel else "-",
+        lines.append((lay.tp, lay.cp, lay.pp, vpp, lay.dp, lay.micro_batch_size, "y" if lay.sequence_parallel else "-",
                       "y" if lay.distributed_optimizer else "-", lay.recompute, f"{e.memory.total / GIB:.1f}",
                       "yes" if e.fits else "NO", f"{e.step_time_s:.3f}", f"{e.tokens_per_s:,.0f}",
                       f"{e.tflops_per_gpu:.1f}", f"{e.mfu * 100:.1f}%"))

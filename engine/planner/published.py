@@ -13,7 +13,7 @@ engine/planner/flops.py does (Narayanan eq. 3; llm-foundry's `attn_flops_per_seq
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional
 
 from engine.config import ModelConfig
@@ -94,7 +94,7 @@ def _narayanan() -> list:
           (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
           (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
     src = "Narayanan et al. 2021, arXiv:2104.04473"
-    out = [Published(f"GPT {p}B on {g} A100", f"{src}, Table 1 row {i + 1}", gpt(l, h, a), "a100-80g", g, tp, pp,
+    out = [Published(f"GPT {p}B on {g} A100", f"{src}, Table 1", gpt(l, h, a), "a100-80g", g, tp, pp,
                      B, "full", r, "hw", False, OLD_MEGATRON) for i, (p, a, h, l, tp, pp, g, B, r) in enumerate(t1)]
     out += [Published(f"GPT-3 175B on {g} A100", f"{src}, Table 2 (PTD-P)", gpt(96, 12288, 96), "a100-80g", g, 8, 12,
                       1536, "full", r, "hw", True, OLD_MEGATRON) for g, r in ((384, 153), (768, 149), (1536, 141))]
@@ -115,8 +115,7 @@ def _korthikanti() -> list:
 
 
 def _llm_foundry() -> list:
-    src = ("MosaicML llm-foundry, scripts/train/benchmarking/README.md, table 'H100 80GB BF16' "
-           "(github.com/mosaicml/llm-foundry; MFU x 989)")
+    src = "github.com/mosaicml/llm-foundry scripts/train/benchmarking/README.md, 'H100 80GB BF16' (MFU x 989)"
     shapes = {"1b": (24, 2048, 16), "3b": (32, 2560, 32), "7b": (32, 4096, 32), "13b": (40, 5120, 40),
               "30b": (48, 7168, 56), "70b": (80, 8192, 64)}
     rows = (("7b", 2048, 8, 6, 48, False, 46.44, False), ("13b", 2048, 64, 2, 128, False, 39.86, False),
@@ -138,7 +137,7 @@ def _llama3() -> list:
                       "model", False, LLAMA3, **common),
             Published("Llama 3 405B 8K on 16,384 H100", src, m8k, "h100-sxm", 16384, 8, 16, 2048, "none", 400.0,
                       "model", True, LLAMA3, **common),
-            Published("Llama 3 405B 128K cp16 on 16,384 H100", src, m128k, "h100-sxm", 16384, 8, 16, 128, "none",
+            Published("Llama 3 405B 128K on 16,384 H100", src, m128k, "h100-sxm", 16384, 8, 16, 128, "none",
                       380.0, "model", True, LLAMA3, cp=16, **common)]
 
 
@@ -193,5 +192,16 @@ def markdown_table(cases: list = PUBLISHED) -> str:
     return "\n".join(lines)
 
 
-def with_software(case: Published, **changes) -> Published:
-    return replace(case, software=replace(case.software, **changes))
+def case_table(cases: list = PUBLISHED) -> str:
+    """Every case as a fixed-width text table (the test module lists it verbatim), sources numbered below."""
+    sources = list(dict.fromkeys(c.source for c in cases))
+    head = (f"{'case':<33} {'GPU':<8} {'GPUs':>6} {'tp':>2} {'pp':>3} {'cp':>2} {'dp':>4} {'mb':>3} {'batch':>5} "
+            f"{'seq':>6} {'recompute':<9} {'TFLOP/s':>7} {'of':<5} {'use':<8} src")
+    rows = [head]
+    for c in cases:
+        rows.append(f"{c.name:<33} {c.gpu:<8} {c.gpus:>6} {c.tp:>2} {c.pp or '-':>3} {c.cp:>2} "
+                    f"{c.dp if c.pp else '-':>4} {c.micro_batch or '-':>3} {c.global_batch:>5} {c.seq:>6} "
+                    f"{c.recompute:<9} {c.reported:>7.1f} {c.metric:<5} {'held out' if c.held_out else 'fit':<8} "
+                    f"[{sources.index(c.source) + 1}]")
+    rows += [f"[{i + 1}] {s}" for i, s in enumerate(sources)]
+    return "\n".join(r.rstrip() for r in rows)

@@ -1,4 +1,4 @@
-"""Step time of a parallel layout, and the search over layouts that ranks them.
+"""Step time of a parallel layout (the search over layouts is engine/planner/search.py).
 
 One training iteration on a pipeline is modelled as (Narayanan et al. 2021, sec. 2.2 and 3):
 
@@ -7,11 +7,15 @@ One training iteration on a pipeline is modelled as (Narayanan et al. 2021, sec.
 with m microbatches per pipeline, T_stage the forward+backward time of one microbatch on the slowest
 pipeline rank, and (p - 1)/v the pipeline bubble of 1F1B (v = 1) or the interleaved schedule.
 T_stage sums, per layer: the matrix multiplies at a fraction of peak that grows with the per-GPU
-matrix sizes, the attention core, memory-bound element-wise work, and the tensor-parallel
-collectives over NVLink; plus the pipeline point-to-point sends over the network, the embedding and
-the output layer. Every constant is named below with where it comes from; the ones marked "fitted"
-were fitted to the held-in published runs listed in tests/test_find_parallelism.py. Compute is
-costed at the tensor-core (bf16) peak whatever the precision; fp32 changes only the bytes.
+matrix sizes (and differs by GPU generation), the attention core, memory-bound element-wise work, the
+tensor-parallel collectives over NVLink (less the share a TP-overlapping engine hides), and with
+context parallelism the part of the K/V exchange the attention does not hide; plus the pipeline
+point-to-point sends, the embedding and the output layer. Under cp every rank holds s/cp tokens of each
+sequence. Each group's collectives run over NVLink when the group fits in a node, else over the
+network at the bandwidth of the NICs its members in a node bring (rank order tp, cp, dp, pp). Every
+constant is named below with where it comes from; the ones marked "fitted" were fitted to the held-in
+published runs of engine/planner/published.py (listed with their errors in tests/test_find_parallelism.py).
+Compute is costed at the tensor-core (bf16) peak whatever the precision; fp32 changes only the bytes.
 """
 from __future__ import annotations
 
@@ -74,7 +78,7 @@ LAST_BUCKET_FRACTION = 0.05
 # FSDP (parameters sharded and re-gathered for every microbatch): the fraction of its collectives that
 # overlap hides. Fitted on the held-in llm-foundry H100 runs (PyTorch 2.0-era FSDP keeps the NCCL kernels
 # and the GEMMs competing for the same SMs, and prefetches one layer ahead: little of it is hidden).
-FSDP_HIDDEN_FRACTION = 0.1
+FSDP_HIDDEN_FRACTION = 0.3
 # Adam step bytes per parameter of the (sharded) state: read+write fp32 master, m, v (24), read the
 # fp32 gradient (4), write the 2-byte weight (2).
 OPTIMIZER_STEP_BYTES = 30
