@@ -183,10 +183,11 @@ def global_batch(step: int, n: int):
             for i in range(0, n, MICRO)]
 
 
-def _model_layout(rank, world, style, tp, cp, pp, vpp, comm_type, steps, microbatches):
+def _model_layout(rank, world, style, tp, cp, pp, vpp, comm_type, recompute, steps, microbatches):
     """This layout's loss curve and step-0 gradients (whole tensors, by name) on this rank."""
     cfg = Config()
     cfg.model = model_cfg(style)
+    cfg.model.recompute_granularity = recompute
     par = cfg.parallel
     par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size = tp, pp, cp
     par.virtual_pipeline_model_parallel_size, par.sequence_parallel = vpp, tp > 1
@@ -253,23 +254,52 @@ def compare_with_reference(results: list, ref_curve: list, ref_grads: dict, tied
     return failures
 
 
-CP_LAYOUTS = [  # (style, tp, cp, pp, vpp, comm type): 8 ranks, dp = 8 / (tp cp pp)
-    ("llama", 1, 2, 1, 1, "p2p"),         # dp 4
-    ("gpt2", 1, 4, 1, 1, "all_gather"),   # dp 2
-    ("llama", 2, 2, 1, 1, "all_gather"),  # tp 2 + SP, dp 2
-    ("gpt2", 2, 2, 2, 1, "p2p"),          # tp 2 + SP, pp 2
-    ("llama", 1, 2, 2, 2, "p2p"),         # pp 2 interleaved, dp 2
-    ("llama", 2, 4, 1, 1, "p2p"),         # tp 2 + SP, cp 4
-    ("gpt2", 1, 4, 2, 1, "all_gather"),   # cp 4, pp 2
+CP_LAYOUTS = [  # (style, tp, cp, pp, vpp, comm type, recomputation): 8 ranks, dp = 8 / (tp cp pp)
+    ("llama", 1, 2, 1, 1, "p2p", None),              # dp 4
+    ("gpt2", 1, 4, 1, 1, "all_gather", "full"),      # dp 2
+    ("llama", 2, 2, 1, 1, "all_gather", None),       # tp 2 + SP, dp 2
+    ("gpt2", 2, 2, 2, 1, "p2p", "selective"),        # tp 2 + SP, pp 2
+    ("llama", 1, 2, 2, 2, "p2p", None),              # pp 2 interleaved, dp 2
+    ("llama", 2, 4, 1, 1, "p2p", "selective"),       # tp 2 + SP, cp 4
+    ("gpt2", 1, 4, 2, 1, "all_gather", None),        # cp 4, pp 2
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("style,tp,cp,pp,vpp,comm_type", CP_LAYOUTS,
-                         ids=[f"{s}-tp{t}-cp{c}-pp{p}{f'-vpp{v}' if v > 1 else ''}-{k}" for s, t, c, p, v, k in CP_LAYOUTS])
-def test_cp_layouts_equal_one_rank_loss_gradients_and_20_step_curve(style, tp, cp, pp, vpp, comm_type):
-    results = run_ranks(_model_layout, 8, style, tp, cp, pp, vpp, comm_type, 20, 2, timeout=300)
+@pytest.mark.parametrize("style,tp,cp,pp,vpp,comm_type,recompute", CP_LAYOUTS,
+                         ids=[f"{s}-tp{t}-cp{c}-pp{p}{f'-vpp{v}' if v > 1 else ''}-{k}{f'-{r}' if r else ''}"
+                              for s, t, c, p, v, k, r in CP_LAYOUTS])
+def test_cp_layouts_equal_one_rank_loss_gradients_and_20_step_curve(style, tp, cp, pp, vpp, comm_type, recompute):
+    results = run_ranks(_model_layout, 8, style, tp, cp, pp, vpp, comm_type, recompute, 20, 2, timeout=300)
     dp = 8 // (tp * cp * pp)
     ref_curve, ref_grads = reference_run(style, 2 * MICRO * dp, 20)
     problems = compare_with_reference(results, ref_curve, ref_grads, tied=style == "gpt2")
     assert not problems, "\n".join(problems)
+
+
+# ---------------------------------------------------------------- dropout under CP
+
+def _dropout_case(rank, world):
+    """Attention and hidden dropout at cp 2: recomputation replays the masks; CP ranks draw their own."""
+    ctx = build_context(world, rank, 1, 1, cp=2, seed=4)
+    mb = global_batch(0, MICRO)[0]
+    grads = {}
+    for recompute in (None, "selective", "full"):
+        cfg = model_cfg("llama")
+        cfg.attention_dropout, cfg.hidden_dropout, cfg.recompute_granularity = 0.2, 0.1, recompute
+        model = GPTModel(cfg, ctx, seed=9, vocab_size=VOCAB).train()
+        states = ctx.rng.get_states(), torch.get_rng_state()
+        model(mb["tokens"], labels=mb["labels"]).backward()
+        grads[recompute] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        ctx.rng.set_states(states[0])
+        torch.set_rng_state(states[1])
+    same = all(torch.equal(grads[None][n], grads[r][n]) for r in ("selective", "full") for n in grads[None])
+    stream = ctx.rng.get_states()["tp"]
+    ctx.destroy()
+    return same, stream, torch.get_rng_state()
+
+
+def test_dropout_under_cp_replays_under_recomputation_and_differs_by_cp_rank():
+    results = run_ranks(_dropout_case, 2)
+    assert all(same for same, _, _ in results), "recomputation changed the gradients under dropout"
+    assert not torch.equal(results[0][1], results[1][1]) and not torch.equal(results[0][2], results[1][2])

@@ -211,6 +211,55 @@ def test_flash_attention_matches_reference(causal, shape):
              lambda *t: reference.attention(*t, causal=causal, softmax_scale=0.3), [q, k, v])
 
 
+def _blockwise(q, k, v, chunks: int, backend: str):
+    """Causal attention as the context-parallel ring computes it, on one process: the sequence in `chunks`
+    chunks, every (query chunk, earlier-or-same key chunk) block by the block kernels, merged by lse."""
+    from engine.parallel.ring_attention import _merge
+    fwd, bwd = dispatch.attention_block_fns(backend)
+    c = q.shape[1] // chunks
+    part = lambda t, i: t[:, i * c:(i + 1) * c]  # noqa: E731
+    outs, lses = [], []
+    for i in range(chunks):
+        acc = None
+        for j in range(i + 1):
+            acc = _merge(acc, *fwd(part(q, i), part(k, j), part(v, j), i == j, None))
+        outs.append(acc[0].to(q.dtype))
+        lses.append(acc[1])
+    out, lse = torch.cat(outs, 1), torch.cat(lses, 2)
+    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(q.device, q.dtype)
+    dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
+    for i in range(chunks):
+        for j in range(i + 1):
+            g = bwd(part(do, i), part(q, i), part(k, j), part(v, j), part(out, i), lse[..., i * c:(i + 1) * c], i == j,
+                    None)
+            part(dq, i).add_(g[0].float())
+            part(dk, j).add_(g[1].float())
+            part(dv, j).add_(g[2].float())
+    return out, do, (dq, dk, dv)
+
+
+def _blockwise_against_full(shape, device, dtype, backend, tol):
+    q, k, v = (_leaf(t) for t in _qkv(*shape, device, dtype))
+    out, do, grads = _blockwise(q.detach(), k.detach(), v.detach(), 4, backend)
+    ref = reference.attention(q, k, v, causal=True)
+    ref.backward(do)
+    assert _rel_err(out, ref) < tol
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        assert _rel_err(got, want) < tol
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
+def test_attention_blocks_merged_by_lse_equal_full_causal_attention(backend):
+    """The block kernels context parallelism merges (kernels.dispatch.attention_block_fns): the Triton one
+    must return the log-sum-exp and take the merged lse in backward."""
+    _blockwise_against_full((2, 32, 4, 2, 16), DEVICE, torch.float32, backend, 1e-5)
+
+
+@gpu_test
+def test_attention_blocks_merged_by_lse_real_size_bf16():
+    _blockwise_against_full((2, 2048, 16, 4, 128), "cuda", torch.bfloat16, "triton", 2e-2)
+
+
 def test_resolve_attention_backend():
     assert dispatch.resolve_attention_backend("auto", "cpu") == "sdpa"
     assert dispatch.resolve_attention_backend("local", "cpu") == "local"
