@@ -99,13 +99,14 @@ class SavedBytes:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
-def measure(cfg: ModelConfig, ctx, device) -> tuple:
-    """(saved bytes of layer 1, storages, cuda peak growth or None) for one forward of a 2-layer model."""
+def measure(cfg: ModelConfig, ctx, device, seq: int = SEQ, micro: int = MICRO) -> tuple:
+    """(saved bytes of layer 1, storages, cuda peak growth or None) for one forward of a 2-layer model;
+    under context parallelism, of this rank's positions."""
     model = GPTModel(cfg, ctx, pre_process=False, post_process=False, device=device).train()
-    s_local = SEQ // ctx.seq_split
+    s_local = ctx.activation_shape(seq, micro, cfg.hidden_size)[0]
     torch.manual_seed(0)
-    x = torch.randn(s_local, MICRO, cfg.hidden_size, device=device, requires_grad=True)
-    tables = model.rope_freqs(torch.arange(SEQ, device=x.device)) if hasattr(model, "rope_freqs") else None
+    x = torch.randn(s_local, micro, cfg.hidden_size, device=device, requires_grad=True)
+    tables = model.rope_freqs(ctx.positions(seq, device=x.device))
     layer = model.layers["1"]
     saved = SavedBytes(model.parameters())
     peak = None

@@ -303,3 +303,17 @@ def test_dropout_under_cp_replays_under_recomputation_and_differs_by_cp_rank():
     results = run_ranks(_dropout_case, 2)
     assert all(same for same, _, _ in results), "recomputation changed the gradients under dropout"
     assert not torch.equal(results[0][1], results[1][1]) and not torch.equal(results[0][2], results[1][2])
+
+
+# ---------------------------------------------------------------- the benchmark's figures (README)
+
+@pytest.mark.slow
+def test_benchmark_activation_bytes_are_one_over_cp_and_ring_traffic_is_the_ring_volume():
+    from benchmarks import context_parallel as bench
+    rows = bench.summary(bench.run())
+    assert [(r["cp"], r["comm"]) for r in rows] == bench.CASES
+    for r in rows:
+        assert r["saved"] == r["expected"], r  # exactly the tensor-by-tensor set at s/cp tokens
+        assert abs(r["of_cp1"] - 1 / r["cp"]) < 0.01, r
+        assert r["sent"] == r["analytic"], r
+        assert r["flop_balance"] <= 1.05, r
