@@ -100,6 +100,9 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = _f(1, "pipeline-parallel size", aliases=("--pp",))
     virtual_pipeline_model_parallel_size: Optional[int] = _f(None, "model chunks per pipeline rank (interleaved 1F1B)", aliases=("--vpp",))
     sequence_parallel: bool = _f(False, "split norms and dropout over the sequence within the TP group")
+    pipeline_schedule: Optional[str] = _f(None, "pipeline schedule (default: 1f1b, interleaved with --vpp); zb-h1 and "
+                                                "zb-v split each backward into input- and weight-gradient parts",
+                                          choices=("1f1b", "interleaved", "zb-h1", "zb-v"))
     context_parallel_size: int = _f(1, "context-parallel size: each sequence split over this many ranks "
                                        "(load-balanced causal chunks, ring attention)", aliases=("--cp",))
     cp_comm_type: str = _f("p2p", "how attention sees the other CP ranks' keys and values: p2p passes them round "
