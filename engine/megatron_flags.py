@@ -219,6 +219,8 @@ FLAGS = (
     *(Flag(name, REFUSED, _PER_SPLIT) for name in ("--train-data-path", "--valid-data-path", "--test-data-path")),
     Flag("--use-checkpoint-args", REFUSED, "the model flags are not read from the checkpoint; pass those of the run "
                                            "that saved it (its metrics.args.json is a --config file holding all)"),
+    Flag("--hierarchical-context-parallel-sizes", REFUSED, "context parallelism is one ring (or one all-gather) "
+                                                           "over --context-parallel-size ranks; drop it"),
     Flag("--decoupled-lr", REFUSED, _DECOUPLED),
     Flag("--decoupled-min-lr", REFUSED, _DECOUPLED),
     *(Flag(name, REFUSED, _WANDB) for name in ("--wandb-project", "--wandb-exp-name", "--wandb-save-dir",

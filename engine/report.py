@@ -63,6 +63,8 @@ def banner(cfg, ctx, chunks, device, layout: str) -> str:
     kernels = dispatch.kernel_report(torch.device(device), cfg.model.attention_backend, cfg.model.attention_dropout,
                                      model_dtype(cfg))
     mem = memory_estimate(cfg, ctx, gbs, kernels["attention"])
+    if ctx.cp_size > 1:  # the blocks ring attention merges by their log-sum-exp (engine.parallel.ring_attention)
+        kernels["context_parallel_attention_blocks"] = dispatch.attention_block_backend(kernels["attention"], device)
     ramp = f" (ramp-up: {' '.join(map(str, tr.rampup_batch_size))})" if tr.rampup_batch_size else ""
     stages = ", ".join(f"stage {i}: {n:,}" for i, n in enumerate(per_stage))
     cp = f" x cp {ctx.cp_size} ({ctx.cp_comm_type})" if ctx.cp_size > 1 else ""
