@@ -22,6 +22,36 @@ class ConfigError(ValueError):
     """A user mistake in flags or files; the launcher prints it as one line and exits 2."""
 
 
+def moe_layer_pattern(freq, num_layers: int) -> list:
+    """--moe-layer-freq as one 0/1 per layer: an integer N (layers 0, N, 2N, ... are MoE) or Megatron-LM's list
+    expression of 0s and 1s, e.g. '[0]*3+[1]*29' or '[0,1,1,1]' (lists, integers, + and * only)."""
+    import ast
+    text = str(freq).strip()
+    if text.isdigit():
+        n = int(text)
+        if n < 1:
+            _err("--moe-layer-freq", freq, "must be at least 1, or a list of 0/1 per layer like '[0]*1+[1]*3'")
+        return [int(i % n == 0) for i in range(num_layers)]
+
+    def value(node):
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            a, b = value(node.left), value(node.right)
+            return a + b if isinstance(node.op, ast.Add) else a * b
+        raise ValueError(text)
+    try:
+        pattern = value(ast.parse(text.strip("()"), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        pattern = None
+    if not isinstance(pattern, list) or len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
+        _err("--moe-layer-freq", freq, f"give N or a list of {num_layers} 0/1 values (one per layer), "
+                                       f"e.g. '[0]*1+[1]*{num_layers - 1}'")
+    return pattern
+
+
 FAULT_KINDS = ("nan", "spike")  # --inject-fault drills (engine.stability.FaultDrill)
 # --tokenizer-type, with Megatron-LM's names (engine.data.tokenizer: what each reads)
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
@@ -73,6 +103,41 @@ class ModelConfig:
                                 choices=("auto", "flash", "triton", "sdpa", "local", "fused", "unfused"))
     recompute_granularity: Optional[str] = _f(None, "activation recomputation", choices=("full", "selective"))
     recompute_num_layers: Optional[int] = _f(None, "with full recomputation: layers per stage recomputed (default all)")
+    # Mixture of experts (engine/moe): Megatron-LM's flags
+    num_experts: Optional[int] = _f(None, "routed experts per MoE layer (default: no MoE layers)")
+    moe_layer_freq: str = _f("1", "which layers are MoE: N (every Nth, from layer 0) or a 0/1 list per layer, "
+                                  "e.g. '[0]*1+[1]*3' (dense first layer)")
+    moe_ffn_hidden_size: Optional[int] = _f(None, "width of each routed expert (default --ffn-hidden-size)")
+    moe_shared_expert_intermediate_size: Optional[int] = _f(None, "width of the shared expert every token "
+                                                                  "also goes through (DeepSeek style; default none)")
+    moe_router_topk: int = _f(2, "experts each token is routed to")
+    moe_router_score_function: str = _f("softmax", "router scores: softmax over the top-k logits (Mixtral), or "
+                                                   "sigmoid normalised over the top-k (DeepSeek-V3)",
+                                        choices=("softmax", "sigmoid"))
+    moe_router_topk_scaling_factor: Optional[float] = _f(None, "multiply the top-k routing weights by this")
+    moe_router_load_balancing_type: str = _f("aux_loss", "auxiliary balancing loss over the batch, per sequence, "
+                                                         "or none", choices=("aux_loss", "seq_aux_loss", "none"))
+    moe_aux_loss_coeff: float = _f(0.0, "weight of the load-balancing loss (0: none)")
+    moe_z_loss_coeff: Optional[float] = _f(None, "weight of the router z-loss (mean squared logsumexp of logits)")
+    moe_router_enable_expert_bias: bool = _f(False, "aux-loss-free balancing: a per-expert bias added to the scores "
+                                                    "for choosing experts only, moved towards balance every step")
+    moe_router_bias_update_rate: float = _f(1e-3, "step of the expert-bias update (sign of the load error)")
+    moe_expert_capacity_factor: Optional[float] = _f(None, "tokens an expert takes, as a multiple of an even "
+                                                           "share; the rest are dropped (default: dropless)")
+    moe_token_drop_policy: str = _f("probs", "over capacity, drop the tokens with the lowest routing weight "
+                                             "(probs) or the latest in the batch (position)",
+                                    choices=("probs", "position"))
+    moe_router_dtype: Optional[str] = _f(None, "dtype of the router's computation (default: fp32 always here)",
+                                         choices=("fp32", "fp64"))
+
+    def moe_layers(self) -> list:
+        """Global ids of the MoE layers (empty without --num-experts)."""
+        if not self.num_experts:
+            return []
+        return [i for i, moe in enumerate(moe_layer_pattern(self.moe_layer_freq, self.num_layers)) if moe]
+
+    def resolved_moe_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.resolved_ffn_hidden_size()
 
     def resolved_ffn_hidden_size(self) -> int:
         if self.ffn_hidden_size:
@@ -111,6 +176,8 @@ class ParallelConfig:
     use_distributed_optimizer: bool = _f(False, "shard fp32 master weights and Adam state over dp (ZeRO-1)")
     overlap_grad_reduce: bool = _f(False, "start each gradient bucket's reduction as soon as backward fills it")
     gpus_per_node: Optional[int] = _f(None, "ranks per node (default: LOCAL_WORLD_SIZE); a TP group may not span nodes")
+    expert_model_parallel_size: int = _f(1, "expert-parallel size: the experts of each MoE layer split over this "
+                                            "many data-parallel ranks, tokens exchanged all-to-all", aliases=("--ep",))
     decoder_first_pipeline_num_layers: Optional[int] = _f(None, "layers on the first pipeline stage (uneven split)")
     decoder_last_pipeline_num_layers: Optional[int] = _f(None, "layers on the last pipeline stage (uneven split)")
     distributed_timeout_minutes: float = _f(10.0, "a collective stuck longer than this ends the job")
@@ -339,6 +406,7 @@ def validate(cfg: Config, world_size: int) -> None:
     # The split before the world size: a tp that the heads reject is the more useful line to print.
     _check_split(cfg.model, cfg.parallel, tp, pp, vpp)
     _check_parallel(cfg.parallel, world_size)
+    _check_moe(cfg.model, cfg.parallel, cfg.dp(world_size))
     _check_training(cfg.training, cfg.dp(world_size), pp, vpp)
     _check_optim(cfg.optim, cfg.training)
     _check_logging(cfg.logging)
@@ -488,6 +556,30 @@ def _check_parallel(par: ParallelConfig, world_size: int) -> None:
     check_tp_fits_node(par.tensor_model_parallel_size, par.gpus_per_node)
     if par.distributed_timeout_minutes <= 0:
         _err("--distributed-timeout-minutes", par.distributed_timeout_minutes, "must be positive (e.g. 10)")
+
+
+def _check_moe(m: ModelConfig, par: ParallelConfig, dp: int) -> None:
+    """Experts: how many, how routed, and how split over expert-parallel ranks carved from dp."""
+    ep, tp = par.expert_model_parallel_size, par.tensor_model_parallel_size
+    _at_least_one(par, "expert_model_parallel_size")
+    if not m.num_experts:
+        if m.num_experts is not None or ep > 1:
+            _err("--num-experts" if m.num_experts is not None else "--expert-model-parallel-size",
+                 m.num_experts if m.num_experts is not None else ep, "expert parallelism needs --num-experts N >= 1")
+        return
+    _at_least_one(m, "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+    if m.moe_router_topk > m.num_experts:
+        _err("--moe-router-topk", m.moe_router_topk, f"must be at most --num-experts {m.num_experts}")
+    if dp % ep or m.num_experts % ep:
+        _err("--expert-model-parallel-size", ep, f"must divide the data-parallel size {dp} and --num-experts "
+                                                 f"{m.num_experts} (expert ranks are carved from dp)")
+    if tp > 1 and not par.sequence_parallel:
+        _err("--tensor-model-parallel-size", tp, "with --num-experts, tp > 1 needs --sequence-parallel (each tp rank "
+                                                 "routes its own part of the sequence); add it")
+    if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
+        _err("--moe-expert-capacity-factor", m.moe_expert_capacity_factor, "must be positive (omit it: dropless)")
+    if not m.moe_layers():
+        _err("--moe-layer-freq", m.moe_layer_freq, "makes no layer an MoE layer; drop --num-experts or mark one")
 
 
 def _check_training(tr: TrainingConfig, dp: int, pp: int, vpp: int) -> None:

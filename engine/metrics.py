@@ -37,7 +37,8 @@ TRAIN_KEYS = ("iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "lo
 # record key -> TensorBoard tag (the tags are part of the user-facing contract)
 TB_TAGS = {"lm_loss": "lm-loss", "lr": "lr", "grad_norm": "grad-norm", "loss_scale": "loss-scale",
            "tokens_per_sec": "tokens-per-sec", "tflops_per_gpu": "tflops-per-gpu", "mfu": "mfu",
-           "mem_peak_gb": "mem-peak-gb"}
+           "mem_peak_gb": "mem-peak-gb", "moe_aux_loss": "moe/aux-loss", "moe_z_loss": "moe/z-loss",
+           "moe_max_load": "moe/max-load", "moe_dropped": "moe/dropped-tokens"}
 PPL_MAX_LOSS = 20.0  # exp() of a larger loss is meaningless and overflows fp32 readers
 
 
@@ -221,6 +222,9 @@ def format_log_line(record: dict) -> str:
         parts.append(f"grad norm: {r['grad_norm']:.3f}")
     if have("mem_peak_gb"):
         parts.append(f"peak memory (GiB): {r['mem_peak_gb']:.2f}")
+    if have("moe_max_load"):  # MoE runs: the last iteration's (engine.moe.stats)
+        parts.append(f"moe aux loss: {r['moe_aux_loss']:.4E} | expert load max/mean: {r['moe_max_load']:.2f} | "
+                     f"dropped tokens: {r['moe_dropped']}")
     if have("skipped_iterations"):
         parts.append(f"number of skipped iterations: {r['skipped_iterations']:3d}")
     if have("eta_s"):

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig, padded_vocab_size
+from engine.moe.layer import MoELayer
 from engine.parallel import mappings
 from engine.parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.parallel.layers import (
@@ -105,9 +106,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx, out_std, device, dtype):
+    def __init__(self, cfg: ModelConfig, ctx, out_std, device, dtype, ffn: Optional[int] = None):
         super().__init__()
-        ffn, bias = cfg.resolved_ffn_hidden_size(), not cfg.disable_bias_linear
+        ffn, bias = ffn or cfg.resolved_ffn_hidden_size(), not cfg.disable_bias_linear
         self.swiglu, self.gelu_form = cfg.swiglu, "tanh" if cfg.openai_gelu else "none"
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, ffn, ctx, bias=bias, std=cfg.init_method_std,
                                         stack=2 if cfg.swiglu else 1, device=device, dtype=dtype)
@@ -123,15 +124,22 @@ class MLP(nn.Module):
         return self.fc2(y)
 
 
+def moe_block(cfg: ModelConfig, ctx, out_std, device, dtype) -> MoELayer:
+    """The MoE block of an MoE layer: routed experts, plus the shared expert as a tensor-parallel MLP."""
+    shared = cfg.moe_shared_expert_intermediate_size
+    shared = MLP(cfg, ctx, out_std, device, dtype, ffn=shared) if shared else None
+    return MoELayer(cfg, ctx, out_std, device, dtype, shared=shared)
+
+
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx, device, dtype):
+    def __init__(self, cfg: ModelConfig, ctx, device, dtype, moe: bool = False):
         super().__init__()
         self.ctx, self.dropout = ctx, cfg.hidden_dropout
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         self.norm1 = Norm(cfg.hidden_size, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype)
         self.attention = Attention(cfg, ctx, out_std, device, dtype)
         self.norm2 = Norm(cfg.hidden_size, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype)
-        self.mlp = MLP(cfg, ctx, out_std, device, dtype)
+        self.mlp = moe_block(cfg, ctx, out_std, device, dtype) if moe else MLP(cfg, ctx, out_std, device, dtype)
 
     def _drop(self, x):
         if not self.training or self.dropout == 0.0:
@@ -165,7 +173,9 @@ class GPTModel(nn.Module):
             if cfg.position_embedding_type == "learned_absolute":
                 self.position = make_param((cfg.max_position_embeddings or cfg.seq_length, h), None, ctx,
                                            ("normal", std), device, dtype, sp_partial_grad=True)
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, device, dtype) for i in self.layer_ids})
+        moe = set(cfg.moe_layers())
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, device, dtype, moe=i in moe)
+                                     for i in self.layer_ids})
         if post_process:
             self.final_norm = Norm(h, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype)
             if not self.tied:

@@ -68,7 +68,9 @@ def banner(cfg, ctx, chunks, device, layout: str) -> str:
     ramp = f" (ramp-up: {' '.join(map(str, tr.rampup_batch_size))})" if tr.rampup_batch_size else ""
     stages = ", ".join(f"stage {i}: {n:,}" for i, n in enumerate(per_stage))
     cp = f" x cp {ctx.cp_size} ({ctx.cp_comm_type})" if ctx.cp_size > 1 else ""
-    lines = [f"Ternion: world {ctx.world_size} = tp {ctx.tp_size}{cp} x pp {ctx.pp_size} x dp {ctx.dp_size}"
+    ep = f" (ep {ctx.ep_size}: {cfg.model.num_experts // ctx.ep_size} of {cfg.model.num_experts} experts per rank)" \
+        if cfg.model.num_experts else ""
+    lines = [f"Ternion: world {ctx.world_size} = tp {ctx.tp_size}{cp} x pp {ctx.pp_size} x dp {ctx.dp_size}{ep}"
              f"{f' (vpp {ctx.vpp_size})' if ctx.vpp_size > 1 else ''}, sequence parallel {ctx.sequence_parallel}",
              layout,
              f"parameters: {sum(per_stage):,} in total; per pipeline stage: {stages}",

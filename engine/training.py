@@ -200,12 +200,12 @@ class Trainer:
 
     def _record(self, loss: float, lr: float, result: StepResult, global_batch: int, seconds: float) -> dict:
         """The metrics file's training record of the iteration just done."""
-        g, m, mem = self.guard, self.cfg.model, peak_memory_gb(torch.device(self.device))
+        g, m, mem, ctx = self.guard, self.cfg.model, peak_memory_gb(torch.device(self.device)), self.ctx
         record = {"iteration": self.iteration, "train_iters": self.cfg.training.train_iters,
                   "consumed_samples": self.consumed, "consumed_tokens": self.consumed * m.seq_length, "lm_loss": loss,
                   "lr": lr, "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped": g.skipped,
-                  "spikes": g.spikes, "rollbacks": g.rollbacks, "mem_peak_gb": mem}
-        return record | throughput(m, global_batch, seconds, self.ctx.world_size, self.ctx.tp_size, self.peak)
+                  "spikes": g.spikes, "rollbacks": g.rollbacks, "mem_peak_gb": mem} | result.metrics
+        return record | throughput(m, global_batch, seconds, ctx.world_size, ctx.tp_size, self.peak)
 
     def train(self) -> None:
         cfg, save = self.cfg, self.cfg.checkpoint.save

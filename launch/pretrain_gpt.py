@@ -188,7 +188,7 @@ def main(argv=None) -> int:
         ctx = build_context(world, rank, cfg.tp, cfg.pp, vpp=cfg.vpp, sequence_parallel=par.sequence_parallel,
                             gpus_per_node=par.gpus_per_node, timeout_minutes=par.distributed_timeout_minutes,
                             seed=cfg.training.seed, device_type=torch.device(device).type, cp=cfg.cp,
-                            cp_comm_type=par.cp_comm_type)
+                            cp_comm_type=par.cp_comm_type, ep=par.expert_model_parallel_size)
         where = "building the model, optimizer and data"
         log = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)
         report_arguments(cfg, rank, log)  # rank 0: the resolved arguments, printed and saved beside the metrics

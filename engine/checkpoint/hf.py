@@ -11,7 +11,8 @@ imports as one: the same tensors), with QKV biases only Qwen2ForCausalLM; GPT-2-
 learned positions, exact or tanh GELU, biases, tied embeddings, full multi-head attention) GPT2LMHeadModel.
 The mapping follows each architecture's published parameter layout: Llama's q/k/v/o and gate/up/down
 projections as [out, in]; GPT-2's Conv1D weights as [in, out] with q, k, v concatenated in c_attn.
-Our fused QKV is group-interleaved ([g: q heads, k, v] per query group), so q head g*P+j uses k/v
+MoE models are MixtralForCausalLM or Qwen2MoeForCausalLM (engine/checkpoint/hf_moe.py: their expert
+layouts, and what is refused). Our fused QKV is group-interleaved ([g: q heads, k, v] per query group), so q head g*P+j uses k/v
 head g, which is the order transformers' grouped-query attention expects. Both use rotate-half RoPE.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.checkpoint import files
+from engine.checkpoint import files, hf_moe
 from engine.checkpoint.layout import local_tensors, model_shard, shard_file
 from engine.checkpoint.merged import full_unpadded, unpadded
 from engine.checkpoint.metadata import CheckpointMeta, FileRecord, RankPart
@@ -151,13 +152,45 @@ ARCHITECTURES = {
          "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "resid_pdrop": 0.1, "attn_pdrop": 0.1,
          "n_positions": 1024}),
 }
+
+def _dense_layers(m) -> list:
+    return sorted(set(range(m.num_layers)) - set(m.moe_layers()))
+
+
+_MIXTRAL_RULES = tuple(r for r in _LLAMA_RULES if r.key != "intermediate_size") + (
+    Rule("intermediate_size", lambda m: m.resolved_moe_ffn_hidden_size(), lambda v: {"ffn_hidden_size": v}),
+    _same("num_local_experts", "num_experts"), _same("num_experts_per_tok", "moe_router_topk"),
+    Rule("router_jitter_noise", lambda m: 0.0, lambda v: {}),  # noise on training inputs only: not kept
+    Rule("sliding_window", lambda m: None, lambda v: {}),  # imported through sliding_window()
+)
+_QWEN2_MOE_RULES = _LLAMA_RULES + (  # export only (hf_moe): `into` is never called for mlp_only_layers
+    _same("num_experts", "num_experts"), _same("num_experts_per_tok", "moe_router_topk"),
+    _same("moe_intermediate_size", "moe_ffn_hidden_size", lambda m: m.resolved_moe_ffn_hidden_size()),
+    _same("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"),
+    Rule("mlp_only_layers", _dense_layers, lambda v: {}),
+    _only("norm_topk_prob", True, "top-k routing weights are renormalised"),
+    _only("decoder_sparse_step", 1, "MoE layers are the ones not in mlp_only_layers"),
+    _only("qkv_bias", True, "zeros are written where the model has no QKV bias"),
+    _only("use_sliding_window", False, "attention covers the whole sequence"),
+)
+MOE_SHAPE = LLAMA_SHAPE | {"disable_bias_linear": True}
+MOE_ARCHITECTURES = {  # hf_moe.moe_architecture picks one; only Mixtral is imported
+    hf_moe.MIXTRAL: Architecture("MixtralForCausalLM", "mixtral", MOE_SHAPE, _MIXTRAL_RULES, {
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "rope_theta": 1e6,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 14336}),
+    hf_moe.QWEN2_MOE: Architecture("Qwen2MoeForCausalLM", "qwen2_moe", MOE_SHAPE, _QWEN2_MOE_RULES, {}),
+}
+_ALL = ARCHITECTURES | MOE_ARCHITECTURES
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-IMPORTED_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gpt2": "gpt2"}  # model_type -> ours
+IMPORTED_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gpt2": "gpt2",
+                  "mixtral": "mixtral"}  # model_type -> ours
 
 
 def architecture(cfg: Config) -> str:
     """The transformers architecture a model of `cfg` exports as (its ARCHITECTURES key)."""
     m = cfg.model
+    if m.num_experts:
+        return hf_moe.moe_architecture(m)
     facts = dataclasses.asdict(m) | {"add_qkv_bias": m.add_qkv_bias and m.disable_bias_linear}
     mha = m.resolved_query_groups() == m.num_attention_heads and m.head_dim() * m.num_attention_heads == m.hidden_size
     for name, arch in ARCHITECTURES.items():
@@ -171,7 +204,7 @@ def architecture(cfg: Config) -> str:
 def hf_config(arch: str, cfg: Config) -> dict:
     """config.json of the export: every rule's value. The special token ids are unknown (None) until the
     tokenizer names them (export_tokenizer): never transformers' GPT-2 default 50256 outside the vocabulary."""
-    a, m = ARCHITECTURES[arch], cfg.model
+    a, m = _ALL[arch], cfg.model
     config = {"architectures": [a.name], "model_type": a.model_type}
     return config | {rule.key: rule.out(m) for rule in a.rules} | dict.fromkeys(SPECIAL_IDS)
 
@@ -182,7 +215,7 @@ def model_fields(hf: dict) -> tuple:
     if kind is None:
         raise ConfigError(f"config.json model_type {hf.get('model_type')!r}: Ternion imports "
                           f"{', '.join(IMPORTED_TYPES)}")
-    arch = ARCHITECTURES[kind]
+    arch = _ALL[kind]
     values = {**arch.defaults, **{k: v for k, v in hf.items() if v is not None or k not in arch.defaults}}
     if kind != "gpt2" and not values.get("rope_parameters"):  # the format before transformers 5
         values["rope_parameters"] = {**(values.get("rope_scaling") or {}), "rope_theta": values.get("rope_theta", 1e4)}
@@ -202,16 +235,23 @@ def _plan(arch: str, m) -> list:
     if arch == "gpt2":
         return _gpt2_plan(m)
     bias, qkv_bias = not m.disable_bias_linear, not m.disable_bias_linear or m.add_qkv_bias
-    plan = [("model.embed_tokens.weight", "word.weight", None)]
+    plan, moe = [("model.embed_tokens.weight", "word.weight", None)], set(m.moe_layers())
     for i in range(m.num_layers):
         src, dst = f"layers.{i}.", f"model.layers.{i}."
         plan.append((dst + "input_layernorm.weight", src + "norm1.weight", None))
         for kind in ("weight",) + (("bias",) if qkv_bias else ()):
             for j, proj in enumerate(("q_proj", "k_proj", "v_proj")):
                 plan.append((f"{dst}self_attn.{proj}.{kind}", f"{src}attention.qkv.{kind}", ("qkv", j)))
+        if arch == hf_moe.QWEN2_MOE and not qkv_bias:  # its loaders expect q/k/v biases: zeros are exact
+            for j, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+                plan.append((f"{dst}self_attn.{proj}.bias", f"{src}attention.qkv.weight",
+                             ("zero_bias", len(_qkv_rows(m, j)))))
         for kind in ("weight",) + (("bias",) if bias else ()):
             plan.append((f"{dst}self_attn.o_proj.{kind}", f"{src}attention.proj.{kind}", None))
         plan.append((dst + "post_attention_layernorm.weight", src + "norm2.weight", None))
+        if i in moe:
+            plan += hf_moe.moe_plan(arch, m, src, dst)
+            continue
         for kind in ("weight",) + (("bias",) if bias else ()):
             plan.append((f"{dst}mlp.gate_proj.{kind}", f"{src}mlp.fc1.{kind}", ("stack", 0)))
             plan.append((f"{dst}mlp.up_proj.{kind}", f"{src}mlp.fc1.{kind}", ("stack", 1)))
@@ -256,6 +296,8 @@ def _transform(t: torch.Tensor, how, m) -> torch.Tensor:
     if how is None:
         return t
     kind, arg = how
+    if kind in hf_moe.KINDS:
+        return hf_moe.transform(t, how, m)
     if kind == "stack":
         return t[arg]
     if kind == "t":
@@ -271,7 +313,9 @@ def _out_shape(shape: tuple, how, m) -> tuple:
 def _place(full: torch.Tensor, t: torch.Tensor, how, m) -> None:
     """The inverse of `_transform`: put the HF tensor `t` where it came from in our (unpadded) tensor `full`."""
     kind, arg = how or (None, None)
-    if kind == "stack":
+    if kind in hf_moe.KINDS:
+        hf_moe.place(full, t, how, m)
+    elif kind == "stack":
         full[arg].copy_(t)
     elif kind in ("qkv", "qkv_cat", "qkv_cat_t"):
         full.index_copy_(0, _qkv_rows(m, arg if kind == "qkv" else None), t.t() if kind == "qkv_cat_t" else t)
@@ -390,10 +434,10 @@ def _read_json(path: str) -> dict:
 
 
 def sliding_window(hf: dict) -> Optional[int]:
-    """The attention window of a Mistral or Qwen2 config (None: full causal attention)."""
+    """The attention window of a Mistral, Mixtral or Qwen2 config (None: full causal attention)."""
     if hf.get("model_type") == "qwen2" and not hf.get("use_sliding_window"):
         return None
-    return hf.get("sliding_window") if hf.get("model_type") in ("mistral", "qwen2") else None
+    return hf.get("sliding_window") if hf.get("model_type") in ("mistral", "qwen2", "mixtral") else None
 
 
 def imported_config(hf: dict, seq_length: Optional[int] = None) -> tuple:

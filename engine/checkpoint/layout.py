@@ -33,6 +33,24 @@ class LocalTensor:
         return spec_of(self.param).tp_axis
 
     @property
+    def expert(self) -> bool:
+        """A MoE experts tensor: split over the EP group on its expert axis, replicated over tp."""
+        return spec_of(self.param).ep_axis is not None
+
+    @property
+    def split_axis(self) -> Optional[int]:
+        """The axis the checkpoint splits into shards: the expert axis for experts, else the TP axis."""
+        return spec_of(self.param).ep_axis if self.expert else self.tp_axis
+
+    def split(self, ctx) -> tuple:
+        """(shards, this rank's shard) of the stored split: ep for experts, tp otherwise."""
+        return (ctx.ep_size, ctx.ep_rank) if self.expert else (ctx.tp_size, ctx.tp_rank)
+
+    def replica_rank(self, ctx) -> int:
+        """This rank's index among the ranks holding the same slice (dp x cp; dp/ep x cp for experts)."""
+        return ctx.edp_cp_rank if self.expert else ctx.dp_cp_rank
+
+    @property
     def full_shape(self) -> tuple:
         return tuple(spec_of(self.param).full_shape)
 
@@ -51,8 +69,10 @@ def local_tensors(model_chunks: list, ctx) -> list:
             seen.add(id(p))
             spec = spec_of(p)
             name = spec.copy_of or local_name
-            writer = ctx.dp_cp_rank == 0 and spec.copy_of is None and (ctx.tp_rank == 0 or spec.tp_axis is not None)
-            out.append(LocalTensor(c, local_name, name, p, writer))
+            lt = LocalTensor(c, local_name, name, p, False)
+            lt.writer = lt.replica_rank(ctx) == 0 and spec.copy_of is None and (ctx.tp_rank == 0 or
+                                                                               spec.tp_axis is not None)
+            out.append(lt)
     return out
 
 
@@ -63,17 +83,19 @@ def shard_file(kind: str, tp_rank: int, pp_rank: int, dp_rank: Optional[int] = N
     return f"{kind}_tp{tp_rank:02d}_pp{pp_rank:02d}{dp}.safetensors"
 
 
-def model_shard(lt: LocalTensor, dtype: torch.dtype, tp_rank: int, pp_rank: int, file: str) -> ModelShard:
-    """How the metadata describes this rank's slice of one model tensor."""
-    entry = TensorEntry(list(lt.full_shape), str(dtype).removeprefix("torch."), lt.tp_axis, lt.valid_rows, pp_rank,
-                        lt.chunk, [])
-    return ModelShard(entry, tp_rank, file)
+def model_shard(lt: LocalTensor, dtype: torch.dtype, shard: int, pp_rank: int, file: str) -> ModelShard:
+    """How the metadata describes this rank's slice (`shard`: its tp rank, or ep rank for experts) of one
+    model tensor. Experts are stored as one global tensor whose split axis is the global expert id."""
+    entry = TensorEntry(list(lt.full_shape), str(dtype).removeprefix("torch."), lt.split_axis, lt.valid_rows, pp_rank,
+                        lt.chunk, [], "ep" if lt.expert else "tp")
+    return ModelShard(entry, shard, file)
 
 
-def optim_shard(lt: LocalTensor, keys: list, tp_rank: int, file: str, flat_range) -> OptimShard:
+def optim_shard(lt: LocalTensor, keys: list, shard: int, file: str, flat_range) -> OptimShard:
     """How the metadata describes this rank's piece of one parameter's optimizer state."""
-    entry = OptimTensorEntry(list(lt.full_shape), lt.tp_axis, lt.valid_rows, list(keys), [])
-    return OptimShard(entry, tp_rank, OptimPiece(file, list(flat_range)))
+    entry = OptimTensorEntry(list(lt.full_shape), lt.split_axis, lt.valid_rows, list(keys), [],
+                             "ep" if lt.expert else "tp")
+    return OptimShard(entry, shard, OptimPiece(file, list(flat_range)))
 
 
 def tp_bounds(dim: int, tp_size: int, tp_rank: int) -> tuple:

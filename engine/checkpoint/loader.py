@@ -172,7 +172,7 @@ def _open_and_check(path: str, tensors: list, ranges: dict, ctx, model_names, mo
                 continue
             if lt.name not in reader.meta.optimizer_tensors:
                 return None, f"checkpoint {path} has no optimizer state for {lt.name}; load with --no-load-optim"
-            piece = reader.optimizer_piece(lt.name, lt.full_shape, ctx.tp_size, ctx.tp_rank, ranges[lt.local_name])
+            piece = reader.optimizer_piece(lt.name, lt.full_shape, *lt.split(ctx), ranges[lt.local_name])
             needed |= {piece.file} if piece else reader.optimizer_files(lt.name)
     return reader, reader.check_files(needed)
 
@@ -180,7 +180,7 @@ def _open_and_check(path: str, tensors: list, ranges: dict, ctx, model_names, mo
 @torch.no_grad()
 def _load(reader: CheckpointReader, tensors: list, optimizer, ranges: dict, ctx) -> dict:
     for lt in tensors:
-        value = reader.model_slice(lt.name, lt.full_shape, ctx.tp_size, ctx.tp_rank, lt.param.dtype)
+        value = reader.model_slice(lt.name, lt.full_shape, *lt.split(ctx), lt.param.dtype)
         lt.param.detach().copy_(value.view(lt.param.shape))
     if optimizer is not None:
         if ranges and reader.optimizer is not None:
@@ -189,8 +189,8 @@ def _load(reader: CheckpointReader, tensors: list, optimizer, ranges: dict, ctx)
         else:
             optimizer.reload_model_params()
     layout, states = reader.meta.layout, reader.meta.rng
-    same = (layout.tp, layout.pp, layout.dp, layout.vpp, layout.cp) == (ctx.tp_size, ctx.pp_size, ctx.dp_size,
-                                                                       ctx.vpp_size, ctx.cp_size)
+    same = (layout.tp, layout.pp, layout.dp, layout.vpp, layout.cp, layout.ep) == (
+        ctx.tp_size, ctx.pp_size, ctx.dp_size, ctx.vpp_size, ctx.cp_size, ctx.ep_size)
     if same and ctx.rank < len(states) and states[ctx.rank]:
         rng.restore(states[ctx.rank], ctx.rng)
     extra = dict(reader.meta.extra_state)
@@ -212,13 +212,13 @@ class _LazyOptimizerState(Mapping):
 
     def __getitem__(self, local_name: str) -> dict:
         lt, ctx = self.by_local[local_name], self.ctx
-        piece = self.reader.optimizer_piece(lt.name, lt.full_shape, ctx.tp_size, ctx.tp_rank, self.ranges[local_name])
+        piece = self.reader.optimizer_piece(lt.name, lt.full_shape, *lt.split(ctx), self.ranges[local_name])
         entry = {"range": tuple(piece.range) if piece else (0, lt.param.numel())}
         for key in ("exp_avg", "exp_avg_sq", "master"):
             if piece:
                 value = self.reader.read_piece(lt.name, key, piece)
             else:
-                value = self.reader.optimizer_slice(lt.name, key, lt.full_shape, ctx.tp_size, ctx.tp_rank)
+                value = self.reader.optimizer_slice(lt.name, key, lt.full_shape, *lt.split(ctx))
             if value is not None:
                 entry[key] = value.reshape(-1)
         return entry

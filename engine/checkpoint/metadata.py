@@ -27,6 +27,7 @@ class TensorEntry:
     pp_rank: int
     vpp_chunk: int
     shards: list
+    split: str = "tp"  # what tp_axis is split over: "tp", or "ep" for MoE experts (shards by ep rank)
 
 
 @dataclass
@@ -43,6 +44,7 @@ class OptimTensorEntry:
     valid_rows: Optional[int]
     keys: list  # which of exp_avg, exp_avg_sq, master are saved
     shards: list  # [[OptimPiece, ...] per tp shard]
+    split: str = "tp"
 
     @classmethod
     def from_json(cls, d: dict) -> "OptimTensorEntry":
@@ -59,6 +61,7 @@ class SavedLayout:
     distributed_optimizer: bool
     stage_layers: list  # [pp rank][vpp chunk] -> global layer ids
     cp: int = 1  # context-parallel size (weights replicated over it; optimizer shards over dp x cp)
+    ep: int = 1  # expert-parallel size (experts split over it; their optimizer shards over dp/ep x cp)
 
 
 @dataclass
@@ -152,14 +155,17 @@ class CheckpointMeta:
         extra = json.loads(json.dumps(extra_state or {}))  # a JSON round trip: fail now, not in the writer thread
         opt = next((p.optimizer for p in parts if p.optimizer is not None), None)
         layout = SavedLayout(ctx.tp_size, ctx.pp_size, ctx.vpp_size, ctx.dp_size, ctx.world_size,
-                             bool(opt and opt.distributed), _stage_layers(tensors, ctx.pp_size), ctx.cp_size)
+                             bool(opt and opt.distributed), _stage_layers(tensors, ctx.pp_size), ctx.cp_size,
+                             ctx.ep_size)
         return cls(FORMAT, VERSION, iteration, extra.get("consumed_samples"), layout, config,
                    next((e.valid_rows for e in tensors.values() if e.valid_rows), None), extra, opt, tensors, optim,
                    [p.rng for p in sorted(parts, key=lambda p: p.rank)], {}, time.time())
 
 
 def _parts(entry, ctx) -> int:
-    return 1 if entry.tp_axis is None else ctx.tp_size
+    if entry.tp_axis is None:
+        return 1
+    return ctx.ep_size if entry.split == "ep" else ctx.tp_size
 
 
 def _stage_layers(tensors: dict, pp: int) -> list:

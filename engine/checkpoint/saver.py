@@ -71,26 +71,28 @@ def _copy(t: torch.Tensor, copy: bool) -> torch.Tensor:
 def _snapshot(model_chunks: list, optimizer, ctx, copy: bool) -> tuple:
     """({file: [(key, tensor)]} this rank writes, the RankPart rank 0 builds the metadata from)."""
     t, d, p = ctx.tp_rank, ctx.dp_cp_rank, ctx.pp_rank  # d: the optimizer shard (dp x cp replica)
-    model_file, shards, part = shard_file("model", t, p), {}, RankPart(ctx.rank)
+    # Model files hold experts too: an EP rank's experts are written by its own dp x cp replica.
+    model_file = shard_file("model", t, p, d if ctx.ep_size > 1 else None)
+    shards, part = {}, RankPart(ctx.rank)
     tensors = local_tensors(model_chunks, ctx)
     for lt in tensors:
         if lt.writer:
             shards.setdefault(model_file, []).append((lt.name, _copy(lt.param, copy)))
-            part.model[lt.name] = model_shard(lt, lt.param.dtype, t, p, model_file)
+            part.model[lt.name] = model_shard(lt, lt.param.dtype, lt.split(ctx)[1], p, model_file)
     if optimizer is not None:
         state = optimizer.state_dict()
         distributed = bool(state["distributed"])
-        optim_file = shard_file("optim", t, p, d if distributed else None)
+        optim_file = shard_file("optim", t, p, d if distributed or ctx.ep_size > 1 else None)
         by_local = {lt.local_name: lt for lt in tensors}
         for local_name, entry in state["params"].items():
             lt = by_local[local_name]
             shared_copy = lt.name != lt.local_name
-            if shared_copy or (lt.tp_axis is None and t != 0) or (not distributed and d != 0):
+            if shared_copy or (lt.tp_axis is None and t != 0) or (not distributed and lt.replica_rank(ctx) != 0):
                 continue
             keys = [k for k in ("exp_avg", "exp_avg_sq", "master") if k in entry]
             for k in keys:
                 shards.setdefault(optim_file, []).append((f"{lt.name}/{k}", _copy(entry[k].reshape(-1), copy)))
-            part.optim[lt.name] = optim_shard(lt, keys, t, optim_file, entry["range"])
+            part.optim[lt.name] = optim_shard(lt, keys, lt.split(ctx)[1], optim_file, entry["range"])
         part.optimizer = OptimizerMeta(distributed, int(state["step"]), state["scaler"])
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()  # the pinned device-to-host copies above are asynchronous

@@ -8,7 +8,8 @@ the groups that hold different pieces:
 - pp: stages hold different layers and are summed; the last stage's copy of the embedding tied across
   stages (`copy_of` in its spec) does not count, the first stage's original does.
 - dp (with cp: the dp x cp replicas): replicas hold the same reduced gradients, except under the
-  distributed optimizer, where each holds its own shard and the shards are summed.
+  distributed optimizer, where each holds its own shard and the shards are summed;
+- MoE experts: EP ranks hold different experts (summed over ep); their replicas are the dp/ep x cp ranks.
 """
 from __future__ import annotations
 
@@ -25,19 +26,33 @@ def counts_toward_norm(p, ctx) -> bool:
     return spec.copy_of is None and (spec.tp_axis is not None or ctx.tp_rank == 0)
 
 
-def global_grad_norm(grads: list, ctx, *, sharded_over_dp: bool, device) -> float:
-    """L2 norm of the whole model's gradient; `grads` are this rank's counted pieces (inf/nan propagate)."""
+def _square_sum(grads: list, device) -> torch.Tensor:
     if grads:
-        sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum()
-    else:
-        sq = torch.zeros((), dtype=torch.float32, device=device)
+        return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum()
+    return torch.zeros((), dtype=torch.float32, device=device)
+
+
+def global_grad_norm(grads: list, ctx, *, sharded_over_dp: bool, device, expert_grads=None) -> float:
+    """L2 norm of the whole model's gradient; `grads` are this rank's counted pieces (inf/nan propagate).
+
+    `expert_grads`: the counted pieces of MoE experts (None: the model has none on this stage). Each EP
+    rank holds other experts, so their squares are summed over the EP group, and over the experts'
+    replicas when sharded, before joining the rest."""
+    sq = _square_sum(grads, device)
+    if sharded_over_dp and ctx.dp_cp_size > 1:
+        comm.all_reduce(sq, group=ctx.dp_cp_group)
+    if expert_grads is not None:
+        esq = _square_sum(expert_grads, device)
+        if ctx.ep_size > 1:
+            comm.all_reduce(esq, group=ctx.ep_group)
+        if sharded_over_dp and ctx.edp_cp_size > 1:
+            comm.all_reduce(esq, group=ctx.edp_cp_group)
+        sq = sq + esq
     mp_group = getattr(ctx, "mp_group", None)
     if mp_group is not None:
         groups = [(mp_group, ctx.tp_size * ctx.pp_size)]
     else:
         groups = [(ctx.tp_group, ctx.tp_size), (ctx.pp_group, ctx.pp_size)]
-    if sharded_over_dp:
-        groups.append((ctx.dp_cp_group, ctx.dp_cp_size))
     for group, size in groups:
         if size > 1:
             comm.all_reduce(sq, group=group)

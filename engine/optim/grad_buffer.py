@@ -45,13 +45,19 @@ class Bucket:
 
 class GradBuffer:
     def __init__(self, model_chunks: list, ctx, *, distributed: bool, overlap: bool,
-                 bucket_numel: int = DEFAULT_BUCKET_NUMEL):
+                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, experts: bool = False):
+        """`experts`: hold the MoE experts' parameters (ParamSpec.ep_axis set) instead of all the others."""
         self.ctx = ctx
         self.distributed = distributed
         self.overlap = overlap
+        self.experts = experts
         # Replicas of these weights: dp x cp ranks (CP ranks hold the same weights and add their positions'
-        # gradients). The distributed optimizer shards over all of them.
-        self.replicas, self.replica_rank = ctx.dp_cp_size, ctx.dp_cp_rank
+        # gradients), or for experts the dp/ep x cp ranks holding the same experts. The distributed
+        # optimizer shards over all of them.
+        if experts:
+            self.replicas, self.replica_rank, self.group = ctx.edp_cp_size, ctx.edp_cp_rank, ctx.edp_cp_group
+        else:
+            self.replicas, self.replica_rank, self.group = ctx.dp_cp_size, ctx.dp_cp_rank, ctx.dp_cp_group
         self.params: list = []
         self.offsets: list = []
         self.buckets: list = []
@@ -90,7 +96,7 @@ class GradBuffer:
         # Reverse order approximates the order in which backward completes gradients.
         for chunk in reversed(model_chunks):
             for p in reversed(list(chunk.parameters())):
-                if not p.requires_grad or id(p) in seen:
+                if not p.requires_grad or id(p) in seen or (spec_of(p).ep_axis is not None) != self.experts:
                     continue
                 seen.add(id(p))
                 alone = spec_of(p).tied
@@ -138,12 +144,14 @@ class GradBuffer:
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
+        # The loss is already averaged over microbatches; average over dp too. CP ranks' parts add up (each
+        # rank's loss is its positions' share of the mean), so they are summed, not averaged; so are the
+        # parts an expert's owner got from the other ranks of its EP group (already inside its gradient).
+        if self.ctx.dp_size > 1:
+            bucket.data.div_(self.ctx.dp_size)
         if self.replicas == 1:
             return
-        # The loss is already averaged over microbatches; average over dp too. CP ranks' parts add up (each
-        # rank's loss is its positions' share of the mean), so they are summed, not averaged.
-        bucket.data.div_(self.ctx.dp_size)
-        group = self.ctx.dp_cp_group
+        group = self.group
         if self.distributed:
             lo, hi = self.shard_bounds(bucket)
             bucket.work = comm.reduce_scatter_into(bucket.data[lo:hi], bucket.data, group=group, async_op=True)

@@ -15,10 +15,12 @@ tensors over `range`. `load_state_dict` accepts either the same ranges or whole 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 
+from engine.moe.layer import set_aux_loss_scale
 from engine.optim import adamw
 from engine.optim.clip import clip_coefficient, counts_toward_norm, global_grad_norm
 from engine.optim.grad_buffer import DEFAULT_BUCKET_NUMEL, GradBuffer
@@ -31,6 +33,7 @@ class StepResult:
     updated: bool      # False when the step was skipped for inf/nan gradients
     grad_norm: float   # global L2 norm before clipping, loss scale removed
     loss_scale: float  # the scale the next step's loss is multiplied by
+    metrics: dict = field(default_factory=dict)  # what the grad-sync hook reported (MoE statistics)
 
 
 @dataclass
@@ -41,6 +44,7 @@ class _Entry:
     end: int
     master: torch.Tensor
     owns_master: bool
+    buffer: GradBuffer
 
 
 def param_names(model_chunks: list) -> dict:
@@ -58,26 +62,23 @@ def param_names(model_chunks: list) -> dict:
 
 
 class Optimizer:
-    def __init__(self, cfg, model_chunks: list, ctx, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
+    def __init__(self, cfg, model_chunks: list, ctx, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+                 after_grad_sync: Optional[Callable[[], dict]] = None):
+        """`after_grad_sync`: called by every rank once the gradients are reduced (Megatron's finalize step:
+        the MoE statistics and expert-bias update); the dict it returns is the step's `metrics`."""
         par, opt = cfg.parallel, cfg.optim
-        self.ctx = ctx
+        self.ctx, self.after_grad_sync, self._metrics = ctx, after_grad_sync, {}
         self.distributed = par.use_distributed_optimizer
         self.clip_grad = opt.clip_grad
         self.scaler = LossScaler.from_config(cfg.training)
+        # Dense parameters reduce (and shard) over dp x cp; MoE experts over their own replicas (engine.moe).
         self.buffer = GradBuffer(model_chunks, ctx, distributed=self.distributed,
                                  overlap=par.overlap_grad_reduce, bucket_numel=bucket_numel)
+        self.expert_buffer = GradBuffer(model_chunks, ctx, distributed=self.distributed, overlap=par.overlap_grad_reduce,
+                                        bucket_numel=bucket_numel, experts=True)
+        self.buffers = [b for b in (self.buffer, self.expert_buffer) if b.params or b is self.buffer]
         self.steps = 0
-        names = param_names(model_chunks)
-        self._entries = []
-        for p in self.buffer.params:
-            r = self.buffer.local_range(p)
-            if r is None:
-                continue
-            flat = p.detach().view(-1)
-            owns = self.distributed or p.dtype != torch.float32
-            master = flat[r[0]:r[1]].to(torch.float32, copy=True) if owns else flat
-            master.grad = p.main_grad.view(-1)[r[0]:r[1]]
-            self._entries.append(_Entry(names[id(p)], p, r[0], r[1], master, owns))
+        self._entries = self._make_entries(param_names(model_chunks))
         groups = [dict(params=[e.master for e in self._entries if e.param.ndim >= 2], weight_decay=opt.weight_decay),
                   dict(params=[e.master for e in self._entries if e.param.ndim < 2], weight_decay=0.0)]
         groups = [g for g in groups if g["params"]]
@@ -86,41 +87,63 @@ class Optimizer:
                                      device=self.buffer.data.device) if groups else None
         self._gather_out = {}
 
+    def _make_entries(self, names: dict) -> list:
+        entries = []
+        for buffer in self.buffers:
+            for p in buffer.params:
+                r = buffer.local_range(p)
+                if r is None:
+                    continue
+                flat = p.detach().view(-1)
+                owns = self.distributed or p.dtype != torch.float32
+                master = flat[r[0]:r[1]].to(torch.float32, copy=True) if owns else flat
+                master.grad = p.main_grad.view(-1)[r[0]:r[1]]
+                entries.append(_Entry(names[id(p)], p, r[0], r[1], master, owns, buffer))
+        return entries
+
     # --- the step, in the order the trainer calls it -------------------------------------------
     def start_step(self, num_microbatches: int) -> None:
-        """Zero the main grads and expect `num_microbatches` backward passes before the reduction."""
-        self.buffer.start_step(num_microbatches)
+        """Zero the main grads and expect `num_microbatches` backward passes before the reduction; the MoE
+        balancing losses' gradients are scaled like the LM loss's (1/microbatches x the loss scale)."""
+        for buffer in self.buffers:
+            buffer.start_step(num_microbatches)
+        set_aux_loss_scale(self.scaler.scale / num_microbatches)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         scale = self.scaler.scale
         return loss * scale if scale != 1.0 else loss
 
     def finish_grad_sync(self) -> None:
-        self.buffer.finish()
+        for buffer in self.buffers:
+            buffer.finish()
+        self._metrics = self.after_grad_sync() if self.after_grad_sync is not None else {}
 
     def step(self, lr: float, loss_is_finite: bool = True) -> StepResult:
         """Clip and update at learning rate `lr`, or skip: a non-finite loss skips outright (its gradients
         cannot be trusted even when their norm is finite), a non-finite gradient norm through the scaler."""
-        scale = self.scaler.scale
+        scale, metrics = self.scaler.scale, self._metrics
         if not loss_is_finite:
-            return StepResult(False, float("nan"), scale)
+            return StepResult(False, float("nan"), scale, metrics)
         counted = [e.master.grad for e in self._entries if counts_toward_norm(e.param, self.ctx)]
-        norm = global_grad_norm(counted, self.ctx, sharded_over_dp=self.distributed,
-                                device=self.buffer.data.device) / scale
+        experts = [e.master.grad for e in self._entries if e.buffer.experts and counts_toward_norm(e.param, self.ctx)]
+        dense = [g for g in counted if not any(g is x for x in experts)]
+        norm = global_grad_norm(dense, self.ctx, sharded_over_dp=self.distributed, device=self.buffer.data.device,
+                                expert_grads=experts if len(self.buffers) > 1 else None) / scale
         found_inf = not math.isfinite(norm)
         self.scaler.update(found_inf)
         if found_inf:
-            return StepResult(False, norm, self.scaler.scale)
+            return StepResult(False, norm, self.scaler.scale, metrics)
         factor = clip_coefficient(norm, self.clip_grad) / scale
         if factor != 1.0:
-            self.buffer.scale_local_grads(factor)
+            for buffer in self.buffers:
+                buffer.scale_local_grads(factor)
         if self.adam is not None:
             for group in self.adam.param_groups:
                 group["lr"] = lr
             self.adam.step()
         self.steps += 1
         self._publish()
-        return StepResult(True, norm, self.scaler.scale)
+        return StepResult(True, norm, self.scaler.scale, metrics)
 
     def _publish(self) -> None:
         """Copy the updated masters into the model's parameters (all-gathered over dp when sharded)."""
@@ -129,24 +152,29 @@ class Optimizer:
                 if e.owns_master:
                     e.param.detach().view(-1).copy_(e.master)
             return
+        for buffer in self.buffers:
+            self._publish_sharded(buffer)
+
+    def _publish_sharded(self, buffer: GradBuffer) -> None:
         by_bucket = {}
         for e in self._entries:
-            bucket, off = self.buffer.offset_in_bucket(e.param)
-            by_bucket.setdefault(bucket.index, []).append((e, off))
-        for bucket in self.buffer.buckets:
+            if e.buffer is buffer:
+                bucket, off = buffer.offset_in_bucket(e.param)
+                by_bucket.setdefault(bucket.index, []).append((e, off))
+        for bucket in buffer.buckets:
             out = self._gather_buffer(bucket)
-            lo, hi = self.buffer.shard_bounds(bucket)
+            lo, hi = buffer.shard_bounds(bucket)
             for e, off in by_bucket.get(bucket.index, []):
                 out[off + e.start:off + e.end].copy_(e.master)
-            if self.buffer.replicas > 1:
-                comm.all_gather_into(out, out[lo:hi], group=self.ctx.dp_cp_group)
+            if buffer.replicas > 1:
+                comm.all_gather_into(out, out[lo:hi], group=buffer.group)
             for p in bucket.params:
-                _, off = self.buffer.offset_in_bucket(p)
+                _, off = buffer.offset_in_bucket(p)
                 p.detach().view(-1).copy_(out[off:off + p.numel()])
 
     def _gather_buffer(self, bucket) -> torch.Tensor:
         """One reusable all-gather target per dtype, as large as the largest bucket of that dtype."""
-        size = max(b.size for b in self.buffer.buckets if b.dtype == bucket.dtype)
+        size = max(b.size for buffer in self.buffers for b in buffer.buckets if b.dtype == bucket.dtype)
         buf = self._gather_out.get(bucket.dtype)
         if buf is None:
             buf = self._gather_out[bucket.dtype] = torch.empty(size, dtype=bucket.dtype, device=self.buffer.data.device)

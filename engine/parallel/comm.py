@@ -13,6 +13,7 @@ the standard ring algorithms. With n ranks in the group:
     all-gather producing N bytes in all        (n-1)/n * N   ((n-1) times this rank's input)
     reduce-scatter of an N-byte input          (n-1)/n * N   ((n-1) times this rank's output)
     broadcast of N bytes                       N on the source rank, 0 elsewhere
+    all-to-all                                 the rows this rank sends to the others
     point-to-point send / receive of N bytes   N / 0
 A group of one rank sends nothing (recorded with 0). Calls are recorded when they are started, async or
 not; object collectives and barriers (control traffic, outside the training step) are not counted.
@@ -34,7 +35,7 @@ ReduceOp = dist.ReduceOp
 @dataclass(frozen=True)
 class CommRecord:
     """One collective or transfer seen by `counting()`."""
-    op: str          # all_reduce | all_gather | reduce_scatter | broadcast | send | recv
+    op: str          # all_reduce | all_gather | reduce_scatter | all_to_all | broadcast | send | recv
     group: object    # the process group it ran on; None: the default group
     group_size: int
     payload: int     # bytes: the reduced tensor, the gathered output, the scattered input, the message
@@ -120,6 +121,18 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group=None, op=Red
         _record("reduce_scatter", inp, group)
     with _quiet():
         return dist.reduce_scatter_tensor(out, inp.contiguous(), op=op, group=group, async_op=async_op)
+
+
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_splits: list, group=None):
+    """Rank i sends rows [sum(in_splits[:j]), +in_splits[j]) of `inp` to rank j of `group` and receives
+    out_splits[j] rows from rank j, in rank order, into `out` (uneven splits; gloo supports them on CPU)."""
+    if _counter is not None:
+        row = inp[0].numel() * inp.element_size() if inp.shape[0] else 0
+        me = rank(group)
+        sent = float(sum(n for j, n in enumerate(in_splits) if j != me) * row)
+        _counter.records.append(CommRecord("all_to_all", group, world_size(group), inp.numel() * inp.element_size(),
+                                           sent))
+    return dist.all_to_all_single(out, inp.contiguous(), list(out_splits), list(in_splits), group=group)
 
 
 def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False):

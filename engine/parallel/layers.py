@@ -35,6 +35,8 @@ class ParamSpec:
     copy_of: Optional[str] = None       # the last stage's copy of this parameter: stored and counted there once
     sp_partial_grad: bool = False       # replicated, but each TP rank's gradient covers only its sequence slice
                                         # under sequence parallelism: summed over TP by the gradient code
+    ep_axis: Optional[int] = None       # experts: the axis (of global expert ids) split over the EP group;
+                                        # reduced over the experts' replicas (edp x cp), not dp x cp
 
 
 def spec_of(p) -> ParamSpec:
@@ -49,6 +51,9 @@ def make_param(full_shape, tp_axis, ctx, init, device=None, dtype=None, **spec) 
     if tp_axis is not None:
         assert shape[tp_axis] % ctx.tp_size == 0, (full_shape, tp_axis, ctx.tp_size)
         shape[tp_axis] //= ctx.tp_size
+    if spec.get("ep_axis") is not None:
+        assert shape[spec["ep_axis"]] % ctx.ep_size == 0, (full_shape, ctx.ep_size)
+        shape[spec["ep_axis"]] //= ctx.ep_size
     p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
     p.spec = ParamSpec(tuple(full_shape), tp_axis, init, **spec)
     return p
@@ -84,12 +89,20 @@ def tp_slice(full: torch.Tensor, tp_axis, ctx) -> torch.Tensor:
     return full.chunk(ctx.tp_size, dim=tp_axis)[ctx.tp_rank]
 
 
+def local_slice(full: torch.Tensor, spec: ParamSpec, ctx) -> torch.Tensor:
+    """This rank's part of a full tensor: its TP slice, and its experts under expert parallelism."""
+    full = tp_slice(full, spec.tp_axis, ctx)
+    if spec.ep_axis is None or ctx.ep_size == 1:
+        return full
+    return full.chunk(ctx.ep_size, dim=spec.ep_axis)[ctx.ep_rank]
+
+
 @torch.no_grad()
 def init_weights(module: nn.Module, ctx, seed: int) -> None:
     for name, p in module.named_parameters():
         if p.device.type == "meta":
             continue
-        p.copy_(tp_slice(full_init_tensor(p, name, seed), spec_of(p).tp_axis, ctx))
+        p.copy_(local_slice(full_init_tensor(p, name, seed), spec_of(p), ctx))
 
 
 class ColumnParallelLinear(nn.Module):

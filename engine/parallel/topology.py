@@ -3,8 +3,11 @@
 Megatron's order: tp varies fastest, then cp, then dp, then pp, so a TP group is a run of adjacent ranks
 on one node (NVLink), a context-parallel ring stays on the node while tp x cp fits in it, and pipeline
 neighbours are a whole tp*cp*dp block apart. CP ranks hold replicas of the weights, like dp ranks: the
-gradients are reduced, and the distributed optimizer shards, over the dp x cp group ("dp_cp"). Every
-group is derived from `rank_grid`, a pure function the tests check without any process group.
+gradients are reduced, and the distributed optimizer shards, over the dp x cp group ("dp_cp").
+Expert parallelism is carved from dp (Megatron's layout): each run of ep consecutive dp ranks ("ep")
+splits every MoE layer's experts and exchanges tokens all-to-all; an expert's replicas are the dp ranks
+ep apart, times cp ("edp_cp"), which is where expert gradients are reduced and expert optimizer state
+sharded. Every group is derived from `rank_grid`, a pure function the tests check without any process group.
 """
 from __future__ import annotations
 
@@ -18,12 +21,14 @@ from engine.parallel import comm, context_split
 from engine.parallel.random import RNGTracker
 
 
-def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1) -> dict:
-    """Global-rank lists of every group kind: tp, cp, dp, dp_cp, pp, mp (tp x pp) and embedding (first+last stage)."""
+def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> dict:
+    """Global-rank lists of every group kind: tp, cp, dp, dp_cp, ep, edp_cp, pp, mp (tp x pp) and embedding
+    (first+last stage)."""
     check_world_size(world_size, tp, pp, cp)
     dp = world_size // (tp * cp * pp)
+    assert dp % ep == 0, f"ep {ep} must divide dp {dp}"  # validated with one line in engine.config
     rank = lambda t, c, d, p: t + tp * (c + cp * (d + dp * p))  # noqa: E731 - the layout in one line
-    T, C, D, P = range(tp), range(cp), range(dp), range(pp)
+    T, C, D, P, E, K = range(tp), range(cp), range(dp), range(pp), range(ep), range(dp // ep)
     grid = {
         "tp": [[rank(t, c, d, p) for t in T] for p in P for d in D for c in C],
         "cp": [[rank(t, c, d, p) for c in C] for p in P for d in D for t in T],
@@ -31,6 +36,8 @@ def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1) -> dict:
         "dp_cp": [[rank(t, c, d, p) for d in D for c in C] for p in P for t in T],
         "pp": [[rank(t, c, d, p) for p in P] for d in D for c in C for t in T],
         "mp": [[rank(t, c, d, p) for p in P for t in T] for d in D for c in C],
+        "ep": [[rank(t, c, k * ep + e, p) for e in E] for p in P for k in K for c in C for t in T],
+        "edp_cp": [[rank(t, c, k * ep + e, p) for k in K for c in C] for p in P for e in E for t in T],
     }
     grid["embedding"] = [sorted({g[0], g[-1]}) for g in grid["pp"]]
     return grid
@@ -56,6 +63,7 @@ class ParallelContext:
     pp_size: int = 1
     dp_size: int = 1
     cp_size: int = 1
+    ep_size: int = 1
     vpp_size: int = 1
     sequence_parallel: bool = False
     cp_comm_type: str = "p2p"  # how attention reaches the other CP ranks' K/V (engine.parallel.ring_attention)
@@ -66,11 +74,14 @@ class ParallelContext:
     embedding_group: object = None
     cp_group: object = None
     dp_cp_group: object = None  # gradients and optimizer shards: the dp group itself when cp is 1
+    ep_group: object = None
+    edp_cp_group: object = None  # expert gradients and optimizer shards: dp_cp_group when ep is 1
     pp_ranks: list = field(default_factory=lambda: [0])
     tp_ranks: list = field(default_factory=lambda: [0])
     dp_ranks: list = field(default_factory=lambda: [0])
     cp_ranks: list = field(default_factory=lambda: [0])
     dp_cp_ranks: list = field(default_factory=lambda: [0])
+    ep_ranks: list = field(default_factory=lambda: [0])
     rng: object = None  # engine.parallel.random.RNGTracker, set by build_context / the trainer
 
     def _coords(self) -> tuple:
@@ -100,6 +111,19 @@ class ParallelContext:
     @property
     def dp_cp_rank(self) -> int:
         return self.cp_rank + self.cp_size * self.dp_rank
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.ep_size
+
+    @property
+    def edp_cp_size(self) -> int:
+        """Replicas of this rank's experts: expert gradients are reduced, and their optimizer state sharded, over them."""
+        return self.dp_cp_size // self.ep_size
+
+    @property
+    def edp_cp_rank(self) -> int:
+        return self.cp_rank + self.cp_size * (self.dp_rank // self.ep_size)
 
     @property
     def is_first_stage(self) -> bool:
@@ -148,22 +172,24 @@ class ParallelContext:
     @classmethod
     def virtual(cls, tp: int = 1, pp: int = 1, dp: int = 1, vpp: int = 1, tp_rank: int = 0, pp_rank: int = 0,
                 dp_rank: int = 0, sequence_parallel: bool = False, cp: int = 1,
-                cp_rank: int = 0) -> "ParallelContext":
+                cp_rank: int = 0, ep: int = 1) -> "ParallelContext":
         """A context with coordinates but no process groups: for building shapes (meta device, planners)."""
         rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
         world = tp * cp * pp * dp
-        ctx = cls(world_size=world, rank=rank, tp_size=tp, pp_size=pp, dp_size=dp, cp_size=cp, vpp_size=vpp,
-                  sequence_parallel=sequence_parallel and tp > 1)
-        ctx._fill_ranks(rank_grid(world, tp, pp, cp))
+        ctx = cls(world_size=world, rank=rank, tp_size=tp, pp_size=pp, dp_size=dp, cp_size=cp, ep_size=ep,
+                  vpp_size=vpp, sequence_parallel=sequence_parallel and tp > 1)
+        ctx._fill_ranks(rank_grid(world, tp, pp, cp, ep))
         return ctx
 
     def _fill_ranks(self, grid: dict) -> None:
         mine = lambda kind: next(g for g in grid[kind] if self.rank in g)  # noqa: E731
         self.tp_ranks, self.dp_ranks, self.pp_ranks = mine("tp"), mine("dp"), mine("pp")
-        self.cp_ranks, self.dp_cp_ranks = mine("cp"), mine("dp_cp")
+        self.cp_ranks, self.dp_cp_ranks, self.ep_ranks = mine("cp"), mine("dp_cp"), mine("ep")
 
     def destroy(self) -> None:
         """Release the subgroups this context made (the default group stays)."""
+        if self.edp_cp_group is self.dp_cp_group:
+            self.edp_cp_group = None
         if self.dp_cp_group is self.dp_group:
             self.dp_cp_group = None
         for name in GROUPS.values():
@@ -172,25 +198,28 @@ class ParallelContext:
 
 
 # The group kinds of `rank_grid` a context keeps, and the attribute each is kept in. cp and dp_cp are
-# made only when cp > 1 (with cp 1 there is no CP group, and dp x cp is the dp group).
+# made only when cp > 1 (with cp 1 there is no CP group, and dp x cp is the dp group); ep and edp_cp only
+# when ep > 1 (with ep 1 the experts' replicas are the dp x cp group).
 GROUPS = {"tp": "tp_group", "dp": "dp_group", "pp": "pp_group", "mp": "mp_group", "embedding": "embedding_group",
-          "cp": "cp_group", "dp_cp": "dp_cp_group"}
+          "cp": "cp_group", "dp_cp": "dp_cp_group", "ep": "ep_group", "edp_cp": "edp_cp_group"}
+_ONLY_WHEN = {"cp": "cp", "dp_cp": "cp", "ep": "ep", "edp_cp": "ep"}
 
 
 def build_context(world_size: int, rank: int, tp: int, pp: int, *, vpp: int = 1, sequence_parallel: bool = False,
                   gpus_per_node: Optional[int] = None, timeout_minutes: Optional[float] = None,
                   seed: int = 1234, device_type: str = "cpu", cp: int = 1,
-                  cp_comm_type: str = "p2p") -> ParallelContext:
+                  cp_comm_type: str = "p2p", ep: int = 1) -> ParallelContext:
     """Make every group (each rank takes part in all new_group calls, in one order) and the RNG tracker."""
     check_tp_fits_node(tp, gpus_per_node)  # callers other than the launcher skip validate
-    grid = rank_grid(world_size, tp, pp, cp)
+    grid = rank_grid(world_size, tp, pp, cp, ep)
     ctx = ParallelContext(world_size=world_size, rank=rank, tp_size=tp, pp_size=pp,
-                          dp_size=world_size // (tp * cp * pp), cp_size=cp, vpp_size=vpp,
+                          dp_size=world_size // (tp * cp * pp), cp_size=cp, ep_size=ep, vpp_size=vpp,
                           sequence_parallel=sequence_parallel and tp > 1, cp_comm_type=cp_comm_type)
     ctx._fill_ranks(grid)
     timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes else None
+    sizes = {"cp": cp, "ep": ep}
     for kind, attr in GROUPS.items():
-        if cp == 1 and kind in ("cp", "dp_cp"):
+        if kind in _ONLY_WHEN and sizes[_ONLY_WHEN[kind]] == 1:
             continue
         for ranks in grid[kind]:
             group = comm.new_group(ranks, timeout=timeout)
@@ -198,6 +227,8 @@ def build_context(world_size: int, rank: int, tp: int, pp: int, *, vpp: int = 1,
                 setattr(ctx, attr, group)
     if cp == 1:
         ctx.dp_cp_group = ctx.dp_group
+    if ep == 1:
+        ctx.edp_cp_group = ctx.dp_cp_group
     if pp == 1:
         ctx.embedding_group = None  # nothing to tie across stages
     ctx.rng = RNGTracker.for_context(ctx, seed, device_type)

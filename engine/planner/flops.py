@@ -12,6 +12,10 @@ s×s matrix (4·b·s²·h forward FLOPs per layer), not half of it for the causa
 convention of the published numbers the layout planner is checked against (Megatron papers, PaLM's
 MFU appendix); the trainer's MFU log line and the planner both use this module, so they agree.
 
+Mixture of experts: a token goes through its top-k routed experts, the shared expert and the router
+(2·h·E) of an MoE layer, so its FLOPs count the *activated* parameters (Mixtral 8x7B: ~12.9B of 46.7B),
+not all of them; dense layers count as above. Token dropping (a capacity factor) is not subtracted.
+
 "Model FLOPs" never include recomputation; "hardware FLOPs" add the recomputed forward work
 (full recomputation: the whole transformer forward again, giving Narayanan's
 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)); selective: the attention core forward again).
@@ -69,19 +73,42 @@ def detect_gpu(device_name: str) -> Optional[GPUSpec]:
     return None
 
 
-def layer_matmul_params(model: ModelConfig) -> int:
-    """Weights of one layer's four matrix multiplies (QKV, attention output, fc1, fc2)."""
+def _mlp_matmul_params(model: ModelConfig, ffn: int) -> int:
+    """Weights of an MLP of width `ffn`: fc1 (gate and up with SwiGLU) and fc2."""
+    return (3 if model.swiglu else 2) * model.hidden_size * ffn
+
+
+def layer_matmul_params(model: ModelConfig, moe: bool = False) -> int:
+    """Weights one token multiplies by in one layer: QKV, attention output and the MLP (fc1, fc2); in an MoE
+    layer (`moe`) the MLP is its top-k routed experts, the shared expert and the router instead."""
     h, d = model.hidden_size, model.head_dim()
     nq, nkv = model.num_attention_heads, model.resolved_query_groups()
-    ffn = model.resolved_ffn_hidden_size()
-    mlp_in = 2 * ffn if model.swiglu else ffn
-    return h * (nq + 2 * nkv) * d + nq * d * h + mlp_in * h + ffn * h
+    attention = h * (nq + 2 * nkv) * d + nq * d * h
+    if not moe:
+        return attention + _mlp_matmul_params(model, model.resolved_ffn_hidden_size())
+    routed = model.moe_router_topk * _mlp_matmul_params(model, model.resolved_moe_ffn_hidden_size())
+    shared = _mlp_matmul_params(model, model.moe_shared_expert_intermediate_size or 0)
+    return attention + routed + shared + h * model.num_experts
+
+
+def activated_params(model: ModelConfig) -> int:
+    """Parameters one token uses: per layer the matrices of `layer_matmul_params` and the two norms, plus
+    the whole embedding, the final norm and the output layer (once when tied), as published "active
+    parameter" figures count them (biases left out). Mixtral 8x7B: 12.9B (Jiang et al. 2024, arXiv:2401.04088);
+    DeepSeek-V3: 37B (arXiv:2412.19437)."""
+    h, moe = model.hidden_size, set(model.moe_layers())
+    norm = h * (2 if model.normalization == "LayerNorm" else 1)
+    layers = sum(layer_matmul_params(model, i in moe) + 2 * norm for i in range(model.num_layers))
+    embeddings = model.padded_vocab_size() * h * (2 if model.untie_embeddings_and_output_weights else 1)
+    return layers + norm + embeddings
 
 
 def forward_flops_per_sequence(model: ModelConfig, seq_length: int, tp: int = 1) -> dict:
     """Forward FLOPs of one sequence, split into the parts recomputation treats differently."""
     s, l = seq_length, model.num_layers
-    linear = 2 * s * layer_matmul_params(model) * l
+    n_moe = len(model.moe_layers())
+    matmul = (l - n_moe) * layer_matmul_params(model) + n_moe * layer_matmul_params(model, moe=True)
+    linear = 2 * s * matmul
     attention = 4 * s * s * model.num_attention_heads * model.head_dim() * l  # full s², see module doc
     logits = 2 * s * model.hidden_size * model.padded_vocab_size(tp)
     return {"linear": linear, "attention": attention, "logits": logits}

@@ -6,6 +6,12 @@ column-parallel, attention output and fc2 row-parallel with their biases replica
 and the output layer [V_pad, h] on the last stage (when the embedding is tied and pp > 1, the last
 stage holds its own copy of the embedding).
 
+Mixture of experts (engine/moe, engine/model.py `moe_block`): an MoE layer keeps the norms and attention of
+a dense one; its router [E, h] is replicated (and an fp32 expert bias [E], not trained), its routed experts
+fc1 [E, h, 2F or F] and fc2 [E, F, h] are split over the ep ranks (E/ep each) and replicated over tp, and
+its shared expert is a tensor-parallel MLP. Expert gradients reduce, and the distributed optimizer shards
+their state, over the dp/ep x cp ranks holding the same experts; dense parameters over dp x cp.
+
 Activations per layer are Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", sec. 4, Table 2), written out tensor by tensor so that grouped-query attention
 and SwiGLU are covered. For a GPT-3-shaped layer (MHA, GELU MLP of 4h, 2-byte activations) it gives
@@ -68,6 +74,7 @@ class Layout:
     first_stage_layers: Optional[int] = None   # uneven pipeline split (--decoder-first-pipeline-num-layers)
     last_stage_layers: Optional[int] = None
     cp: int = 1                        # context parallel: each sequence split over cp ranks
+    ep: int = 1                        # expert parallel, carved from dp: the experts split over ep dp ranks
 
     @property
     def num_gpus(self) -> int:
@@ -79,35 +86,73 @@ class Layout:
         optimizer shards over them (dp x cp: CP ranks replicate the weights)."""
         return self.dp * self.cp
 
+    @property
+    def expert_shard_group(self) -> int:
+        """Ranks holding the same experts (dp/ep x cp): the experts' gradients reduce over them and their
+        optimizer state shards over them."""
+        return self.dp // self.ep * self.cp
 
-def stage_layer_counts(num_layers: int, layout: Layout) -> list:
-    """Layers per (pipeline rank, model chunk): the engine's own split (engine.pipeline.partition).
+
+def stage_layer_ids(num_layers: int, layout: Layout) -> list:
+    """Global layer ids per (pipeline rank, model chunk): the engine's own split (engine.pipeline.partition).
 
     Uneven first/last stages with an interleaved schedule (the engine does not run it; Llama 3 405B did)
     split each rank's layers over its chunks as evenly as they go, for evaluating published layouts."""
-    uneven = layout.first_stage_layers is not None or layout.last_stage_layers is not None
-    if uneven and layout.vpp > 1:
-        per_rank = [len(stage_layers(num_layers, layout.pp, 1, r, 0, layout.first_stage_layers,
-                                     layout.last_stage_layers)) for r in range(layout.pp)]
-        v = layout.vpp
-        return [[n // v + (c < n % v) for c in range(v)] for n in per_rank]
-    return [[len(stage_layers(num_layers, layout.pp, layout.vpp, r, c, layout.first_stage_layers,
-                              layout.last_stage_layers)) for c in range(layout.vpp)] for r in range(layout.pp)]
+    first, last = layout.first_stage_layers, layout.last_stage_layers
+    if (first is not None or last is not None) and layout.vpp > 1:
+        out, v = [], layout.vpp
+        for r in range(layout.pp):
+            ids = list(stage_layers(num_layers, layout.pp, 1, r, 0, first, last))
+            sizes = [len(ids) // v + (c < len(ids) % v) for c in range(v)]
+            out.append([ids[sum(sizes[:c]):sum(sizes[:c + 1])] for c in range(v)])
+        return out
+    return [[list(stage_layers(num_layers, layout.pp, layout.vpp, r, c, first, last)) for c in range(layout.vpp)]
+            for r in range(layout.pp)]
 
 
-def layer_params(model: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer layer held by one tensor-parallel rank."""
+def stage_layer_counts(num_layers: int, layout: Layout) -> list:
+    """Layers per (pipeline rank, model chunk), see stage_layer_ids."""
+    return [[len(ids) for ids in chunks] for chunks in stage_layer_ids(num_layers, layout)]
+
+
+def moe_layers_per_rank(model: ModelConfig, layout: Layout) -> list:
+    """MoE layers held by each pipeline rank."""
+    moe = set(model.moe_layers())
+    return [sum(i in moe for ids in chunks for i in ids) for chunks in stage_layer_ids(model.num_layers, layout)]
+
+
+def _mlp_params(model: ModelConfig, ffn: int, tp: int) -> int:
+    """A tensor-parallel MLP of width ffn on one tp rank: fc1 (gate and up stacked with SwiGLU) column-parallel,
+    fc2 row-parallel with its bias replicated."""
+    bias = not model.disable_bias_linear
+    fc1_out = 2 * ffn if model.swiglu else ffn
+    return fc1_out * (model.hidden_size + bias) // tp + model.hidden_size * ffn // tp + bias * model.hidden_size
+
+
+def _attention_and_norms(model: ModelConfig, tp: int) -> int:
     h, d = model.hidden_size, model.head_dim()
     nq, nkv = model.num_attention_heads, model.resolved_query_groups()
-    ffn = model.resolved_ffn_hidden_size()
-    fc1_out = 2 * ffn if model.swiglu else ffn
     bias = not model.disable_bias_linear
     norm = h * (2 if model.normalization == "LayerNorm" else 1)
     qkv = (nq + 2 * nkv) * d * (h + (bias or model.add_qkv_bias)) // tp
     proj = h * nq * d // tp + bias * h
-    fc1 = fc1_out * (h + bias) // tp
-    fc2 = h * ffn // tp + bias * h
-    return 2 * norm + qkv + proj + fc1 + fc2
+    return 2 * norm + qkv + proj
+
+
+def layer_params(model: ModelConfig, tp: int) -> int:
+    """Parameters of one dense transformer layer held by one tensor-parallel rank."""
+    return _attention_and_norms(model, tp) + _mlp_params(model, model.resolved_ffn_hidden_size(), tp)
+
+
+def moe_layer_params(model: ModelConfig, tp: int, ep: int = 1) -> tuple:
+    """(dense, experts, frozen) parameters of one MoE layer on one (tp, ep) rank: dense = norms, attention,
+    router and shared expert (reduced over dp x cp); experts = this rank's E/ep routed experts (not split by
+    tp); frozen = the fp32 expert bias (not trained: no gradient, no optimizer state)."""
+    h, E, f = model.hidden_size, model.num_experts, model.resolved_moe_ffn_hidden_size()
+    shared = model.moe_shared_expert_intermediate_size
+    dense = _attention_and_norms(model, tp) + E * h + (_mlp_params(model, shared, tp) if shared else 0)
+    experts = E // ep * ((3 if model.swiglu else 2) * h * f)
+    return dense, experts, E if model.moe_router_enable_expert_bias else 0
 
 
 def embedding_params(model: ModelConfig, tp: int) -> int:
@@ -125,28 +170,37 @@ def head_params(model: ModelConfig, tp: int, pp: int) -> int:
     return norm + (model.padded_vocab_size(tp) * h // tp if needs_copy else 0)
 
 
-def params_per_rank(model: ModelConfig, layout: Layout) -> list:
-    """Parameters held by each pipeline rank (any tensor-parallel rank: they hold equal counts)."""
+def param_split_per_rank(model: ModelConfig, layout: Layout) -> list:
+    """(dense, experts, frozen) parameters held by each pipeline rank (any tp and ep rank: equal counts);
+    see moe_layer_params. Dense models have (n, 0, 0)."""
     counts = stage_layer_counts(model.num_layers, layout)
+    n_moe = moe_layers_per_rank(model, layout)
     per_layer = layer_params(model, layout.tp)
+    moe = moe_layer_params(model, layout.tp, layout.ep) if model.num_experts else (0, 0, 0)
     out = []
     for r, chunks in enumerate(counts):
-        n = sum(chunks) * per_layer
+        n = (sum(chunks) - n_moe[r]) * per_layer + n_moe[r] * moe[0]
         if r == 0:
             n += embedding_params(model, layout.tp)
         if r == layout.pp - 1:
             n += head_params(model, layout.tp, layout.pp)
-        out.append(n)
+        out.append((n, n_moe[r] * moe[1], n_moe[r] * moe[2]))
     return out
+
+
+def params_per_rank(model: ModelConfig, layout: Layout) -> list:
+    """Parameters held by each pipeline rank (any tensor- or expert-parallel rank: they hold equal counts)."""
+    return [sum(split) for split in param_split_per_rank(model, layout)]
 
 
 def layer_activation_bytes(model: ModelConfig, seq_length: int, micro_batch: int, tp: int = 1,
                            sequence_parallel: bool = False, recompute: str = "none",
-                           flash_attention: bool = False, cp: int = 1) -> float:
+                           flash_attention: bool = False, cp: int = 1, moe: bool = False) -> float:
     """Activation bytes one layer keeps for backward, for one microbatch on one tp rank.
 
     Under context parallelism a rank holds seq_length/cp tokens of each sequence and saves only its own
-    Q, K, V (the ring re-sends the other ranks' K/V in backward), so every term is divided by cp."""
+    Q, K, V (the ring re-sends the other ranks' K/V in backward), so every term is divided by cp.
+    An MoE layer (`moe`) replaces the MLP term with `moe_mlp_activation_bytes`."""
     s, b, h = seq_length // cp, micro_batch, model.hidden_size
     sp = tp if sequence_parallel else 1
     if recompute == "full":
@@ -157,11 +211,28 @@ def layer_activation_bytes(model: ModelConfig, seq_length: int, micro_batch: int
     replicated = 10 * s * b * h
     # Split by tp: Q and K for the scores, V, the attention output (projection input), the MLP
     # hidden activations (GELU: fc1 output and GELU output; SwiGLU: gate+up output and their product).
-    mlp = (6 if model.swiglu else 4) * ffn * s * b
+    mlp = (6 if model.swiglu else 4) * ffn * s * b if not moe else 0
     split = 2 * s * b * (nq * d + nkv * d) + 2 * s * b * nkv * d + 2 * s * b * nq * d + mlp
     # Softmax output (2), its dropout mask (1) and dropout output (2) per score.
     scores = 0 if (flash_attention or recompute == "selective") else 5 * nq * s * s * cp * b
-    return replicated / sp + (split + scores) / tp
+    routed = moe_mlp_activation_bytes(model, s * b, tp, sp) if moe else 0.0
+    return replicated / sp + (split + scores) / tp + routed
+
+
+def moe_mlp_activation_bytes(model: ModelConfig, tokens: float, tp: int = 1, sp: int = 1) -> float:
+    """What an MoE block saves for backward beyond its (norm output) input, for a microbatch of `tokens`
+    (s·b, this cp rank's share) on one tp rank, 2-byte activations. A rank routes tokens/sp of them (under
+    sequence parallelism, sp = tp, each tp rank routes its own); for each of them:
+    per routed copy (top-k per token) the gathered expert input (h), the fc1 output (2F with SwiGLU, else F),
+    the activation output (F) and the expert output kept for the combine weights' gradient (h); the router's
+    fp32 copy of the input (4h) and fp32 logits and scores (8E) per token. The shared expert saves what a
+    tensor-parallel MLP of its width does (all tokens, its hidden activations split over tp)."""
+    h, f, k, E = model.hidden_size, model.resolved_moe_ffn_hidden_size(), model.moe_router_topk, model.num_experts
+    hidden = 6 if model.swiglu else 4
+    routed = k * tokens / sp * (4 * h + hidden * f)
+    router = tokens / sp * (4 * h + 8 * E)
+    shared = hidden * (model.moe_shared_expert_intermediate_size or 0) * tokens / tp
+    return routed + router + shared
 
 
 @dataclass
@@ -187,39 +258,56 @@ class Memory:
         return self.allocated * (1 + MEMORY_FRAGMENTATION) + MEMORY_RESERVED_GIB * GIB
 
 
-def state_bytes(params: int, layout: Layout, precision: str) -> tuple:
-    """(weights, gradients, optimizer state) bytes for `params` parameters on one GPU."""
-    shard = layout.shard_group if layout.distributed_optimizer else 1
-    master = MASTER_BYTES if (precision != "fp32" or layout.distributed_optimizer) else 0
-    return (params * PARAM_BYTES[precision], params * GRAD_BYTES,
-            params * (ADAM_MOMENT_BYTES + master) / shard)
+def state_bytes(params: int, layout: Layout, precision: str, experts: int = 0, frozen: int = 0) -> tuple:
+    """(weights, gradients, optimizer state) bytes on one GPU for `params` dense parameters, plus `experts`
+    expert parameters (their state sharded over dp/ep x cp instead of dp x cp) and `frozen` fp32 ones with no
+    gradient or optimizer state (the MoE router's expert bias)."""
+    dist = layout.distributed_optimizer
+    shard, expert_shard = (layout.shard_group, layout.expert_shard_group) if dist else (1, 1)
+    master = MASTER_BYTES if (precision != "fp32" or dist) else 0
+    return ((params + experts) * PARAM_BYTES[precision] + 4 * frozen, (params + experts) * GRAD_BYTES,
+            (params / shard + experts / expert_shard) * (ADAM_MOMENT_BYTES + master))
+
+
+def _largest_weight(model: ModelConfig, layout: Layout) -> int:
+    """Elements of the largest weight inside a layer on one rank (its gradient is briefly whole)."""
+    ffn = model.resolved_ffn_hidden_size() * (2 if model.swiglu else 1)
+    largest = max(ffn, (model.num_attention_heads + 2 * model.resolved_query_groups())
+                  * model.head_dim()) * model.hidden_size // layout.tp
+    if model.num_experts:
+        fc1 = model.resolved_moe_ffn_hidden_size() * (2 if model.swiglu else 1)
+        largest = max(largest, model.num_experts // layout.ep * fc1 * model.hidden_size)
+    return largest
 
 
 def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_microbatches: int,
                    precision: str = "bf16", flash_attention: bool = True) -> Memory:
     """Peak memory of the pipeline rank that needs the most."""
     counts = stage_layer_counts(model.num_layers, layout)
-    params = params_per_rank(model, layout)
-    act_layer = layer_activation_bytes(model, seq_length, layout.micro_batch_size, layout.tp,
-                                       layout.sequence_parallel, layout.recompute, flash_attention, layout.cp)
+    n_moe = moe_layers_per_rank(model, layout)
+    splits = param_split_per_rank(model, layout)
+
+    def act(recompute: str, moe: bool) -> float:
+        return layer_activation_bytes(model, seq_length, layout.micro_batch_size, layout.tp, layout.sequence_parallel,
+                                      recompute, flash_attention, layout.cp, moe)
+    act_dense = act(layout.recompute, False)
+    act_moe = act(layout.recompute, True) if any(n_moe) else 0.0
     # Full recomputation rebuilds one layer's complete activations during its backward pass.
     workspace = 0.0
     if layout.recompute == "full":
-        workspace = layer_activation_bytes(model, seq_length, layout.micro_batch_size, layout.tp,
-                                           layout.sequence_parallel, "none", flash_attention, layout.cp)
+        workspace = max(act("none", False), act("none", True) if any(n_moe) else 0.0)
     vocab_shard = model.padded_vocab_size(layout.tp) // layout.tp
     logits = LOGIT_BYTES * seq_length // layout.cp * layout.micro_batch_size * vocab_shard
-    ffn = model.resolved_ffn_hidden_size() * (2 if model.swiglu else 1)
-    largest_layer_weight = max(ffn, (model.num_attention_heads + 2 * model.resolved_query_groups())
-                               * model.head_dim()) * model.hidden_size // layout.tp
+    largest_layer_weight = _largest_weight(model, layout)
     best = None
     for r, chunks in enumerate(counts):
-        layers_per_chunk = sum(chunks) / len(chunks)
-        acts = peak_in_flight(layout.pp, layout.vpp, r, num_microbatches) * layers_per_chunk * act_layer
+        per_chunk = ((sum(chunks) - n_moe[r]) * act_dense + n_moe[r] * act_moe) / len(chunks)
+        acts = peak_in_flight(layout.pp, layout.vpp, r, num_microbatches) * per_chunk
         acts += workspace if sum(chunks) else 0.0
         ends = r == 0 or r == layout.pp - 1
         largest = max(largest_layer_weight if sum(chunks) else 0, vocab_shard * model.hidden_size if ends else 0)
-        mem = Memory(r, params[r], *state_bytes(params[r], layout, precision), acts,
+        dense, experts, frozen = splits[r]
+        mem = Memory(r, dense + experts + frozen, *state_bytes(dense, layout, precision, experts, frozen), acts,
                      logits if r == layout.pp - 1 else 0.0, largest * PARAM_BYTES[precision])
         if best is None or mem.allocated > best.allocated:
             best = mem

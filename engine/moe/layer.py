@@ -1,0 +1,76 @@
+"""The MoE block that replaces a layer's MLP: router, routed experts, optional shared expert.
+
+`MoELayer(x)` takes and gives [s, b, h] (this rank's tokens: under sequence parallelism each tp rank
+routes its own slice, under context parallelism its positions) and adds the routed experts' weighted
+outputs to the shared expert's. The balancing and z losses join backward through `_AuxLossGradient`:
+forward returns the activations unchanged, backward adds d(aux)/d(router) scaled like the LM loss (1 /
+microbatches x the fp16 loss scale, which the pipeline runner sets with `set_aux_loss_scale`), so the
+logged LM loss is untouched. Each training forward with gradients (once per microbatch, the replay of a
+recomputed layer included, its first no-grad pass not) adds its routing statistics for engine.moe.stats.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.moe.dispatch import dispatch_combine
+from engine.moe.experts import Experts
+from engine.moe.router import Router
+
+_aux_loss_scale = 1.0
+
+
+def set_aux_loss_scale(scale: float) -> None:
+    """What the balancing loss's gradient is multiplied by: the LM loss's 1/microbatches x loss scale."""
+    global _aux_loss_scale
+    _aux_loss_scale = float(scale)
+
+
+class _AuxLossGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, aux):
+        ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full(ctx.aux_shape, _aux_loss_scale, dtype=ctx.aux_dtype, device=grad.device)
+
+
+class MoELayer(nn.Module):
+    def __init__(self, cfg, ctx, out_std: float, device=None, dtype=None, shared=None):
+        """`shared`: the shared expert (a tensor-parallel MLP module), or None."""
+        super().__init__()
+        self.ctx, self.cfg = ctx, cfg
+        self.router = Router(cfg, ctx, device, dtype)
+        self.experts = Experts(cfg, ctx, out_std, device, dtype)
+        self.shared = shared
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        E = self.cfg.num_experts
+        self.stats = {"counts": torch.zeros(E, dtype=torch.float64), "aux": 0.0, "z": 0.0, "dropped": 0,
+                      "microbatches": 0}
+
+    def _token_ids(self, s_local: int, b: int, device) -> torch.Tensor:
+        """Each local token's index in the microbatch, sample-major (j * s + position), s-major like x."""
+        s = self.ctx.full_seq_len(s_local)
+        positions = self.ctx.local_seq(self.ctx.positions(s, device))
+        return (torch.arange(b, device=device)[None, :] * s + positions[:, None]).reshape(-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s_local, b, h = x.shape
+        tokens = x.reshape(-1, h)
+        routing = self.router(tokens, self._token_ids(s_local, b, x.device), (s_local, b))
+        out = dispatch_combine(tokens, routing, self.experts, self.ctx)
+        if routing.aux_loss is not None and torch.is_grad_enabled():
+            out = _AuxLossGradient.apply(out, routing.aux_loss)
+        if self.training and torch.is_grad_enabled():
+            st = self.stats
+            st["counts"] += routing.counts.detach().to(torch.float64).cpu()
+            st["aux"] += routing.aux_value
+            st["z"] += routing.z_value
+            st["dropped"] += routing.dropped
+            st["microbatches"] += 1
+        out = out.view(s_local, b, h)
+        return out if self.shared is None else out + self.shared(x)

@@ -1,0 +1,65 @@
+"""What the MoE layers did in a step, summed over the job, and the aux-loss-free expert-bias update.
+
+Every MoE layer adds, per microbatch, the tokens routed to each expert in the whole microbatch (already
+summed over the ranks holding its tokens), its balancing and z-loss values and the assignments dropped
+over capacity. `MoEStats.finish_step()` (called by the optimizer once the gradients are reduced, every
+rank, every step: it is one all-reduce over the world) sums them over data-parallel replicas and pipeline
+stages, then
+- moves each expert bias by rate x sign(mean load - load) (DeepSeek-V3's aux-loss-free balancing; the same
+  update on every rank, so the replicated biases stay equal), and
+- returns the step's metrics: `moe_aux_loss` and `moe_z_loss` (means over MoE layers and microbatches),
+  `moe_max_load` (the busiest expert's tokens over the mean, the worst layer), `moe_dropped` (assignments
+  dropped in the step).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.moe.layer import MoELayer
+from engine.parallel import comm
+
+
+def moe_blocks(model_chunks: list) -> list:
+    """(global layer id, MoELayer) of this rank's MoE layers."""
+    return [(int(i), layer.mlp) for chunk in model_chunks for i, layer in getattr(chunk, "layers", {}).items()
+            if isinstance(layer.mlp, MoELayer)]
+
+
+class MoEStats:
+    def __init__(self, cfg, model_chunks: list, ctx, device):
+        self.ctx, self.device, self.m = ctx, device, cfg.model
+        self.ids = cfg.model.moe_layers()
+        self.row = {layer_id: i for i, layer_id in enumerate(self.ids)}
+        self.blocks = moe_blocks(model_chunks)
+
+    def finish_step(self) -> dict:
+        if not self.ids:
+            return {}
+        E, ctx = self.m.num_experts, self.ctx
+        table = torch.zeros(len(self.ids), E + 4, dtype=torch.float64, device=self.device)
+        # Counts are already whole-microbatch sums on every rank holding its tokens: one of them adds them.
+        contributes = ctx.tp_rank == 0 and ctx.cp_rank == 0
+        for layer_id, block in self.blocks:
+            st = block.stats
+            if contributes:
+                table[self.row[layer_id], :E] = st["counts"].to(self.device)
+                table[self.row[layer_id], E:] = torch.tensor([st["aux"], st["z"], st["dropped"], st["microbatches"]],
+                                                             dtype=torch.float64)
+            block.reset_stats()
+        if ctx.world_size > 1:
+            comm.all_reduce(table)
+        counts, aux, z, dropped, microbatches = table[:, :E], table[:, E], table[:, E + 1], table[:, E + 2], \
+            table[:, E + 3].clamp(min=1)
+        if self.m.moe_router_enable_expert_bias:
+            self._update_biases(counts)
+        load = counts.max(1).values / counts.mean(1).clamp(min=1e-9)
+        return {"moe_aux_loss": float((aux / microbatches).mean()), "moe_z_loss": float((z / microbatches).mean()),
+                "moe_max_load": float(load.max()), "moe_dropped": int(dropped.sum())}
+
+    @torch.no_grad()
+    def _update_biases(self, counts: torch.Tensor) -> None:
+        rate = self.m.moe_router_bias_update_rate
+        for layer_id, block in self.blocks:
+            c = counts[self.row[layer_id]]
+            bias = block.router.expert_bias
+            bias += (rate * torch.sign(c.mean() - c)).to(bias.dtype).to(bias.device)
