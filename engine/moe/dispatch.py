@@ -39,7 +39,7 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
 def dispatch_combine(x: torch.Tensor, routing, experts, ctx) -> torch.Tensor:
     """sum_k weight_k * expert_k(x) for every token of x [T, h] (dropped assignments contribute nothing)."""
     T, k = routing.experts.shape
-    E, local = experts.local * ctx.ep_size, experts.local
+    E = experts.local * ctx.ep_size
     token = torch.arange(T, device=x.device).repeat_interleave(k)
     expert = routing.experts.reshape(-1)
     keep = routing.kept.reshape(-1)
