@@ -329,7 +329,15 @@ class Config:
 
     @property
     def vpp(self) -> int:
+        """Model chunks per pipeline rank: --vpp, or the two of ZB-V's V."""
+        if self.parallel.pipeline_schedule == "zb-v":
+            return 2
         return self.parallel.virtual_pipeline_model_parallel_size or 1
+
+    @property
+    def pipeline_schedule(self) -> str:
+        """The schedule that runs: --pipeline-schedule, else interleaved with --vpp > 1 (as Megatron-LM), else 1f1b."""
+        return self.parallel.pipeline_schedule or ("interleaved" if self.vpp > 1 else "1f1b")
 
     @property
     def cp(self) -> int:
@@ -402,12 +410,13 @@ def validate(cfg: Config, world_size: int) -> None:
     """Every check that needs no process group, section by section. Raises ConfigError with one line."""
     tp, pp, vpp = cfg.tp, cfg.pp, cfg.vpp
     _check_parallel_sizes(cfg.parallel)
+    _check_pipeline_schedule(cfg.parallel, cfg.model.num_layers)
     _check_model(cfg.model)
     # The split before the world size: a tp that the heads reject is the more useful line to print.
     _check_split(cfg.model, cfg.parallel, tp, pp, vpp)
     _check_parallel(cfg.parallel, world_size)
     _check_moe(cfg.model, cfg.parallel, cfg.dp(world_size))
-    _check_training(cfg.training, cfg.dp(world_size), pp, vpp)
+    _check_training(cfg.training, cfg.dp(world_size), pp, vpp if cfg.pipeline_schedule == "interleaved" else 1)
     _check_optim(cfg.optim, cfg.training)
     _check_logging(cfg.logging)
     _check_files(cfg)
@@ -487,6 +496,29 @@ def _check_parallel_sizes(par: ParallelConfig) -> None:
     vpp = par.virtual_pipeline_model_parallel_size
     if (vpp or 1) > 1 and par.pipeline_model_parallel_size < 2:
         _err("--virtual-pipeline-model-parallel-size", vpp, "needs --pipeline-model-parallel-size of at least 2")
+
+
+def _check_pipeline_schedule(par: ParallelConfig, layers: int) -> None:
+    """--pipeline-schedule against --pp and --vpp: interleaved needs chunks, 1f1b and zb-h1 take one per rank,
+    zb-v exactly the two of its V (it sets them itself)."""
+    schedule, pp = par.pipeline_schedule, par.pipeline_model_parallel_size
+    vpp = par.virtual_pipeline_model_parallel_size
+    flag, other = "--pipeline-schedule", {"1f1b": "interleaved", "zb-h1": "zb-v (two chunks per rank in a V)"}
+    if schedule in other and (vpp or 1) > 1:
+        _err(flag, schedule, f"runs one model chunk per rank, but --vpp is {vpp}; drop --vpp or use {other[schedule]}")
+    if schedule == "interleaved" and (vpp or 1) < 2:
+        _err(flag, schedule, "needs --virtual-pipeline-model-parallel-size of at least 2 (model chunks per rank)")
+    if schedule == "zb-v" and vpp not in (None, 2):
+        _err(flag, schedule, f"places exactly 2 model chunks per rank (a V), not --vpp {vpp}; drop --vpp or give 2")
+    if schedule in ("zb-h1", "zb-v") and pp < 2:
+        _err(flag, schedule, "needs --pipeline-model-parallel-size of at least 2; drop the flag for pp 1")
+    uneven = par.decoder_first_pipeline_num_layers is not None or par.decoder_last_pipeline_num_layers is not None
+    if schedule == "zb-v" and uneven:
+        _err(flag, schedule, "splits the layers into 2 x pp equal chunks; drop --decoder-first/last-pipeline-"
+                             "num-layers or use zb-h1")
+    if schedule == "zb-v" and layers % (2 * pp):
+        _err(flag, schedule, f"needs --num-layers {layers} divisible by 2 x pp = {2 * pp} (two equal chunks per "
+                             "rank); change --num-layers or --pp")
 
 
 def _check_model(m: ModelConfig) -> None:

@@ -142,3 +142,25 @@ def test_mixtral_config_rules_read_back_what_they_write():
     assert kind == "mixtral" and fields["ffn_hidden_size"] == 24 and fields["num_experts"] == 4
     assert all(fields[k] == getattr(m, k) for k in ("moe_router_topk", "num_layers", "rotary_base", "swiglu"))
     assert set(MOE_ARCHITECTURES) == {"mixtral", "qwen2_moe"}
+
+
+def test_a_transformers_mixtral_converts_with_its_logits(tmp_path):
+    """Import of a model transformers made (its defaults: rope_theta 1e6, rms_norm_eps 1e-5), tied embeddings."""
+    t = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = t.MixtralForCausalLM(t.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=True)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    from convert_hf import main
+    assert main(["--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"), "--seq-length", str(SEQ)]) == 0
+    cfg = parse_config(["--config", os.path.join(tmp_path / "ckpt", "model.yaml"), "--mock-data"])
+    m = cfg.model
+    assert (m.rotary_base, m.norm_epsilon, m.untie_embeddings_and_output_weights) == (1e6, 1e-5, False)
+    ctx = ParallelContext.virtual()
+    model = build_model_chunks(cfg, ctx)[0]
+    load_checkpoint(str(tmp_path / "ckpt"), [model], None, ctx, model_cfg=m)
+    assert_same_logits(model.eval(), hf)

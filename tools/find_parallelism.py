@@ -5,10 +5,13 @@
     python tools/find_parallelism.py --config configs/llama3-8b.yaml --num-gpus 8 --tp 2 --pp 1
     python tools/find_parallelism.py --config configs/llama3-8b.yaml --num-gpus 64 --tokens 15e12
     python tools/find_parallelism.py --config configs/llama3-8b-128k.yaml --num-gpus 64 --tp 8 --cp 4 --pp 1
+    python tools/find_parallelism.py --config configs/mixtral-8x7b.yaml --num-gpus 64 --tp 1 --pp 4 --ep 8
 
 The memory model is engine/planner/memory.py, the time model engine/planner/step_time.py (constants and
 sources documented there, checked against published runs in engine/planner/published.py), the search
-engine/planner/search.py (context parallelism is tried for sequences of 16K tokens and more); --verify builds every pipeline stage on the meta device and checks the analytic parameter counts.
+engine/planner/search.py (context parallelism is tried for sequences of 16K tokens and more; for a mixture of
+experts, expert parallelism over the sizes dividing dp and the experts, and FLOPs count activated parameters);
+--verify builds every pipeline stage on the meta device and checks the analytic parameter counts.
 Exit codes: 0 when a layout fits in memory, 1 when none does (the table or JSON is still printed, then
 one line on stderr), 2 for a mistake on the command line.
 """
@@ -21,7 +24,7 @@ import sys
 
 from engine.cli import OneLineParser, parse_config
 from engine.config import ConfigError, precision_name, resolve, validate
-from engine.planner.flops import GPU_PRESETS, flops_per_iteration
+from engine.planner.flops import GPU_PRESETS, activated_params, flops_per_iteration
 from engine.planner.memory import GIB, Layout, params_per_rank
 from engine.planner.search import chinchilla_optimal, rank_layouts
 from engine.planner.step_time import Software, estimate
@@ -58,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int)
     one.add_argument("--cp", "--context-parallel-size", dest="cp", type=int,
                      help="context-parallel size: each sequence split over this many ranks (default 1)")
+    one.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int,
+                     help="expert-parallel size, carved from dp: the experts split over this many dp ranks (default 1)")
     one.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", dest="vpp", type=int)
     one.add_argument("--micro-batch-size", type=int)
     one.add_argument("--recompute-granularity", choices=("none", "selective", "full"))
@@ -95,6 +100,9 @@ def _check(args, cfg):
     if args.cp is not None and (args.tp is None or args.cp < 1):
         raise UsageError("--cp needs --tp and --pp (one layout) and must be at least 1; without them the search "
                          "tries cp itself for long sequences")
+    if args.ep is not None and (args.tp is None or args.ep < 1):
+        raise UsageError("--ep needs --tp and --pp (one layout) and must be at least 1; without them the search "
+                         "tries ep itself for a mixture of experts")
     if args.global_batch_size is not None and args.global_batch_size < 1:
         raise UsageError("--global-batch-size must be at least 1")
     if args.tokens is not None and args.tokens <= 0:
@@ -116,12 +124,14 @@ def _given_layout(args, cfg, batch) -> Layout:
     if first is None and last is None and keep_split:
         first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
     dp = args.num_gpus // (args.tp * cp * args.pp)
+    ep = args.ep or par.expert_model_parallel_size
     c = dataclasses.replace(cfg)
     c.parallel = dataclasses.replace(
         par, tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, context_parallel_size=cp,
         virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size if keep_split else args.vpp,
         decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
-        sequence_parallel=args.tp > 1, use_distributed_optimizer=dp * cp > 1, gpus_per_node=args.gpus_per_node)
+        sequence_parallel=args.tp > 1, use_distributed_optimizer=dp * cp > 1, gpus_per_node=args.gpus_per_node,
+        expert_model_parallel_size=ep)
     c.training = dataclasses.replace(cfg.training, global_batch_size=batch,
                                      micro_batch_size=args.micro_batch_size or cfg.training.micro_batch_size)
     c.data = dataclasses.replace(cfg.data, mock_data=True)
@@ -129,7 +139,8 @@ def _given_layout(args, cfg, batch) -> Layout:
     validate(c, args.num_gpus)
     recompute = args.recompute_granularity or cfg.model.recompute_granularity or "none"
     return Layout(args.tp, args.pp, dp, c.vpp, c.training.micro_batch_size, recompute, args.tp > 1, dp * cp > 1,
-                  c.parallel.decoder_first_pipeline_num_layers, c.parallel.decoder_last_pipeline_num_layers, cp)
+                  c.parallel.decoder_first_pipeline_num_layers, c.parallel.decoder_last_pipeline_num_layers, cp,
+                  ep)
 
 
 def torchrun_command(args, layout: Layout, batch: int, seq: int, precision: str) -> str:
@@ -142,6 +153,8 @@ def torchrun_command(args, layout: Layout, batch: int, seq: int, precision: str)
             f"--tensor-model-parallel-size {layout.tp}", f"--pipeline-model-parallel-size {layout.pp}"]
     if layout.cp > 1:
         cmd.append(f"--context-parallel-size {layout.cp}")
+    if layout.ep > 1:
+        cmd.append(f"--expert-model-parallel-size {layout.ep}")
     if layout.vpp > 1:
         cmd.append(f"--virtual-pipeline-model-parallel-size {layout.vpp}")
     if layout.first_stage_layers is not None:
@@ -163,24 +176,28 @@ def torchrun_command(args, layout: Layout, batch: int, seq: int, precision: str)
 
 
 def _verify(args, cfg) -> int:
-    """Analytic vs meta-device parameter counts for the config's layout (or --tp/--pp/--vpp)."""
+    """Analytic vs meta-device parameter counts for the config's layout (or --tp/--pp/--vpp/--ep)."""
     from engine.planner.verify import verify
     par = cfg.parallel
     tp, pp = args.tp or cfg.tp, args.pp or cfg.pp
     vpp = args.vpp or (cfg.vpp if args.pp is None else 1)
+    ep = args.ep or par.expert_model_parallel_size  # dp = ep: the smallest grid holding the expert ranks
+    sp = par.sequence_parallel or (tp > 1 and bool(cfg.model.num_experts))  # MoE with tp > 1 needs SP
     c = dataclasses.replace(cfg)
     c.parallel = dataclasses.replace(par, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     virtual_pipeline_model_parallel_size=vpp, context_parallel_size=1)
+                                     virtual_pipeline_model_parallel_size=vpp, context_parallel_size=1,
+                                     expert_model_parallel_size=ep, sequence_parallel=sp)
     c.data = dataclasses.replace(cfg.data, mock_data=True)
     c.checkpoint = dataclasses.replace(cfg.checkpoint, load=None)
     # Parameter counts do not depend on the batch: any size the schedule accepts will do.
-    c.training = dataclasses.replace(cfg.training, global_batch_size=cfg.training.micro_batch_size * pp,
+    c.training = dataclasses.replace(cfg.training, global_batch_size=cfg.training.micro_batch_size * pp * ep,
                                      rampup_batch_size=None)
-    validate(c, tp * pp)
-    resolve(c, tp * pp)
+    validate(c, tp * pp * ep)
+    resolve(c, tp * pp * ep)
     first, last = (par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers) \
         if args.pp is None else (None, None)
-    ok, lines = verify(c, Layout(tp, pp, 1, vpp, first_stage_layers=first, last_stage_layers=last))
+    ok, lines = verify(c, Layout(tp, pp, ep, vpp, sequence_parallel=sp, first_stage_layers=first,
+                                 last_stage_layers=last, ep=ep))
     print("\n".join(lines))
     print("analytic counts match the model" if ok else "MISMATCH between the analytic count and the model")
     return 0 if ok else 1
@@ -198,13 +215,13 @@ def _plan(args, cfg, est, batch, seq) -> dict:
 
 
 def _table(rows) -> str:
-    head = ("tp", "cp", "pp", "vpp", "dp", "mb", "sp", "dopt", "recompute", "mem GiB", "fits", "step s",
+    head = ("tp", "cp", "pp", "vpp", "dp", "ep", "mb", "sp", "dopt", "recompute", "mem GiB", "fits", "step s",
             "tokens/s", "TFLOP/s", "MFU")
     lines = [head]
     for e in rows:
         lay = e.layout
         vpp = f"{lay.first_stage_layers}/../{lay.last_stage_layers}" if lay.first_stage_layers is not None else lay.vpp
-        lines.append((lay.tp, lay.cp, lay.pp, vpp, lay.dp, lay.micro_batch_size, "y" if lay.sequence_parallel else "-",
+        lines.append((lay.tp, lay.cp, lay.pp, vpp, lay.dp, lay.ep, lay.micro_batch_size, "y" if lay.sequence_parallel else "-",
                       "y" if lay.distributed_optimizer else "-", lay.recompute, f"{e.memory.total / GIB:.1f}",
                       "yes" if e.fits else "NO", f"{e.step_time_s:.3f}", f"{e.tokens_per_s:,.0f}",
                       f"{e.tflops_per_gpu:.1f}", f"{e.mfu * 100:.1f}%"))
@@ -242,7 +259,8 @@ def main(argv=None) -> int:
         return _nothing_fits(args, gpu, rows)
     fitting = sum(e.fits for e in rows)
     print(f"{cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
-          f"{sum(params_per_rank(cfg.model, Layout())) / 1e9:.2f}B params on {args.num_gpus} x {gpu.name} "
+          f"{sum(params_per_rank(cfg.model, Layout())) / 1e9:.2f}B params{_moe_summary(cfg.model)} on "
+          f"{args.num_gpus} x {gpu.name} "
           f"({gpu.peak_tflops:.0f} TFLOP/s, {gpu.memory_gib:.0f} GiB); global batch {batch} x {seq} tokens, {precision}")
     print(f"{len(rows)} layout(s) evaluated, {fitting} fit in memory\n")
     print(_table(shown))
@@ -255,6 +273,14 @@ def main(argv=None) -> int:
               f"Chinchilla-optimal for this budget (~20 tokens/param): {plan['chinchilla_params'] / 1e9:.2f}B params "
               f"on {plan['chinchilla_tokens']:.3g} tokens (this model: {plan['params'] / 1e9:.2f}B)")
     return _nothing_fits(args, gpu, rows)
+
+
+def _moe_summary(model) -> str:
+    """' (12.88B activated: 8 experts, top 2)' for a mixture of experts, else ''."""
+    if not model.num_experts:
+        return ""
+    return (f" ({activated_params(model) / 1e9:.2f}B activated: {model.num_experts} experts, "
+            f"top {model.moe_router_topk})")
 
 
 def _nothing_fits(args, gpu, rows) -> int:

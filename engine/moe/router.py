@@ -14,8 +14,10 @@ under sequence parallelism, then cp), so tp, cp and ep never change what a token
   seq_aux_loss) and the z-loss (coeff x mean logsumexp(logits)^2). Each rank's part uses its own scores
   and the summed counts, so the parts add up to the loss and its gradient;
 - the capacity of each expert (ceil(factor x T x k / E) over the microbatch's T tokens) and which
-  assignments over it are dropped: the lowest weights (probs) or the latest tokens in the microbatch,
-  samples first (position), ties by that order; decided from the gathered assignments of all its ranks.
+  assignments over it are dropped: the lowest weights (probs; weights compared on a 1/1024 grid, so that
+  fp32 rounding differences between layouts almost never reorder them) or the latest tokens in the
+  microbatch, samples first (position), ties by that order; decided from the gathered assignments of all
+  its ranks.
 """
 from __future__ import annotations
 
@@ -29,6 +31,9 @@ from torch import nn
 
 from engine.parallel import comm
 from engine.parallel.layers import make_param
+
+
+WEIGHT_GRID = 1024  # capacity's "probs" policy ranks weights rounded to multiples of 1/WEIGHT_GRID
 
 
 @dataclass
@@ -157,7 +162,10 @@ def _keep_within_capacity(rows: torch.Tensor, capacity: int, policy: str) -> tor
     expert, weight, token = rows[:, 0].long(), rows[:, 1], rows[:, 2]
     order = torch.argsort(token, stable=True)  # the earliest token first among equals
     if policy == "probs":
-        order = order[torch.argsort(-weight[order], stable=True)]  # then the heaviest first
+        # The heaviest first, weights compared on a 2^-10 grid: layouts differ in fp32 rounding (~1e-7), and
+        # on the grid only a weight within that of a grid line can rank differently (then by position).
+        coarse = torch.round(weight * WEIGHT_GRID)
+        order = order[torch.argsort(-coarse[order], stable=True)]
     order = order[torch.argsort(expert[order], stable=True)]  # grouped by expert
     sorted_expert = expert[order]
     start = torch.searchsorted(sorted_expert, sorted_expert, right=False)

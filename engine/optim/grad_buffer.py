@@ -10,7 +10,10 @@ the grads and expects n gradients per parameter; when every parameter of a bucke
 the bucket is complete. With `overlap`, its reduction starts right there, inside backward (all-reduce,
 or reduce-scatter under the distributed optimizer, after dividing by dp); nothing is sent earlier.
 `finish()` starts whatever is left, waits for all, then sums the gradients that are partial over TP
-(sequence parallelism) and the embedding tied across the first and last pipeline stage.
+(sequence parallelism) and the embedding tied across the first and last pipeline stage (on one rank under
+ZB-V, whose V places both ends there). Split backward (zero-bubble schedules) changes nothing here: a
+weight's gradient arrives through the same hook from its deferred W pass, so a bucket is ready after the
+W passes of its last microbatch.
 
 Under the distributed optimizer every bucket is padded to a multiple of dp x cp and replica r owns the r-th
 contiguous slice of each bucket; `local_range(p)` says which elements of `p` fall in this rank's slices.
@@ -170,8 +173,19 @@ class GradBuffer:
         ctx = self.ctx
         if ctx.seq_split > 1:
             self._sum_over([p for p in self.params if spec_of(p).sp_partial_grad], ctx.tp_group)
-        if ctx.embedding_group is not None:
-            self._sum_over([p for p in self.params if spec_of(p).tied], ctx.embedding_group)
+        tied = [p for p in self.params if spec_of(p).tied]
+        if len(tied) == 2:  # ZB-V's V puts the embedding and the loss (with its copy) on one rank
+            self._sum_local(*tied)
+        elif ctx.embedding_group is not None:
+            self._sum_over(tied, ctx.embedding_group)
+
+    def _sum_local(self, a, b) -> None:
+        """Both copies of the tied embedding are here: each gets the sum of the two (reduced) gradients."""
+        r = self.local_range(a)
+        if r is not None:
+            ga, gb = a.main_grad.view(-1)[r[0]:r[1]], b.main_grad.view(-1)[r[0]:r[1]]
+            ga.add_(gb)
+            gb.copy_(ga)
 
     def _sum_over(self, params: list, group) -> None:
         """All-reduce the reduced (locally owned) part of these grads; peers share the buffer layout."""

@@ -121,9 +121,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = make_param(shape[:-1], axis, ctx, ("zeros",), device, dtype) if bias else None
 
     def forward(self, x):
-        w = self.weight.reshape(-1, self.weight.shape[-1])
-        b = self.bias.reshape(-1) if self.bias is not None else None
-        return mappings.enter_tp_linear(x, w, b, self.ctx)
+        return mappings.enter_tp_linear(x, self.weight, self.bias, self.ctx)  # stacked blocks become output rows
 
 
 class RowParallelLinear(nn.Module):
@@ -137,7 +135,7 @@ class RowParallelLinear(nn.Module):
             if bias else None
 
     def forward(self, x):
-        y = mappings.exit_tp(F.linear(x, self.weight), self.ctx)
+        y = mappings.exit_tp(mappings.linear(x, self.weight), self.ctx)
         return y + self.bias if self.bias is not None else y
 
 

@@ -107,7 +107,7 @@ def forward_flops_per_sequence(model: ModelConfig, seq_length: int, tp: int = 1)
     """Forward FLOPs of one sequence, split into the parts recomputation treats differently."""
     s, l = seq_length, model.num_layers
     n_moe = len(model.moe_layers())
-    matmul = (l - n_moe) * layer_matmul_params(model) + n_moe * layer_matmul_params(model, moe=True)
+    matmul = (l - n_moe) * layer_matmul_params(model) + (n_moe * layer_matmul_params(model, moe=True) if n_moe else 0)
     linear = 2 * s * matmul
     attention = 4 * s * s * model.num_attention_heads * model.head_dim() * l  # full s², see module doc
     logits = 2 * s * model.hidden_size * model.padded_vocab_size(tp)

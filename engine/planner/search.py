@@ -1,5 +1,7 @@
-"""The search over parallel layouts: every valid (tp, cp, pp, vpp, dp, micro batch, recomputation, ...) for
-a model on N GPUs, each estimated by engine.planner.step_time and ranked fastest first."""
+"""The search over parallel layouts: every valid (tp, cp, pp, vpp, dp, ep, micro batch, recomputation, ...)
+for a model on N GPUs, each estimated by engine.planner.step_time and ranked fastest first. For a mixture
+of experts, ep runs over the sizes dividing both dp and the number of experts (expert ranks are carved from
+dp), and tp > 1 comes with sequence parallelism (the engine requires it: each tp rank routes its own tokens)."""
 from __future__ import annotations
 
 import math
@@ -51,25 +53,35 @@ def context_sizes(seq: int, room: int) -> list:
 
 def _tensor_sizes(model: ModelConfig, num_gpus: int, gpus_per_node: int) -> list:
     nq, nkv, ffn = model.num_attention_heads, model.resolved_query_groups(), model.resolved_ffn_hidden_size()
+    shared = model.moe_shared_expert_intermediate_size or 0
     return [tp for tp in _divisors(min(gpus_per_node, num_gpus))
-            if not (gpus_per_node % tp or nq % tp or nkv % tp or ffn % tp or num_gpus % tp)]
+            if not (gpus_per_node % tp or nq % tp or nkv % tp or ffn % tp or num_gpus % tp or shared % tp)]
 
 
-def _options(layout_args: tuple, tp: int, dp: int, seq: int, cp: int) -> Iterator[Layout]:
-    """Recomputation, sequence parallelism and the distributed optimizer for one (tp, cp, pp, dp, mb, vpp)."""
+def expert_sizes(model: ModelConfig, dp: int) -> list:
+    """ep values for a model on dp data-parallel ranks: those dividing dp and the experts (1 without MoE)."""
+    return [e for e in _divisors(dp) if model.num_experts and model.num_experts % e == 0] or [1]
+
+
+def _options(layout_args: tuple, tp: int, dp: int, seq: int, cp: int, ep: int = 1,
+             moe: bool = False) -> Iterator[Layout]:
+    """Recomputation, sequence parallelism and the distributed optimizer for one (tp, cp, pp, dp, ep, mb, vpp)."""
     tp_, pp, vpp, mb, split = layout_args
+    sps = (False, True) if tp > 1 and seq % (tp * cp) == 0 else (False,)
+    if moe and tp > 1:
+        sps = (True,) if seq % (tp * cp) == 0 else ()
     for recompute in ("none", "selective", "full"):
-        for sp in ((False, True) if tp > 1 and seq % (tp * cp) == 0 else (False,)):
+        for sp in sps:
             for dist in ((False, True) if dp * cp > 1 else (False,)):
                 yield Layout(tp, pp, dp, vpp, mb, recompute, sp, dist, split[0] if split else None,
-                             split[1] if split else None, cp)
+                             split[1] if split else None, cp, ep)
 
 
 def candidate_layouts(model: ModelConfig, num_gpus: int, gpus_per_node: int, global_batch: int,
                       seq: int) -> Iterator[Layout]:
-    """Every valid layout: tp inside a node dividing heads, query groups and the MLP width; cp for long
+    """Every valid layout: tp inside a node dividing heads, query groups and the MLP widths; cp for long
     sequences; pp dividing the layers (or an uneven split); vpp for even splits; micro batches dividing
-    the batch."""
+    the batch; ep dividing dp and the experts."""
     L = model.num_layers
     for tp in _tensor_sizes(model, num_gpus, gpus_per_node):
         for cp in context_sizes(seq, num_gpus // tp):
@@ -84,7 +96,8 @@ def candidate_layouts(model: ModelConfig, num_gpus: int, gpus_per_node: int, glo
                     if split is None and pp > 1 and (per_dp // mb) % pp == 0:
                         vpps += [v for v in _divisors(L // pp) if 1 < v <= MAX_VPP]
                     for vpp in vpps:
-                        yield from _options((tp, pp, vpp, mb, split), tp, dp, seq, cp)
+                        for ep in expert_sizes(model, dp):
+                            yield from _options((tp, pp, vpp, mb, split), tp, dp, seq, cp, ep, bool(model.num_experts))
 
 
 def rank_layouts(model: ModelConfig, num_gpus: int, gpu: GPUSpec, global_batch: int, seq: int,

@@ -16,6 +16,15 @@ network at the bandwidth of the NICs its members in a node bring (rank order tp,
 constant is named below with where it comes from; the ones marked "fitted" were fitted to the held-in
 published runs of engine/planner/published.py (listed with their errors in tests/test_find_parallelism.py).
 Compute is costed at the tensor-core (bf16) peak whatever the precision; fp32 changes only the bytes.
+
+Mixture of experts: an MoE layer replaces the MLP GEMMs by its router (fp32), its shared expert (a
+tensor-parallel MLP) and its routed experts. Routing is taken as balanced: of the k x T assignments each
+of the ep ranks of an EP group makes (T tokens per rank: s/(cp·tp) x b under sequence parallelism), every
+expert gets k·T·ep/E rows, so a rank runs E/ep GEMMs of that many rows (smaller GEMMs lose efficiency
+through GEMM_HALF_DIM). Dispatch and combine are one all-to-all each of k·T·h activations per rank
+forward, the same again backward, not overlapped (the engine does not); the EP group is ep ranks at
+stride tp·cp, over NVLink when the tp·cp·ep ranks fit in a node, else the part leaving the node goes
+through each GPU's own NIC. Expert gradients reduce over their dp/ep x cp replicas.
 """
 from __future__ import annotations
 
@@ -32,7 +41,8 @@ from engine.planner.memory import (
     Memory,
     layer_activation_bytes,
     memory_per_gpu,
-    params_per_rank,
+    moe_layers_per_rank,
+    param_split_per_rank,
     stage_layer_counts,
 )
 
@@ -79,6 +89,9 @@ LAST_BUCKET_FRACTION = 0.05
 # overlap hides. Fitted on the held-in llm-foundry H100 runs (PyTorch 2.0-era FSDP keeps the NCCL kernels
 # and the GEMMs competing for the same SMs, and prefetches one layer ahead: little of it is hidden).
 FSDP_HIDDEN_FRACTION = 0.3
+# The MoE router runs in fp32 (engine/moe/router.py) on CUDA cores, not tensor cores: their fp32 peak is
+# 1/16 (A100: 19.5 of 312 TFLOP/s) to 1/15 (H100 SXM: 67 of 989) of the dense bf16 peak (NVIDIA data sheets).
+FP32_SLOWDOWN = 15.0
 # Adam step bytes per parameter of the (sharded) state: read+write fp32 master, m, v (24), read the
 # fp32 gradient (4), write the 2-byte weight (2).
 OPTIMIZER_STEP_BYTES = 30
@@ -163,6 +176,10 @@ class _Costs:
     head: float
     p2p: float
     cp_comm: float      # exposed K/V ring (or all-gather) time per layer, forward + backward
+    moe_fwd: float = 0.0        # an MoE layer's forward, backward and recomputed seconds (all-to-all included)
+    moe_bwd: float = 0.0
+    moe_recompute: float = 0.0
+    moe_a2a: float = 0.0        # of which all-to-all, forward + backward
 
 
 @dataclass
@@ -172,6 +189,9 @@ class _Links:
     cp: _Link
     dp: _Link
     pp: _Link
+    edp: Optional[_Link] = None     # the experts' replicas (dp/ep x cp ranks, stride tp·ep)
+    ep_in_node: int = 1             # EP group members in one node (the all-to-all's NVLink share)
+    network: Optional[_Link] = None  # one GPU's NIC
 
 
 def _links(layout: Layout, gpu: GPUSpec, gpus_per_node: int, cp_collective: bool = False) -> _Links:
@@ -188,9 +208,21 @@ def _links(layout: Layout, gpu: GPUSpec, gpus_per_node: int, cp_collective: bool
         per_node = max(1, gpus_per_node // stride) if collective else 1
         return _Link(min(gpu.nvlink_gbps, per_node * gpu.network_gbps), NETWORK_EFFICIENCY, NETWORK_LATENCY_S)
 
-    tp, cp = layout.tp, layout.cp
+    tp, cp, ep = layout.tp, layout.cp, layout.ep
+    ep_in_node = ep if tp * cp * ep <= gpus_per_node else max(1, gpus_per_node // (tp * cp))
     return _Links(nvlink, group(tp * cp, tp, cp_collective), group(tp * cp * layout.dp, tp, True),
-                  group(layout.num_gpus, tp * cp * layout.dp, False))
+                  group(layout.num_gpus, tp * cp * layout.dp, False), group(tp * cp * layout.dp, tp * ep, True),
+                  ep_in_node, _Link(gpu.network_gbps, NETWORK_EFFICIENCY, NETWORK_LATENCY_S))
+
+
+def _all_to_all(nbytes: float, ep: int, links: _Links) -> float:
+    """An all-to-all over the EP group in which every rank holds nbytes, 1/ep of it for each member: the
+    share for members in the node goes over NVLink while the rest leaves through the GPU's own NIC."""
+    if ep == 1:
+        return 0.0
+    inside = nbytes * (links.ep_in_node - 1) / ep
+    outside = nbytes * (ep - links.ep_in_node) / ep
+    return max(links.tp.seconds(inside), links.network.seconds(outside) if outside else 0.0)
 
 
 def _attention_seconds(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: Software) -> tuple:
@@ -230,9 +262,8 @@ def _costs(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: Softw
     d, nq, nkv = model.head_dim(), model.num_attention_heads, model.resolved_query_groups()
     ffn = model.resolved_ffn_hidden_size()
     tokens = layout.micro_batch_size * seq / layout.cp  # this rank's share of the microbatch
-    gemm = (gemm_seconds(tokens, (nq + 2 * nkv) * d / t, h, gpu) + gemm_seconds(tokens, h, nq * d / t, gpu)
-            + gemm_seconds(tokens, (2 if model.swiglu else 1) * ffn / t, h, gpu)
-            + gemm_seconds(tokens, h, ffn / t, gpu))
+    attn_gemm = gemm_seconds(tokens, (nq + 2 * nkv) * d / t, h, gpu) + gemm_seconds(tokens, h, nq * d / t, gpu)
+    gemm = attn_gemm + _mlp_gemm(model, tokens, ffn / t, gpu)
     attn_fwd, attn_bwd = _attention_seconds(model, layout, seq, gpu, sw)
     stored = layer_activation_bytes(model, seq, layout.micro_batch_size, t, layout.sequence_parallel, "none",
                                     flash_attention=True, cp=layout.cp)
@@ -248,40 +279,81 @@ def _costs(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: Softw
     # Megatron's scatter-gather optimisation (or sequence parallelism) sends 1/t of the activations.
     p2p = links.pp.seconds(2 * tokens * h / t) if layout.pp > 1 else 0.0
     cp_comm = _cp_comm(model, layout, seq, sw, links.cp, (attn_fwd, attn_bwd))
-    return _Costs(fwd, bwd, recompute, embed, head, p2p, cp_comm)
+    moe = _moe_layer(model, layout, seq, gpu, sw, links, (attn_gemm, attn_fwd, attn_bwd)) if model.num_experts else ()
+    return _Costs(fwd, bwd, recompute, embed, head, p2p, cp_comm, *moe)
+
+
+def _mlp_gemm(model: ModelConfig, rows: float, ffn: float, gpu: GPUSpec) -> float:
+    """Forward seconds of an MLP of width ffn (this rank's share) over `rows` tokens: fc1 and fc2."""
+    if rows == 0 or ffn == 0:
+        return 0.0
+    h = model.hidden_size
+    return gemm_seconds(rows, (2 if model.swiglu else 1) * ffn, h, gpu) + gemm_seconds(rows, h, ffn, gpu)
+
+
+def _moe_layer(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: Software, links: _Links,
+               attn: tuple) -> tuple:
+    """(forward, backward, recomputed, all-to-all) seconds of one MoE layer for one microbatch on one GPU.
+    attn: the layer's attention GEMMs and its attention core forward and backward (as in a dense layer)."""
+    attn_gemm, attn_fwd, attn_bwd = attn
+    t, h, E, k, ep = layout.tp, model.hidden_size, model.num_experts, model.moe_router_topk, layout.ep
+    tokens = layout.micro_batch_size * seq / layout.cp
+    routed = tokens / (t if layout.sequence_parallel else 1)  # each tp rank routes its own tokens under SP
+    rows = k * routed * ep / E  # per expert, balanced routing over the EP group
+    experts = E / ep * _mlp_gemm(model, rows, model.resolved_moe_ffn_hidden_size(), gpu)
+    shared = _mlp_gemm(model, tokens, (model.moe_shared_expert_intermediate_size or 0) / t, gpu)
+    router = FP32_SLOWDOWN * gemm_seconds(routed, E, h, gpu)
+    gemm = attn_gemm + experts + shared + router
+    stored = layer_activation_bytes(model, seq, layout.micro_batch_size, t, layout.sequence_parallel, "none",
+                                    flash_attention=True, cp=layout.cp, moe=True)
+    elementwise = ELEMENTWISE_TRAFFIC * stored / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
+    # The attention's TP collectives, and the shared expert's; the routed experts need none (tokens stay put).
+    n_tp = 1 + bool(model.moe_shared_expert_intermediate_size)
+    tp_comm = n_tp * _all_reduce(2 * tokens * h, t, links.tp) * (1 - sw.tp_comm_overlap)
+    a2a = 2 * _all_to_all(2 * k * routed * h, ep, links)  # dispatch and combine, bf16 activations
+    fwd = gemm + attn_fwd + elementwise + tp_comm + a2a
+    bwd = 2 * gemm + attn_bwd + 2 * elementwise + tp_comm + a2a
+    recompute = {"full": fwd, "selective": attn_fwd}.get(layout.recompute, 0.0)
+    return fwd, bwd, recompute, 2 * a2a
 
 
 def _stage_times(model: ModelConfig, layout: Layout, c: _Costs) -> tuple:
     """(forward+backward seconds of one microbatch on each pipeline rank, backward seconds of each)."""
     layer = c.layer_fwd + c.layer_bwd + c.layer_recompute + c.cp_comm
+    moe_layer = c.moe_fwd + c.moe_bwd + c.moe_recompute + c.cp_comm
+    n_moe = moe_layers_per_rank(model, layout)
     times, bwd = [], []
     for r, chunks in enumerate(stage_layer_counts(model.num_layers, layout)):
-        n = sum(chunks)
-        times.append(n * layer + 2 * len(chunks) * c.p2p + (c.embed if r == 0 else 0.0)
+        n = sum(chunks) - n_moe[r]
+        times.append(n * layer + n_moe[r] * moe_layer + 2 * len(chunks) * c.p2p + (c.embed if r == 0 else 0.0)
                      + (c.head if r == layout.pp - 1 else 0.0))
-        bwd.append(n * (c.layer_bwd + c.layer_recompute))
+        bwd.append(n * (c.layer_bwd + c.layer_recompute) + n_moe[r] * (c.moe_bwd + c.moe_recompute))
     return times, bwd
 
 
 def _data_parallel_seconds(params: int, layout: Layout, gpu: GPUSpec, sw: Software, link: _Link,
-                           micro: tuple, m: int) -> dict:
-    """Exposed gradient reduction and parameter gathering over the dp x cp replicas, and the Adam step.
+                           micro: tuple, m: int, experts: int = 0, expert_link: Optional[_Link] = None) -> dict:
+    """Exposed gradient reduction and parameter gathering over the dp x cp replicas (and the `experts`
+    parameters' over their dp/ep x cp replicas, on expert_link), and the Adam step.
     micro: (forward, backward) seconds of one microbatch on the slowest stage; m: microbatches."""
-    n = layout.shard_group
-    grad = _all_reduce(sw.grad_reduce_bytes * params, n, link)
+    groups = [(params, layout.shard_group, link)]
+    if experts:
+        groups.append((experts, layout.expert_shard_group, expert_link or link))
+    grad = sum(_all_reduce(sw.grad_reduce_bytes * p, n, lk) for p, n, lk in groups)
     gather = 0.0
     if layout.distributed_optimizer or sw.fsdp:
         grad /= 2  # reduce-scatter only
-        gather = _all_reduce(PARAM_BYTES[sw.precision] * params, n, link) / 2
+        gather = sum(_all_reduce(PARAM_BYTES[sw.precision] * p, n, lk) for p, n, lk in groups) / 2
+    sharded = sum(p / n for p, n, _ in groups)
     if sw.fsdp:  # gathered for every microbatch's forward and backward, gradients reduce-scattered each time
         per_micro = (2 * gather + grad) * (1 - FSDP_HIDDEN_FRACTION)
         return dict(dp_comm=m * per_micro,
-                    optimizer=OPTIMIZER_STEP_BYTES * params / n / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY))
+                    optimizer=OPTIMIZER_STEP_BYTES * sharded / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY))
     if sw.overlap_grad_reduce:
         grad = max(grad - micro[1], LAST_BUCKET_FRACTION * grad)
     if sw.overlap_param_gather:
         gather = max(gather - micro[0], LAST_BUCKET_FRACTION * gather)
-    opt_params = params / n if layout.distributed_optimizer else params
+    opt_params = sharded if layout.distributed_optimizer else params + experts
     return dict(dp_comm=grad + gather,
                 optimizer=OPTIMIZER_STEP_BYTES * opt_params / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY))
 
@@ -297,9 +369,9 @@ def estimate(model: ModelConfig, layout: Layout, gpu: GPUSpec, global_batch: int
     t_stage = stage_times[slowest]
     compute = m * t_stage
     bubble = (layout.pp - 1) / layout.vpp * t_stage
-    params = params_per_rank(model, layout)[slowest]
+    params, experts, _ = param_split_per_rank(model, layout)[slowest]
     micro = (t_stage - stage_bwd[slowest], stage_bwd[slowest])
-    dp = _data_parallel_seconds(params, layout, gpu, software, links.dp, micro, m)
+    dp = _data_parallel_seconds(params, layout, gpu, software, links.dp, micro, m, experts, links.edp)
     step = compute + bubble + dp["dp_comm"] + dp["optimizer"]
 
     mem = memory_per_gpu(model, layout, seq, m, software.precision, software.flash_attention)
@@ -311,7 +383,8 @@ def estimate(model: ModelConfig, layout: Layout, gpu: GPUSpec, global_batch: int
     breakdown = dict(compute=compute, bubble=bubble, **dp,
                      tp_comm_per_layer=2 * _all_reduce(2 * layout.micro_batch_size * seq / layout.cp
                                                        * model.hidden_size, layout.tp, links.tp),
-                     cp_comm=m * n_layers * c.cp_comm)
+                     cp_comm=m * n_layers * c.cp_comm,
+                     ep_comm=m * max(moe_layers_per_rank(model, layout)) * c.moe_a2a)
     return Estimate(layout, mem, mem.total <= gpu.memory_gib * GIB, step, breakdown,
                     global_batch * seq / step, model_flops / step / n_gpus / 1e12,
                     hw_flops / step / n_gpus / 1e12, model_flops / step / n_gpus / 1e12 / gpu.peak_tflops)
