@@ -11,9 +11,10 @@ imports as one: the same tensors), with QKV biases only Qwen2ForCausalLM; GPT-2-
 learned positions, exact or tanh GELU, biases, tied embeddings, full multi-head attention) GPT2LMHeadModel.
 The mapping follows each architecture's published parameter layout: Llama's q/k/v/o and gate/up/down
 projections as [out, in]; GPT-2's Conv1D weights as [in, out] with q, k, v concatenated in c_attn.
-MoE models are MixtralForCausalLM or Qwen2MoeForCausalLM (engine/checkpoint/hf_moe.py: their expert
-layouts, and what is refused). Our fused QKV is group-interleaved ([g: q heads, k, v] per query group), so q head g*P+j uses k/v
+Our fused QKV is group-interleaved ([g: q heads, k, v] per query group), so q head g*P+j uses k/v
 head g, which is the order transformers' grouped-query attention expects. Both use rotate-half RoPE.
+MoE models are MixtralForCausalLM or Qwen2MoeForCausalLM (engine/checkpoint/hf_moe.py: their expert
+layouts, and what is refused).
 """
 from __future__ import annotations
 
@@ -153,6 +154,7 @@ ARCHITECTURES = {
          "n_positions": 1024}),
 }
 
+
 def _dense_layers(m) -> list:
     return sorted(set(range(m.num_layers)) - set(m.moe_layers()))
 
@@ -187,7 +189,7 @@ IMPORTED_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gpt2"
 
 
 def architecture(cfg: Config) -> str:
-    """The transformers architecture a model of `cfg` exports as (its ARCHITECTURES key)."""
+    """The transformers architecture a model of `cfg` exports as (an ARCHITECTURES or MOE_ARCHITECTURES key)."""
     m = cfg.model
     if m.num_experts:
         return hf_moe.moe_architecture(m)

@@ -19,15 +19,19 @@ group (pp 2 with interleaving): both directions are in flight together instead o
 
 Once a batch has completed, the activations it sent are released: backward needs only their autograd
 graph, not their values (see `release`).
+
+Zero-bubble schedules add W operations, which neither send nor receive, and ZB-V's V places stages pp-1
+and pp on the same rank: a message whose peer is this rank is handed over in memory when the step that
+makes it finishes, and taken by the step that needs it (always a later one on the same rank).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
 from engine.parallel import comm
-from engine.pipeline.partition import neighbours
+from engine.pipeline.partition import neighbours, stage_of
 
 
 class Message(NamedTuple):
@@ -42,10 +46,12 @@ class Exchange(NamedTuple):
     recvs: tuple  # one per operation of the next step: the Message it needs, or None
 
 
-def _messages(kind: str, chunk: int, mb: int, rank: int, pp: int, vpp: int) -> tuple:
+def _messages(kind: str, chunk: int, mb: int, rank: int, pp: int, vpp: int, v_shape: bool) -> tuple:
     """(what this operation receives, what it sends), each a Message or None."""
-    stage = chunk * pp + rank
-    previous, following = neighbours(stage, pp, vpp)
+    if kind == "W":
+        return None, None
+    stage = stage_of(pp, vpp, rank, chunk, v_shape)
+    previous, following = neighbours(stage, pp, vpp, v_shape)
     if kind == "F":
         recv = Message(previous[0], "act", stage, mb) if previous else None
         send = Message(following[0], "act", stage + 1, mb) if following else None
@@ -55,7 +61,7 @@ def _messages(kind: str, chunk: int, mb: int, rank: int, pp: int, vpp: int) -> t
     return recv, send
 
 
-def exchange_plan(steps: list, pp: int, vpp: int, rank: int) -> list:
+def exchange_plan(steps: list, pp: int, vpp: int, rank: int, schedule: Optional[str] = None) -> list:
     """[(Exchange, operations of the step)] for each step, then a last exchange with no operations.
 
     `steps` groups the schedule's operations (engine.pipeline.schedules.schedule_steps). 1F1B exchanges
@@ -65,10 +71,11 @@ def exchange_plan(steps: list, pp: int, vpp: int, rank: int) -> list:
     interleaved schedule; one batch per operation would deadlock there under batch semantics (the
     replay in tests/test_pipeline.py shows both). Pairing 1F1B as well would be deadlock-free but would
     make each forward wait for the gradient its partner backward needs, serialising neighbouring stages.
+    The zero-bubble schedules exchange between every two operations, as 1F1B does.
     """
     plan, sends = [], ()
     for ops in steps:
-        pairs = [_messages(kind, chunk, mb, rank, pp, vpp) for kind, chunk, mb in ops]
+        pairs = [_messages(kind, chunk, mb, rank, pp, vpp, schedule == "zb-v") for kind, chunk, mb in ops]
         plan.append((Exchange(sends, tuple(recv for recv, _ in pairs)), list(ops)))
         sends = tuple(send for _, send in pairs if send is not None)
     plan.append((Exchange(sends, ()), []))
@@ -80,6 +87,7 @@ class StageLink:
 
     def __init__(self, ctx, shape, dtype, device):
         self.ctx, self.shape, self.dtype, self.device = ctx, tuple(shape), dtype, device
+        self.kept: dict = {}  # messages to this rank itself (ZB-V's turn of the V), by (kind, stage, microbatch)
 
     def exchange(self, step: Exchange, tensors: list) -> list:
         """Send `tensors` (one per message in step.sends) and receive step.recvs; wait for the whole batch.
@@ -88,11 +96,17 @@ class StageLink:
         None) per entry of step.recvs.
         """
         assert len(tensors) == len(step.sends), "the schedule and its exchange plan disagree"
-        ranks, group = self.ctx.pp_ranks, self.ctx.pp_group
-        ops = [comm.send_op(t.detach(), ranks[m.peer], group) for m, t in zip(step.sends, tensors)]
-        received = [None if m is None else torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                    for m in step.recvs]
-        ops += [comm.recv_op(buf, ranks[m.peer], group) for m, buf in zip(step.recvs, received) if m is not None]
+        ranks, group, me = self.ctx.pp_ranks, self.ctx.pp_group, self.ctx.pp_rank
+        ops = []
+        for m, t in zip(step.sends, tensors):
+            if m.peer == me:
+                self.kept[m[1:]] = t.detach()  # a new leaf on the same storage, as a received tensor would be
+            else:
+                ops.append(comm.send_op(t.detach(), ranks[m.peer], group))
+        received = [None if m is None else self.kept.pop(m[1:]) if m.peer == me else
+                    torch.empty(self.shape, dtype=self.dtype, device=self.device) for m in step.recvs]
+        ops += [comm.recv_op(buf, ranks[m.peer], group) for m, buf in zip(step.recvs, received)
+                if m is not None and m.peer != me]
         if ops:
             for work in comm.batch_isend_irecv(ops):
                 work.wait()

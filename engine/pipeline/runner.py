@@ -4,24 +4,35 @@
 optional trace) and `run(microbatches)` does one step's forward and backward passes over all of them,
 in the order `schedules.schedule_steps` gives, with one batched exchange between consecutive steps
 (`p2p.exchange_plan`). With pp 1 it is plain gradient accumulation.
+
+Under a zero-bubble schedule a chunk's forward and its B run under `mappings.deferring_weight_grads`
+with one store per (chunk, microbatch), so B computes input gradients only; its W operation computes
+the weight gradients from that store (`mappings.weight_grads`).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable, Optional
 
 import torch
 
-from engine.parallel import comm
+from engine.parallel import comm, mappings
 from engine.pipeline.p2p import StageLink, backward_through, exchange_plan
-from engine.pipeline.schedules import check_schedule, schedule_steps
+from engine.pipeline.partition import place
+from engine.pipeline.schedules import SPLIT_BACKWARD, check_schedule, schedule_steps
 
 
 class PipelineRunner:
-    def __init__(self, chunks: list, ctx, shape: tuple, dtype, device, trace=None):
-        """`shape`: every message between stages (ctx.activation_shape); `trace`: a PipelineTrace or None."""
+    def __init__(self, chunks: list, ctx, shape: tuple, dtype, device, trace=None, schedule: Optional[str] = None):
+        """`shape`: every message between stages (ctx.activation_shape); `trace`: a PipelineTrace or None;
+        `schedule`: cfg.pipeline_schedule (None: 1F1B, or interleaved when ctx.vpp_size > 1)."""
         self.chunks, self.ctx, self.device, self.trace = chunks, ctx, device, trace
+        self.schedule = schedule if schedule in SPLIT_BACKWARD else None
         self.link = StageLink(ctx, shape, dtype, device)
+        self.deferred: dict = {}  # (chunk, microbatch) -> the weight-gradient work its W will do
+        # the pipeline rank whose last chunk computes the loss: pp - 1, or 0 under ZB-V's V
+        self.loss_rank = place(ctx.pp_size * ctx.vpp_size - 1, ctx.pp_size, ctx.vpp_size, schedule == "zb-v")[0]
 
     def run(self, microbatches: list, scale_loss: Optional[Callable] = None, forward_only: bool = False) -> float:
         """Forward (and backward) over all microbatches; returns the mean loss, known on every rank.
@@ -30,29 +41,40 @@ class PipelineRunner:
         last reads labels, but every rank gets the same list. Losses fed to backward are divided by the
         number of microbatches; `scale_loss` (fp16 loss scaling, fault drills) applies after that.
         """
-        ctx, m = self.ctx, len(microbatches)
-        check_schedule(ctx.pp_size, ctx.vpp_size, m)
-        steps = schedule_steps(ctx.pp_size, ctx.vpp_size, ctx.pp_rank, m, forward_only)
+        ctx, m, schedule = self.ctx, len(microbatches), self.schedule
+        check_schedule(ctx.pp_size, ctx.vpp_size, m, schedule)
+        steps = schedule_steps(ctx.pp_size, ctx.vpp_size, ctx.pp_rank, m, forward_only, schedule)
         saved, losses, outbox = {}, [], []
-        for exchange, ops in exchange_plan(steps, ctx.pp_size, ctx.vpp_size, ctx.pp_rank):
+        for exchange, ops in exchange_plan(steps, ctx.pp_size, ctx.vpp_size, ctx.pp_rank, schedule):
             # what the last step sent, what this step needs (one entry per operation, None if it needs nothing)
             inbox = self.link.exchange(exchange, outbox)
             outbox = []
             for (kind, chunk, mb), received in zip(ops, inbox):
                 start = time.time()  # inputs have arrived: waiting for them shows as idle time in the trace
                 if kind == "F":
-                    x, out = self._forward(chunk, microbatches[mb], received, m, scale_loss, losses)
+                    with self._deferring(chunk, mb, forward_only):
+                        x, out = self._forward(chunk, microbatches[mb], received, m, scale_loss, losses)
                     if not self.chunks[chunk].post_process:
                         outbox.append(out)
                     if not forward_only:
                         saved[(chunk, mb)] = (x, out)
-                else:
-                    grad = self._backward(*saved.pop((chunk, mb)), received)
+                elif kind == "B":
+                    with self._deferring(chunk, mb, forward_only):  # recomputed forwards defer too
+                        grad = self._backward(*saved.pop((chunk, mb)), received)
                     if grad is not None:
                         outbox.append(grad)
+                else:
+                    mappings.weight_grads(self.deferred.pop((chunk, mb)))
                 if self.trace is not None and not forward_only:  # evaluation passes are not traced
                     self.trace.record(kind, mb, chunk, start, time.time())
         return self._share_loss(losses)
+
+    def _deferring(self, chunk: int, mb: int, forward_only: bool):
+        """Where this chunk's weight gradients go for this microbatch: the store of its W, under a zero-bubble
+        schedule; nowhere else (computed in backward as usual)."""
+        if self.schedule is None or forward_only:
+            return contextlib.nullcontext()
+        return mappings.deferring_weight_grads(self.deferred.setdefault((chunk, mb), []))
 
     def _forward(self, chunk: int, batch: dict, received, m: int, scale_loss, losses: list) -> tuple:
         """(input, output) of one chunk's forward; on the last stage the output is the scaled loss."""
@@ -76,13 +98,13 @@ class PipelineRunner:
         return None if x is None else x.grad
 
     def _share_loss(self, losses: list) -> float:
-        """Mean loss over microbatches from the last stage to every rank: summed over CP ranks (each holds
+        """Mean loss over microbatches from the loss's rank to every rank: summed over CP ranks (each holds
         its positions' share of the mean), averaged over dp."""
         ctx = self.ctx
         value = torch.stack(losses).float().mean() if losses else torch.zeros((), device=self.device)
         value = value.reshape(1).clone()
         if ctx.pp_size > 1:
-            comm.broadcast(value, ctx.pp_ranks[-1], ctx.pp_group)
+            comm.broadcast(value, ctx.pp_ranks[self.loss_rank], ctx.pp_group)
         if ctx.dp_cp_size > 1:
             comm.all_reduce(value, ctx.dp_cp_group)
             value /= ctx.dp_size

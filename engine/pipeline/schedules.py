@@ -9,20 +9,31 @@ chunk (k mod pp*v) // pp for microbatch (k // (pp*v))*pp + k mod pp, backwards i
 with (pp-r-1)*2 + (v-1)*pp warm-up forwards. Microbatches must be a multiple of pp. A rank holds at
 most warm-up + 1 virtual microbatches' activations (asserted in the tests).
 
-The same order drives `runner.PipelineRunner` (real tensors) and `simulate` (unit costs), so the bubble
+Zero-bubble schedules (ZB-H1, ZB-V; engine.pipeline.zero_bubble) split each backward into B (input
+gradient) and W (weight gradients): their operations are ("F" | "B" | "W", chunk, microbatch), and ZB-V
+runs two chunks per rank in a V (engine.pipeline.partition). `schedule` names the schedule wherever it
+matters; None is 1F1B, or interleaved when vpp > 1.
+
+The same order drives `runner.PipelineRunner` (real tensors) and `simulate` (given costs), so the bubble
 the simulator reports is the bubble of the schedule that trains.
 """
 from __future__ import annotations
 
+import functools
 import warnings
+from typing import Optional
 
 from engine.config import check_interleaved_microbatches
-from engine.pipeline.partition import neighbours
+from engine.pipeline import zero_bubble
+from engine.pipeline.partition import neighbours, stage_of
+
+SPLIT_BACKWARD = zero_bubble.SCHEDULES  # the schedules whose backward is split into B and W
 
 
-def check_schedule(pp: int, vpp: int, num_microbatches: int) -> None:
+def check_schedule(pp: int, vpp: int, num_microbatches: int, schedule: Optional[str] = None) -> None:
     """Reject impossible settings before any work; warn about wasteful ones."""
-    check_interleaved_microbatches(pp, vpp, num_microbatches)  # validate's rule for the batch flags
+    if schedule not in SPLIT_BACKWARD:
+        check_interleaved_microbatches(pp, vpp, num_microbatches)  # validate's rule for the batch flags
     if pp > 1 and num_microbatches < pp:
         warnings.warn(f"{num_microbatches} microbatches for {pp} pipeline stages: most stages will idle; "
                       f"use at least {pp} microbatches per step", stacklevel=2)
@@ -36,11 +47,14 @@ def warmup_count(pp: int, vpp: int, rank: int, num_microbatches: int) -> int:
     return min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
 
 
-def peak_in_flight(pp: int, vpp: int, rank: int, num_microbatches: int) -> int:
+def peak_in_flight(pp: int, vpp: int, rank: int, num_microbatches: int, schedule: Optional[str] = None) -> int:
     """Model-chunk forwards whose activations rank `rank` holds at its peak: the warm-up and one more, at
     most every forward of the step; the planner's activation count. For 1F1B that is pp - rank; for the
     interleaved schedule 2(pp - rank - 1) + (vpp - 1)pp + 1 chunks, which on rank 0 is Korthikanti et al.'s
-    factor 1 + (pp - 1)/(pp vpp) in units of the rank's layers."""
+    factor 1 + (pp - 1)/(pp vpp) in units of the rank's layers. Zero-bubble schedules: counted on their
+    order, up to the W pass (the stores W needs count as held activations)."""
+    if schedule in SPLIT_BACKWARD:
+        return max_in_flight(schedule_order(pp, vpp, rank, num_microbatches, schedule), until="W")
     return min(warmup_count(pp, vpp, rank, num_microbatches) + 1, num_microbatches * vpp)
 
 
@@ -52,13 +66,16 @@ def _virtual(k: int, pp: int, vpp: int, forward: bool) -> tuple:
     return (chunk if forward else vpp - 1 - chunk), group * pp + pos % pp
 
 
-def schedule_steps(pp: int, vpp: int, rank: int, num_microbatches: int, forward_only: bool = False) -> list:
-    """This rank's operations, ("F" | "B", chunk, microbatch), grouped into the steps between two exchanges.
+def schedule_steps(pp: int, vpp: int, rank: int, num_microbatches: int, forward_only: bool = False,
+                   schedule: Optional[str] = None) -> list:
+    """This rank's operations, ("F" | "B" | "W", chunk, microbatch), grouped into the steps between two exchanges.
 
     Every operation is a step of its own, except in the interleaved schedule's steady state, where a
     forward and the backward after it form one step (see engine.pipeline.p2p.exchange_plan); forward-only
     runs (evaluation) take every forward alone.
     """
+    if schedule in SPLIT_BACKWARD:
+        return [[op] for op in zero_bubble.orders(schedule, pp, num_microbatches, forward_only)[rank]]
     total = num_microbatches * vpp
     fwd = [("F", *_virtual(k, pp, vpp, True)) for k in range(total)]
     if forward_only:
@@ -70,29 +87,35 @@ def schedule_steps(pp: int, vpp: int, rank: int, num_microbatches: int, forward_
     return [[op] for op in fwd[:warm]] + steady + [[op] for op in bwd[total - warm:]]
 
 
-def schedule_order(pp: int, vpp: int, rank: int, num_microbatches: int) -> list:
-    """This rank's operations in execution order: ("F" | "B", chunk, microbatch)."""
-    return [op for step in schedule_steps(pp, vpp, rank, num_microbatches) for op in step]
+def schedule_order(pp: int, vpp: int, rank: int, num_microbatches: int, schedule: Optional[str] = None) -> list:
+    """This rank's operations in execution order: ("F" | "B" | "W", chunk, microbatch)."""
+    return [op for step in schedule_steps(pp, vpp, rank, num_microbatches, schedule=schedule) for op in step]
 
 
-def max_in_flight(order: list) -> int:
-    """Most microbatch-chunks whose activations are held at once (forward done, backward not)."""
+def max_in_flight(order: list, until: str = "B") -> int:
+    """Most microbatch-chunks whose activations are held at once: forward done, backward (B) not; with
+    until="W", counted up to the W pass of a split backward (what W keeps counts as held)."""
+    closing = "W" if until == "W" and any(kind == "W" for kind, _, _ in order) else "B"
     live = peak = 0
     for kind, _, _ in order:
-        live += 1 if kind == "F" else -1
+        live += 1 if kind == "F" else -1 if kind == closing else 0
         peak = max(peak, live)
     return peak
 
 
-def simulate(pp: int, vpp: int, num_microbatches: int, t_forward: float = 1.0, t_backward: float = 2.0) -> dict:
+def simulate(pp: int, vpp: int, num_microbatches: int, t_forward: float = 1.0, t_backward: float = 2.0,
+             t_weight: float = 0.0, schedule: Optional[str] = None) -> dict:
     """Replay every rank's order with per-chunk costs t/vpp and free communication.
 
-    Returns the makespan, the ideal time (one stage's work, m*(tf+tb)) and the bubble fraction
+    `t_backward` is the input-gradient part of a backward and `t_weight` the weight-gradient part: one
+    backward operation costs both in 1F1B and interleaving, a B and a W of a split backward one each.
+    Returns the makespan, the ideal time (one stage's work, m*(tf+tb+tw)) and the bubble fraction
     (makespan - ideal) / ideal.
     """
-    orders = [schedule_order(pp, vpp, r, num_microbatches) for r in range(pp)]
+    v_shape, split = schedule == "zb-v", schedule in SPLIT_BACKWARD
+    orders = [schedule_order(pp, vpp, r, num_microbatches, schedule) for r in range(pp)]
     done, clock, pos = {}, [0.0] * pp, [0] * pp
-    cost = {"F": t_forward / vpp, "B": t_backward / vpp}
+    cost = {"F": t_forward / vpp, "B": (t_backward + (0.0 if split else t_weight)) / vpp, "W": t_weight / vpp}
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
@@ -100,7 +123,7 @@ def simulate(pp: int, vpp: int, num_microbatches: int, t_forward: float = 1.0, t
             if pos[r] == len(orders[r]):
                 continue
             kind, c, mb = orders[r][pos[r]]
-            dep = _dependency(kind, r, c, mb, pp, vpp)
+            dep = _dependency(kind, r, c, mb, pp, vpp, v_shape)
             if any(d not in done for d in dep):
                 continue
             start = max([clock[r]] + [done[d] for d in dep])
@@ -110,15 +133,26 @@ def simulate(pp: int, vpp: int, num_microbatches: int, t_forward: float = 1.0, t
             progressed = True
         if not progressed:
             raise RuntimeError("schedule deadlocks")  # a bug in schedule_order, never a user error
-    ideal = num_microbatches * (t_forward + t_backward)
+    ideal = num_microbatches * (t_forward + t_backward + t_weight)
     makespan = max(clock)
     return {"makespan": makespan, "ideal": ideal, "bubble": (makespan - ideal) / ideal}
 
 
-def _dependency(kind, r, c, mb, pp, vpp) -> list:
+@functools.lru_cache(maxsize=256)
+def bubble_time(schedule: str, pp: int, vpp: int, num_microbatches: int, t_forward: float, t_backward: float,
+                t_weight: float) -> float:
+    """Idle time of one step (makespan - ideal) for the given per-stage costs: the planner's bubble. Past 3pp
+    microbatches the bubble no longer grows, so longer steps are replayed at that length."""
+    m = min(num_microbatches, 3 * pp)
+    sim = simulate(pp, vpp, m, t_forward, t_backward, t_weight, schedule)
+    return sim["makespan"] - sim["ideal"]
+
+
+def _dependency(kind, r, c, mb, pp, vpp, v_shape=False) -> list:
     """The operations (kind, pp rank, chunk, microbatch) this one waits for."""
-    previous, following = neighbours(c * pp + r, pp, vpp)
+    if kind == "W":
+        return [("B", r, c, mb)]
+    previous, following = neighbours(stage_of(pp, vpp, r, c, v_shape), pp, vpp, v_shape)
     if kind == "F":
         return [("F", *previous, mb)] if previous else []
     return [("F", r, c, mb)] + ([("B", *following, mb)] if following else [])
-

@@ -117,6 +117,8 @@ def stage_layer_counts(num_layers: int, layout: Layout) -> list:
 
 def moe_layers_per_rank(model: ModelConfig, layout: Layout) -> list:
     """MoE layers held by each pipeline rank."""
+    if not model.num_experts:
+        return [0] * layout.pp
     moe = set(model.moe_layers())
     return [sum(i in moe for ids in chunks for i in ids) for chunks in stage_layer_ids(model.num_layers, layout)]
 
