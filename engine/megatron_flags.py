@@ -163,6 +163,11 @@ FLAGS = (
     Flag("--ckpt-fully-parallel-load", IMPLEMENTATION, "every rank reads its own shards"),
     Flag("--overlap-param-gather", IMPLEMENTATION, "when the distributed optimizer gathers the weights"),
     Flag("--tp-comm-overlap", IMPLEMENTATION, "communication/GEMM overlap"),
+    Flag("--moe-grouped-gemm", IMPLEMENTATION, "experts run as one grouped GEMM wherever torch has one"),
+    Flag("--moe-use-legacy-grouped-gemm", IMPLEMENTATION, "one grouped GEMM"),
+    Flag("--moe-permute-fusion", IMPLEMENTATION, "token permutation"),
+    Flag("--moe-token-dispatcher-type", IMPLEMENTATION, "tokens travel by all-to-all over the EP group", str,
+         ("allgather", "alltoall", "flex")),
     Flag("--grad-reduce-in-bf16", IMPLEMENTATION, "gradients are reduced in fp32"),
     Flag("--no-create-attention-mask-in-dataloader", IMPLEMENTATION, "no mask tensors are made: causal attention"),
     Flag("--no-mmap-bin-files", IMPLEMENTATION, ".bin files are memory-mapped"),
@@ -221,6 +226,15 @@ FLAGS = (
                                            "that saved it (its metrics.args.json is a --config file holding all)"),
     Flag("--hierarchical-context-parallel-sizes", REFUSED, "context parallelism is one ring (or one all-gather) "
                                                            "over --context-parallel-size ranks; drop it"),
+    Flag("--expert-tensor-parallel-size", REFUSED, "experts are not split over tp (each tp rank routes its own "
+                                                   "tokens under --sequence-parallel); drop it"),
+    Flag("--moe-router-pre-softmax", REFUSED, "the softmax router takes the top-k of the softmax and renormalises "
+                                              "them (Mixtral); un-renormalised pre-softmax weights are not implemented"),
+    Flag("--moe-router-num-groups", REFUSED, "group-limited (device-limited) routing is not implemented; drop it"),
+    Flag("--moe-router-group-topk", REFUSED, "group-limited (device-limited) routing is not implemented; drop it"),
+    Flag("--moe-input-jitter-eps", REFUSED, "router input jitter is not implemented; drop it"),
+    Flag("--moe-pad-expert-input-to-capacity", REFUSED, "expert inputs are not padded: dropped tokens are left out "
+                                                        "and the grouped GEMM takes uneven groups; drop it"),
     Flag("--decoupled-lr", REFUSED, _DECOUPLED),
     Flag("--decoupled-min-lr", REFUSED, _DECOUPLED),
     *(Flag(name, REFUSED, _WANDB) for name in ("--wandb-project", "--wandb-exp-name", "--wandb-save-dir",

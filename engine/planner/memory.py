@@ -30,6 +30,7 @@ part of the published formula and act as a small margin.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -93,21 +94,25 @@ class Layout:
         return self.dp // self.ep * self.cp
 
 
-def stage_layer_ids(num_layers: int, layout: Layout) -> list:
+def stage_layer_ids(num_layers: int, layout: Layout) -> tuple:
     """Global layer ids per (pipeline rank, model chunk): the engine's own split (engine.pipeline.partition).
 
     Uneven first/last stages with an interleaved schedule (the engine does not run it; Llama 3 405B did)
     split each rank's layers over its chunks as evenly as they go, for evaluating published layouts."""
-    first, last = layout.first_stage_layers, layout.last_stage_layers
-    if (first is not None or last is not None) and layout.vpp > 1:
-        out, v = [], layout.vpp
-        for r in range(layout.pp):
-            ids = list(stage_layers(num_layers, layout.pp, 1, r, 0, first, last))
-            sizes = [len(ids) // v + (c < len(ids) % v) for c in range(v)]
-            out.append([ids[sum(sizes[:c]):sum(sizes[:c + 1])] for c in range(v)])
-        return out
-    return [[list(stage_layers(num_layers, layout.pp, layout.vpp, r, c, first, last)) for c in range(layout.vpp)]
-            for r in range(layout.pp)]
+    return _stage_ids(num_layers, layout.pp, layout.vpp, layout.first_stage_layers, layout.last_stage_layers)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_ids(num_layers: int, pp: int, vpp: int, first: Optional[int], last: Optional[int]) -> tuple:
+    if (first is not None or last is not None) and vpp > 1:
+        out = []
+        for r in range(pp):
+            ids = tuple(stage_layers(num_layers, pp, 1, r, 0, first, last))
+            sizes = [len(ids) // vpp + (c < len(ids) % vpp) for c in range(vpp)]
+            out.append(tuple(ids[sum(sizes[:c]):sum(sizes[:c + 1])] for c in range(vpp)))
+        return tuple(out)
+    return tuple(tuple(tuple(stage_layers(num_layers, pp, vpp, r, c, first, last)) for c in range(vpp))
+                 for r in range(pp))
 
 
 def stage_layer_counts(num_layers: int, layout: Layout) -> list:
