@@ -2,7 +2,16 @@
 import pytest
 
 from engine.config import ModelConfig
-from engine.planner.flops import GPU_PRESETS, detect_gpu, flops_per_iteration, mfu, tflops_per_gpu
+from engine.planner.flops import (
+    GPU_PRESETS,
+    activated_params,
+    detect_gpu,
+    flops_per_iteration,
+    forward_flops_per_sequence,
+    layer_matmul_params,
+    mfu,
+    tflops_per_gpu,
+)
 
 
 def gpt(layers, hidden, heads, vocab=51200, seq=2048, **kw):
@@ -61,3 +70,76 @@ def test_presets_and_device_names():
     assert detect_gpu("NVIDIA A100-SXM4-80GB").name == "a100-80g"
     assert detect_gpu("NVIDIA H200").name == "h200"
     assert detect_gpu("Some CPU") is None
+
+
+# --- mixture of experts: FLOPs count the activated parameters -----------------------------------
+
+def _config(name):
+    import os
+
+    from engine.cli import parse_config
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return parse_config(["--config", os.path.join(root, "configs", name)]).model
+
+
+def _per_token_matmul_flops(m):
+    f = forward_flops_per_sequence(m, 1)
+    return f["linear"] + f["logits"]
+
+
+def test_mixtral_8x7b_flops_count_12_9b_activated_of_46_7b_parameters():
+    """Jiang et al. 2024 (arXiv:2401.04088): 46.7B parameters, 12.9B used per token (top 2 of 8 experts)."""
+    from engine.planner.memory import Layout, params_per_rank
+    m = _config("mixtral-8x7b.yaml")
+    assert sum(params_per_rank(m, Layout())) == pytest.approx(46.7e9, rel=0.005)
+    assert activated_params(m) == pytest.approx(12.9e9, rel=0.005)
+    # A forward pass multiplies by every activated weight but the input embedding's (a lookup) once per token.
+    assert _per_token_matmul_flops(m) == pytest.approx(2 * (12.9e9 - 32000 * 4096), rel=0.01)
+    assert _per_token_matmul_flops(m) == pytest.approx(2 * 12.9e9, rel=0.02)
+    # Per MoE layer: attention + 2 experts of 3·h·F + the router's h·E, nothing of the 6 idle experts.
+    h, F = 4096, 14336
+    assert layer_matmul_params(m, moe=True) == 2 * h * 4096 + 2 * h * 1024 + 2 * 3 * h * F + h * 8
+    s, B = 4096, 256
+    f = forward_flops_per_sequence(m, s)
+    assert flops_per_iteration(m, B, s) == 3 * B * (f["linear"] + f["attention"] + f["logits"])
+
+
+def test_deepseek_v3_like_totals_are_deepseek_v3s_less_the_mla_difference():
+    """DeepSeek-V3 (arXiv:2412.19437): 671B parameters, 37B activated, with Multi-head Latent Attention. The
+    config swaps MLA (per layer: q down 7168x1536, q up 1536x128x192, kv down 7168x(512+64), kv up 512x128x256,
+    output 128x128x7168, two norms) for GQA (56 heads of 128, 8 groups); everything else is DeepSeek-V3's."""
+    from engine.planner.memory import Layout, params_per_rank
+    m = _config("deepseek-v3-like.yaml")
+    assert m.moe_layers() == list(range(3, 61))
+    mla = 7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256 + 128 * 128 * 7168
+    gqa = 7168 * 7168 + 2 * 7168 * 1024 + 7168 * 7168
+    assert layer_matmul_params(m) - layer_matmul_params(m, moe=False) == 0
+    less = 61 * (mla - gqa)
+    assert sum(params_per_rank(m, Layout())) == pytest.approx(671e9 - less, rel=0.005)
+    assert activated_params(m) == pytest.approx(37e9 - less, rel=0.02)
+    # 8 routed + 1 shared expert of 3·h·2048 and the 256-way router per MoE layer; 3 dense layers of 18432.
+    expert = 3 * 7168 * 2048
+    assert layer_matmul_params(m, moe=True) - layer_matmul_params(m) == 9 * expert + 7168 * 256 - 3 * 7168 * 18432
+
+
+def test_moe_flops_per_token_match_the_engines_experts_and_gelu_counts_two_matrices():
+    """The planner's MoE count equals what the engine's MoE block multiplies by: k x Experts.flops_per_token()
+    plus its shared MLP and router (built on the meta device), for SwiGLU and GELU experts."""
+    from engine.model import GPTModel
+    from engine.parallel.topology import ParallelContext
+    for swiglu in (True, False):
+        m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, swiglu=swiglu,
+                        vocab_size=128, seq_length=8, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=48,
+                        moe_shared_expert_intermediate_size=32, moe_layer_freq="[0,1]", disable_bias_linear=True)
+        model = GPTModel(m, ParallelContext.virtual(), device="meta")
+        mlp = model.layers["1"].mlp
+        shared = sum(p.numel() for p in mlp.shared.parameters())
+        engine = 2 * mlp.experts.flops_per_token() + 2 * shared + 2 * mlp.router.weight.numel()
+        assert 2 * (layer_matmul_params(m, moe=True) - layer_matmul_params(m) + (3 if swiglu else 2) * 64 * 96) \
+            == engine
+        assert mlp.experts.flops_per_token() == (3 if swiglu else 2) * 2 * 64 * 48
+    # A dense model (no biases, no learned positions) uses every parameter.
+    dense = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=8,
+                        disable_bias_linear=True, position_embedding_type="rope")
+    built = GPTModel(dense, ParallelContext.virtual(), device="meta")
+    assert activated_params(dense) == sum(p.numel() for p in built.parameters())

@@ -6,7 +6,7 @@ renormalised over the k), experts `mlp.experts.fc1` [E, h, 2F] (x @ fc1[e]: colu
 [F:] the up projection) and `mlp.experts.fc2` [E, F, h], and optionally a shared expert `mlp.shared` (an
 ordinary SwiGLU MLP) added with no gate. Both HF families store each expert as Linear weights [out, in]
 (transformers 5 fuses them into `experts.gate_up_proj` when it loads and splits them back when it saves,
-so the per-expert names below are what save_pretrained writes and what every loader reads):
+so the per-expert names below are what save_pretrained writes, the Hub checkpoints' layout):
 
 - MixtralForCausalLM: every layer MoE, no shared expert, no biases. `block_sparse_moe.gate` is the router,
   `block_sparse_moe.experts.{e}.w1 / w3 / w2` expert e's gate / up / down projections. Imported too.
@@ -14,8 +14,9 @@ so the per-expert names below are what save_pretrained writes and what every loa
   `norm_topk_prob: true`. Its shared expert is scaled by sigmoid(shared_expert_gate(x)); ours has no gate,
   so the export writes a zero gate (sigmoid(0) = 0.5) and the shared down projection times 2: both are
   powers of two, so the HF model computes exactly our numbers. q/k/v biases are always written (zeros
-  where our model has none): every Qwen2-MoE loader expects them. Export only: trained Qwen2-MoE models
-  have non-zero gates (and mostly norm_topk_prob false), which Ternion cannot express.
+  where our model has none): Qwen2-MoE code before transformers 5's `qkv_bias` always has them. Export
+  only: trained Qwen2-MoE models have non-zero gates (and mostly norm_topk_prob false), which Ternion
+  cannot express.
 - Qwen3MoeForCausalLM is never a fit: it normalises q and k per head (QK-norm), which Ternion lacks.
 
 Anything else (sigmoid scores, an expert bias, capacity dropping, a top-k scaling factor, dense layers
