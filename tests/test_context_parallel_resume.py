@@ -5,11 +5,9 @@ iteration 4; a run at cp 2 (4 ranks: 4 shards) resumes from it and saves at 8; a
 that. Each resumed run's losses equal the uninterrupted cp 1 run's within 1e-4 (10 and more of them).
 Budget: three small torchrun jobs, about 30 s.
 """
-import shutil
-
 import pytest
 
-from test_trainer import TINY, last_train_records, launch, read_records
+from test_trainer import TINY, checkpoint_holding, last_train_records, launch, read_records
 
 MODEL = TINY + ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
                 "--num-query-groups", "2", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "18",
@@ -18,14 +16,6 @@ MODEL = TINY + ["--position-embedding-type", "rope", "--normalization", "RMSNorm
 
 def _losses(metrics) -> dict:
     return {i: r["lm_loss"] for i, r in last_train_records(read_records(str(metrics))).items()}
-
-
-def _only(ckpt, iteration: int, into):
-    """A --load directory holding only `iteration` of `ckpt`, as if that run had stopped there."""
-    name = f"iter_{iteration:07d}"
-    shutil.copytree(ckpt / name, into / name)
-    (into / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
-    return into
 
 
 @pytest.mark.slow
@@ -38,7 +28,7 @@ def test_resume_cp1_to_cp2_and_back_continues_the_curve(tmp_path):
     want = _losses(tmp_path / "a.jsonl")
     assert sorted(want) == list(range(1, 19)) and want[18] < want[1]
 
-    load = _only(tmp_path / "a", 4, tmp_path / "b")
+    load = checkpoint_holding(tmp_path / "a", 4, tmp_path / "b")
     code, out, _ = launch(MODEL + ["--cp", "2", "--load", str(load), "--save", str(tmp_path / "b-save"),
                                    "--metrics-file", str(tmp_path / "b.jsonl")], 4, timeout=180)
     assert code == 0, out[-6000:]
@@ -47,7 +37,7 @@ def test_resume_cp1_to_cp2_and_back_continues_the_curve(tmp_path):
     assert sorted(got) == list(range(5, 19))
     assert max(abs(got[i] - want[i]) for i in got) <= 1e-4, (got, want)
 
-    load = _only(tmp_path / "b-save", 8, tmp_path / "c")
+    load = checkpoint_holding(tmp_path / "b-save", 8, tmp_path / "c")
     code, out, _ = launch(MODEL + ["--load", str(load), "--metrics-file", str(tmp_path / "c.jsonl")], 2, timeout=180)
     assert code == 0, out[-6000:]
     got = _losses(tmp_path / "c.jsonl")

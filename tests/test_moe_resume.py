@@ -3,11 +3,9 @@ run saved at ep 4 resumes at ep 2, and that one's checkpoint at ep 1, optimizer 
 over the experts' replicas) and expert biases included; the losses continue the uninterrupted curve.
 Budget: three small torchrun jobs, about 30 s.
 """
-import shutil
-
 import pytest
 
-from test_trainer import TINY, last_train_records, launch, read_records
+from test_trainer import TINY, checkpoint_holding, last_train_records, launch, read_records
 
 MODEL = TINY + ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
                 "--num-query-groups", "2", "--micro-batch-size", "1", "--global-batch-size", "4",
@@ -21,13 +19,6 @@ def _records(metrics) -> dict:
     return last_train_records(read_records(str(metrics)))
 
 
-def _only(ckpt, iteration: int, into):
-    name = f"iter_{iteration:07d}"
-    shutil.copytree(ckpt / name, into / name)
-    (into / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
-    return into
-
-
 @pytest.mark.slow
 def test_resume_ep4_to_ep2_to_ep1_continues_the_curve(tmp_path):
     code, out, _ = launch(MODEL + ["--ep", "4", "--save", str(tmp_path / "a"),
@@ -38,7 +29,7 @@ def test_resume_ep4_to_ep2_to_ep1_continues_the_curve(tmp_path):
     assert sorted(want) == list(range(1, 15)) and want[14]["lm_loss"] < want[1]["lm_loss"]
 
     (tmp_path / "b").mkdir()
-    code, out, _ = launch(MODEL + ["--ep", "2", "--load", str(_only(tmp_path / "a", 4, tmp_path / "b")),
+    code, out, _ = launch(MODEL + ["--ep", "2", "--load", str(checkpoint_holding(tmp_path / "a", 4, tmp_path / "b")),
                                    "--save", str(tmp_path / "b-save"), "--metrics-file", str(tmp_path / "b.jsonl")],
                           2, timeout=180)
     assert code == 0, out[-6000:]
@@ -48,7 +39,7 @@ def test_resume_ep4_to_ep2_to_ep1_continues_the_curve(tmp_path):
     assert all(got[i]["moe_max_load"] == pytest.approx(want[i]["moe_max_load"]) for i in got)
 
     (tmp_path / "c").mkdir()
-    code, out, _ = launch(MODEL + ["--load", str(_only(tmp_path / "b-save", 8, tmp_path / "c")),
+    code, out, _ = launch(MODEL + ["--load", str(checkpoint_holding(tmp_path / "b-save", 8, tmp_path / "c")),
                                    "--metrics-file", str(tmp_path / "c.jsonl")], 1, timeout=180)
     assert code == 0, out[-6000:]
     got = _records(tmp_path / "c.jsonl")

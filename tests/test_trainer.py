@@ -72,6 +72,16 @@ def last_train_records(records: list) -> dict:
     return {r["iteration"]: r for r in records if "event" not in r and "split" not in r}
 
 
+def checkpoint_holding(save_dir, iteration: int, into):
+    """A --load directory (pathlib) holding only `iteration` of the run saved in `save_dir`, as if that run had
+    stopped there."""
+    import shutil
+    name = f"iter_{iteration:07d}"
+    shutil.copytree(save_dir / name, into / name)
+    (into / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
+    return into
+
+
 def launch(args: list, nproc: int, *, timeout: float = 120, max_restarts: int = 0, watch=None, survivors=None):
     """Run pretrain_gpt.py under torchrun; `watch(tag, elapsed)` is called every 50 ms while it runs.
 
