@@ -41,7 +41,7 @@ def memory_estimate(cfg, ctx, global_batch: int, attention: str):
                     micro_batch_size=tr.micro_batch_size, recompute=m.recompute_granularity or "none",
                     sequence_parallel=ctx.sequence_parallel, distributed_optimizer=par.use_distributed_optimizer,
                     first_stage_layers=par.decoder_first_pipeline_num_layers,
-                    last_stage_layers=par.decoder_last_pipeline_num_layers, cp=ctx.cp_size)
+                    last_stage_layers=par.decoder_last_pipeline_num_layers, cp=ctx.cp_size, ep=ctx.ep_size)
     microbatches = global_batch // (tr.micro_batch_size * ctx.dp_size)
     return memory_per_gpu(m, layout, m.seq_length, microbatches, precision_name(cfg),
                           flash_attention=attention != "local")

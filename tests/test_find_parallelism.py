@@ -1,5 +1,7 @@
 """The layout planner: exact parameter counts, the paper's activation formulas, the engine's real
-allocations, published large-scale runs, the GPT-3 175B pick, and the command line.
+allocations, published large-scale runs, the GPT-3 175B pick, and the command line. Mixture of experts
+(last section): per-rank parameters at ep 1 and ep > 1 against the meta-built model, state bytes against
+engine/optim's allocations, MoE activations against benchmarks/memory.py, and Mixtral 8x7B on 64 H100.
 
 Published runs (engine/planner/published.py; CASE_TABLE below lists every one with its source):
   A100-80GB, Megatron-LM of 2021-22 (unfused softmax attention, 2-byte gradient all-reduce after the
@@ -25,6 +27,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace as dataclasses_replace
 
 import pytest
 import torch
@@ -38,7 +41,9 @@ from engine.planner.memory import (
     Layout,
     layer_activation_bytes,
     memory_per_gpu,
+    param_split_per_rank,
     params_per_rank,
+    stage_layer_ids,
     state_bytes,
 )
 from engine.planner.published import PUBLISHED, gpt
@@ -530,3 +535,188 @@ def test_every_flag_named_in_an_error_message_exists():
     named = {flag for m in messages for flag in re.findall(r"--[a-z][a-z0-9-]*", m)}
     assert named, "the tool's error messages name flags"
     assert named <= accepted, sorted(named - accepted)
+
+
+# --- mixture of experts: expert parallelism, activated FLOPs, all-to-all ---------------------------
+
+MOE_ARGV = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+            "--swiglu", "--vocab-size", "300", "--seq-length", "32", "--mock-data", "--num-experts", "8",
+            "--moe-layer-freq", "[0]*1+[1]*3", "--moe-ffn-hidden-size", "48",
+            "--moe-shared-expert-intermediate-size", "32", "--moe-router-enable-expert-bias"]
+
+
+@pytest.mark.parametrize("layout", [Layout(1, 1, 1), Layout(1, 1, 4, ep=4), Layout(2, 2, 2, 2, sequence_parallel=True, ep=2),
+                                    Layout(2, 4, 8, sequence_parallel=True, ep=8)],
+                         ids=lambda lay: f"tp{lay.tp}-pp{lay.pp}-vpp{lay.vpp}-ep{lay.ep}")
+def test_moe_param_counts_equal_meta_device_model_at_every_ep(layout):
+    """Dense first layer, biases, a shared expert and the fp32 expert bias: the analytic count per rank equals the
+    model built on the meta device, experts split over ep (E/ep per rank) and replicated over tp."""
+    cfg = parse_config(MOE_ARGV)
+    assert params_per_rank(cfg.model, layout) == meta_params_per_rank(cfg, layout)
+    if layout.ep > 1:
+        one = params_per_rank(cfg.model, dataclasses_replace(layout, ep=1))
+        experts = 3 * 8 * 64 * 48 * (1 - 1 / layout.ep)  # a layer's routed experts less this rank's share
+        moe_per_rank = [sum(i in (1, 2, 3) for chunk in chunks for i in chunk) for chunks in stage_layer_ids(4, layout)]
+        assert [a - b for a, b in zip(one, params_per_rank(cfg.model, layout))] == [n * experts for n in moe_per_rank]
+
+
+def test_mixtral_meta_build_at_ep_8_matches_the_analytic_count():
+    cfg = parse_config(["--config", os.path.join(ROOT, "configs", "mixtral-8x7b.yaml")])
+    layout = Layout(2, 4, 8, sequence_parallel=True, ep=8)
+    assert params_per_rank(cfg.model, layout) == meta_params_per_rank(cfg, layout)
+
+
+def _engine_moe_state_bytes(cfg, layout, pp_rank, dp_rank):
+    """Weights, gradient buffers (dense and expert) and optimizer state one rank allocates."""
+    from engine.optim import adamw, build_optimizer
+    from engine.parallel.topology import ParallelContext
+    from engine.pipeline.partition import build_model_chunks
+    ctx = ParallelContext.virtual(tp=layout.tp, pp=layout.pp, dp=layout.dp, pp_rank=pp_rank, dp_rank=dp_rank,
+                                  sequence_parallel=layout.sequence_parallel, ep=layout.ep)
+    cfg.parallel.use_distributed_optimizer = layout.distributed_optimizer
+    chunks = build_model_chunks(cfg, ctx, vocab_size=cfg.model.vocab_size, device="meta", dtype=torch.bfloat16)
+    opt = build_optimizer(cfg, chunks, ctx)
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for c in chunks for p in c.parameters()}.values())
+    grads = sum(b.data.numel() * b.data.element_size() for b in opt.buffers)
+    steps = sum(t.numel() * t.element_size() for t in adamw.state_tensors(opt.adam) if t.dim() == 0)
+    pad = sum(64 * b.replicas * len(b.buckets) for b in opt.buffers) if layout.distributed_optimizer else 0
+    return weights, grads, opt.state_bytes() - steps, pad
+
+
+@pytest.mark.parametrize("dist", [False, True])
+def test_moe_state_bytes_equal_engine_allocations(dist):
+    """bf16 weights (the expert bias fp32), fp32 gradients of dense and expert parameters, and optimizer state
+    sharded over dp x cp for dense and dp/ep x cp for experts: what engine/optim allocates, summed over dp."""
+    cfg = parse_config(MOE_ARGV + ["--bf16"])
+    for layout in (Layout(1, 1, 4, ep=2, distributed_optimizer=dist),
+                   Layout(2, 2, 4, sequence_parallel=True, ep=4, distributed_optimizer=dist)):
+        for r, (dense, experts, frozen) in enumerate(param_split_per_rank(cfg.model, layout)):
+            w, g, o = state_bytes(dense, layout, "bf16", experts, frozen)
+            opt_total = 0
+            for d in range(layout.dp):
+                ew, eg, eo, pad = _engine_moe_state_bytes(cfg, layout, r, d)
+                assert ew == w and 0 <= eg - g <= 4 * pad and abs(eo - o) <= 12 * pad, (layout, r, d)
+                opt_total += eo
+            assert opt_total == pytest.approx(o * layout.dp), (layout, r)
+
+
+def test_expert_optimizer_state_shards_over_dp_over_ep_times_cp():
+    lay = Layout(dp=8, cp=2, ep=4, distributed_optimizer=True)
+    assert (lay.shard_group, lay.expert_shard_group) == (16, 4)
+    w, g, o = state_bytes(1_000_000, lay, "bf16", experts=4_000_000, frozen=10)
+    assert (w, g, o) == (10_000_040, 20_000_000, 12_000_000 / 16 + 12 * 4_000_000 / 4)
+
+
+def test_moe_activation_bytes_within_10_percent_of_measured():
+    """benchmarks/memory.py's measurement of an MoE layer (8 experts, top 2, with and without a shared expert):
+    the routed copies, the router's logits and the shared expert are counted within 10%."""
+    import dataclasses
+    import importlib.util
+
+    from engine.parallel.topology import ParallelContext
+    spec = importlib.util.spec_from_file_location("benchmarks_memory", os.path.join(ROOT, "benchmarks", "memory.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for shared in (None, 96):
+        cfg = dataclasses.replace(bench.llama_config("none"), num_experts=8, moe_router_topk=2,
+                                  moe_ffn_hidden_size=176, moe_shared_expert_intermediate_size=shared)
+        measured, _, _ = bench.measure(cfg, ParallelContext.virtual(), torch.device("cpu"))
+        planned = 2 * layer_activation_bytes(cfg, bench.SEQ, bench.MICRO, 1, False, "none", True, moe=True)
+        assert abs(planned - measured) / measured <= 0.10, (shared, planned, measured)
+        dense = 2 * layer_activation_bytes(cfg, bench.SEQ, bench.MICRO, 1, False, "none", True)
+        assert planned > dense  # two routed copies of every token outweigh one MLP of the same width
+
+
+def test_mixtral_on_64_h100_searches_expert_parallelism_and_prints_it(capsys):
+    """Mixtral 8x7B does not fit 64 H100 without expert parallelism at tp 1 (46.7B bf16 weights and fp32 grads per
+    pipeline stage); the search answers with ep > 1 layouts that fit, ep dividing dp and the 8 experts, and the
+    best layout's command line carries --expert-model-parallel-size."""
+    cfg = os.path.join(ROOT, "configs", "mixtral-8x7b.yaml")
+    assert run_cli("--config", cfg, "--num-gpus", "64", "--gpu", "h100-sxm", "--top", "5", "--json") == 0
+    rows = json.loads(capsys.readouterr().out)
+    for r in rows:
+        assert r["fits"] and r["ep"] > 1 and r["dp"] % r["ep"] == 0 and 8 % r["ep"] == 0
+        assert r["tp"] * r["cp"] * r["pp"] * r["dp"] == 64
+        assert r["time_breakdown_s"]["ep_comm"] > 0
+    import find_parallelism
+    args = find_parallelism.build_parser().parse_args(["--config", cfg, "--num-gpus", "64"])
+    best = Layout(**{k: rows[0][k] for k in Layout.__dataclass_fields__})
+    assert f"--expert-model-parallel-size {best.ep}" in find_parallelism.torchrun_command(args, best, 256, 4096, "bf16")
+
+
+def test_ep_one_layout_mode_and_its_mistakes(capsys):
+    cfg = os.path.join(ROOT, "configs", "mixtral-8x7b.yaml")
+    assert run_cli("--config", cfg, "--num-gpus", "64", "--tp", "1", "--pp", "4", "--ep", "8") == 0
+    out = capsys.readouterr().out
+    assert "--expert-model-parallel-size 8" in out.split("command line:")[1]
+    assert "12.88B activated" in out
+    run_cli("--config", cfg, "--num-gpus", "64", "--tp", "1", "--pp", "4", "--expert-model-parallel-size", "4",
+            "--json")
+    row = json.loads(capsys.readouterr().out)[0]
+    assert (row["tp"], row["pp"], row["dp"], row["ep"]) == (1, 4, 16, 4)
+    for argv, needle in ((["--tp", "1", "--pp", "4", "--ep", "16"], "--expert-model-parallel-size"),
+                         (["--ep", "8"], "--ep needs --tp"), (["--tp", "2", "--pp", "4", "--ep", "3"], "--expert")):
+        assert run_cli("--config", cfg, "--num-gpus", "64", *argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and needle in err, err
+
+
+def test_expert_parallelism_saves_memory_and_all_to_all_leaves_the_node_only_when_it_must():
+    """Experts split over ep: weights, gradients and optimizer state of the MoE stages shrink with ep. The EP
+    group (ep ranks at stride tp·cp) stays on NVLink while tp·cp·ep fit in a node, else its off-node share goes
+    through each GPU's NIC and the all-to-all costs more."""
+    cfg = parse_config(["--config", os.path.join(ROOT, "configs", "mixtral-8x7b.yaml")])
+    gpu = GPU_PRESETS["h100-sxm"]
+    lay = lambda tp, ep: Layout(tp, 4, 64 // (4 * tp), micro_batch_size=1, sequence_parallel=tp > 1,  # noqa: E731
+                                distributed_optimizer=True, ep=ep)
+    mem = [memory_per_gpu(cfg.model, lay(1, ep), 4096, 16) for ep in (1, 2, 4, 8)]
+    assert all(a.weights > b.weights and a.grads > b.grads for a, b in zip(mem, mem[1:]))
+    # The distributed optimizer's expert shard is E/ep experts over dp/ep replicas: the same whatever ep.
+    assert all(a.optimizer == pytest.approx(b.optimizer) for a, b in zip(mem, mem[1:]))
+    assert _links(lay(1, 8), gpu, 8).ep_in_node == 8 and _links(lay(2, 8), gpu, 8).ep_in_node == 4
+    inside = estimate(cfg.model, lay(1, 8), gpu, 256, 4096)
+    across = estimate(cfg.model, lay(2, 8), gpu, 256, 4096)
+    # Per routed token (microbatches x 8 MoE layers per stage x tokens a rank routes: 4096, or 2048 at tp 2 + SP),
+    # the all-to-all costs more once half of the EP group sits in another node.
+    per_token_inside = inside.breakdown["ep_comm"] / (16 * 8 * 4096)
+    per_token_across = across.breakdown["ep_comm"] / (32 * 8 * 2048)
+    assert per_token_across > 2 * per_token_inside
+    assert estimate(cfg.model, lay(1, 1), gpu, 256, 4096).breakdown["ep_comm"] == 0.0
+
+
+def test_moe_search_layouts_pass_the_trainers_validation():
+    """Every MoE layout the search proposes (ep dividing dp and the experts, SP whenever tp > 1) validates."""
+    import dataclasses
+    cfg = parse_config(["--config", os.path.join(ROOT, "configs", "mixtral-8x7b.yaml")])
+    seen_ep = set()
+    for lay in list(candidate_layouts(cfg.model, 32, 8, 64, 4096))[::11]:
+        c = dataclasses.replace(cfg)
+        c.parallel = dataclasses.replace(
+            cfg.parallel, tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+            virtual_pipeline_model_parallel_size=lay.vpp if lay.vpp > 1 else None, sequence_parallel=lay.sequence_parallel,
+            expert_model_parallel_size=lay.ep, decoder_first_pipeline_num_layers=lay.first_stage_layers,
+            decoder_last_pipeline_num_layers=lay.last_stage_layers)
+        c.training = dataclasses.replace(cfg.training, micro_batch_size=lay.micro_batch_size, global_batch_size=64)
+        try:
+            validate(c, 32)
+        except ConfigError as e:
+            pytest.fail(f"{lay}: {e}")
+        seen_ep.add(lay.ep)
+    assert seen_ep == {1, 2, 4, 8}
+
+
+def test_cli_verify_moe_at_ep(capsys):
+    assert run_cli("--config", os.path.join(ROOT, "configs", "moe-tiny.yaml"), "--verify", "--tp", "2", "--pp", "2",
+                   "--ep", "4") == 0
+    out = capsys.readouterr().out
+    assert "ep 4" in out and "analytic counts match the model" in out
+
+
+def test_moe_flops_are_activated_in_the_estimate():
+    """MFU counts activated parameters: Mixtral's model FLOPs per token are ~2 x 12.9B x 3, not 2 x 46.7B x 3."""
+    cfg = parse_config(["--config", os.path.join(ROOT, "configs", "mixtral-8x7b.yaml")])
+    e = estimate(cfg.model, Layout(1, 4, 16, micro_batch_size=1, distributed_optimizer=True, ep=8),
+                 GPU_PRESETS["h100-sxm"], 256, 4096)
+    per_token = e.tflops_per_gpu * 1e12 * 64 / e.tokens_per_s
+    attention = 3 * 4 * 4096 * 4096 * 32  # the full-s² attention core per token, forward and backward
+    assert per_token - attention == pytest.approx(6 * 12.9e9, rel=0.02)

@@ -6,7 +6,9 @@ TRACE is a JSON-lines file, a directory of them, or the prefix of per-rank files
 (TRACE may end in .jsonl). Each line is one forward or backward pass of one microbatch:
     {"rank": R, "pp_rank": P, "kind": "F"|"B", "microbatch": M, "chunk": C, "start": t0, "end": t1}
 with wall-clock times (time.time(), seconds), and optionally "iteration": then one iteration is drawn
-(--iteration N, default the last traced). One row per rank, forward and backward in two colours,
+(--iteration N, default the last traced). Zero-bubble schedules (--pipeline-schedule zb-h1, zb-v) split
+each backward: "B" is then the input gradient and "W" the weight gradients, drawn in a third colour.
+One row per rank, forward and backward in two colours,
 later virtual-pipeline chunks in lighter shades, microbatch numbers inside boxes wide enough to hold
 them. Gaps are idle time: each rank's bubble is the share of the traced span it spent idle.
 """
@@ -27,7 +29,7 @@ from matplotlib.colors import to_rgb
 from matplotlib.patches import Patch, Rectangle
 
 FIELDS = ("rank", "pp_rank", "kind", "microbatch", "chunk", "start", "end")
-COLOURS = {"F": "#1f77b4", "B": "#ff7f0e"}
+COLOURS = {"F": "#1f77b4", "B": "#ff7f0e", "W": "#2ca02c"}
 OTHER_COLOUR = "#7f7f7f"
 FIG_WIDTH_IN, DPI = 15.0, 110
 CHAR_WIDTH_PX = 7.0  # width of one digit at the label font size, to decide whether a number fits
@@ -155,7 +157,10 @@ def plot(events: list, out: str, iteration=None) -> None:
     which = f"iteration {iteration}: " if iteration is not None else ""
     ax.set_title(f"pipeline schedule, {which}{len(ranks)} ranks, {micro} microbatches, {chunks} chunk(s) per rank — "
                  f"bubble {100 * mean_bubble:.1f}% measured (mean), {100 * ideal_bubble(events):.1f}% ideal 1F1B")
-    handles = [Patch(color=COLOURS["F"], label="forward"), Patch(color=COLOURS["B"], label="backward")]
+    split = any(e["kind"] == "W" for e in events)
+    handles = [Patch(color=COLOURS["F"], label="forward"),
+               Patch(color=COLOURS["B"], label="input gradient (B)" if split else "backward")]
+    handles += [Patch(color=COLOURS["W"], label="weight gradient (W)")] if split else []
     handles += [Patch(color=_shade(OTHER_COLOUR, c, chunks), label=f"chunk {c} (shade)")
                 for c in range(chunks)] if chunks > 1 else []
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=9, frameon=False)

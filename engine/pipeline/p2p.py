@@ -31,6 +31,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from engine.parallel import comm
+from engine.pipeline import zero_bubble
 from engine.pipeline.partition import neighbours, stage_of
 
 
@@ -46,7 +47,7 @@ class Exchange(NamedTuple):
     recvs: tuple  # one per operation of the next step: the Message it needs, or None
 
 
-def _messages(kind: str, chunk: int, mb: int, rank: int, pp: int, vpp: int, v_shape: bool) -> tuple:
+def messages(kind: str, chunk: int, mb: int, rank: int, pp: int, vpp: int, v_shape: bool = False) -> tuple:
     """(what this operation receives, what it sends), each a Message or None."""
     if kind == "W":
         return None, None
@@ -71,14 +72,42 @@ def exchange_plan(steps: list, pp: int, vpp: int, rank: int, schedule: Optional[
     interleaved schedule; one batch per operation would deadlock there under batch semantics (the
     replay in tests/test_pipeline.py shows both). Pairing 1F1B as well would be deadlock-free but would
     make each forward wait for the gradient its partner backward needs, serialising neighbouring stages.
-    The zero-bubble schedules exchange between every two operations, as 1F1B does.
+    The zero-bubble schedules get `_timed_plan`.
     """
+    if schedule in zero_bubble.SCHEDULES:
+        ops = [op for step in steps for op in step]
+        return _timed_plan(ops, pp, rank, schedule, 1 + max(mb for _, _, mb in ops),
+                           not any(kind == "B" for kind, _, _ in ops))
     plan, sends = [], ()
     for ops in steps:
-        pairs = [_messages(kind, chunk, mb, rank, pp, vpp, schedule == "zb-v") for kind, chunk, mb in ops]
+        pairs = [messages(kind, chunk, mb, rank, pp, vpp) for kind, chunk, mb in ops]
         plan.append((Exchange(sends, tuple(recv for recv, _ in pairs)), list(ops)))
         sends = tuple(send for _, send in pairs if send is not None)
     plan.append((Exchange(sends, ()), []))
+    return plan
+
+
+def _timed_plan(ops: list, pp: int, rank: int, schedule: str, m: int, forward_only: bool) -> list:
+    """A zero-bubble schedule's plan: one step per slot of its unit-time construction (engine.pipeline.
+    zero_bubble; an operation or none), each message posted by both ends at the slot of the operation that
+    needs it. A batch's partners are then in the same-numbered batches of its peers, so every rank's batch
+    k completes once all have reached it: no deadlock, whatever the order. (One batch per operation, as in
+    1F1B, deadlocks ZB-V, whose ranks exchange in both directions; the replay in the tests shows it.)"""
+    v_shape = schedule == "zb-v"
+    vpp = 2 if v_shape else 1
+    slot = zero_bubble.timeline(schedule, pp, m, forward_only)
+    at = {slot[(kind, stage_of(pp, vpp, rank, c, v_shape), mb)]: (kind, c, mb) for kind, c, mb in ops}
+    sends: dict = {}
+    for kind, c, mb in ops:
+        send = messages(kind, c, mb, rank, pp, vpp, v_shape)[1]
+        if send is not None:  # received by the forward or B of the neighbouring stage
+            sends.setdefault(slot[("F" if send.kind == "act" else "B", send.stage, mb)], []).append(send)
+    plan = []
+    for t in range(max([*at, *sends]) + 1):
+        op = at.get(t)
+        recvs = () if op is None else (messages(*op, rank, pp, vpp, v_shape)[0],)
+        plan.append((Exchange(tuple(sends.get(t, ())), recvs), [] if op is None else [op]))
+    plan.append((Exchange((), ()), []))
     return plan
 
 

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from engine.parallel import comm, mappings
-from engine.pipeline.p2p import StageLink, backward_through, exchange_plan
+from engine.pipeline.p2p import StageLink, backward_through, exchange_plan, messages
 from engine.pipeline.partition import place
 from engine.pipeline.schedules import SPLIT_BACKWARD, check_schedule, schedule_steps
 
@@ -44,30 +44,33 @@ class PipelineRunner:
         ctx, m, schedule = self.ctx, len(microbatches), self.schedule
         check_schedule(ctx.pp_size, ctx.vpp_size, m, schedule)
         steps = schedule_steps(ctx.pp_size, ctx.vpp_size, ctx.pp_rank, m, forward_only, schedule)
-        saved, losses, outbox = {}, [], []
+        saved, losses, outbox = {}, [], {}
         for exchange, ops in exchange_plan(steps, ctx.pp_size, ctx.vpp_size, ctx.pp_rank, schedule):
-            # what the last step sent, what this step needs (one entry per operation, None if it needs nothing)
-            inbox = self.link.exchange(exchange, outbox)
-            outbox = []
+            # what earlier steps made for this batch to send, what this step needs (one entry per operation)
+            inbox = self.link.exchange(exchange, [outbox.pop(msg[1:]) for msg in exchange.sends])
             for (kind, chunk, mb), received in zip(ops, inbox):
                 start = time.time()  # inputs have arrived: waiting for them shows as idle time in the trace
-                if kind == "F":
-                    with self._deferring(chunk, mb, forward_only):
-                        x, out = self._forward(chunk, microbatches[mb], received, m, scale_loss, losses)
-                    if not self.chunks[chunk].post_process:
-                        outbox.append(out)
-                    if not forward_only:
-                        saved[(chunk, mb)] = (x, out)
-                elif kind == "B":
-                    with self._deferring(chunk, mb, forward_only):  # recomputed forwards defer too
-                        grad = self._backward(*saved.pop((chunk, mb)), received)
-                    if grad is not None:
-                        outbox.append(grad)
-                else:
-                    mappings.weight_grads(self.deferred.pop((chunk, mb)))
+                made = self._run_op(kind, chunk, mb, microbatches, received, saved, scale_loss, losses, forward_only)
+                send = messages(kind, chunk, mb, ctx.pp_rank, ctx.pp_size, ctx.vpp_size, schedule == "zb-v")[1]
+                if send is not None:
+                    outbox[send[1:]] = made
                 if self.trace is not None and not forward_only:  # evaluation passes are not traced
                     self.trace.record(kind, mb, chunk, start, time.time())
         return self._share_loss(losses)
+
+    def _run_op(self, kind, chunk, mb, microbatches, received, saved, scale_loss, losses, forward_only):
+        """One operation; returns what it sends on (a forward's output, a B's input gradient) or None."""
+        if kind == "F":
+            with self._deferring(chunk, mb, forward_only):
+                x, out = self._forward(chunk, microbatches[mb], received, len(microbatches), scale_loss, losses)
+            if not forward_only:
+                saved[(chunk, mb)] = (x, out)
+            return out
+        if kind == "B":
+            with self._deferring(chunk, mb, forward_only):  # forwards recomputed inside B defer too
+                return self._backward(*saved.pop((chunk, mb)), received)
+        mappings.weight_grads(self.deferred.pop((chunk, mb)))
+        return None
 
     def _deferring(self, chunk: int, mb: int, forward_only: bool):
         """Where this chunk's weight gradients go for this microbatch: the store of its W, under a zero-bubble

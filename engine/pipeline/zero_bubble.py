@@ -48,9 +48,19 @@ def _caps(schedule: str, pp: int, rank: int) -> tuple:
     return (2 * pp, 2 * pp) if schedule == "zb-v" else (pp - rank, pp)
 
 
-@functools.lru_cache(maxsize=128)
 def orders(schedule: str, pp: int, num_microbatches: int, forward_only: bool = False) -> tuple:
     """Every pipeline rank's operations ("F" | "B" | "W", chunk, microbatch) in execution order."""
+    return _build(schedule, pp, num_microbatches, forward_only)[0]
+
+
+def timeline(schedule: str, pp: int, num_microbatches: int, forward_only: bool = False) -> dict:
+    """{(kind, virtual stage, microbatch): the unit-time slot it was scheduled in} (engine.pipeline.p2p posts
+    each message at the slot of the operation that needs it). Read only: it is cached."""
+    return _build(schedule, pp, num_microbatches, forward_only)[1]
+
+
+@functools.lru_cache(maxsize=128)
+def _build(schedule: str, pp: int, num_microbatches: int, forward_only: bool) -> tuple:
     assert schedule in SCHEDULES, schedule
     v_shape = schedule == "zb-v"
     vpp, m = (2 if v_shape else 1), num_microbatches
@@ -73,7 +83,7 @@ def orders(schedule: str, pp: int, num_microbatches: int, forward_only: bool = F
             raise RuntimeError(f"{schedule} cannot be scheduled for pp {pp}, {m} microbatches")  # a bug here
         left -= ran
         t += 1
-    return tuple(tuple(rank.order) for rank in ranks)
+    return tuple(tuple(rank.order) for rank in ranks), started
 
 
 def _choose(rank: _Rank, t: int, started: dict, next_f: list, next_b: list, last: int, m: int,
