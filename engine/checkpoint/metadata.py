@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 FORMAT, VERSION = "ternion-checkpoint", 1
+ADDED_KEYS = {"layout": ("cp", "ep")}  # optional keys of version 1 (see CheckpointMeta.to_json)
 
 
 @dataclass
@@ -122,7 +123,18 @@ class CheckpointMeta:
     saved_at: float
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        """The JSON object. Keys added since version 1 (a layout's cp and ep, a tensor's split) are written
+        only when they differ from their defaults, so a checkpoint without context or expert parallelism
+        is byte for byte what earlier commits wrote and read."""
+        d = dataclasses.asdict(self)
+        for key in ADDED_KEYS["layout"]:
+            if d["layout"][key] == 1:
+                del d["layout"][key]
+        for entries in (d["tensors"], d["optimizer_tensors"]):
+            for entry in entries.values():
+                if entry["split"] == "tp":
+                    del entry["split"]
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "CheckpointMeta":
