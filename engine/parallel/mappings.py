@@ -217,7 +217,8 @@ def weight_grads(store: list) -> None:
     left = collections.Counter(id(p) for p, _ in store)
     partial = {}
     for param, compute in store:
-        grad = compute() if id(param) not in partial else partial.pop(id(param)) + compute()
+        with torch.no_grad():  # as inside backward
+            grad = compute() if id(param) not in partial else partial.pop(id(param)) + compute()
         left[id(param)] -= 1
         if left[id(param)]:
             partial[id(param)] = grad

@@ -1,5 +1,7 @@
 """The pipeline trace (--pipeline-trace FILE): every forward and backward a rank runs, with its clock.
 
+Kinds are "F" and "B", plus "W" under a zero-bubble schedule, whose "B" is then the input gradient only.
+
 `PipelineRunner` records each operation as it finishes; a record's start is when the operation's inputs
 had arrived, so time spent waiting for a neighbour shows as idle. Each rank writes its own JSON-lines
 file, FILE.rank<N>.jsonl, which tools/plot_pipeline.py draws as a timeline.

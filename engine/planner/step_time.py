@@ -5,7 +5,9 @@ One training iteration on a pipeline is modelled as (Narayanan et al. 2021, sec.
     step = (m + (p - 1)/v) · T_stage  +  exposed data-parallel reduction  +  optimizer step
 
 with m microbatches per pipeline, T_stage the forward+backward time of one microbatch on the slowest
-pipeline rank, and (p - 1)/v the pipeline bubble of 1F1B (v = 1) or the interleaved schedule.
+pipeline rank, and (p - 1)/v the pipeline bubble of 1F1B (v = 1) or the interleaved schedule; the
+zero-bubble schedules (Software.pipeline_schedule zb-h1, zb-v) take theirs from the schedule simulator
+(engine.pipeline.schedules.bubble_time), with the backward split evenly into input and weight gradients.
 T_stage sums, per layer: the matrix multiplies at a fraction of peak that grows with the per-GPU
 matrix sizes (and differs by GPU generation), the attention core, memory-bound element-wise work, the
 tensor-parallel collectives over NVLink (less the share a TP-overlapping engine hides), and with
@@ -32,6 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from engine.config import ModelConfig
+from engine.pipeline.schedules import SPLIT_BACKWARD, bubble_time
 from engine.planner.flops import GPUSpec, flops_per_iteration
 from engine.planner.memory import (
     GIB,
@@ -116,6 +119,7 @@ class Software:
     fsdp: bool = False
     cp_comm_type: str = "p2p"             # p2p: K/V ring overlapped with attention; all_gather: gathered first
     attention_efficiency: Optional[float] = None
+    pipeline_schedule: Optional[str] = None  # --pipeline-schedule; zb-v needs layout.vpp 2 (its V)
 
 
 @dataclass
@@ -317,8 +321,10 @@ def _moe_layer(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: S
     return fwd, bwd, recompute, 2 * a2a
 
 
-def _stage_times(model: ModelConfig, layout: Layout, c: _Costs) -> tuple:
-    """(forward+backward seconds of one microbatch on each pipeline rank, backward seconds of each)."""
+def _stage_times(model: ModelConfig, layout: Layout, c: _Costs, v_shape: bool = False) -> tuple:
+    """(forward+backward seconds of one microbatch on each pipeline rank, backward seconds of each); ZB-V's V
+    (`v_shape`) puts the output layer on rank 0, beside the embedding."""
+    head_rank = 0 if v_shape else layout.pp - 1
     layer = c.layer_fwd + c.layer_bwd + c.layer_recompute + c.cp_comm
     moe_layer = c.moe_fwd + c.moe_bwd + c.moe_recompute + c.cp_comm
     n_moe = moe_layers_per_rank(model, layout)
@@ -326,9 +332,17 @@ def _stage_times(model: ModelConfig, layout: Layout, c: _Costs) -> tuple:
     for r, chunks in enumerate(stage_layer_counts(model.num_layers, layout)):
         n = sum(chunks) - n_moe[r]
         times.append(n * layer + n_moe[r] * moe_layer + 2 * len(chunks) * c.p2p + (c.embed if r == 0 else 0.0)
-                     + (c.head if r == layout.pp - 1 else 0.0))
+                     + (c.head if r == head_rank else 0.0))
         bwd.append(n * (c.layer_bwd + c.layer_recompute) + n_moe[r] * (c.moe_bwd + c.moe_recompute))
     return times, bwd
+
+
+def _bubble(layout: Layout, schedule: Optional[str], m: int, t_stage: float, t_backward: float) -> float:
+    """Idle pipeline seconds per step: (p - 1)/v stage times for 1F1B and interleaving; the simulated bubble of
+    a zero-bubble schedule's own order, its backward split evenly into B and W."""
+    if schedule not in SPLIT_BACKWARD or layout.pp == 1:
+        return (layout.pp - 1) / layout.vpp * t_stage
+    return bubble_time(schedule, layout.pp, layout.vpp, m, t_stage - t_backward, t_backward / 2, t_backward / 2)
 
 
 def _data_parallel_seconds(params: int, layout: Layout, gpu: GPUSpec, sw: Software, link: _Link,
@@ -364,11 +378,11 @@ def estimate(model: ModelConfig, layout: Layout, gpu: GPUSpec, global_batch: int
     m = global_batch // (layout.dp * layout.micro_batch_size)
     links = _links(layout, gpu, gpus_per_node, software.cp_comm_type == "all_gather")
     c = _costs(model, layout, seq, gpu, software, links)
-    stage_times, stage_bwd = _stage_times(model, layout, c)
+    stage_times, stage_bwd = _stage_times(model, layout, c, software.pipeline_schedule == "zb-v")
     slowest = max(range(layout.pp), key=lambda r: stage_times[r])
     t_stage = stage_times[slowest]
     compute = m * t_stage
-    bubble = (layout.pp - 1) / layout.vpp * t_stage
+    bubble = _bubble(layout, software.pipeline_schedule, m, t_stage, stage_bwd[slowest])
     params, experts, _ = param_split_per_rank(model, layout)[slowest]
     micro = (t_stage - stage_bwd[slowest], stage_bwd[slowest])
     dp = _data_parallel_seconds(params, layout, gpu, software, links.dp, micro, m, experts, links.edp)
