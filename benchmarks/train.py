@@ -24,7 +24,8 @@ import sys
 import time
 
 from engine.cli import parse_config
-from engine.config import ConfigError, resolve, validate
+from engine.config import ConfigError, resolve
+from engine.validation import validate
 
 
 def _parse(argv):

@@ -4,7 +4,7 @@
 settles `--mock-data` against `--data-path` and `--train-iters` against `--train-samples`, and returns the
 Config with the notices the launcher prints once. Every config field is a flag (`--no-FLAG` switches a
 boolean off); Megatron-LM's flags that are no field are translated by engine/megatron_flags.py. The schema,
-the checks and the resolution stay in engine/config.py.
+the checks stay in engine/validation.py and the resolution in engine/config.py.
 """
 from __future__ import annotations
 

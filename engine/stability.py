@@ -27,7 +27,8 @@ from typing import Optional
 
 import torch
 
-from engine.config import check_spike_window, parse_faults
+from engine.config import parse_faults
+from engine.validation import check_spike_window
 
 OK, SKIP, SPIKE, ROLLBACK = "ok", "skip", "spike", "rollback"
 MIN_HISTORY = 10  # accepted losses needed before a mean and std mean anything

@@ -1,9 +1,10 @@
 """Config: YAML + flags, aliases, --help, and one clear line per mistake (before any process group)."""
 import pytest
 
-from engine import cli, config
+from engine import cli, config, validation
 from engine.cli import build_parser, parse_config
-from engine.config import ConfigError, validate
+from engine.config import ConfigError
+from engine.validation import validate
 
 
 def write(tmp_path, text, name="c.yaml"):
@@ -92,24 +93,24 @@ def test_run_flags_the_launcher_used_to_check_are_validated_here(tmp_path):
 
 # Each section's check on its own: the defaults pass, one bad value fails with a line naming its flag.
 SECTION_CASES = {
-    "parallel-sizes": (lambda **kw: config._check_parallel_sizes(config.ParallelConfig(**kw)),
+    "parallel-sizes": (lambda **kw: validation._check_parallel_sizes(config.ParallelConfig(**kw)),
                        {"virtual_pipeline_model_parallel_size": 0}, "--virtual-pipeline-model-parallel-size 0"),
-    "model": (lambda **kw: config._check_model(config.ModelConfig(**kw)), {"hidden_size": 66}, "--hidden-size 66"),
-    "split": (lambda **kw: config._check_split(config.ModelConfig(seq_length=63), config.ParallelConfig(**kw),
+    "model": (lambda **kw: validation._check_model(config.ModelConfig(**kw)), {"hidden_size": 66}, "--hidden-size 66"),
+    "split": (lambda **kw: validation._check_split(config.ModelConfig(seq_length=63), config.ParallelConfig(**kw),
                                                tp=2, pp=1, vpp=1),
               {"sequence_parallel": True}, "--seq-length 63"),
-    "pipeline-split": (lambda layers=10: config._check_pipeline_split(layers, 1, 3, 4, 1), {"layers": 11},
+    "pipeline-split": (lambda layers=10: validation._check_pipeline_split(layers, 1, 3, 4, 1), {"layers": 11},
                        "--decoder-first-pipeline-num-layers 1"),
-    "parallel": (lambda **kw: config._check_parallel(config.ParallelConfig(**kw), 4),
+    "parallel": (lambda **kw: validation._check_parallel(config.ParallelConfig(**kw), 4),
                  {"distributed_timeout_minutes": -1}, "--distributed-timeout-minutes -1"),
-    "training": (lambda **kw: config._check_training(config.TrainingConfig(**kw), 2, 1, 1),
+    "training": (lambda **kw: validation._check_training(config.TrainingConfig(**kw), 2, 1, 1),
                  {"global_batch_size": 3}, "--global-batch-size 3"),
-    "optim": (lambda **kw: config._check_optim(config.OptimizerConfig(**kw)), {"lr_decay_style": "wsd"},
+    "optim": (lambda **kw: validation._check_optim(config.OptimizerConfig(**kw)), {"lr_decay_style": "wsd"},
               "--lr-wsd-decay-iters"),
-    "logging": (lambda **kw: config._check_logging(config.LoggingConfig(**kw)), {"profile": True}, "--profile"),
-    "files": (lambda **kw: config._check_files(config.Config(data=config.DataConfig(mock_data=True, **kw))),
+    "logging": (lambda **kw: validation._check_logging(config.LoggingConfig(**kw)), {"profile": True}, "--profile"),
+    "files": (lambda **kw: validation._check_files(config.Config(data=config.DataConfig(mock_data=True, **kw))),
               {"tokenizer_model": "/nonexistent/t.model"}, "--tokenizer-model /nonexistent/t.model"),
-    "stability": (lambda **kw: config._check_stability(config.StabilityConfig(**kw)), {"spike_window": 1},
+    "stability": (lambda **kw: validation._check_stability(config.StabilityConfig(**kw)), {"spike_window": 1},
                   "--spike-window 1"),
 }
 
@@ -125,9 +126,9 @@ def test_each_section_check_rejects_a_bad_value_naming_its_flag(section):
 
 def test_spike_window_has_one_check_for_validate_and_the_guard():
     from engine.stability import SpikeGuard
-    config.check_spike_window(2)
+    validation.check_spike_window(2)
     with pytest.raises(ConfigError) as direct:
-        config.check_spike_window(1)
+        validation.check_spike_window(1)
     with pytest.raises(ConfigError) as guard:
         SpikeGuard(window=1)
     assert str(direct.value) == str(guard.value) == check(["--spike-window", "1"], 1, "--spike-window 1")
@@ -159,16 +160,16 @@ def test_schedule_and_validate_share_the_interleaving_rule():
 
 def test_model_split_check_names_the_flags_it_is_given():
     model = config.ModelConfig(num_layers=6, num_attention_heads=4, num_query_groups=2, hidden_size=64)
-    config.check_model_split(model, 2, 3)
+    validation.check_model_split(model, 2, 3)
     cases = [((4, 1), "--target-tp 4: must divide --num-query-groups 2; choose a tp among 1, 2"),
              ((3, 1), "--target-tp 3: must divide --num-attention-heads 4"),
              ((1, 4), "--target-pp 4: must divide --num-layers 6; choose a pp among 1, 2, 3, 6")]
     for (tp, pp), expected in cases:
         with pytest.raises(ConfigError) as info:
-            config.check_model_split(model, tp, pp, tp_flag="--target-tp", pp_flag="--target-pp")
+            validation.check_model_split(model, tp, pp, tp_flag="--target-tp", pp_flag="--target-pp")
         assert str(info.value).startswith(expected), str(info.value)
     with pytest.raises(ConfigError, match="^--tensor-model-parallel-size 3: must divide --ffn-hidden-size 256"):
-        config.check_model_split(config.ModelConfig(num_attention_heads=3, hidden_size=48, ffn_hidden_size=256), 3, 1)
+        validation.check_model_split(config.ModelConfig(num_attention_heads=3, hidden_size=48, ffn_hidden_size=256), 3, 1)
 
 
 def test_yaml_only_fields_have_no_flag_and_pass_through_from_yaml(tmp_path):

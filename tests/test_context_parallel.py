@@ -5,13 +5,14 @@ import math
 import pytest
 import torch
 
-from engine.config import Config, ConfigError, ModelConfig, validate
+from engine.config import Config, ConfigError, ModelConfig
 from engine.model import TIED_EMBEDDING, GPTModel
 from engine.parallel import context_split, ring_attention
 from engine.parallel.ring_attention import ContextAttention, blocks_between, ring_order
 from engine.parallel.topology import ParallelContext, build_context, grid_coords, rank_grid
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
+from engine.validation import validate
 from harness import full_grad, grad_buffer, run_ranks
 from kernels import reference
 

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from engine.cli import parse_config
-from engine.config import ConfigError, validate
+from engine.config import ConfigError
 from engine.pipeline.schedules import peak_in_flight
 from engine.planner import published
 from engine.planner.flops import GPU_PRESETS
@@ -50,6 +50,7 @@ from engine.planner.published import PUBLISHED, gpt
 from engine.planner.search import candidate_layouts, chinchilla_optimal, rank_layouts, uneven_split
 from engine.planner.step_time import Software, _links, estimate
 from engine.planner.verify import meta_params_per_rank
+from engine.validation import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(os.path.join(ROOT, "configs", f) for f in os.listdir(os.path.join(ROOT, "configs"))

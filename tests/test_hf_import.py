@@ -19,9 +19,10 @@ from engine.checkpoint import files, load_checkpoint
 from engine.checkpoint.hf import ARCHITECTURES, hf_config, imported_config, model_fields
 from engine.checkpoint.resume import ResumePoint, resume_point
 from engine.cli import parse_config
-from engine.config import CheckpointConfig, Config, ConfigError, validate
+from engine.config import CheckpointConfig, Config, ConfigError
 from engine.parallel.topology import ParallelContext, build_context
 from engine.pipeline.partition import build_model_chunks
+from engine.validation import validate
 from harness import peak_rss_growth, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

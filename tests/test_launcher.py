@@ -49,7 +49,7 @@ def test_direct_launch_mistakes_exit_2_with_their_own_line(tmp_path):
         (["--config", "configs/gpt-tiny.yaml", "--mock-data", "--pp", "4"], "--pipeline-model-parallel-size 4"),
         (["--config", str(bad_yaml)], "unknown key 'hiden_size'"),
         (["--config", "configs/gpt-tiny.yaml", "--data-path", str(tmp_path / "corpus")], "--data-path"),
-        # a run flag checked by engine.config.validate reaches the user the same way
+        # a run flag checked by engine.validation.validate reaches the user the same way
         (["--config", "configs/gpt-tiny.yaml", "--mock-data", "--distributed-timeout-minutes", "0"],
          "--distributed-timeout-minutes 0"),
     ]

@@ -25,7 +25,8 @@ from test_launcher import ERROR, launch, our_lines
 
 from engine import megatron_flags
 from engine.cli import build_parser, parse_config
-from engine.config import ConfigError, resolve, validate
+from engine.config import ConfigError, resolve
+from engine.validation import validate
 
 KNOWN = {s for a in build_parser()._actions for s in a.option_strings}
 
@@ -211,9 +212,10 @@ def test_eod_mask_loss_drops_the_loss_on_the_token_after_each_end_of_document():
     import pytest
 
     from engine.cli import parse_config
-    from engine.config import ConfigError, validate
+    from engine.config import ConfigError
     from engine.data.batch import make_batch
     from engine.data.build import end_of_document
+    from engine.validation import validate
 
     class Data(list):
         eod_mask = 9

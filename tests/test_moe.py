@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import Config, ConfigError, ModelConfig, validate
+from engine.config import Config, ConfigError, ModelConfig
 from engine.model import GPTModel
 from engine.moe.experts import grouped_matmul
 from engine.moe.router import _keep_within_capacity
@@ -15,6 +15,7 @@ from engine.parallel.layers import spec_of
 from engine.parallel.topology import ParallelContext, build_context
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
+from engine.validation import validate
 from harness import full_grad, run_ranks
 
 VOCAB, SEQ, MICRO = 64, 16, 2

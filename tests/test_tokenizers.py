@@ -16,9 +16,10 @@ import pytest
 from demo_corpus import stdlib_sources
 
 from engine.cli import parse_config
-from engine.config import ConfigError, resolve, validate
+from engine.config import ConfigError, resolve
 from engine.data import IndexedDataset
 from engine.data.tokenizer import tokenizer_spec, train_sentencepiece
+from engine.validation import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")

@@ -6,10 +6,9 @@ import os
 
 import pytest
 import torch
-from harness import full_grad, run_ranks
 from test_pipeline import MICRO, SEQ, VOCAB, global_batch, replay_exchanges
 
-from engine.config import Config, ConfigError, ModelConfig, validate
+from engine.config import Config, ConfigError, ModelConfig
 from engine.model import TIED_EMBEDDING, GPTModel
 from engine.optim import GradBuffer
 from engine.parallel import mappings
@@ -20,6 +19,8 @@ from engine.pipeline.p2p import exchange_plan
 from engine.pipeline.partition import build_model_chunks, neighbours, place, stage_layers, stage_of
 from engine.pipeline.runner import PipelineRunner
 from engine.pipeline.trace import PipelineTrace
+from engine.validation import validate
+from harness import full_grad, run_ranks
 
 ZB = ("zb-h1", "zb-v")
 VPP = {"zb-h1": 1, "zb-v": 2}

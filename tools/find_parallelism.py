@@ -23,11 +23,12 @@ import json
 import sys
 
 from engine.cli import OneLineParser, parse_config
-from engine.config import ConfigError, precision_name, resolve, validate
+from engine.config import ConfigError, precision_name, resolve
 from engine.planner.flops import GPU_PRESETS, activated_params, flops_per_iteration
 from engine.planner.memory import GIB, Layout, params_per_rank
 from engine.planner.search import chinchilla_optimal, rank_layouts
 from engine.planner.step_time import Software, estimate
+from engine.validation import validate
 
 
 class UsageError(Exception):

@@ -18,9 +18,10 @@ from engine.checkpoint.layout import assemble, local_tensors, model_shard, optim
 from engine.checkpoint.metadata import CheckpointMeta, FileRecord, RankPart, TensorEntry
 from engine.checkpoint.reader import CheckpointReader
 from engine.checkpoint.saver import publish
-from engine.config import Config, ConfigError, check_model_split
+from engine.config import Config, ConfigError
 from engine.parallel.topology import ParallelContext
 from engine.pipeline.partition import build_model_chunks
+from engine.validation import check_model_split
 
 MERGED_WEIGHTS = "model.safetensors"
 MERGED_CONFIG = "config.json"

@@ -16,9 +16,9 @@ import datetime
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine.config import check_tp_fits_node, check_world_size
 from engine.parallel import comm, context_split
 from engine.parallel.random import RNGTracker
+from engine.validation import check_tp_fits_node, check_world_size
 
 
 def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> dict:
@@ -26,7 +26,7 @@ def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> di
     (first+last stage)."""
     check_world_size(world_size, tp, pp, cp)
     dp = world_size // (tp * cp * pp)
-    assert dp % ep == 0, f"ep {ep} must divide dp {dp}"  # validated with one line in engine.config
+    assert dp % ep == 0, f"ep {ep} must divide dp {dp}"  # validated with one line in engine.validation
     rank = lambda t, c, d, p: t + tp * (c + cp * (d + dp * p))  # noqa: E731 - the layout in one line
     T, C, D, P, E, K = range(tp), range(cp), range(dp), range(pp), range(ep), range(dp // ep)
     grid = {

@@ -23,9 +23,9 @@ import functools
 import warnings
 from typing import Optional
 
-from engine.config import check_interleaved_microbatches
 from engine.pipeline import zero_bubble
 from engine.pipeline.partition import neighbours, stage_of
+from engine.validation import check_interleaved_microbatches
 
 SPLIT_BACKWARD = zero_bubble.SCHEDULES  # the schedules whose backward is split into B and W
 

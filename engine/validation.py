@@ -1,0 +1,345 @@
+"""Every check of a run's configuration that needs no process group, one function per section.
+
+`validate(cfg, world_size)` runs them in order; each failure is one `ConfigError` naming the flag, the
+value and the fix (engine.config's `_err`). Rules that library code enforces again on its own path are the
+public `check_*` functions (the topology, the pipeline and the planner call them), so each rule has one
+message.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from engine.config import (
+    CheckpointConfig,
+    Config,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    StabilityConfig,
+    TrainingConfig,
+    _err,
+    data_prefixes,
+    data_vocab_size,
+    flag_of,
+    parse_faults,
+    tokenizer_of,
+    vocab_source,
+)
+
+TP_FLAG, PP_FLAG, CP_FLAG = "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Every check that needs no process group, section by section. Raises ConfigError with one line."""
+    tp, pp, vpp = cfg.tp, cfg.pp, cfg.vpp
+    _check_parallel_sizes(cfg.parallel)
+    _check_pipeline_schedule(cfg.parallel, cfg.model.num_layers)
+    _check_model(cfg.model)
+    # The split before the world size: a tp that the heads reject is the more useful line to print.
+    _check_split(cfg.model, cfg.parallel, tp, pp, vpp)
+    _check_parallel(cfg.parallel, world_size)
+    _check_moe(cfg.model, cfg.parallel, cfg.dp(world_size))
+    _check_training(cfg.training, cfg.dp(world_size), pp, vpp if cfg.pipeline_schedule == "interleaved" else 1)
+    _check_optim(cfg.optim, cfg.training)
+    _check_logging(cfg.logging)
+    _check_files(cfg)
+    _check_checkpoint(cfg.checkpoint)
+    _check_stability(cfg.stability)
+
+
+def check_world_size(world_size: int, tp: int, pp: int, cp: int = 1) -> None:
+    """The world must hold a whole number of tp x cp x pp model replicas (the dp size)."""
+    if world_size % (tp * cp * pp):
+        flag, value = (PP_FLAG, pp) if pp > 1 else (CP_FLAG, cp) if cp > 1 else (TP_FLAG, tp)
+        sizes = f"tp {tp} x pp {pp}" + (f" x cp {cp}" if cp > 1 else "")
+        _err(flag, value, f"{sizes} = {tp * cp * pp} does not divide the world size {world_size}; launch a "
+                          f"multiple of {tp * cp * pp} processes or change --tp/--pp" + ("/--cp" if cp > 1 else ""))
+
+
+def check_context_split(seq_length: int, cp: int, tp: int = 1, sequence_parallel: bool = False) -> None:
+    """Context parallelism cuts each sequence into 2 x cp equal chunks (two per CP rank, for equal causal
+    work); sequence parallelism then splits each CP rank's part over tp."""
+    if cp > 1 and seq_length % (2 * cp):
+        _err("--seq-length", seq_length, f"must be divisible by 2 x --context-parallel-size {cp} = {2 * cp} "
+                                         f"(each sequence is cut into {2 * cp} equal chunks); change one of them")
+    if sequence_parallel and tp > 1 and seq_length % (tp * cp):
+        what = f"tp {tp} x cp {cp} = {tp * cp}" if cp > 1 else f"tp {tp}"
+        _err("--seq-length", seq_length, f"with --sequence-parallel it must be divisible by {what}")
+
+
+def check_tp_fits_node(tp: int, gpus_per_node: Optional[int]) -> None:
+    """A TP group talks in every layer, so it must stay within one node's fast links."""
+    if gpus_per_node and (tp > gpus_per_node or gpus_per_node % tp):
+        _err(TP_FLAG, tp, f"a TP group would span nodes (--gpus-per-node {gpus_per_node}); use a tp that divides it")
+
+
+def check_interleaved_microbatches(pp: int, vpp: int, num_microbatches: int,
+                                   flag: str = "--virtual-pipeline-model-parallel-size", value=None) -> None:
+    """The interleaved schedule runs microbatches in groups of pp; `flag value` is what the caller blames."""
+    if vpp > 1 and num_microbatches % pp:
+        _err(flag, vpp if value is None else value,
+             f"gives {num_microbatches} microbatches per step; the interleaved schedule (--vpp {vpp}) needs a "
+             f"multiple of pp {pp}; change the batch size or --micro-batch-size, or drop --vpp")
+
+
+def check_model_split(model: ModelConfig, tp: int, pp: int, tp_flag: str = TP_FLAG, pp_flag: str = PP_FLAG,
+                      vpp: int = 1) -> None:
+    """Heads, query groups and MLP width divide over tp ranks; layers divide evenly over pp stages x vpp chunks."""
+    for name, size in (("--num-attention-heads", model.num_attention_heads),
+                       ("--num-query-groups", model.resolved_query_groups()),
+                       ("--ffn-hidden-size", model.resolved_ffn_hidden_size())):
+        if size % tp:
+            _err(tp_flag, tp, f"must divide {name} {size}; choose a tp among {_divisors(size)}")
+    layers = model.num_layers
+    if layers % pp:
+        _err(pp_flag, pp, f"must divide --num-layers {layers}; choose a pp among {_divisors(layers)}")
+    if layers % (pp * vpp):
+        _err("--virtual-pipeline-model-parallel-size", vpp, f"must divide the {layers // pp} layers per stage "
+             f"(--num-layers {layers} / pp {pp}); choose a vpp among {_divisors(layers // pp)}")
+
+
+def check_spike_window(window: int) -> None:
+    """The spike guard compares a loss with the mean and spread of the window, which needs two losses."""
+    if window < 2:
+        _err("--spike-window", window, "needs at least 2 iterations to measure a spread; use e.g. 50")
+
+
+def _at_least_one(section, *names: str) -> None:
+    for name in names:
+        if getattr(section, name) is not None and getattr(section, name) < 1:  # None: unset, a default applies
+            _err(flag_of(name), getattr(section, name), "must be at least 1")
+
+
+def _check_parallel_sizes(par: ParallelConfig) -> None:
+    """First of all: every later check divides by these sizes."""
+    _at_least_one(par, "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "virtual_pipeline_model_parallel_size", "context_parallel_size")
+    if par.cp_comm_type == "allgather":
+        par.cp_comm_type = "all_gather"  # Megatron-LM's spelling
+    vpp = par.virtual_pipeline_model_parallel_size
+    if (vpp or 1) > 1 and par.pipeline_model_parallel_size < 2:
+        _err("--virtual-pipeline-model-parallel-size", vpp, "needs --pipeline-model-parallel-size of at least 2")
+
+
+def _check_pipeline_schedule(par: ParallelConfig, layers: int) -> None:
+    """--pipeline-schedule against --pp and --vpp: interleaved needs chunks, 1f1b and zb-h1 take one per rank,
+    zb-v exactly the two of its V (it sets them itself)."""
+    schedule, pp = par.pipeline_schedule, par.pipeline_model_parallel_size
+    vpp = par.virtual_pipeline_model_parallel_size
+    flag, other = "--pipeline-schedule", {"1f1b": "interleaved", "zb-h1": "zb-v (two chunks per rank in a V)"}
+    if schedule in other and (vpp or 1) > 1:
+        _err(flag, schedule, f"runs one model chunk per rank, but --vpp is {vpp}; drop --vpp or use {other[schedule]}")
+    if schedule == "interleaved" and (vpp or 1) < 2:
+        _err(flag, schedule, "needs --virtual-pipeline-model-parallel-size of at least 2 (model chunks per rank)")
+    if schedule == "zb-v" and vpp not in (None, 2):
+        _err(flag, schedule, f"places exactly 2 model chunks per rank (a V), not --vpp {vpp}; drop --vpp or give 2")
+    if schedule in ("zb-h1", "zb-v") and pp < 2:
+        _err(flag, schedule, "needs --pipeline-model-parallel-size of at least 2; drop the flag for pp 1")
+    uneven = par.decoder_first_pipeline_num_layers is not None or par.decoder_last_pipeline_num_layers is not None
+    if schedule == "zb-v" and uneven:
+        _err(flag, schedule, "splits the layers into 2 x pp equal chunks; drop --decoder-first/last-pipeline-"
+                             "num-layers or use zb-h1")
+    if schedule == "zb-v" and layers % (2 * pp):
+        _err(flag, schedule, f"needs --num-layers {layers} divisible by 2 x pp = {2 * pp} (two equal chunks per "
+                             "rank); change --num-layers or --pp")
+
+
+def _check_model(m: ModelConfig) -> None:
+    """The model on its own, before it is split."""
+    _at_least_one(m, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
+    heads, groups = m.num_attention_heads, m.resolved_query_groups()
+    if heads % groups:
+        _err("--num-query-groups", groups, f"must divide --num-attention-heads {heads}")
+    if not m.kv_channels and m.hidden_size % heads:
+        _err("--hidden-size", m.hidden_size, f"must be a multiple of --num-attention-heads {heads}")
+    if m.position_embedding_type == "rope" and m.head_dim() % 2:
+        _err("--kv-channels", m.head_dim(), "rotary embeddings need an even head dimension")
+    if m.position_embedding_type == "learned_absolute" and (m.max_position_embeddings or m.seq_length) < m.seq_length:
+        _err("--max-position-embeddings", m.max_position_embeddings, f"must be at least --seq-length {m.seq_length}")
+    if m.attention_backend == "triton" and m.attention_dropout > 0:
+        _err("--attention-backend", "triton", "the Triton flash kernel has no dropout; use --attention-dropout 0 "
+                                              "or --attention-backend sdpa")
+    if m.openai_gelu and m.swiglu:
+        _err("--openai-gelu", "with --swiglu", "the GELU form applies to the GELU MLP only; drop one of them")
+    if m.use_rope_scaling:
+        _check_rope_scaling(m)
+
+
+def _check_rope_scaling(m: ModelConfig) -> None:
+    """Llama 3's scaling needs rotary positions and 0 < low freq factor < high freq factor."""
+    if m.position_embedding_type != "rope":
+        _err("--use-rope-scaling", "with --position-embedding-type learned_absolute", "needs rotary positions: add "
+                                                                                    "--position-embedding-type rope")
+    if m.rope_scaling_factor < 1:
+        _err("--rope-scaling-factor", m.rope_scaling_factor, "must be at least 1 (Llama 3.1 uses 8)")
+    if not 0 < m.rope_scaling_low_freq_factor < m.rope_scaling_high_freq_factor:
+        _err("--rope-scaling-low-freq-factor", m.rope_scaling_low_freq_factor,
+             f"must be positive and below --rope-scaling-high-freq-factor {m.rope_scaling_high_freq_factor}")
+    _at_least_one(m, "rope_scaling_original_max_position_embeddings")
+
+
+def _check_split(m: ModelConfig, par: ParallelConfig, tp: int, pp: int, vpp: int) -> None:
+    """The model over tp ranks and pp stages: evenly, or with a given first/last stage size."""
+    first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
+    uneven = first is not None or last is not None
+    check_model_split(m, tp, 1 if uneven else pp, vpp=1 if uneven else vpp)  # uneven stages: their own rule below
+    check_context_split(m.seq_length, par.context_parallel_size, tp, par.sequence_parallel)
+    if par.context_parallel_size > 1 and m.attention_backend == "flash":
+        _err("--attention-backend", "flash", "context parallelism merges attention blocks by their log-sum-exp, "
+                                             "which Ternion takes from its own kernels; use auto or triton")
+    if uneven:
+        _check_pipeline_split(m.num_layers, first, last, pp, vpp)
+
+
+def _check_pipeline_split(layers: int, first: Optional[int], last: Optional[int], pp: int, vpp: int) -> None:
+    """--decoder-first/last-pipeline-num-layers: the stages in between share the rest evenly."""
+    if vpp > 1:
+        _err("--decoder-first-pipeline-num-layers", first, "uneven stages cannot be combined with --vpp")
+    if pp < 2:
+        _err("--decoder-first-pipeline-num-layers", first, "uneven stages need --pipeline-model-parallel-size >= 2")
+    rest = layers - (first or 0) - (last or 0)
+    middle = pp - (first is not None) - (last is not None)
+    if rest < 0 or (middle == 0 and rest) or (middle and (rest % middle or rest // middle < 1)):
+        _err("--decoder-first-pipeline-num-layers", first,
+             f"with --decoder-last-pipeline-num-layers {last} the remaining {rest} of {layers} layers "
+             f"cannot be split evenly over {middle} middle stages")
+
+
+def _check_parallel(par: ParallelConfig, world_size: int) -> None:
+    check_world_size(world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                     par.context_parallel_size)
+    check_tp_fits_node(par.tensor_model_parallel_size, par.gpus_per_node)
+    if par.distributed_timeout_minutes <= 0:
+        _err("--distributed-timeout-minutes", par.distributed_timeout_minutes, "must be positive (e.g. 10)")
+
+
+def _check_moe(m: ModelConfig, par: ParallelConfig, dp: int) -> None:
+    """Experts: how many, how routed, and how split over expert-parallel ranks carved from dp."""
+    ep, tp = par.expert_model_parallel_size, par.tensor_model_parallel_size
+    _at_least_one(par, "expert_model_parallel_size")
+    if not m.num_experts:
+        if m.num_experts is not None or ep > 1:
+            _err("--num-experts" if m.num_experts is not None else "--expert-model-parallel-size",
+                 m.num_experts if m.num_experts is not None else ep, "expert parallelism needs --num-experts N >= 1")
+        return
+    _at_least_one(m, "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+    if m.moe_router_topk > m.num_experts:
+        _err("--moe-router-topk", m.moe_router_topk, f"must be at most --num-experts {m.num_experts}")
+    if dp % ep or m.num_experts % ep:
+        _err("--expert-model-parallel-size", ep, f"must divide the data-parallel size {dp} and --num-experts "
+                                                 f"{m.num_experts} (expert ranks are carved from dp)")
+    if tp > 1 and not par.sequence_parallel:
+        _err("--tensor-model-parallel-size", tp, "with --num-experts, tp > 1 needs --sequence-parallel (each tp rank "
+                                                 "routes its own part of the sequence); add it")
+    if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
+        _err("--moe-expert-capacity-factor", m.moe_expert_capacity_factor, "must be positive (omit it: dropless)")
+    if not m.moe_layers():
+        _err("--moe-layer-freq", m.moe_layer_freq, "makes no layer an MoE layer; drop --num-experts or mark one")
+
+
+def _check_training(tr: TrainingConfig, dp: int, pp: int, vpp: int) -> None:
+    """Batch sizes in whole microbatches for every dp rank (and pp-sized groups when interleaved); one precision."""
+    _at_least_one(tr, "micro_batch_size", "train_iters", "train_samples")
+    per_step = tr.micro_batch_size * dp
+    gbs = tr.global_batch_size or per_step
+    if tr.train_samples is not None and not tr.rampup_batch_size and tr.train_samples < gbs:
+        _err("--train-samples", tr.train_samples, f"is less than one global batch ({gbs}); the run would take no step")
+    if gbs % per_step:
+        _err("--global-batch-size", gbs,
+             f"must be a multiple of --micro-batch-size {tr.micro_batch_size} x dp {dp} = {per_step}")
+    sizes = [("--global-batch-size", gbs)]
+    if tr.rampup_batch_size:
+        start, incr, _ = tr.rampup_batch_size
+        if min(start, incr) < 1:
+            _err("--rampup-batch-size", " ".join(map(str, tr.rampup_batch_size)), "START and INCR must be at least 1")
+        if start % per_step or incr % per_step or (gbs - start) % max(incr, 1):
+            _err("--rampup-batch-size", " ".join(map(str, tr.rampup_batch_size)),
+                 f"START and INCR must be multiples of micro x dp = {per_step} and reach --global-batch-size {gbs}")
+        sizes += [("--rampup-batch-size", start), ("--rampup-batch-size", incr)]
+    for flag, size in sizes:
+        check_interleaved_microbatches(pp, vpp, size // per_step, flag, size)
+    if tr.bf16 and tr.fp16:
+        _err("--bf16", "with --fp16", "choose one precision")
+
+
+def _check_optim(opt: OptimizerConfig, tr: Optional[TrainingConfig] = None) -> None:
+    unit = "samples" if tr is not None and tr.train_samples is not None else "iters"
+    _check_schedule_unit(opt, unit)
+    if opt.lr_decay_style.lower() == "wsd" and not getattr(opt, f"lr_wsd_decay_{unit}"):
+        _err("--lr-decay-style", "wsd", f"also give --lr-wsd-decay-{unit} (length of the final decay)")
+    if opt.min_lr > opt.lr:
+        _err("--min-lr", opt.min_lr, f"must not exceed --lr {opt.lr}")
+    if not 0 <= opt.lr_warmup_init <= opt.lr:
+        _err("--lr-warmup-init", opt.lr_warmup_init, f"must be between 0 and --lr {opt.lr}")
+    if opt.lr_warmup_fraction is not None and not 0 <= opt.lr_warmup_fraction < 1:
+        _err("--lr-warmup-fraction", opt.lr_warmup_fraction, "must be at least 0 and below 1 (e.g. 0.01)")
+
+
+def _check_schedule_unit(opt: OptimizerConfig, unit: str) -> None:
+    """Megatron-LM's rule: a --train-samples run gives its LR lengths in samples, a --train-iters run in
+    iterations; the warm-up is a length or --lr-warmup-fraction, not both."""
+    other = "iters" if unit == "samples" else "samples"
+    for name in (f"lr_decay_{other}", f"lr_wsd_decay_{other}", f"lr_warmup_{other}"):
+        if getattr(opt, name):
+            instead = flag_of(name)[:-len(other)] + unit
+            _err(flag_of(name), getattr(opt, name),
+                 f"a --train-samples run counts its schedule in samples: use {instead}" if unit == "samples" else
+                 f"is for a --train-samples run; add --train-samples, or use {instead} with --train-iters")
+    if opt.lr_warmup_fraction is not None and getattr(opt, f"lr_warmup_{unit}"):
+        _err("--lr-warmup-fraction", opt.lr_warmup_fraction, f"give it or --lr-warmup-{unit}, not both")
+    _at_least_one(opt, "lr_decay_samples", "lr_wsd_decay_samples")
+
+
+def _check_logging(lg: LoggingConfig) -> None:
+    if lg.profile and not lg.tensorboard_dir:
+        _err("--profile", "without --tensorboard-dir", "add --tensorboard-dir DIR: the trace is written there")
+    if lg.profile and not 1 <= lg.profile_step_start <= lg.profile_step_end:
+        _err("--profile-step-start", lg.profile_step_start,
+             f"must be at least 1 and at most --profile-step-end {lg.profile_step_end}")
+
+
+def _check_files(cfg: Config) -> None:
+    d = cfg.data
+    tokenizer_of(cfg)  # the tokenizer flags fit together and name files that exist, mock data or not
+    if d.data_path:
+        for _, prefix in data_prefixes(d.data_path):
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(prefix + ext):
+                    _err("--data-path", prefix,
+                         f"{prefix + ext} not found; give the prefix without .bin/.idx, made by tools/preprocess_data.py")
+    if not d.data_path and not d.mock_data:
+        _err("--data-path", "(none)", "give --data-path PREFIX or use --mock-data")
+    if d.eod_mask_loss and d.mock_data:
+        _err("--eod-mask-loss", "with --mock-data", "synthetic tokens have no end-of-document token; drop one of them")
+    if d.data_path and not d.mock_data:
+        from engine.data.build import check_data  # opens each index (numpy only): empty data, ids past the vocabulary
+        check_data(d.data_path, data_vocab_size(cfg), vocab_source(cfg))
+    ck = cfg.checkpoint  # Megatron-LM's --save X --load X: the first run of the job makes X
+    first_of_job = ck.save and os.path.abspath(ck.load or "") == os.path.abspath(ck.save)
+    if ck.load and not os.path.isdir(ck.load) and not first_of_job:
+        _err("--load", ck.load, "directory not found; check the path or drop --load")
+
+
+def _check_checkpoint(ck: CheckpointConfig) -> None:
+    if ck.override_opt_param_scheduler and ck.use_checkpoint_opt_param_scheduler:
+        _err("--override-opt-param-scheduler", "with --use-checkpoint-opt-param-scheduler",
+             "they contradict each other: keep this run's LR schedule or the checkpoint's, not both")
+    if ck.load and os.path.isfile(ck.load):
+        _err("--load", ck.load, "is a file; give the --save directory of a run (or one of its iter_NNNNNNN folders)")
+    if ck.pretrained_checkpoint and not os.path.isdir(ck.pretrained_checkpoint):
+        _err("--pretrained-checkpoint", ck.pretrained_checkpoint, "directory not found; give a checkpoint directory "
+                                                                  "(e.g. made by tools/convert_hf.py)")
+    if ck.finetune and not (ck.load or ck.pretrained_checkpoint):
+        _err("--finetune", "without --load", "give --load DIR (or --pretrained-checkpoint DIR): the checkpoint whose "
+                                             "weights to start from")
+
+
+def _check_stability(st: StabilityConfig) -> None:
+    check_spike_window(st.spike_window)
+    parse_faults(st.inject_fault)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
