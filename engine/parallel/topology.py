@@ -199,10 +199,11 @@ class ParallelContext:
 
 # The group kinds of `rank_grid` a context keeps, and the attribute each is kept in. cp and dp_cp are
 # made only when cp > 1 (with cp 1 there is no CP group, and dp x cp is the dp group); ep and edp_cp only
-# when ep > 1 (with ep 1 the experts' replicas are the dp x cp group).
+# when ep > 1 (with ep 1 the experts' replicas are the dp x cp group); embedding only when pp > 1 (nothing to
+# tie across stages).
 GROUPS = {"tp": "tp_group", "dp": "dp_group", "pp": "pp_group", "mp": "mp_group", "embedding": "embedding_group",
           "cp": "cp_group", "dp_cp": "dp_cp_group", "ep": "ep_group", "edp_cp": "edp_cp_group"}
-_ONLY_WHEN = {"cp": "cp", "dp_cp": "cp", "ep": "ep", "edp_cp": "ep"}
+_ONLY_WHEN = {"cp": "cp", "dp_cp": "cp", "ep": "ep", "edp_cp": "ep", "embedding": "pp"}
 
 
 def build_context(world_size: int, rank: int, tp: int, pp: int, *, vpp: int = 1, sequence_parallel: bool = False,
@@ -217,10 +218,10 @@ def build_context(world_size: int, rank: int, tp: int, pp: int, *, vpp: int = 1,
                           sequence_parallel=sequence_parallel and tp > 1, cp_comm_type=cp_comm_type)
     ctx._fill_ranks(grid)
     timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes else None
-    sizes = {"cp": cp, "ep": ep}
+    sizes = {"cp": cp, "ep": ep, "pp": pp}
     for kind, attr in GROUPS.items():
         if kind in _ONLY_WHEN and sizes[_ONLY_WHEN[kind]] == 1:
-            continue
+            continue  # (made and dropped, a group would keep its threads and sockets for the whole process)
         for ranks in grid[kind]:
             group = comm.new_group(ranks, timeout=timeout)
             if rank in ranks:
@@ -229,8 +230,6 @@ def build_context(world_size: int, rank: int, tp: int, pp: int, *, vpp: int = 1,
         ctx.dp_cp_group = ctx.dp_group
     if ep == 1:
         ctx.edp_cp_group = ctx.dp_cp_group
-    if pp == 1:
-        ctx.embedding_group = None  # nothing to tie across stages
     ctx.rng = RNGTracker.for_context(ctx, seed, device_type)
     return ctx
 
