@@ -60,6 +60,27 @@ def full_grad(p, ctx, grad=None):
     return g[:spec.valid_rows] if spec.valid_rows is not None else g
 
 
+def sgd_reference(model, batches, steps: int, lr: float = 0.5) -> tuple:
+    """One rank's SGD training, for the layout tests to compare with: (mean loss per step, step-0 gradients).
+
+    `batches(step)` gives the step's microbatches (dicts with tokens, labels and optionally loss_mask); each
+    microbatch's loss is divided by their number, as the pipeline runner does."""
+    import torch
+    opt, curve, first = torch.optim.SGD(model.parameters(), lr=lr), [], {}
+    for step in range(steps):
+        opt.zero_grad()
+        mbs, losses = batches(step), []
+        for mb in mbs:
+            loss = model(mb["tokens"], labels=mb["labels"], loss_mask=mb.get("loss_mask"))
+            (loss / len(mbs)).backward()
+            losses.append(loss.item())
+        curve.append(sum(losses) / len(losses))
+        if step == 0:
+            first = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+    return curve, first
+
+
 class RankFailure(AssertionError):
     pass
 

@@ -13,7 +13,7 @@ from engine.parallel.topology import ParallelContext, build_context, grid_coords
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
 from engine.validation import validate
-from harness import full_grad, grad_buffer, run_ranks
+from harness import full_grad, grad_buffer, run_ranks, sgd_reference
 from kernels import reference
 
 VOCAB, SEQ, MICRO = 64, 16, 2
@@ -219,20 +219,8 @@ def reference_run(style: str, samples: int, steps: int) -> tuple:
     """The same training on one rank, in this process (once per batch shape): curve and step-0 grads."""
     key = (style, samples, steps)
     if key not in _REFERENCES:
-        ref = GPTModel(model_cfg(style), ParallelContext(), seed=9, vocab_size=VOCAB)
-        opt, curve, first = torch.optim.SGD(ref.parameters(), lr=0.5), [], {}
-        for step in range(steps):
-            opt.zero_grad()
-            mbs, losses = global_batch(step, samples), []
-            for mb in mbs:
-                loss = ref(mb["tokens"], labels=mb["labels"], loss_mask=mb["loss_mask"])
-                (loss / len(mbs)).backward()
-                losses.append(loss.item())
-            curve.append(sum(losses) / len(losses))
-            if step == 0:
-                first = {n: p.grad.clone() for n, p in ref.named_parameters()}
-            opt.step()
-        _REFERENCES[key] = curve, first
+        model = GPTModel(model_cfg(style), ParallelContext(), seed=9, vocab_size=VOCAB)
+        _REFERENCES[key] = sgd_reference(model, lambda step: global_batch(step, samples), steps)
     return _REFERENCES[key]
 
 

@@ -20,7 +20,7 @@ from engine.pipeline.partition import build_model_chunks, neighbours, place, sta
 from engine.pipeline.runner import PipelineRunner
 from engine.pipeline.trace import PipelineTrace
 from engine.validation import validate
-from harness import full_grad, run_ranks
+from harness import full_grad, run_ranks, sgd_reference
 
 ZB = ("zb-h1", "zb-v")
 VPP = {"zb-h1": 1, "zb-v": 2}
@@ -170,20 +170,8 @@ def reference_run(tied: bool, samples: int, steps: int) -> tuple:
     """The same SGD training on one rank, in this process (once per batch shape): curve and step-0 grads."""
     key = (tied, samples, steps)
     if key not in _REFERENCES:
-        ref = GPTModel(model_cfg(tied), ParallelContext(), seed=9, vocab_size=VOCAB)
-        opt, curve, first = torch.optim.SGD(ref.parameters(), lr=0.5), [], {}
-        for step in range(steps):
-            opt.zero_grad()
-            mbs, losses = global_batch(step, samples), []
-            for mb in mbs:
-                loss = ref(mb["tokens"], labels=mb["labels"])
-                (loss / len(mbs)).backward()
-                losses.append(loss.item())
-            curve.append(sum(losses) / len(losses))
-            if step == 0:
-                first = {n: p.grad.clone() for n, p in ref.named_parameters()}
-            opt.step()
-        _REFERENCES[key] = curve, first
+        model = GPTModel(model_cfg(tied), ParallelContext(), seed=9, vocab_size=VOCAB)
+        _REFERENCES[key] = sgd_reference(model, lambda step: global_batch(step, samples), steps)
     return _REFERENCES[key]
 
 
