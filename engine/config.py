@@ -56,6 +56,14 @@ FAULT_KINDS = ("nan", "spike")  # --inject-fault drills (engine.stability.FaultD
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 
 
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def sharding_strategy(par) -> str:
+    """The data-parallel sharding strategy in force: the flag, or --use-distributed-optimizer's alias."""
+    return par.data_parallel_sharding_strategy or ("optim" if par.use_distributed_optimizer else "no_shard")
+
+
 def _f(default, help, *, aliases=(), choices=None, nargs=None, action=None, type=None, yaml_only=False):
     """A config field. `yaml_only`: a structured value (e.g. a list of mappings) with no command-line form."""
     meta = dict(help=help, aliases=aliases, choices=choices, nargs=nargs, action=action, type=type,
@@ -172,8 +180,16 @@ class ParallelConfig:
     cp_comm_type: str = _f("p2p", "how attention sees the other CP ranks' keys and values: p2p passes them round "
                                   "a ring, overlapped with attention; all_gather (Megatron-LM: allgather) gathers "
                                   "them once", choices=("p2p", "all_gather", "allgather"))
-    use_distributed_optimizer: bool = _f(False, "shard fp32 master weights and Adam state over dp (ZeRO-1)")
+    use_distributed_optimizer: bool = _f(False, "shard fp32 master weights and Adam state over dp (ZeRO-1); the "
+                                                "same as --data-parallel-sharding-strategy optim")
+    data_parallel_sharding_strategy: Optional[str] = _f(
+        None, "what is sharded over dp (Megatron-FSDP's names): no_shard, optim (ZeRO-1, the distributed optimizer), "
+              "optim_grads (ZeRO-2: gradients too, reduce-scattered per microbatch), optim_grads_params (ZeRO-3: "
+              "weights too, gathered per layer for forward and backward); default: optim with "
+              "--use-distributed-optimizer, else no_shard", choices=SHARDING_STRATEGIES)
     overlap_grad_reduce: bool = _f(False, "start each gradient bucket's reduction as soon as backward fills it")
+    overlap_param_gather: bool = _f(False, "optim_grads_params: gather the next layer's weights while this one "
+                                           "computes (two layers' weights held instead of one)")
     gpus_per_node: Optional[int] = _f(None, "ranks per node (default: LOCAL_WORLD_SIZE); a TP group may not span nodes")
     expert_model_parallel_size: int = _f(1, "expert-parallel size: the experts of each MoE layer split over this "
                                             "many data-parallel ranks, tokens exchanged all-to-all", aliases=("--ep",))

@@ -161,7 +161,6 @@ FLAGS = (
     Flag("--auto-detect-ckpt-format", IMPLEMENTATION, "one format"),
     Flag("--ckpt-fully-parallel-save", IMPLEMENTATION, "every rank writes its own shards"),
     Flag("--ckpt-fully-parallel-load", IMPLEMENTATION, "every rank reads its own shards"),
-    Flag("--overlap-param-gather", IMPLEMENTATION, "when the distributed optimizer gathers the weights"),
     Flag("--tp-comm-overlap", IMPLEMENTATION, "communication/GEMM overlap"),
     Flag("--moe-grouped-gemm", IMPLEMENTATION, "experts run as one grouped GEMM wherever torch has one"),
     Flag("--moe-use-legacy-grouped-gemm", IMPLEMENTATION, "one grouped GEMM"),

@@ -24,6 +24,7 @@ from engine.config import (
     data_vocab_size,
     flag_of,
     parse_faults,
+    sharding_strategy,
     tokenizer_of,
     vocab_source,
 )
@@ -118,9 +119,23 @@ def _check_parallel_sizes(par: ParallelConfig) -> None:
                   "virtual_pipeline_model_parallel_size", "context_parallel_size")
     if par.cp_comm_type == "allgather":
         par.cp_comm_type = "all_gather"  # Megatron-LM's spelling
+    _check_sharding_strategy(par)
     vpp = par.virtual_pipeline_model_parallel_size
     if (vpp or 1) > 1 and par.pipeline_model_parallel_size < 2:
         _err("--virtual-pipeline-model-parallel-size", vpp, "needs --pipeline-model-parallel-size of at least 2")
+
+
+def _check_sharding_strategy(par: ParallelConfig) -> None:
+    """--use-distributed-optimizer is the strategy `optim`: the two flags may not disagree; afterwards both
+    say the same (the flag names the strategy, the boolean says whether anything is sharded)."""
+    flag = "--data-parallel-sharding-strategy"
+    if par.use_distributed_optimizer and par.data_parallel_sharding_strategy == "no_shard":
+        _err(flag, "no_shard", "contradicts --use-distributed-optimizer (which is the strategy optim); drop one")
+    par.data_parallel_sharding_strategy = sharding_strategy(par)
+    par.use_distributed_optimizer = par.data_parallel_sharding_strategy != "no_shard"
+    if par.overlap_param_gather and par.data_parallel_sharding_strategy == "no_shard":
+        _err("--overlap-param-gather", True, "overlaps the gathering of sharded weights, and nothing is sharded; "
+                                             f"add --use-distributed-optimizer or {flag}, or drop it")
 
 
 def _check_pipeline_schedule(par: ParallelConfig, layers: int) -> None:

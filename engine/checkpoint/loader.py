@@ -11,6 +11,7 @@ the one saved, since a stream belongs to a rank's position in that layout.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -179,9 +180,10 @@ def _open_and_check(path: str, tensors: list, ranges: dict, ctx, model_names, mo
 
 @torch.no_grad()
 def _load(reader: CheckpointReader, tensors: list, optimizer, ranges: dict, ctx) -> dict:
-    for lt in tensors:
-        value = reader.model_slice(lt.name, lt.full_shape, *lt.split(ctx), lt.param.dtype)
-        lt.param.detach().copy_(value.view(lt.param.shape))
+    with optimizer.full_weights(writeback=True) if optimizer is not None else contextlib.nullcontext():
+        for lt in tensors:
+            value = reader.model_slice(lt.name, lt.full_shape, *lt.split(ctx), lt.param.dtype)
+            lt.param.detach().copy_(value.view(lt.param.shape))
     if optimizer is not None:
         if ranges and reader.optimizer is not None:
             optimizer.load_state_dict({"step": reader.optimizer.step, "scaler": reader.optimizer.scaler,

@@ -14,6 +14,7 @@ The run's `Checkpointer` holds it and keeps at most one in flight.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -41,7 +42,10 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks: list, optimizer
         os.makedirs(save_dir, exist_ok=True)
         files.remove_stale(save_dir)
         os.makedirs(tmp)
-    shards, part = _snapshot(model_chunks, optimizer, ctx, copy=async_save)
+    # ZeRO-3 weights are whole only inside full_weights(): copied out there, since they are freed after.
+    sharded = getattr(optimizer, "sharder", None) is not None
+    with optimizer.full_weights() if optimizer is not None else contextlib.nullcontext():
+        shards, part = _snapshot(model_chunks, optimizer, ctx, copy=async_save or sharded)
     part.rng = rng.capture(ctx.rng)
     everyone = all_gather_object(part)
     meta = CheckpointMeta.build(everyone, iteration, ctx, cfg.to_dict(), extra_state) if ctx.rank == 0 else None

@@ -18,8 +18,18 @@ W passes of its last microbatch.
 Under the distributed optimizer every bucket is padded to a multiple of dp x cp and replica r owns the r-th
 contiguous slice of each bucket; `local_range(p)` says which elements of `p` fall in this rank's slices.
 The tied embedding gets a bucket of its own so that its slice covers the same elements on both stages.
+
+With `shard_grads` (ZeRO-2 and -3) no full gradient is kept: the buffer holds this rank's slices only.
+Each bucket stages its gradients in a full-size fp32 tensor that exists from the first gradient of a
+microbatch round to its reduce-scatter, which adds the round's reduced slice into the shard and frees the
+staging. A round ends when every parameter of the bucket has had one more gradient (the same instant on
+every replica: they run the same schedule); at most one round's reduce-scatter is in flight. `units`
+(ZeRO-3) cuts buckets at the boundaries of the units whose weights are gathered together.
+`local_grad(p)` is the view of p's reduced slice in every mode.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -36,8 +46,12 @@ class Bucket:
         self.params = params
         self.start, self.end = start, end  # buffer coordinates, padding included
         self.dtype = params[0].dtype
-        self.data = None
+        self.data = None      # the full-size gradients (not under shard_grads)
+        self.shard = None     # this rank's slice of them (all of them when not distributed)
+        self.staging = None   # shard_grads: the round's full-size gradients until its reduce-scatter
+        self.first = 0        # index of its first parameter in the buffer's list
         self.pending = len(params)
+        self.rounds = 0       # shard_grads: rounds reduce-scattered this step
         self.launched = False
         self.work = None
 
@@ -48,12 +62,17 @@ class Bucket:
 
 class GradBuffer:
     def __init__(self, model_chunks: list, ctx, *, distributed: bool, overlap: bool,
-                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, experts: bool = False):
-        """`experts`: hold the MoE experts' parameters (ParamSpec.ep_axis set) instead of all the others."""
+                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, experts: bool = False, shard_grads: bool = False,
+                 units: Optional[list] = None):
+        """`experts`: hold the MoE experts' parameters (ParamSpec.ep_axis set) instead of all the others.
+        `shard_grads`: keep this rank's slices only (needs `distributed`); `units`: lists of parameters no
+        bucket may mix (a bucket then holds at most one unit's parameters, whatever `bucket_numel`)."""
         self.ctx = ctx
         self.distributed = distributed
+        self.shard_grads = shard_grads and distributed
         self.overlap = overlap
         self.experts = experts
+        self._inflight = None
         # Replicas of these weights: dp x cp ranks (CP ranks hold the same weights and add their positions'
         # gradients), or for experts the dp/ep x cp ranks holding the same experts. The distributed
         # optimizer shards over all of them.
@@ -66,26 +85,34 @@ class GradBuffer:
         self.buckets: list = []
         self._bucket_of: list = []
         self._index: dict = {}
-        self._layout(model_chunks, bucket_numel, SHARD_ALIGN * self.replicas if distributed else 1)
-        device = self.params[0].device if self.params else torch.device("cpu")
-        self.data = torch.zeros(self.buckets[-1].end if self.buckets else 0, dtype=torch.float32, device=device)
+        unit_of = {id(p): u for u, unit in enumerate(units or []) for p in unit}
+        self._layout(model_chunks, bucket_numel, SHARD_ALIGN * self.replicas if distributed else 1, unit_of)
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        total = self.buckets[-1].end if self.buckets else 0
+        self.data = torch.zeros(total // self.replicas if self.shard_grads else total, dtype=torch.float32,
+                                device=self.device)
         for b in self.buckets:
+            if self.shard_grads:
+                b.shard = self.data[b.start // self.replicas:b.end // self.replicas]
+                continue
             b.data = self.data[b.start:b.end]
-        for i, p in enumerate(self.params):
-            p.main_grad = self.data[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+            lo, hi = self.shard_bounds(b)
+            b.shard = b.data[lo:hi]
+            for p in b.params:
+                p.main_grad = self._flat(p, b.data).view_as(p)
         self._counts = [0] * len(self.params)
         self._num_microbatches = None
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(self._hook(i))
 
-    def _layout(self, model_chunks: list, bucket_numel: int, pad: int) -> None:
+    def _layout(self, model_chunks: list, bucket_numel: int, pad: int, unit_of: dict) -> None:
         seen, current, current_numel, end = set(), [], 0, 0
 
         def close():
             nonlocal current, current_numel, end
             if not current:
                 return
-            start = end
+            start, first = end, len(self.params)
             for p in current:
                 self._index[id(p)] = len(self.params)
                 self.params.append(p)
@@ -94,6 +121,7 @@ class GradBuffer:
                 end += p.numel()
             end = start + -(-(end - start) // pad) * pad
             self.buckets.append(Bucket(len(self.buckets), current, start, end))
+            self.buckets[-1].first = first
             current, current_numel = [], 0
 
         # Reverse order approximates the order in which backward completes gradients.
@@ -103,37 +131,54 @@ class GradBuffer:
                     continue
                 seen.add(id(p))
                 alone = spec_of(p).tied
-                if current and (alone or p.dtype != current[0].dtype):
+                if current and (alone or p.dtype != current[0].dtype or unit_of.get(id(p)) != unit_of.get(id(current[0]))):
                     close()
                 current.append(p)
                 current_numel += p.numel()
-                if alone or current_numel >= bucket_numel:
+                if alone or (current_numel >= bucket_numel and not unit_of):
                     close()
             close()  # a bucket never spans two model chunks
+
+    def _flat(self, p, tensor: torch.Tensor) -> torch.Tensor:
+        """p's elements within `tensor`, a bucket-sized tensor of p's bucket."""
+        i = self._index[id(p)]
+        off = self.offsets[i] - self.buckets[self._bucket_of[i]].start
+        return tensor[off:off + p.numel()]
 
     def _hook(self, i: int):
         def on_grad(p):
             if self._num_microbatches is None:
                 raise RuntimeError("a gradient arrived outside a step: call optimizer.start_step(num_microbatches) "
                                    "before the first backward of the step")
-            p.main_grad.add_(p.grad)
+            bucket = self.buckets[self._bucket_of[i]]
+            if self.shard_grads:
+                if bucket.staging is None:
+                    bucket.staging = torch.zeros(bucket.size, dtype=torch.float32, device=self.device)
+                self._flat(p, bucket.staging).add_(p.grad.view(-1))
+            else:
+                p.main_grad.add_(p.grad)
             p.grad = None
             self._counts[i] += 1
             if self._counts[i] > self._num_microbatches:
                 raise RuntimeError(f"parameter {tuple(p.shape)} received more gradients than the "
                                    f"{self._num_microbatches} microbatches announced to start_step")
-            if self._counts[i] == self._num_microbatches:
-                bucket = self.buckets[self._bucket_of[i]]
+            if self.shard_grads:
+                if self._counts[i] == bucket.rounds + 1:
+                    bucket.pending -= 1
+                    if bucket.pending == 0:
+                        self._end_round(bucket)
+            elif self._counts[i] == self._num_microbatches:
                 bucket.pending -= 1
                 if bucket.pending == 0 and self.overlap:
                     self._launch(bucket)
         return on_grad
 
     def start_step(self, num_microbatches: int) -> None:
+        self._complete_inflight()
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
-            b.pending, b.launched, b.work = len(b.params), False, None
+            b.pending, b.launched, b.work, b.rounds, b.staging = len(b.params), False, None, 0, None
         self.data.zero_()
         self._counts = [0] * len(self.params)
         self._num_microbatches = num_microbatches
@@ -145,25 +190,66 @@ class GradBuffer:
         size = bucket.size // self.replicas
         return self.replica_rank * size, (self.replica_rank + 1) * size
 
-    def _launch(self, bucket: Bucket) -> None:
-        bucket.launched = True
+    def _average(self, grads: torch.Tensor) -> None:
         # The loss is already averaged over microbatches; average over dp too. CP ranks' parts add up (each
         # rank's loss is its positions' share of the mean), so they are summed, not averaged; so are the
         # parts an expert's owner got from the other ranks of its EP group (already inside its gradient).
         if self.ctx.dp_size > 1:
-            bucket.data.div_(self.ctx.dp_size)
+            grads.div_(self.ctx.dp_size)
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.launched = True
+        self._average(bucket.data)
         if self.replicas == 1:
             return
         group = self.group
         if self.distributed:
-            lo, hi = self.shard_bounds(bucket)
-            bucket.work = comm.reduce_scatter_into(bucket.data[lo:hi], bucket.data, group=group, async_op=True)
+            bucket.work = comm.reduce_scatter_into(bucket.shard, bucket.data, group=group, async_op=True)
         else:
             bucket.work = comm.all_reduce(bucket.data, group=group, async_op=True)
 
-    def finish(self) -> None:
+    # --- shard_grads: one reduce-scatter per microbatch round ------------------------------------
+    def _end_round(self, bucket: Bucket) -> None:
+        """Reduce-scatter the round's staged gradients into the shard and free them; count the next round."""
+        bucket.rounds += 1
+        counts = self._counts[bucket.first:bucket.first + len(bucket.params)]
+        more = bucket.rounds < self._num_microbatches
+        bucket.pending = sum(1 for c in counts if c < bucket.rounds + 1) if more else -1
+        self._complete_inflight()  # one round in flight at a time bounds the staging memory
+        staged, bucket.staging = bucket.staging, None
+        self._average(staged)
+        if self.replicas == 1:
+            bucket.shard.add_(staged)
+            return self._end_round(bucket) if bucket.pending == 0 else None
+        out = torch.empty_like(bucket.shard)
+        work = comm.reduce_scatter_into(out, staged, group=self.group, async_op=self.overlap)
+        self._inflight = (work, out, staged, bucket)
+        if not self.overlap:
+            self._complete_inflight()
+        if bucket.pending == 0:  # every parameter already has its gradient of the next round
+            self._end_round(bucket)
+
+    def _complete_inflight(self) -> None:
+        if self._inflight is not None:
+            work, out, _, bucket = self._inflight
+            self._inflight = None
+            if work is not None:
+                work.wait()
+            bucket.shard.add_(out)
+
+    def _finish_rounds(self) -> None:
+        """Rounds a parameter without gradients left open (the same on every replica) are reduced now."""
         for b in self.buckets:
-            if not b.launched:
+            if b.staging is not None:
+                b.pending = 0
+                self._end_round(b)
+        self._complete_inflight()
+
+    def finish(self) -> None:
+        if self.shard_grads:
+            self._finish_rounds()
+        for b in self.buckets:
+            if not b.launched and not self.shard_grads:
                 self._launch(b)
         for b in self.buckets:
             if b.work is not None:
@@ -181,19 +267,14 @@ class GradBuffer:
 
     def _sum_local(self, a, b) -> None:
         """Both copies of the tied embedding are here: each gets the sum of the two (reduced) gradients."""
-        r = self.local_range(a)
-        if r is not None:
-            ga, gb = a.main_grad.view(-1)[r[0]:r[1]], b.main_grad.view(-1)[r[0]:r[1]]
+        ga, gb = self.local_grad(a), self.local_grad(b)
+        if ga is not None:
             ga.add_(gb)
             gb.copy_(ga)
 
     def _sum_over(self, params: list, group) -> None:
         """All-reduce the reduced (locally owned) part of these grads; peers share the buffer layout."""
-        views = []
-        for p in params:
-            r = self.local_range(p)
-            if r is not None:
-                views.append(p.main_grad.view(-1)[r[0]:r[1]])
+        views = [v for v in (self.local_grad(p) for p in params) if v is not None]
         if not views:
             return
         flat = torch.cat(views)
@@ -213,6 +294,23 @@ class GradBuffer:
         start, end = max(off, lo) - off, min(off + n, hi) - off
         return (start, end) if end > start else None
 
+    def local_slice(self, p, shard: torch.Tensor):
+        """The elements local_range(p) of p within `shard`, a tensor shaped like this rank's slice of p's
+        bucket (the reduced gradients, or under ZeRO-3 the weights' shard); None if this rank has none."""
+        r = self.local_range(p)
+        if r is None:
+            return None
+        bucket, off = self.offset_in_bucket(p)
+        lo = self.shard_bounds(bucket)[0]
+        return shard[off + r[0] - lo:off + r[1] - lo]
+
+    def local_grad(self, p):
+        """This rank's reduced gradient elements of `p` (flat), or None."""
+        return self.local_slice(p, self.buckets[self._bucket_of[self._index[id(p)]]].shard)
+
+    def bucket_of(self, p) -> Bucket:
+        return self.buckets[self._bucket_of[self._index[id(p)]]]
+
     def offset_in_bucket(self, p) -> tuple:
         """(bucket, offset of `p` from the bucket's start)."""
         i = self._index[id(p)]
@@ -221,9 +319,9 @@ class GradBuffer:
 
     def scale_local_grads(self, factor: float) -> None:
         """Multiply the grads the optimizer will read (this rank's shards) by `factor`."""
-        if not self.distributed:
-            self.data.mul_(factor)
-            return
         for b in self.buckets:
-            lo, hi = self.shard_bounds(b)
-            b.data[lo:hi].mul_(factor)
+            b.shard.mul_(factor)
+
+    def grad_bytes(self) -> int:
+        """Bytes of gradient storage this rank keeps between steps (the shards under shard_grads)."""
+        return self.data.numel() * self.data.element_size()

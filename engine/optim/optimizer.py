@@ -1,4 +1,4 @@
-"""Mixed-precision AdamW over the grad buffer, replicated or sharded over dp (ZeRO-1).
+"""Mixed-precision AdamW over the grad buffer, replicated or sharded over dp (ZeRO-1, -2, -3).
 
 Each trainable parameter has an entry: the flat range [start, end) of its elements this rank updates
 (all of them, or its shard under the distributed optimizer), an fp32 master copy of that range and the
@@ -11,20 +11,29 @@ Optimizer state is kept per parameter name: `state_dict()["params"][name]` holds
 `exp_avg`, `exp_avg_sq` and, where the master is not the parameter itself, `master`, all flat fp32
 tensors over `range`. `load_state_dict` accepts either the same ranges or whole tensors (range
 [0, numel]), which is what a checkpoint resharded over dp provides.
+
+The data-parallel sharding strategy (Megatron-FSDP's names) decides what is sharded over the dp x cp
+replicas: `no_shard` nothing; `optim` (ZeRO-1) the masters and Adam state; `optim_grads` (ZeRO-2) the
+gradients too, which the grad buffer reduce-scatters per microbatch instead of keeping whole; and
+`optim_grads_params` (ZeRO-3) the weights too (param_shard.py): the masters then update the weights'
+shards directly and nothing is all-gathered after the step.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
+from engine.config import sharding_strategy
 from engine.moe.layer import set_aux_loss_scale
 from engine.optim import adamw
 from engine.optim.clip import clip_coefficient, counts_toward_norm, global_grad_norm
 from engine.optim.grad_buffer import DEFAULT_BUCKET_NUMEL, GradBuffer
 from engine.optim.loss_scaler import LossScaler
+from engine.optim.param_shard import ParamSharder, param_units
 from engine.parallel import comm
 
 
@@ -68,15 +77,20 @@ class Optimizer:
         the MoE statistics and expert-bias update); the dict it returns is the step's `metrics`."""
         par, opt = cfg.parallel, cfg.optim
         self.ctx, self.after_grad_sync, self._metrics = ctx, after_grad_sync, {}
-        self.distributed = par.use_distributed_optimizer
+        self.strategy = sharding_strategy(par)
+        self.distributed = self.strategy != "no_shard"
         self.clip_grad = opt.clip_grad
         self.scaler = LossScaler.from_config(cfg.training)
+        units = param_units(model_chunks) if self.strategy == "optim_grads_params" else None
         # Dense parameters reduce (and shard) over dp x cp; MoE experts over their own replicas (engine.moe).
-        self.buffer = GradBuffer(model_chunks, ctx, distributed=self.distributed,
-                                 overlap=par.overlap_grad_reduce, bucket_numel=bucket_numel)
-        self.expert_buffer = GradBuffer(model_chunks, ctx, distributed=self.distributed, overlap=par.overlap_grad_reduce,
-                                        bucket_numel=bucket_numel, experts=True)
+        kw = dict(distributed=self.distributed, overlap=par.overlap_grad_reduce, bucket_numel=bucket_numel,
+                  shard_grads=self.strategy in ("optim_grads", "optim_grads_params"),
+                  units=[u.params for chunk in units for u in chunk] if units else None)
+        self.buffer = GradBuffer(model_chunks, ctx, **kw)
+        self.expert_buffer = GradBuffer(model_chunks, ctx, experts=True, **kw)
         self.buffers = [b for b in (self.buffer, self.expert_buffer) if b.params or b is self.buffer]
+        self.sharder = ParamSharder(model_chunks, units, self.buffers, prefetch=par.overlap_param_gather) \
+            if units else None
         self.steps = 0
         self._entries = self._make_entries(param_names(model_chunks))
         groups = [dict(params=[e.master for e in self._entries if e.param.ndim >= 2], weight_decay=opt.weight_decay),
@@ -94,12 +108,25 @@ class Optimizer:
                 r = buffer.local_range(p)
                 if r is None:
                     continue
-                flat = p.detach().view(-1)
-                owns = self.distributed or p.dtype != torch.float32
-                master = flat[r[0]:r[1]].to(torch.float32, copy=True) if owns else flat
-                master.grad = p.main_grad.view(-1)[r[0]:r[1]]
+                values = self._values(p, r)
+                # The weights themselves are the fp32 master when they are fp32 and this rank's alone:
+                # replicated without sharding, or their shard under ZeRO-3.
+                owns = p.dtype != torch.float32 or (self.distributed and self.sharder is None)
+                master = values.to(torch.float32, copy=True) if owns else values
+                master.grad = buffer.local_grad(p)
                 entries.append(_Entry(names[id(p)], p, r[0], r[1], master, owns, buffer))
         return entries
+
+    def _values(self, p, r: tuple) -> torch.Tensor:
+        """The weights of p's elements [r[0], r[1]) (flat): a view of the parameter, or of its ZeRO-3 shard."""
+        if self.sharder is not None:
+            return self.sharder.local_param(p)
+        return p.detach().view(-1)[r[0]:r[1]]
+
+    def full_weights(self, writeback: bool = False):
+        """A context in which every weight is whole (checkpoint save and load; ZeRO-3 gathers them, and with
+        `writeback` what was loaded into them becomes the shards); a no-op for the other strategies."""
+        return self.sharder.gathered(writeback) if self.sharder is not None else contextlib.nullcontext()
 
     # --- the step, in the order the trainer calls it -------------------------------------------
     def start_step(self, num_microbatches: int) -> None:
@@ -147,10 +174,10 @@ class Optimizer:
 
     def _publish(self) -> None:
         """Copy the updated masters into the model's parameters (all-gathered over dp when sharded)."""
-        if not self.distributed:
+        if not self.distributed or self.sharder is not None:
             for e in self._entries:
                 if e.owns_master:
-                    e.param.detach().view(-1).copy_(e.master)
+                    self._values(e.param, (e.start, e.end)).copy_(e.master)
             return
         for buffer in self.buffers:
             self._publish_sharded(buffer)
@@ -181,6 +208,14 @@ class Optimizer:
         return buf[:bucket.size]
 
     # --- state ---------------------------------------------------------------------------------
+    def memory_bytes(self) -> dict:
+        """Bytes this rank keeps between steps: weights (their shards under ZeRO-3), gradients (their shards
+        under ZeRO-2/3) and optimizer state (fp32 masters it owns and the Adam moments)."""
+        params = [p for b in self.buffers for p in b.params]
+        weights = self.sharder.shard_bytes() if self.sharder is not None else \
+            sum(p.numel() * p.element_size() for p in params)
+        return {"params": weights, "grads": sum(b.grad_bytes() for b in self.buffers), "optimizer": self.state_bytes()}
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds: its own fp32 masters and the Adam state."""
         tensors = [e.master for e in self._entries if e.owns_master]
@@ -209,7 +244,7 @@ class Optimizer:
             exp_avg.copy_(self._slice(saved, "exp_avg", e))
             exp_avg_sq.copy_(self._slice(saved, "exp_avg_sq", e))
             if e.owns_master:
-                source = self._slice(saved, "master", e) if "master" in saved else e.param.detach().view(-1)[e.start:e.end]
+                source = self._slice(saved, "master", e) if "master" in saved else self._values(e.param, (e.start, e.end))
                 e.master.copy_(source)
         self.steps = int(state["step"])
         if self.adam is not None:
@@ -231,4 +266,4 @@ class Optimizer:
         """Refresh the fp32 masters from the model's parameters (after loading weights without optimizer state)."""
         for e in self._entries:
             if e.owns_master:
-                e.master.copy_(e.param.detach().view(-1)[e.start:e.end])
+                e.master.copy_(self._values(e.param, (e.start, e.end)))

@@ -1,0 +1,234 @@
+"""ZeRO-3 (`--data-parallel-sharding-strategy optim_grads_params`): weights stored sharded over dp, gathered
+one unit at a time for forward and again for backward, freed after.
+
+A unit is what is gathered together: the embedding (word and learned position embeddings), each transformer
+layer, and the head (final norm and output weight; at pp 1 with tied embeddings the head's output weight is
+the embedding's, gathered a second time). The grad buffer cuts its buckets at unit boundaries, so a unit is
+a few whole buckets and gathering it is one all-gather per bucket of the bucket's shards (the same slices
+the distributed optimizer owns) into a full-size flat tensor whose views are the parameters. Releasing
+frees that tensor's storage; the parameters keep their shapes (nothing may read them until the next
+gather) and autograd's saved references to them stay valid, seeing the weights again once re-gathered.
+
+When, per model chunk with units u_0 .. u_k in forward order:
+- forward: entering u_i (a forward pre-hook on its module) gathers it and releases u_(i-1); the chunk's
+  forward post-hook releases the last. On the way, a hook on u_i's input tensor is left for backward.
+- backward: that hook fires when the gradient of u_i's input is complete, i.e. when u_i's backward is
+  done: it gathers u_(i-1) and releases u_i (the chunk's output carries the hook that gathers u_k). At the
+  end of the backward pass (an autograd engine callback) whatever backward still holds is released.
+- recomputation replays a unit's forward inside its backward: a unit being back-propagated ignores its
+  forward hooks, so the replay neither re-gathers nor frees it.
+With `prefetch` (--overlap-param-gather) the next unit's all-gather is started asynchronously when a unit
+is entered, so two units are held instead of one. Buckets are reference-counted: the tied embedding's
+bucket belongs to two units.
+
+Gradients are not this module's business: the grad buffer reduce-scatters them (shard_grads).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.parallel import comm
+
+
+@dataclass
+class Unit:
+    module: torch.nn.Module  # whose forward pre-hook gathers it
+    params: list
+    buckets: list = field(default_factory=list)  # (buffer, bucket) pairs
+
+
+def param_units(model_chunks: list) -> list:
+    """Per chunk, its units in forward order: [[Unit, ...], ...] (see the module docstring)."""
+    out = []
+    for chunk in model_chunks:
+        units = []
+        if chunk.pre_process:
+            units.append(Unit(chunk, [chunk.word.weight] + ([chunk.position] if hasattr(chunk, "position") else [])))
+        units += [Unit(layer, list(layer.parameters())) for layer in chunk.layers.values()]
+        if chunk.post_process:
+            head = list(chunk.final_norm.parameters())
+            units.append(Unit(chunk.final_norm, head + [chunk.output_weight()]))
+        for u in units:
+            u.params = [p for p in u.params if p.requires_grad]
+        out.append(units)
+    return out
+
+
+def _free(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+class _Slot:
+    """One bucket's weights: the persistent shard and the full tensor the parameters view, when gathered."""
+
+    def __init__(self, buffer, bucket):
+        self.buffer, self.bucket = buffer, bucket
+        dtype, device = bucket.dtype, buffer.device
+        self.flat = torch.zeros(bucket.size, dtype=dtype, device=device)
+        lo, hi = buffer.shard_bounds(bucket)
+        for p in bucket.params:
+            _, off = buffer.offset_in_bucket(p)
+            view = self.flat[off:off + p.numel()].view_as(p)
+            view.copy_(p.detach())
+            p.data = view
+        self.shard = self.flat[lo:hi].clone()
+        self.holders, self.work = 0, None
+        _free(self.flat)
+
+    def gather(self, async_op: bool) -> None:
+        self.holders += 1
+        if self.holders > 1:
+            return
+        self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
+        if self.buffer.replicas == 1:
+            self.flat.copy_(self.shard)
+            return
+        self.work = comm.all_gather_into(self.flat, self.shard, group=self.buffer.group, async_op=async_op)
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+    def release(self) -> None:
+        self.holders -= 1
+        if self.holders == 0:
+            self.wait()
+            _free(self.flat)
+
+
+class ParamSharder:
+    def __init__(self, model_chunks: list, units: list, buffers: list, *, prefetch: bool = False):
+        """`units`: param_units(model_chunks), whose parameters the `buffers` hold in unit-aligned buckets."""
+        self.chunks, self.prefetch = units, prefetch
+        self._slots = {(id(buffer), bucket.index): _Slot(buffer, bucket) for buffer in buffers
+                       for bucket in buffer.buckets}
+        self._buffer_of = {id(p): b for b in buffers for p in b.params}
+        for chunk_units in units:
+            for u in chunk_units:
+                keys = dict.fromkeys(self._key(p) for p in u.params)  # ordered, each bucket once
+                u.buckets = [self._slots[k] for k in keys]
+        self._held = {}  # (chunk, "fwd" or "bwd") -> the unit index held for that pass
+        self._backward = set()  # (chunk, unit) being back-propagated
+        self._prefetched = set()  # (chunk, unit) whose gather was started ahead
+        self._callback_queued = False
+        for c, (chunk, chunk_units) in enumerate(zip(model_chunks, units)):
+            for i, u in enumerate(chunk_units):
+                u.module.register_forward_pre_hook(self._enter_hook(c, i))
+            chunk.register_forward_hook(self._exit_hook(c))
+
+    def _key(self, p) -> tuple:
+        buffer = self._buffer_of[id(p)]
+        return id(buffer), buffer.bucket_of(p).index
+
+    # --- hooks -------------------------------------------------------------------------------------
+    def _enter_hook(self, c: int, i: int):
+        def hook(module, args):
+            self._forward_enter(c, i, args[0] if args and isinstance(args[0], torch.Tensor) else None)
+        return hook
+
+    def _exit_hook(self, c: int):
+        def hook(module, args, output):
+            held = self._held.pop((c, "fwd"), None)
+            if held is not None:
+                self._release(c, held)
+            self._drop_prefetched(c)
+            if isinstance(output, torch.Tensor) and output.requires_grad and self.chunks[c]:
+                last = len(self.chunks[c]) - 1
+                output.register_hook(lambda g: self._backward_enter(c, last))
+        return hook
+
+    def _forward_enter(self, c: int, i: int, x) -> None:
+        if (c, i) in self._backward:
+            return  # recomputation inside this unit's backward: it stays gathered
+        previous = self._held.get((c, "fwd"))
+        self._gather(c, i)
+        self._held[(c, "fwd")] = i
+        if previous is not None:
+            self._release(c, previous)
+        if self.prefetch and i + 1 < len(self.chunks[c]):
+            self._prefetch(c, i + 1)
+        if i > 0 and x is not None and x.requires_grad:  # (under full recomputation grad mode is off here)
+            x.register_hook(lambda g: self._backward_enter(c, i - 1))
+
+    def _backward_enter(self, c: int, i: int) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._callback_queued = True
+        previous = self._held.get((c, "bwd"))
+        self._gather(c, i)
+        self._backward.add((c, i))
+        self._held[(c, "bwd")] = i
+        if previous is not None:
+            self._backward.discard((c, previous))
+            self._release(c, previous)
+        if self.prefetch and i > 0:
+            self._prefetch(c, i - 1)
+
+    def _end_backward(self) -> None:
+        self._callback_queued = False
+        for key in [k for k in self._held if k[1] == "bwd"]:
+            c = key[0]
+            i = self._held.pop(key)
+            self._backward.discard((c, i))
+            self._release(c, i)
+        self._drop_prefetched()
+
+    # --- gathering ---------------------------------------------------------------------------------
+    def _gather(self, c: int, i: int) -> None:
+        unit = self.chunks[c][i]
+        if (c, i) not in self._prefetched:
+            for slot in unit.buckets:
+                slot.gather(async_op=False)
+        self._prefetched.discard((c, i))
+        for slot in unit.buckets:
+            slot.wait()
+
+    def _prefetch(self, c: int, i: int) -> None:
+        if (c, i) in self._prefetched:
+            return
+        for slot in self.chunks[c][i].buckets:
+            slot.gather(async_op=True)
+        self._prefetched.add((c, i))
+
+    def _drop_prefetched(self, chunk=None) -> None:
+        """Release gathers started ahead for a unit that was then not entered (of `chunk`, or all)."""
+        for c, i in [k for k in self._prefetched if chunk is None or k[0] == chunk]:
+            self._prefetched.discard((c, i))
+            self._release(c, i)
+
+    def _release(self, c: int, i: int) -> None:
+        for slot in self.chunks[c][i].buckets:
+            slot.release()
+
+    # --- outside forward and backward ---------------------------------------------------------------
+    def local_param(self, p) -> torch.Tensor:
+        """This rank's shard of `p` (flat, the elements the optimizer updates), a view of the stored shard."""
+        return self._buffer_of[id(p)].local_slice(p, self._slots[self._key(p)].shard)
+
+    @contextlib.contextmanager
+    def gathered(self, writeback: bool = False):
+        """Every weight gathered (checkpoint save and load); with `writeback` the weights as they are at the
+        end (loaded into the parameters) become the shards."""
+        slots = list(self._slots.values())
+        for slot in slots:
+            slot.gather(async_op=False)
+        try:
+            yield
+            if writeback:
+                for slot in slots:
+                    lo, hi = slot.buffer.shard_bounds(slot.bucket)
+                    slot.shard.copy_(slot.flat[lo:hi])
+        finally:
+            for slot in slots:
+                slot.release()
+
+    def shard_bytes(self) -> int:
+        return sum(s.shard.numel() * s.shard.element_size() for s in self._slots.values())
+
+    def gathered_bytes(self) -> int:
+        """Bytes of full-size weights held right now."""
+        return sum(s.flat.numel() * s.flat.element_size() for s in self._slots.values() if s.holders > 0)

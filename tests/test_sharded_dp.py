@@ -1,0 +1,136 @@
+"""Issue 20: the data-parallel sharding strategies (no_shard, optim = ZeRO-1, optim_grads = ZeRO-2,
+optim_grads_params = ZeRO-3) train the GPT model 20 AdamW steps exactly like one rank: loss within 1e-4
+and the same clipped gradient norm, at dp 2, 4 and 8 and combined with tp + SP, pp, vpp, cp, tied embeddings
+(on one stage and across stages), recomputation and overlapped reduction / prefetched gathers; the fp16 loss scaler gives
+the same curve sharded and unsharded. Each world size is one spawned group running all its layouts.
+"""
+import pytest
+import torch
+
+from engine.config import Config, ModelConfig
+from engine.model import GPTModel
+from engine.optim import build_optimizer, lr_at
+from engine.parallel.topology import ParallelContext, build_context
+from engine.pipeline.partition import build_model_chunks
+from engine.pipeline.runner import PipelineRunner
+from harness import run_ranks
+
+VOCAB, SEQ, MICRO, MICROBATCHES, STEPS = 100, 16, 1, 8, 20
+ALL = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def _cfg(strategy="no_shard", tp=1, pp=1, cp=1, vpp=None, overlap=False, recompute=None, fp16=False):
+    cfg = Config()
+    cfg.model = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB,
+                            make_vocab_size_divisible_by=16, recompute_granularity=recompute)
+    par = cfg.parallel
+    par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size = tp, pp, cp
+    par.virtual_pipeline_model_parallel_size, par.sequence_parallel = vpp, tp > 1
+    par.data_parallel_sharding_strategy = strategy
+    par.overlap_grad_reduce = par.overlap_param_gather = overlap and strategy != "no_shard"
+    cfg.training.seed, cfg.training.train_iters, cfg.training.fp16 = 5, STEPS, fp16
+    cfg.optim.lr, cfg.optim.min_lr, cfg.optim.lr_warmup_iters = 3e-3, 3e-4, 3
+    cfg.optim.weight_decay, cfg.optim.clip_grad = 0.1, 0.5
+    return cfg
+
+
+def _microbatches(step):
+    """Tokens depend only on the global sample index; 24 samples revisited so that the loss falls."""
+    out = []
+    for i in range(MICROBATCHES):
+        rows = []
+        for sample in range((step * MICROBATCHES + i) * MICRO, (step * MICROBATCHES + i + 1) * MICRO):
+            g = torch.Generator().manual_seed(11 * 1_000_003 + sample % 24)
+            rows.append(torch.randint(0, VOCAB, (SEQ + 1,), generator=g))
+        t = torch.stack(rows)
+        out.append({"tokens": t[:, :-1], "labels": t[:, 1:]})
+    return out
+
+
+def _curve(cfg, chunks, ctx, opt) -> list:
+    dtype = torch.float16 if cfg.training.fp16 else torch.float32
+    runner = PipelineRunner(chunks, ctx, ctx.activation_shape(SEQ, MICRO, cfg.model.hidden_size), dtype, "cpu",
+                            schedule=cfg.pipeline_schedule)
+    per_rank = MICROBATCHES // ctx.dp_size
+    curve = []
+    for step in range(STEPS):
+        mine = _microbatches(step)[ctx.dp_rank * per_rank:(ctx.dp_rank + 1) * per_rank]
+        opt.start_step(len(mine))
+        loss = runner.run(mine, scale_loss=opt.scale_loss)
+        opt.finish_grad_sync()
+        result = opt.step(lr_at(step, cfg.optim, STEPS))
+        curve.append((loss, result.grad_norm, result.updated, result.loss_scale))
+    return curve
+
+
+def _train(rank, world, cfg) -> list:
+    par = cfg.parallel
+    ctx = build_context(world, rank, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                        vpp=par.virtual_pipeline_model_parallel_size or 1, sequence_parallel=par.sequence_parallel,
+                        cp=par.context_parallel_size, seed=cfg.training.seed)
+    try:
+        dtype = torch.float16 if cfg.training.fp16 else torch.float32
+        chunks = build_model_chunks(cfg, ctx, vocab_size=VOCAB, dtype=dtype)
+        opt = build_optimizer(cfg, chunks, ctx, bucket_numel=3000)
+        return _curve(cfg, chunks, ctx, opt)
+    finally:
+        ctx.destroy()
+
+
+def _name(cfg, world) -> str:
+    par, m = cfg.parallel, cfg.model
+    return (f"{par.data_parallel_sharding_strategy} world {world} tp{par.tensor_model_parallel_size} "
+            f"pp{par.pipeline_model_parallel_size} vpp{par.virtual_pipeline_model_parallel_size or 1} "
+            f"cp{par.context_parallel_size} overlap={par.overlap_grad_reduce} recompute={m.recompute_granularity} "
+            f"fp16={cfg.training.fp16}")
+
+
+def _compare(name, curve, reference, tol=1e-4) -> list:
+    failures = []
+    for step, ((loss, norm, updated, scale), (ref_loss, ref_norm, ref_updated, ref_scale)) in \
+            enumerate(zip(curve, reference)):
+        if updated != ref_updated or scale != ref_scale or abs(loss - ref_loss) > tol or \
+                abs(norm - ref_norm) > tol * ref_norm:
+            failures.append(f"{name} step {step}: loss {loss:.6f} vs {ref_loss:.6f}, grad norm {norm:.6f} vs "
+                            f"{ref_norm:.6f}, updated {updated} vs {ref_updated}, loss scale {scale} vs {ref_scale}")
+    return failures
+
+
+def _layouts(rank, world, layouts, reference):
+    """Every layout of this world size against the one-rank curve; fp16 pairs against each other."""
+    failures, fp16_base = [], None
+    for cfg in layouts:
+        curve = _train(rank, world, cfg)
+        if cfg.training.fp16:
+            # fp16 weights round to 2^-11 relative: a different (fp32) summation order of the same gradients
+            # flips roundings, so sharded and unsharded fp16 runs agree to fp16's resolution, not fp32's;
+            # the loss scaler must skip the same steps and move the same way.
+            fp16_base = fp16_base or curve
+            failures += _compare(_name(cfg, world) + " (vs fp16 no_shard)", curve, fp16_base, tol=2.0 ** -10)
+        else:
+            failures += _compare(_name(cfg, world), curve, reference)
+    return failures
+
+
+@pytest.fixture(scope="module")
+def reference():
+    cfg = _cfg()
+    model = GPTModel(cfg.model, ParallelContext(), seed=cfg.training.seed, vocab_size=VOCAB)
+    curve = _curve(cfg, [model], ParallelContext(), build_optimizer(cfg, [model], ParallelContext()))
+    assert curve[-1][0] < curve[0][0] - 0.1, f"the reference must learn: {curve}"
+    return curve
+
+
+ZERO3 = "optim_grads_params"
+WORLDS = {
+    2: [_cfg(s) for s in ALL] + [_cfg(ZERO3, overlap=True), _cfg("no_shard", fp16=True), _cfg(ZERO3, fp16=True)],
+    4: [_cfg(s) for s in ALL] + [_cfg(ZERO3, tp=2), _cfg(ZERO3, cp=2, overlap=True)],
+    8: [_cfg(s) for s in ALL] + [_cfg(ZERO3, tp=2, pp=2, recompute="full"),
+                                 _cfg(ZERO3, pp=2, vpp=2, recompute="selective", overlap=True)],
+}
+
+
+@pytest.mark.parametrize("world", sorted(WORLDS))
+def test_every_strategy_follows_one_rank(world, reference):
+    problems = sorted({f for r in run_ranks(_layouts, world, WORLDS[world], reference, timeout=600) for f in r})
+    assert not problems, "\n".join(problems)
