@@ -7,12 +7,15 @@ the same curve sharded and unsharded. Each world size is one spawned group runni
 import pytest
 import torch
 
-from engine.config import Config, ModelConfig
+from engine.checkpoint.loader import load_checkpoint
+from engine.checkpoint.saver import save_checkpoint
+from engine.config import Config, ConfigError, ModelConfig
 from engine.model import GPTModel
 from engine.optim import build_optimizer, lr_at
 from engine.parallel.topology import ParallelContext, build_context
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
+from engine.validation import validate
 from harness import run_ranks
 
 VOCAB, SEQ, MICRO, MICROBATCHES, STEPS = 100, 16, 1, 8, 20
@@ -47,13 +50,13 @@ def _microbatches(step):
     return out
 
 
-def _curve(cfg, chunks, ctx, opt) -> list:
+def _curve(cfg, chunks, ctx, opt, steps=range(STEPS)) -> list:
     dtype = torch.float16 if cfg.training.fp16 else torch.float32
     runner = PipelineRunner(chunks, ctx, ctx.activation_shape(SEQ, MICRO, cfg.model.hidden_size), dtype, "cpu",
                             schedule=cfg.pipeline_schedule)
     per_rank = MICROBATCHES // ctx.dp_size
     curve = []
-    for step in range(STEPS):
+    for step in steps:
         mine = _microbatches(step)[ctx.dp_rank * per_rank:(ctx.dp_rank + 1) * per_rank]
         opt.start_step(len(mine))
         loss = runner.run(mine, scale_loss=opt.scale_loss)
@@ -63,7 +66,8 @@ def _curve(cfg, chunks, ctx, opt) -> list:
     return curve
 
 
-def _train(rank, world, cfg) -> list:
+def _train(rank, world, cfg, load=None, save=None, steps=range(STEPS)) -> list:
+    """The curve over `steps`; first loading the checkpoint in `load`, and saving into `save` at the end."""
     par = cfg.parallel
     ctx = build_context(world, rank, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                         vpp=par.virtual_pipeline_model_parallel_size or 1, sequence_parallel=par.sequence_parallel,
@@ -72,7 +76,12 @@ def _train(rank, world, cfg) -> list:
         dtype = torch.float16 if cfg.training.fp16 else torch.float32
         chunks = build_model_chunks(cfg, ctx, vocab_size=VOCAB, dtype=dtype)
         opt = build_optimizer(cfg, chunks, ctx, bucket_numel=3000)
-        return _curve(cfg, chunks, ctx, opt)
+        if load is not None:
+            assert load_checkpoint(load, chunks, opt, ctx)["iteration"] == steps[0]
+        curve = _curve(cfg, chunks, ctx, opt, steps)
+        if save is not None:
+            save_checkpoint(save, steps[-1] + 1, chunks, opt, ctx, cfg, {})
+        return curve
     finally:
         ctx.destroy()
 
@@ -134,3 +143,42 @@ WORLDS = {
 def test_every_strategy_follows_one_rank(world, reference):
     problems = sorted({f for r in run_ranks(_layouts, world, WORLDS[world], reference, timeout=600) for f in r})
     assert not problems, "\n".join(problems)
+
+
+def _leg(rank, world, strategy, load, save, start, stop):
+    return _train(rank, world, _cfg(strategy), load, save, range(start, stop))
+
+
+def test_resume_across_strategies_and_dp_sizes_continues_the_curve(reference, tmp_path):
+    """optim_grads_params at dp 4 -> optim at dp 2 -> no_shard at dp 1: masters, Adam moments and the step
+    count move between shardings through the checkpoint; the curve goes on as if never interrupted."""
+    a, b = str(tmp_path / "zero3-dp4"), str(tmp_path / "optim-dp2")
+    curve = run_ranks(_leg, 4, "optim_grads_params", None, a, 0, 7, timeout=300)[0]
+    curve += run_ranks(_leg, 2, "optim", a, b, 7, 14, timeout=300)[0]
+    curve += run_ranks(_leg, 1, "no_shard", b, None, 14, STEPS, timeout=300)[0]
+    problems = _compare("zero3 dp4 -> optim dp2 -> no_shard dp1", curve, reference)
+    assert len(curve) == STEPS and not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(use_distributed_optimizer=True, data_parallel_sharding_strategy="no_shard"),
+     "--data-parallel-sharding-strategy no_shard: contradicts --use-distributed-optimizer"),
+    (dict(overlap_param_gather=True), "--overlap-param-gather True: overlaps the gathering of sharded weights"),
+])
+def test_contradicting_sharding_flags_are_one_clear_line(flags, message):
+    cfg = _cfg()
+    cfg.parallel.data_parallel_sharding_strategy = None
+    for name, value in flags.items():
+        setattr(cfg.parallel, name, value)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        validate(cfg, 1)
+
+
+def test_use_distributed_optimizer_is_the_strategy_optim():
+    cfg = _cfg()
+    cfg.parallel.data_parallel_sharding_strategy, cfg.parallel.use_distributed_optimizer = None, True
+    validate(cfg, 2)
+    assert cfg.parallel.data_parallel_sharding_strategy == "optim"
+    cfg.parallel.data_parallel_sharding_strategy, cfg.parallel.use_distributed_optimizer = "optim_grads", False
+    validate(cfg, 2)
+    assert cfg.parallel.use_distributed_optimizer
