@@ -182,3 +182,21 @@ def test_use_distributed_optimizer_is_the_strategy_optim():
     cfg.parallel.data_parallel_sharding_strategy, cfg.parallel.use_distributed_optimizer = "optim_grads", False
     validate(cfg, 2)
     assert cfg.parallel.use_distributed_optimizer
+
+
+def _benchmark_rows(rank, world):
+    from benchmarks import sharded_dp
+    return [sharded_dp._measure(rank, strategy, prefetch) for strategy, prefetch in sharded_dp.CASES]
+
+
+def test_benchmark_state_bytes_and_traffic_equal_the_zero_formulas():
+    """benchmarks/sharded_dp.py's table: weights, gradients and bytes sent per step equal the formulas; the
+    optimizer state within 1/dp; ZeRO-3 holds one gathered unit (two with prefetch); ZeRO-2/3 never stage
+    the whole gradient."""
+    from benchmarks import sharded_dp
+    rows = [row for per_rank in run_ranks(_benchmark_rows, sharded_dp.DP, timeout=300) for row in per_rank]
+    table = sharded_dp.summary(rows)
+    assert [r["strategy"] for r in table if not r["ok"]] == [], table
+    zero3, zero2 = table[3], table[2]
+    assert zero3["params"] * sharded_dp.DP == zero3["Pb"] * 2 and zero3["gathered"] == zero3["unit_bound"] > 0
+    assert 0 < zero2["staging"] < 4 * zero2["Pb"] and zero2["grads"] * sharded_dp.DP == 4 * zero2["Pb"]

@@ -29,6 +29,7 @@ every replica: they run the same schedule); at most one round's reduce-scatter i
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -73,6 +74,7 @@ class GradBuffer:
         self.overlap = overlap
         self.experts = experts
         self._inflight = None
+        self.peak_staging_bytes = 0  # shard_grads: the most full-size fp32 gradient bytes alive at once
         # Replicas of these weights: dp x cp ranks (CP ranks hold the same weights and add their positions'
         # gradients), or for experts the dp/ep x cp ranks holding the same experts. The distributed
         # optimizer shards over all of them.
@@ -146,7 +148,15 @@ class GradBuffer:
         return tensor[off:off + p.numel()]
 
     def _hook(self, i: int):
+        # The hook lives in autograd's C++ state of the parameter, out of sight of the garbage collector: holding
+        # the buffer strongly would make buffer -> parameter -> hook -> buffer a cycle never collected, keeping
+        # the buffer, its process group (and its threads) and the parameters alive for the rest of the process.
+        ref = weakref.ref(self)
+
         def on_grad(p):
+            self = ref()
+            if self is None:  # the buffer is gone: the gradient stays in p.grad
+                return
             if self._num_microbatches is None:
                 raise RuntimeError("a gradient arrived outside a step: call optimizer.start_step(num_microbatches) "
                                    "before the first backward of the step")
@@ -154,6 +164,7 @@ class GradBuffer:
             if self.shard_grads:
                 if bucket.staging is None:
                     bucket.staging = torch.zeros(bucket.size, dtype=torch.float32, device=self.device)
+                    self._note_staging()
                 self._flat(p, bucket.staging).add_(p.grad.view(-1))
             else:
                 p.main_grad.add_(p.grad)
@@ -228,6 +239,13 @@ class GradBuffer:
             self._complete_inflight()
         if bucket.pending == 0:  # every parameter already has its gradient of the next round
             self._end_round(bucket)
+
+    def _note_staging(self) -> None:
+        """Track the most staging bytes alive at once (staged rounds and the one in flight)."""
+        alive = sum(b.size for b in self.buckets if b.staging is not None)
+        if self._inflight is not None:
+            alive += self._inflight[2].numel()
+        self.peak_staging_bytes = max(self.peak_staging_bytes, 4 * alive)
 
     def _complete_inflight(self) -> None:
         if self._inflight is not None:

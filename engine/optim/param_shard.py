@@ -10,10 +10,10 @@ frees that tensor's storage; the parameters keep their shapes (nothing may read 
 gather) and autograd's saved references to them stay valid, seeing the weights again once re-gathered.
 
 When, per model chunk with units u_0 .. u_k in forward order:
-- forward: entering u_i (a forward pre-hook on its module) gathers it and releases u_(i-1); the chunk's
+- forward: entering u_i (a forward pre-hook on its module) releases u_(i-1) and gathers u_i; the chunk's
   forward post-hook releases the last. On the way, a hook on u_i's input tensor is left for backward.
 - backward: that hook fires when the gradient of u_i's input is complete, i.e. when u_i's backward is
-  done: it gathers u_(i-1) and releases u_i (the chunk's output carries the hook that gathers u_k). At the
+  done: it releases u_i and gathers u_(i-1) (the chunk's output carries the hook that gathers u_k). At the
   end of the backward pass (an autograd engine callback) whatever backward still holds is released.
 - recomputation replays a unit's forward inside its backward: a unit being back-propagated ignores its
   forward hooks, so the replay neither re-gathers nor frees it.
@@ -115,6 +115,7 @@ class ParamSharder:
         self._backward = set()  # (chunk, unit) being back-propagated
         self._prefetched = set()  # (chunk, unit) whose gather was started ahead
         self._callback_queued = False
+        self.peak_gathered_bytes = 0  # the most full-size weight bytes held at once (benchmarks/sharded_dp.py)
         for c, (chunk, chunk_units) in enumerate(zip(model_chunks, units)):
             for i, u in enumerate(chunk_units):
                 u.module.register_forward_pre_hook(self._enter_hook(c, i))
@@ -144,11 +145,11 @@ class ParamSharder:
     def _forward_enter(self, c: int, i: int, x) -> None:
         if (c, i) in self._backward:
             return  # recomputation inside this unit's backward: it stays gathered
-        previous = self._held.get((c, "fwd"))
+        previous = self._held.pop((c, "fwd"), None)
+        if previous is not None:  # its forward is done: freed before the next gather, one unit held at a time
+            self._release(c, previous)
         self._gather(c, i)
         self._held[(c, "fwd")] = i
-        if previous is not None:
-            self._release(c, previous)
         if self.prefetch and i + 1 < len(self.chunks[c]):
             self._prefetch(c, i + 1)
         if i > 0 and x is not None and x.requires_grad:  # (under full recomputation grad mode is off here)
@@ -158,13 +159,13 @@ class ParamSharder:
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             self._callback_queued = True
-        previous = self._held.get((c, "bwd"))
+        previous = self._held.pop((c, "bwd"), None)
+        if previous is not None:  # the gradient of its input is complete: its backward is done
+            self._backward.discard((c, previous))
+            self._release(c, previous)
         self._gather(c, i)
         self._backward.add((c, i))
         self._held[(c, "bwd")] = i
-        if previous is not None:
-            self._backward.discard((c, previous))
-            self._release(c, previous)
         if self.prefetch and i > 0:
             self._prefetch(c, i - 1)
 
@@ -186,6 +187,7 @@ class ParamSharder:
         self._prefetched.discard((c, i))
         for slot in unit.buckets:
             slot.wait()
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
 
     def _prefetch(self, c: int, i: int) -> None:
         if (c, i) in self._prefetched:
@@ -193,6 +195,7 @@ class ParamSharder:
         for slot in self.chunks[c][i].buckets:
             slot.gather(async_op=True)
         self._prefetched.add((c, i))
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
 
     def _drop_prefetched(self, chunk=None) -> None:
         """Release gathers started ahead for a unit that was then not entered (of `chunk`, or all)."""
