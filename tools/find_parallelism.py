@@ -6,6 +6,13 @@
     python tools/find_parallelism.py --config configs/llama3-8b.yaml --num-gpus 64 --tokens 15e12
     python tools/find_parallelism.py --config configs/llama3-8b-128k.yaml --num-gpus 64 --tp 8 --cp 4 --pp 1
     python tools/find_parallelism.py --config configs/mixtral-8x7b.yaml --num-gpus 64 --tp 1 --pp 4 --ep 8
+    python tools/find_parallelism.py --config configs/llama3-8b.yaml --num-gpus 16 --pipeline-schedule all \
+        --data-parallel-sharding-strategy optim_grads
+
+Data-parallel sharding (no_shard, optim = ZeRO-1, optim_grads = ZeRO-2, optim_grads_params = ZeRO-3): every
+strategy is tried (in the one-layout mode too) and the table's "sharding" column shows the one chosen, unless
+--data-parallel-sharding-strategy fixes it. Pipeline schedules: the engine's default (1f1b, interleaved with
+--vpp) unless --pipeline-schedule fixes one; --pipeline-schedule all also searches zb-h1 and zb-v.
 
 The memory model is engine/planner/memory.py, the time model engine/planner/step_time.py (constants and
 sources documented there, checked against published runs in engine/planner/published.py), the search
@@ -23,10 +30,10 @@ import json
 import sys
 
 from engine.cli import OneLineParser, parse_config
-from engine.config import ConfigError, precision_name, resolve
+from engine.config import SHARDING_STRATEGIES, ConfigError, precision_name, resolve
 from engine.planner.flops import GPU_PRESETS, activated_params, flops_per_iteration
-from engine.planner.memory import GIB, Layout, params_per_rank
-from engine.planner.search import chinchilla_optimal, rank_layouts
+from engine.planner.memory import GIB, PIPELINE_SCHEDULES, Layout, params_per_rank
+from engine.planner.search import DEFAULT_SCHEDULES, chinchilla_optimal, rank_layouts
 from engine.planner.step_time import Software, estimate
 from engine.validation import validate
 
@@ -69,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("--recompute-granularity", choices=("none", "selective", "full"))
     one.add_argument("--decoder-first-pipeline-num-layers", type=int, help="layers on the first stage (uneven split)")
     one.add_argument("--decoder-last-pipeline-num-layers", type=int, help="layers on the last stage (uneven split)")
+    p.add_argument("--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES,
+                   help="what is sharded over dp x cp (ZeRO-1/2/3: optim, optim_grads, optim_grads_params); "
+                        "default: all four are tried and the table shows the one chosen")
+    p.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES + ("all",),
+                   help="pipeline schedule; default: the engine's (1f1b, interleaved with vpp > 1); 'all' also "
+                        "searches the zero-bubble schedules zb-h1 and zb-v")
     plan = p.add_argument_group("compute planning")
     plan.add_argument("--tokens", type=float, help="training tokens, e.g. 300e9")
     plan.add_argument("--chinchilla", action="store_true", help="train on 20 tokens per parameter (Hoffmann et al. 2022)")
@@ -108,11 +121,15 @@ def _check(args, cfg):
         raise UsageError("--global-batch-size must be at least 1")
     if args.tokens is not None and args.tokens <= 0:
         raise UsageError("--tokens must be positive")
+    if args.pipeline_schedule == "all" and args.tp is not None:
+        raise UsageError("--pipeline-schedule all searches the schedules; with --tp and --pp (one layout) name one "
+                         "of 1f1b, interleaved, zb-h1, zb-v")
 
 
 def _given_layout(args, cfg, batch) -> Layout:
     """The one layout asked for, checked by the trainer's own validation. Sequence parallelism is on
-    whenever tp > 1 and the distributed optimizer whenever dp > 1 (both only save memory)."""
+    whenever tp > 1 (it only saves memory); the sharding strategy is --data-parallel-sharding-strategy, or
+    optim when dp x cp > 1 (estimate_given tries the others)."""
     cp = args.cp or 1
     if args.num_gpus % (args.tp * cp * args.pp):
         raise UsageError(f"--tp {args.tp} x --cp {cp} x --pp {args.pp} = {args.tp * cp * args.pp} does not divide "
@@ -126,13 +143,15 @@ def _given_layout(args, cfg, batch) -> Layout:
         first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
     dp = args.num_gpus // (args.tp * cp * args.pp)
     ep = args.ep or par.expert_model_parallel_size
+    strategy = args.data_parallel_sharding_strategy or ("optim" if dp * cp > 1 else "no_shard")
     c = dataclasses.replace(cfg)
     c.parallel = dataclasses.replace(
         par, tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, context_parallel_size=cp,
         virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size if keep_split else args.vpp,
         decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
-        sequence_parallel=args.tp > 1, use_distributed_optimizer=dp * cp > 1, gpus_per_node=args.gpus_per_node,
-        expert_model_parallel_size=ep)
+        sequence_parallel=args.tp > 1, use_distributed_optimizer=False, gpus_per_node=args.gpus_per_node,
+        expert_model_parallel_size=ep, data_parallel_sharding_strategy=strategy,
+        pipeline_schedule=args.pipeline_schedule or (par.pipeline_schedule if keep_split else None))
     c.training = dataclasses.replace(cfg.training, global_batch_size=batch,
                                      micro_batch_size=args.micro_batch_size or cfg.training.micro_batch_size)
     c.data = dataclasses.replace(cfg.data, mock_data=True)
@@ -141,7 +160,18 @@ def _given_layout(args, cfg, batch) -> Layout:
     recompute = args.recompute_granularity or cfg.model.recompute_granularity or "none"
     return Layout(args.tp, args.pp, dp, c.vpp, c.training.micro_batch_size, recompute, args.tp > 1, dp * cp > 1,
                   c.parallel.decoder_first_pipeline_num_layers, c.parallel.decoder_last_pipeline_num_layers, cp,
-                  ep)
+                  ep, strategy, c.pipeline_schedule if args.pp > 1 else None)
+
+
+def estimate_given(args, cfg, batch, seq, gpu, sw):
+    """The given layout's estimate; without --data-parallel-sharding-strategy, the best of the strategies
+    (those that fit first, then the fastest)."""
+    layout = _given_layout(args, cfg, batch)
+    strategies = [layout.strategy] if args.data_parallel_sharding_strategy or layout.shard_group == 1 \
+        else SHARDING_STRATEGIES
+    ests = [estimate(cfg.model, dataclasses.replace(layout, sharding_strategy=s), gpu, batch, seq, args.gpus_per_node,
+                     sw) for s in strategies]
+    return min(ests, key=lambda e: (not e.fits, round(e.step_time_s, 6), e.memory.total))
 
 
 def torchrun_command(args, layout: Layout, batch: int, seq: int, precision: str) -> str:
@@ -156,8 +186,10 @@ def torchrun_command(args, layout: Layout, batch: int, seq: int, precision: str)
         cmd.append(f"--context-parallel-size {layout.cp}")
     if layout.ep > 1:
         cmd.append(f"--expert-model-parallel-size {layout.ep}")
-    if layout.vpp > 1:
+    if layout.vpp > 1 and layout.schedule != "zb-v":
         cmd.append(f"--virtual-pipeline-model-parallel-size {layout.vpp}")
+    if layout.schedule in ("zb-h1", "zb-v"):
+        cmd.append(f"--pipeline-schedule {layout.schedule}")
     if layout.first_stage_layers is not None:
         cmd += [f"--decoder-first-pipeline-num-layers {layout.first_stage_layers}",
                 f"--decoder-last-pipeline-num-layers {layout.last_stage_layers}"]
@@ -167,8 +199,10 @@ def torchrun_command(args, layout: Layout, batch: int, seq: int, precision: str)
         cmd.append("--sequence-parallel")
     if layout.recompute != "none":
         cmd.append(f"--recompute-granularity {layout.recompute}")
-    if layout.distributed_optimizer:
+    if layout.strategy == "optim":
         cmd.append("--use-distributed-optimizer")
+    elif layout.strategy != "no_shard":
+        cmd.append(f"--data-parallel-sharding-strategy {layout.strategy}")
     if layout.shard_group > 1:
         cmd.append("--overlap-grad-reduce")
     if precision != "fp32":
@@ -216,14 +250,15 @@ def _plan(args, cfg, est, batch, seq) -> dict:
 
 
 def _table(rows) -> str:
-    head = ("tp", "cp", "pp", "vpp", "dp", "ep", "mb", "sp", "dopt", "recompute", "mem GiB", "fits", "step s",
-            "tokens/s", "TFLOP/s", "MFU")
+    head = ("tp", "cp", "pp", "vpp", "dp", "ep", "mb", "sp", "dopt", "sharding", "schedule", "recompute", "mem GiB",
+            "fits", "step s", "tokens/s", "TFLOP/s", "MFU")
     lines = [head]
     for e in rows:
         lay = e.layout
         vpp = f"{lay.first_stage_layers}/../{lay.last_stage_layers}" if lay.first_stage_layers is not None else lay.vpp
         lines.append((lay.tp, lay.cp, lay.pp, vpp, lay.dp, lay.ep, lay.micro_batch_size, "y" if lay.sequence_parallel else "-",
-                      "y" if lay.distributed_optimizer else "-", lay.recompute, f"{e.memory.total / GIB:.1f}",
+                      "y" if lay.distributed_optimizer else "-", lay.strategy, lay.schedule if lay.pp > 1 else "-",
+                      lay.recompute, f"{e.memory.total / GIB:.1f}",
                       "yes" if e.fits else "NO", f"{e.step_time_s:.3f}", f"{e.tokens_per_s:,.0f}",
                       f"{e.tflops_per_gpu:.1f}", f"{e.mfu * 100:.1f}%"))
     widths = [max(len(str(r[i])) for r in lines) for i in range(len(head))]
@@ -246,9 +281,13 @@ def main(argv=None) -> int:
     gpu, precision = _gpu(args), precision_name(cfg)
     sw = Software(precision=precision)
     if args.tp is not None:
-        rows = [estimate(cfg.model, _given_layout(args, cfg, batch), gpu, batch, seq, args.gpus_per_node, sw)]
+        rows = [estimate_given(args, cfg, batch, seq, gpu, sw)]
     else:
-        rows = rank_layouts(cfg.model, args.num_gpus, gpu, batch, seq, args.gpus_per_node, sw)
+        strategies = (args.data_parallel_sharding_strategy,) if args.data_parallel_sharding_strategy \
+            else SHARDING_STRATEGIES
+        schedules = {None: DEFAULT_SCHEDULES, "all": PIPELINE_SCHEDULES}.get(args.pipeline_schedule,
+                                                                           (args.pipeline_schedule,))
+        rows = rank_layouts(cfg.model, args.num_gpus, gpu, batch, seq, args.gpus_per_node, sw, strategies, schedules)
         if not rows:
             raise UsageError(f"no valid layout of {args.config} on {args.num_gpus} GPUs with global batch {batch}: "
                              "try a global batch divisible by more data-parallel sizes, or another --num-gpus")

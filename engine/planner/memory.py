@@ -25,8 +25,18 @@ exactly the paper's entries:
     full recompute               2·s·b·h (and /t with sp)
 
 With flash attention the 5·a·s²·b score term is never stored (only the output is), so it is dropped
-whatever the recomputation. Dropout masks (2·s·b·h) are kept in the count even at dropout 0: they are
-part of the published formula and act as a small margin.
+whatever the recomputation. Dropout masks are counted only where the model has dropout, as the engine
+stores them: the two residual masks (2·s·b·h) when hidden_dropout > 0, the attention-probability mask and
+dropout output (3·a·s²·b of the 5) when attention_dropout > 0 (Megatron's GPT-3 runs had both at 0.1).
+
+Pipeline schedules (Layout.pipeline_schedule, engine.pipeline.schedules): the microbatch-chunks a rank
+holds at its peak come from the schedule's own order. Under a zero-bubble schedule a chunk's B frees
+what backward saved except what its deferred W needs (engine.parallel.mappings: every linear's input and
+its output gradient, `w_store_bytes`): the peak is the largest of A x activations + W x stores over the
+order, with A chunks between F and B and W between B and W (engine/planner/sharding.py: `zb_in_flight`).
+
+Weights, gradients and optimizer state per data-parallel sharding strategy: `state_bytes` (the ZeRO
+formulas) and engine/planner/sharding.py (the engine's exact bucket layout).
 """
 from __future__ import annotations
 
@@ -34,9 +44,11 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
-from engine.config import ModelConfig
+from engine.config import SHARDING_STRATEGIES, ModelConfig
 from engine.pipeline.partition import stage_layers
-from engine.pipeline.schedules import peak_in_flight
+from engine.pipeline.schedules import SPLIT_BACKWARD, peak_in_flight
+
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")
 
 # Bytes per parameter, as engine/optim allocates them: 2-byte weights in bf16/fp16, an fp32 main-grad
 # buffer (microbatch gradients accumulate in fp32), Adam m and v in fp32, and an fp32 master copy
@@ -76,6 +88,28 @@ class Layout:
     last_stage_layers: Optional[int] = None
     cp: int = 1                        # context parallel: each sequence split over cp ranks
     ep: int = 1                        # expert parallel, carved from dp: the experts split over ep dp ranks
+    # --data-parallel-sharding-strategy (None: optim with distributed_optimizer, else no_shard); a strategy
+    # given here sets distributed_optimizer to whether anything is sharded, as the engine's validation does.
+    sharding_strategy: Optional[str] = None
+    pipeline_schedule: Optional[str] = None    # --pipeline-schedule (None: 1f1b, interleaved when vpp > 1)
+
+    def __post_init__(self):
+        if self.sharding_strategy is not None:
+            if self.sharding_strategy not in SHARDING_STRATEGIES:
+                raise ValueError(f"unknown sharding strategy {self.sharding_strategy!r}")
+            object.__setattr__(self, "distributed_optimizer", self.sharding_strategy != "no_shard")
+        if self.pipeline_schedule not in (None,) + PIPELINE_SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {self.pipeline_schedule!r}")
+
+    @property
+    def strategy(self) -> str:
+        """The data-parallel sharding strategy in force (engine.config.sharding_strategy's rule)."""
+        return self.sharding_strategy or ("optim" if self.distributed_optimizer else "no_shard")
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule that runs (engine's Config.pipeline_schedule rule)."""
+        return self.pipeline_schedule or ("interleaved" if self.vpp > 1 else "1f1b")
 
     @property
     def num_gpus(self) -> int:
@@ -98,12 +132,18 @@ def stage_layer_ids(num_layers: int, layout: Layout) -> tuple:
     """Global layer ids per (pipeline rank, model chunk): the engine's own split (engine.pipeline.partition).
 
     Uneven first/last stages with an interleaved schedule (the engine does not run it; Llama 3 405B did)
-    split each rank's layers over its chunks as evenly as they go, for evaluating published layouts."""
-    return _stage_ids(num_layers, layout.pp, layout.vpp, layout.first_stage_layers, layout.last_stage_layers)
+    split each rank's layers over its chunks as evenly as they go, for evaluating published layouts. ZB-V's V
+    puts chunk 1 of rank r on stage 2pp-1-r."""
+    return _stage_ids(num_layers, layout.pp, layout.vpp, layout.first_stage_layers, layout.last_stage_layers,
+                      layout.schedule == "zb-v")
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_ids(num_layers: int, pp: int, vpp: int, first: Optional[int], last: Optional[int]) -> tuple:
+def _stage_ids(num_layers: int, pp: int, vpp: int, first: Optional[int], last: Optional[int],
+               v_shape: bool = False) -> tuple:
+    if v_shape:
+        return tuple(tuple(tuple(stage_layers(num_layers, pp, vpp, r, c, None, None, True)) for c in range(vpp))
+                     for r in range(pp))
     if (first is not None or last is not None) and vpp > 1:
         out = []
         for r in range(pp):
@@ -115,9 +155,21 @@ def _stage_ids(num_layers: int, pp: int, vpp: int, first: Optional[int], last: O
                  for r in range(pp))
 
 
-def stage_layer_counts(num_layers: int, layout: Layout) -> list:
+def stage_layer_counts(num_layers: int, layout: Layout) -> tuple:
     """Layers per (pipeline rank, model chunk), see stage_layer_ids."""
-    return [[len(ids) for ids in chunks] for chunks in stage_layer_ids(num_layers, layout)]
+    return _stage_counts(num_layers, layout.pp, layout.vpp, layout.first_stage_layers, layout.last_stage_layers,
+                         layout.schedule == "zb-v")
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_counts(num_layers: int, pp: int, vpp: int, first: Optional[int], last: Optional[int],
+                  v_shape: bool) -> tuple:
+    return tuple(tuple(len(ids) for ids in chunks) for chunks in _stage_ids(num_layers, pp, vpp, first, last, v_shape))
+
+
+def end_ranks(layout: Layout) -> tuple:
+    """(pipeline rank with the embedding, pipeline rank with the output layer): ZB-V's V puts both on rank 0."""
+    return 0, (0 if layout.schedule == "zb-v" else layout.pp - 1)
 
 
 def moe_layers_per_rank(model: ModelConfig, layout: Layout) -> list:
@@ -184,12 +236,13 @@ def param_split_per_rank(model: ModelConfig, layout: Layout) -> list:
     n_moe = moe_layers_per_rank(model, layout)
     per_layer = layer_params(model, layout.tp)
     moe = moe_layer_params(model, layout.tp, layout.ep) if model.num_experts else (0, 0, 0)
+    first, last = end_ranks(layout)
     out = []
     for r, chunks in enumerate(counts):
         n = (sum(chunks) - n_moe[r]) * per_layer + n_moe[r] * moe[0]
-        if r == 0:
+        if r == first:
             n += embedding_params(model, layout.tp)
-        if r == layout.pp - 1:
+        if r == last:
             n += head_params(model, layout.tp, layout.pp)
         out.append((n, n_moe[r] * moe[1], n_moe[r] * moe[2]))
     return out
@@ -214,14 +267,16 @@ def layer_activation_bytes(model: ModelConfig, seq_length: int, micro_batch: int
         return 2 * s * b * h / sp
     d, nq, nkv = model.head_dim(), model.num_attention_heads, model.resolved_query_groups()
     ffn = model.resolved_ffn_hidden_size()
-    # Not split by tp (split by sp): two norm inputs (4), QKV input (2), MLP input (2), two dropout masks (2).
-    replicated = 10 * s * b * h
+    # Not split by tp (split by sp): two norm inputs (4), QKV input (2), MLP input (2), and with residual
+    # dropout its two 1-byte masks (2).
+    replicated = (8 + 2 * (model.hidden_dropout > 0)) * s * b * h
     # Split by tp: Q and K for the scores, V, the attention output (projection input), the MLP
     # hidden activations (GELU: fc1 output and GELU output; SwiGLU: gate+up output and their product).
     mlp = (6 if model.swiglu else 4) * ffn * s * b if not moe else 0
     split = 2 * s * b * (nq * d + nkv * d) + 2 * s * b * nkv * d + 2 * s * b * nq * d + mlp
-    # Softmax output (2), its dropout mask (1) and dropout output (2) per score.
-    scores = 0 if (flash_attention or recompute == "selective") else 5 * nq * s * s * cp * b
+    # Softmax output (2) per score, and with attention dropout its mask (1) and the dropout output (2).
+    per_score = 2 + 3 * (model.attention_dropout > 0)
+    scores = 0 if (flash_attention or recompute == "selective") else per_score * nq * s * s * cp * b
     routed = moe_mlp_activation_bytes(model, s * b, tp, sp) if moe else 0.0
     return replicated / sp + (split + scores) / tp + routed
 
@@ -265,15 +320,27 @@ class Memory:
         return self.allocated * (1 + MEMORY_FRAGMENTATION) + MEMORY_RESERVED_GIB * GIB
 
 
-def state_bytes(params: int, layout: Layout, precision: str, experts: int = 0, frozen: int = 0) -> tuple:
-    """(weights, gradients, optimizer state) bytes on one GPU for `params` dense parameters, plus `experts`
-    expert parameters (their state sharded over dp/ep x cp instead of dp x cp) and `frozen` fp32 ones with no
-    gradient or optimizer state (the MoE router's expert bias)."""
-    dist = layout.distributed_optimizer
-    shard, expert_shard = (layout.shard_group, layout.expert_shard_group) if dist else (1, 1)
-    master = MASTER_BYTES if (precision != "fp32" or dist) else 0
-    return ((params + experts) * PARAM_BYTES[precision] + 4 * frozen, (params + experts) * GRAD_BYTES,
-            (params / shard + experts / expert_shard) * (ADAM_MOMENT_BYTES + master))
+def state_bytes(params: int, layout: Layout, precision: str, experts: int = 0, frozen: int = 0, unit: int = 0,
+                bucket: int = 0) -> tuple:
+    """(weights, gradients, optimizer state) bytes on one GPU by the ZeRO formulas (Rajbhandari et al. 2020,
+    sec. 5) in this engine's dtypes, for `params` dense parameters, `experts` expert parameters (sharded over
+    dp/ep x cp instead of dp x cp) and `frozen` fp32 ones with no gradient or state (the MoE expert bias):
+
+        no_shard            weights W·P   grads 4·P           state (8 + master)·P, master 4 unless fp32
+        optim (ZeRO-1)      W·P           4·P                 12·P/n
+        optim_grads (-2)    W·P           4·P/n + 4·bucket    12·P/n
+        optim_grads_params  W·(P/n+unit)  4·P/n + 4·bucket    12·P/n
+
+    W the training dtype's bytes, n the ranks sharding (dp x cp); `bucket` the gradient staging of the one
+    bucket in flight, `unit` the weights of the one gathered unit (a layer). engine/planner/sharding.py gives
+    the same parts exactly as the engine lays them out (shard padding included)."""
+    strategy = layout.strategy
+    n, ne = (layout.shard_group, layout.expert_shard_group) if strategy != "no_shard" else (1, 1)
+    mine, everything = params / n + experts / ne, params + experts
+    master = MASTER_BYTES if (precision != "fp32" or strategy != "no_shard") else 0
+    weights = (mine + unit if strategy == "optim_grads_params" else everything) * PARAM_BYTES[precision]
+    grads = (mine + bucket if strategy in ("optim_grads", "optim_grads_params") else everything) * GRAD_BYTES
+    return weights + 4 * frozen, grads, mine * (ADAM_MOMENT_BYTES + master)
 
 
 def _largest_weight(model: ModelConfig, layout: Layout) -> int:
@@ -287,9 +354,51 @@ def _largest_weight(model: ModelConfig, layout: Layout) -> int:
     return largest
 
 
+def w_store_bytes(model: ModelConfig, seq_length: int, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
+                  cp: int = 1) -> float:
+    """What a dense layer keeps for its deferred W pass after its B (zero-bubble schedules;
+    engine.parallel.mappings `_defer`): each linear's input (its sequence shard under SP) and its 2-byte output
+    gradient. QKV: input h/sp, gradient (nq + 2 nkv)·d/tp; projection: nq·d/tp and h (the row-parallel output's
+    gradient is whole on every tp rank); fc1: h/sp and its 1 or 2 x ffn/tp outputs; fc2: ffn/tp and h."""
+    tokens = seq_length // cp * micro_batch
+    h, d = model.hidden_size, model.head_dim()
+    nq, nkv, ffn = model.num_attention_heads, model.resolved_query_groups(), model.resolved_ffn_hidden_size()
+    sp = tp if sequence_parallel else 1
+    inputs = 2 * h / sp + nq * d / tp + ffn / tp
+    grads = ((nq + 2 * nkv) * d + (2 if model.swiglu else 1) * ffn) / tp + 2 * h
+    return 2 * tokens * (inputs + grads)
+
+
+def in_flight_bytes(layout: Layout, rank: int, num_microbatches: int, per_chunk: float, store_chunk: float) -> float:
+    """Activation bytes rank `rank` holds at its peak: the schedule's in-flight chunk count x per_chunk; for a
+    zero-bubble schedule the largest A·per_chunk + W·store_chunk over its order (A chunks between F and B,
+    W between B and W)."""
+    if layout.schedule not in SPLIT_BACKWARD or layout.pp == 1:
+        return peak_in_flight(layout.pp, layout.vpp, rank, num_microbatches) * per_chunk
+    return max(a * per_chunk + w * store_chunk for a, w in zb_in_flight(layout.schedule, layout.pp, rank,
+                                                                          num_microbatches))
+
+
+@functools.lru_cache(maxsize=4096)
+def zb_in_flight(schedule: str, pp: int, rank: int, num_microbatches: int) -> tuple:
+    """The (A, W) pairs a zero-bubble order reaches that no other pair dominates: A chunk-microbatches with F
+    done and B not, W with B done and W not. The order is replayed for at most 3 pp microbatches: past the
+    warm-up its counts repeat (the schedule caps them: engine.pipeline.zero_bubble)."""
+    from engine.pipeline.schedules import schedule_order
+    vpp = 2 if schedule == "zb-v" else 1
+    a = w = 0
+    seen = set()
+    for kind, _, _ in schedule_order(pp, vpp, rank, min(num_microbatches, 3 * pp), schedule):
+        a, w = a + (kind == "F") - (kind == "B"), w + (kind == "B") - (kind == "W")
+        seen.add((a, w))
+    return tuple(sorted(p for p in seen if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in seen)))
+
+
 def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_microbatches: int,
-                   precision: str = "bf16", flash_attention: bool = True) -> Memory:
-    """Peak memory of the pipeline rank that needs the most."""
+                   precision: str = "bf16", flash_attention: bool = True, bucket_numel: Optional[int] = None) -> Memory:
+    """Peak memory of the pipeline rank that needs the most; weights, gradients and optimizer state as the
+    engine allocates them (engine/planner/sharding.py, buckets of `bucket_numel`: the engine's default)."""
+    from engine.planner.sharding import rank_state_bytes
     counts = stage_layer_counts(model.num_layers, layout)
     n_moe = moe_layers_per_rank(model, layout)
     splits = param_split_per_rank(model, layout)
@@ -299,6 +408,8 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
                                       recompute, flash_attention, layout.cp, moe)
     act_dense = act(layout.recompute, False)
     act_moe = act(layout.recompute, True) if any(n_moe) else 0.0
+    store = w_store_bytes(model, seq_length, layout.micro_batch_size, layout.tp, layout.sequence_parallel, layout.cp)
+    store_moe = store + act("none", True) - act("none", False) if any(n_moe) else 0.0
     # Full recomputation rebuilds one layer's complete activations during its backward pass.
     workspace = 0.0
     if layout.recompute == "full":
@@ -306,16 +417,25 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
     vocab_shard = model.padded_vocab_size(layout.tp) // layout.tp
     logits = LOGIT_BYTES * seq_length // layout.cp * layout.micro_batch_size * vocab_shard
     largest_layer_weight = _largest_weight(model, layout)
-    best = None
+    first, last = end_ranks(layout)
+    best, classes = None, {}
     for r, chunks in enumerate(counts):
-        per_chunk = ((sum(chunks) - n_moe[r]) * act_dense + n_moe[r] * act_moe) / len(chunks)
-        acts = peak_in_flight(layout.pp, layout.vpp, r, num_microbatches) * per_chunk
+        # Ranks alike in layers and ends hold the same state; without a zero-bubble schedule the first of them
+        # holds the most activations (in-flight counts fall with the rank), so it stands for the others.
+        cls = (chunks, n_moe[r], r == first, r == last)
+        if cls in classes and layout.schedule not in SPLIT_BACKWARD:
+            continue
+        if cls not in classes:
+            classes[cls] = rank_state_bytes(model, layout, precision, r, bucket_numel, splits[r])
+        dense_layers = sum(chunks) - n_moe[r]
+        per_chunk = (dense_layers * act_dense + n_moe[r] * act_moe) / len(chunks)
+        acts = in_flight_bytes(layout, r, num_microbatches, per_chunk,
+                               (dense_layers * store + n_moe[r] * store_moe) / len(chunks))
         acts += workspace if sum(chunks) else 0.0
-        ends = r == 0 or r == layout.pp - 1
+        ends = r in (first, last)
         largest = max(largest_layer_weight if sum(chunks) else 0, vocab_shard * model.hidden_size if ends else 0)
-        dense, experts, frozen = splits[r]
-        mem = Memory(r, dense + experts + frozen, *state_bytes(dense, layout, precision, experts, frozen), acts,
-                     logits if r == layout.pp - 1 else 0.0, largest * PARAM_BYTES[precision])
+        mem = Memory(r, sum(splits[r]), *classes[cls], acts,
+                     logits if r == last else 0.0, largest * PARAM_BYTES[precision])
         if best is None or mem.allocated > best.allocated:
             best = mem
     return best

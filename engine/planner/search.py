@@ -1,4 +1,5 @@
-"""The search over parallel layouts: every valid (tp, cp, pp, vpp, dp, ep, micro batch, recomputation, ...)
+"""The search over parallel layouts: every valid (tp, cp, pp, vpp, dp, ep, micro batch, recomputation, pipeline
+schedule, data-parallel sharding strategy)
 for a model on N GPUs, each estimated by engine.planner.step_time and ranked fastest first. For a mixture
 of experts, ep runs over the sizes dividing both dp and the number of experts (expert ranks are carved from
 dp), and tp > 1 comes with sequence parallelism (the engine requires it: each tp rank routes its own tokens)."""
@@ -7,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Iterator, Optional
 
-from engine.config import ModelConfig
+from engine.config import SHARDING_STRATEGIES, ModelConfig
 from engine.planner.flops import GPUSpec
 from engine.planner.memory import Layout
 from engine.planner.step_time import Software, estimate
@@ -19,6 +20,10 @@ MAX_MICRO_BATCH = 16
 MAX_VPP = 8
 MAX_CP = 32
 LONG_SEQUENCE = 16384
+# Pipeline schedules searched unless asked otherwise: the engine's defaults (1f1b, interleaved with vpp > 1).
+# The zero-bubble ones are priced by simulating their order (engine.pipeline.schedules.bubble_time), some
+# tens of milliseconds a layout: tools/find_parallelism.py searches them with --pipeline-schedule all.
+DEFAULT_SCHEDULES = ("1f1b", "interleaved")
 
 
 def _divisors(n: int) -> list:
@@ -63,25 +68,41 @@ def expert_sizes(model: ModelConfig, dp: int) -> list:
     return [e for e in _divisors(dp) if model.num_experts and model.num_experts % e == 0] or [1]
 
 
-def _options(layout_args: tuple, tp: int, dp: int, seq: int, cp: int, ep: int = 1,
-             moe: bool = False) -> Iterator[Layout]:
-    """Recomputation, sequence parallelism and the distributed optimizer for one (tp, cp, pp, dp, ep, mb, vpp)."""
+def _options(layout_args: tuple, tp: int, dp: int, seq: int, cp: int, ep: int = 1, moe: bool = False,
+             strategies: tuple = SHARDING_STRATEGIES, schedule: Optional[str] = None) -> Iterator[Layout]:
+    """Recomputation, sequence parallelism and the data-parallel sharding strategy for one (tp, cp, pp, dp, ep,
+    mb, vpp, schedule); with one replica (dp x cp = 1) nothing is sharded: no_shard only."""
     tp_, pp, vpp, mb, split = layout_args
     sps = (False, True) if tp > 1 and seq % (tp * cp) == 0 else (False,)
     if moe and tp > 1:
         sps = (True,) if seq % (tp * cp) == 0 else ()
     for recompute in ("none", "selective", "full"):
         for sp in sps:
-            for dist in ((False, True) if dp * cp > 1 else (False,)):
-                yield Layout(tp, pp, dp, vpp, mb, recompute, sp, dist, split[0] if split else None,
-                             split[1] if split else None, cp, ep)
+            for strategy in (strategies if dp * cp > 1 else ("no_shard",)):
+                yield Layout(tp, pp, dp, vpp, mb, recompute, sp, strategy != "no_shard", split[0] if split else None,
+                             split[1] if split else None, cp, ep, strategy, schedule)
+
+
+def schedules_for(num_layers: int, pp: int, vpp: int, split: Optional[tuple], allowed: tuple) -> list:
+    """(vpp, schedule) pairs the engine runs for this split: 1f1b and zb-h1 with one chunk per rank, interleaved
+    with vpp > 1, zb-v with its two chunks when 2 pp divides the layers evenly; pp 1: no schedule."""
+    if pp == 1:
+        return [(1, None)]
+    if vpp > 1:
+        return [(vpp, "interleaved")] if "interleaved" in allowed else []
+    out = [(1, s) for s in ("1f1b", "zb-h1") if s in allowed]
+    if "zb-v" in allowed and split is None and num_layers % (2 * pp) == 0:
+        out.append((2, "zb-v"))
+    return out
 
 
 def candidate_layouts(model: ModelConfig, num_gpus: int, gpus_per_node: int, global_batch: int,
-                      seq: int) -> Iterator[Layout]:
+                      seq: int, strategies: tuple = SHARDING_STRATEGIES,
+                      schedules: tuple = DEFAULT_SCHEDULES) -> Iterator[Layout]:
     """Every valid layout: tp inside a node dividing heads, query groups and the MLP widths; cp for long
     sequences; pp dividing the layers (or an uneven split); vpp for even splits; micro batches dividing
-    the batch; ep dividing dp and the experts."""
+    the batch; ep dividing dp and the experts; the pipeline `schedules` and data-parallel sharding
+    `strategies` given (default: every strategy, the engine's default schedules; PIPELINE_SCHEDULES for all)."""
     L = model.num_layers
     for tp in _tensor_sizes(model, num_gpus, gpus_per_node):
         for cp in context_sizes(seq, num_gpus // tp):
@@ -95,16 +116,19 @@ def candidate_layouts(model: ModelConfig, num_gpus: int, gpus_per_node: int, glo
                     vpps = [1]
                     if split is None and pp > 1 and (per_dp // mb) % pp == 0:
                         vpps += [v for v in _divisors(L // pp) if 1 < v <= MAX_VPP]
-                    for vpp in vpps:
+                    runs = [r for v in vpps for r in schedules_for(L, pp, v, split, schedules)]
+                    for vpp, schedule in runs:
                         for ep in expert_sizes(model, dp):
-                            yield from _options((tp, pp, vpp, mb, split), tp, dp, seq, cp, ep, bool(model.num_experts))
+                            yield from _options((tp, pp, vpp, mb, split), tp, dp, seq, cp, ep, bool(model.num_experts),
+                                                strategies, schedule)
 
 
 def rank_layouts(model: ModelConfig, num_gpus: int, gpu: GPUSpec, global_batch: int, seq: int,
-                 gpus_per_node: int = 8, software: Software = Software()) -> list:
+                 gpus_per_node: int = 8, software: Software = Software(), strategies: tuple = SHARDING_STRATEGIES,
+                 schedules: tuple = DEFAULT_SCHEDULES) -> list:
     """All candidate layouts, fastest first; layouts that do not fit come after those that do."""
     out = [estimate(model, lay, gpu, global_batch, seq, gpus_per_node, software)
-           for lay in candidate_layouts(model, num_gpus, gpus_per_node, global_batch, seq)]
+           for lay in candidate_layouts(model, num_gpus, gpus_per_node, global_batch, seq, strategies, schedules)]
     out.sort(key=lambda e: (not e.fits, round(e.step_time_s, 6), e.memory.total))
     return out
 

@@ -30,7 +30,7 @@ through each GPU's own NIC. Expert gradients reduce over their dp/ep x cp replic
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from engine.config import ModelConfig
@@ -42,6 +42,7 @@ from engine.planner.memory import (
     PARAM_BYTES,
     Layout,
     Memory,
+    end_ranks,
     layer_activation_bytes,
     memory_per_gpu,
     moe_layers_per_rank,
@@ -136,6 +137,7 @@ class Estimate:
 
     def to_dict(self) -> dict:
         d = asdict(self.layout)
+        d.update(sharding_strategy=self.layout.strategy, pipeline_schedule=self.layout.schedule)
         d.update(
             memory_gb_per_gpu=round(self.memory.total / GIB, 2),
             allocated_gb=round(self.memory.allocated / GIB, 2),
@@ -321,19 +323,23 @@ def _moe_layer(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: S
     return fwd, bwd, recompute, 2 * a2a
 
 
-def _stage_times(model: ModelConfig, layout: Layout, c: _Costs, v_shape: bool = False) -> tuple:
+def _stage_times(model: ModelConfig, layout: Layout, c: _Costs) -> tuple:
     """(forward+backward seconds of one microbatch on each pipeline rank, backward seconds of each); ZB-V's V
-    (`v_shape`) puts the output layer on rank 0, beside the embedding."""
-    head_rank = 0 if v_shape else layout.pp - 1
+    puts the output layer on rank 0, beside the embedding (memory.end_ranks)."""
+    embed_rank, head_rank = end_ranks(layout)
     layer = c.layer_fwd + c.layer_bwd + c.layer_recompute + c.cp_comm
     moe_layer = c.moe_fwd + c.moe_bwd + c.moe_recompute + c.cp_comm
-    n_moe = moe_layers_per_rank(model, layout)
-    times, bwd = [], []
+    n_moe = moe_layers_per_rank(model, layout) if model.num_experts else None
+    times, bwd, seen = [], [], {}
     for r, chunks in enumerate(stage_layer_counts(model.num_layers, layout)):
-        n = sum(chunks) - n_moe[r]
-        times.append(n * layer + n_moe[r] * moe_layer + 2 * len(chunks) * c.p2p + (c.embed if r == 0 else 0.0)
-                     + (c.head if r == head_rank else 0.0))
-        bwd.append(n * (c.layer_bwd + c.layer_recompute) + n_moe[r] * (c.moe_bwd + c.moe_recompute))
+        k = (sum(chunks), len(chunks), n_moe[r] if n_moe else 0, r == embed_rank, r == head_rank)
+        if k not in seen:  # ranks alike cost alike: most of a deep pipeline is its middle stages
+            n, moe = k[0] - k[2], k[2]
+            seen[k] = (n * layer + moe * moe_layer + 2 * k[1] * c.p2p + (c.embed if k[3] else 0.0)
+                       + (c.head if k[4] else 0.0),
+                       n * (c.layer_bwd + c.layer_recompute) + moe * (c.moe_bwd + c.moe_recompute))
+        times.append(seen[k][0])
+        bwd.append(seen[k][1])
     return times, bwd
 
 
@@ -342,7 +348,11 @@ def _bubble(layout: Layout, schedule: Optional[str], m: int, t_stage: float, t_b
     a zero-bubble schedule's own order, its backward split evenly into B and W."""
     if schedule not in SPLIT_BACKWARD or layout.pp == 1:
         return (layout.pp - 1) / layout.vpp * t_stage
-    return bubble_time(schedule, layout.pp, layout.vpp, m, t_stage - t_backward, t_backward / 2, t_backward / 2)
+    # Simulated in units of the forward time, B and W at two significant digits of it (the simulations are
+    # cached: a search meets few distinct ratios).
+    t_forward = t_stage - t_backward
+    ratio = float(f"{t_backward / 2 / t_forward:.2g}")
+    return t_forward * bubble_time(schedule, layout.pp, layout.vpp, m, 1.0, ratio, ratio)
 
 
 def _data_parallel_seconds(params: int, layout: Layout, gpu: GPUSpec, sw: Software, link: _Link,
@@ -353,36 +363,43 @@ def _data_parallel_seconds(params: int, layout: Layout, gpu: GPUSpec, sw: Softwa
     groups = [(params, layout.shard_group, link)]
     if experts:
         groups.append((experts, layout.expert_shard_group, expert_link or link))
+    strategy = "optim_grads_params" if sw.fsdp else layout.strategy
     grad = sum(_all_reduce(sw.grad_reduce_bytes * p, n, lk) for p, n, lk in groups)
     gather = 0.0
-    if layout.distributed_optimizer or sw.fsdp:
+    if strategy != "no_shard":
         grad /= 2  # reduce-scatter only
         gather = sum(_all_reduce(PARAM_BYTES[sw.precision] * p, n, lk) for p, n, lk in groups) / 2
     sharded = sum(p / n for p, n, _ in groups)
-    if sw.fsdp:  # gathered for every microbatch's forward and backward, gradients reduce-scattered each time
+    hbm = gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY
+    if strategy == "optim_grads_params":  # gathered for every microbatch's forward and backward, grads scattered
         per_micro = (2 * gather + grad) * (1 - FSDP_HIDDEN_FRACTION)
-        return dict(dp_comm=m * per_micro,
-                    optimizer=OPTIMIZER_STEP_BYTES * sharded / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY))
-    if sw.overlap_grad_reduce:
+        return dict(dp_comm=m * per_micro, optimizer=OPTIMIZER_STEP_BYTES * sharded / hbm)
+    if strategy == "optim_grads":
+        # A reduce-scatter per microbatch, started in its backward and running beside the microbatches after it:
+        # exposed is what the step's compute from the first backward on cannot cover, at least the last bucket.
+        hidden = (m - 1) * (micro[0] + micro[1]) + micro[1] if sw.overlap_grad_reduce else 0.0
+        grad = max(m * grad - hidden, LAST_BUCKET_FRACTION * grad if sw.overlap_grad_reduce else m * grad)
+    elif sw.overlap_grad_reduce:
         grad = max(grad - micro[1], LAST_BUCKET_FRACTION * grad)
     if sw.overlap_param_gather:
         gather = max(gather - micro[0], LAST_BUCKET_FRACTION * gather)
-    opt_params = sharded if layout.distributed_optimizer else params + experts
-    return dict(dp_comm=grad + gather,
-                optimizer=OPTIMIZER_STEP_BYTES * opt_params / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY))
+    opt_params = sharded if strategy != "no_shard" else params + experts
+    return dict(dp_comm=grad + gather, optimizer=OPTIMIZER_STEP_BYTES * opt_params / hbm)
 
 
 def estimate(model: ModelConfig, layout: Layout, gpu: GPUSpec, global_batch: int, seq: int,
              gpus_per_node: int = 8, software: Software = Software()) -> Estimate:
     """Memory and step time of one layout (which must be valid: see candidate_layouts)."""
+    if layout.pipeline_schedule is None and software.pipeline_schedule is not None:
+        layout = replace(layout, pipeline_schedule=software.pipeline_schedule)
     m = global_batch // (layout.dp * layout.micro_batch_size)
     links = _links(layout, gpu, gpus_per_node, software.cp_comm_type == "all_gather")
     c = _costs(model, layout, seq, gpu, software, links)
-    stage_times, stage_bwd = _stage_times(model, layout, c, software.pipeline_schedule == "zb-v")
+    stage_times, stage_bwd = _stage_times(model, layout, c)
     slowest = max(range(layout.pp), key=lambda r: stage_times[r])
     t_stage = stage_times[slowest]
     compute = m * t_stage
-    bubble = _bubble(layout, software.pipeline_schedule, m, t_stage, stage_bwd[slowest])
+    bubble = _bubble(layout, layout.schedule, m, t_stage, stage_bwd[slowest])
     params, experts, _ = param_split_per_rank(model, layout)[slowest]
     micro = (t_stage - stage_bwd[slowest], stage_bwd[slowest])
     dp = _data_parallel_seconds(params, layout, gpu, software, links.dp, micro, m, experts, links.edp)
