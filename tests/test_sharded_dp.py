@@ -1,7 +1,7 @@
 """Issue 20: the data-parallel sharding strategies (no_shard, optim = ZeRO-1, optim_grads = ZeRO-2,
 optim_grads_params = ZeRO-3) train the GPT model 20 AdamW steps exactly like one rank: loss within 1e-4
 and the same clipped gradient norm, at dp 2, 4 and 8 and combined with tp + SP, pp, vpp, cp, tied embeddings
-(on one stage and across stages), recomputation and overlapped reduction / prefetched gathers; the fp16 loss scaler gives
+(on one stage and across stages), the ZB-V zero-bubble schedule, recomputation and overlapped reduction / prefetched gathers; the fp16 loss scaler gives
 the same curve sharded and unsharded. Each world size is one spawned group running all its layouts.
 """
 import pytest
@@ -22,13 +22,14 @@ VOCAB, SEQ, MICRO, MICROBATCHES, STEPS = 100, 16, 1, 8, 20
 ALL = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
-def _cfg(strategy="no_shard", tp=1, pp=1, cp=1, vpp=None, overlap=False, recompute=None, fp16=False):
+def _cfg(strategy="no_shard", tp=1, pp=1, cp=1, vpp=None, overlap=False, recompute=None, fp16=False, schedule=None):
     cfg = Config()
     cfg.model = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB,
                             make_vocab_size_divisible_by=16, recompute_granularity=recompute)
     par = cfg.parallel
     par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size = tp, pp, cp
     par.virtual_pipeline_model_parallel_size, par.sequence_parallel = vpp, tp > 1
+    par.pipeline_schedule = schedule
     par.data_parallel_sharding_strategy = strategy
     par.overlap_grad_reduce = par.overlap_param_gather = overlap and strategy != "no_shard"
     cfg.training.seed, cfg.training.train_iters, cfg.training.fp16 = 5, STEPS, fp16
@@ -90,7 +91,7 @@ def _name(cfg, world) -> str:
     par, m = cfg.parallel, cfg.model
     return (f"{par.data_parallel_sharding_strategy} world {world} tp{par.tensor_model_parallel_size} "
             f"pp{par.pipeline_model_parallel_size} vpp{par.virtual_pipeline_model_parallel_size or 1} "
-            f"cp{par.context_parallel_size} overlap={par.overlap_grad_reduce} recompute={m.recompute_granularity} "
+            f"cp{par.context_parallel_size} {cfg.pipeline_schedule} overlap={par.overlap_grad_reduce} recompute={m.recompute_granularity} "
             f"fp16={cfg.training.fp16}")
 
 
@@ -133,7 +134,8 @@ def reference():
 ZERO3 = "optim_grads_params"
 WORLDS = {
     2: [_cfg(s) for s in ALL] + [_cfg(ZERO3, overlap=True), _cfg("no_shard", fp16=True), _cfg(ZERO3, fp16=True)],
-    4: [_cfg(s) for s in ALL] + [_cfg(ZERO3, tp=2), _cfg(ZERO3, cp=2, overlap=True)],
+    4: [_cfg(s) for s in ALL] + [_cfg(ZERO3, tp=2), _cfg(ZERO3, cp=2, overlap=True),
+                                 _cfg(ZERO3, pp=2, vpp=2, schedule="zb-v", recompute="full", overlap=True)],
     8: [_cfg(s) for s in ALL] + [_cfg(ZERO3, tp=2, pp=2, recompute="full"),
                                  _cfg(ZERO3, pp=2, vpp=2, recompute="selective", overlap=True)],
 }
