@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from engine.config import model_dtype, precision_name
+from engine.config import model_dtype, precision_name, sharding_strategy
 from engine.metrics import arguments_path
 from engine.parallel import comm
 from engine.parallel.layers import spec_of
@@ -40,6 +40,7 @@ def memory_estimate(cfg, ctx, global_batch: int, attention: str):
     layout = Layout(tp=ctx.tp_size, pp=ctx.pp_size, dp=ctx.dp_size, vpp=ctx.vpp_size,
                     micro_batch_size=tr.micro_batch_size, recompute=m.recompute_granularity or "none",
                     sequence_parallel=ctx.sequence_parallel, distributed_optimizer=par.use_distributed_optimizer,
+                    sharding_strategy=sharding_strategy(par), pipeline_schedule=cfg.pipeline_schedule,
                     first_stage_layers=par.decoder_first_pipeline_num_layers,
                     last_stage_layers=par.decoder_last_pipeline_num_layers, cp=ctx.cp_size, ep=ctx.ep_size)
     microbatches = global_batch // (tr.micro_batch_size * ctx.dp_size)

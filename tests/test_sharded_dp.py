@@ -1,8 +1,9 @@
 """Issue 20: the data-parallel sharding strategies (no_shard, optim = ZeRO-1, optim_grads = ZeRO-2,
 optim_grads_params = ZeRO-3) train the GPT model 20 AdamW steps exactly like one rank: loss within 1e-4
-and the same clipped gradient norm, at dp 2, 4 and 8 and combined with tp + SP, pp, vpp, cp, tied embeddings
-(on one stage and across stages), the ZB-V zero-bubble schedule, recomputation and overlapped reduction / prefetched gathers; the fp16 loss scaler gives
-the same curve sharded and unsharded. Each world size is one spawned group running all its layouts.
+and the same clipped gradient norm, at dp 2, 4 and 8 and combined with tp + SP, pp, vpp, cp, tied
+embeddings (on one stage and across stages), the ZB-V zero-bubble schedule, recomputation and overlapped
+reduction / prefetched gathers; the fp16 loss scaler gives the same curve sharded and unsharded. Each world
+size is one spawned group running all its layouts.
 """
 import pytest
 import torch
