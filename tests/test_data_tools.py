@@ -176,7 +176,7 @@ def test_tool_parsers_answer_an_unknown_flag_in_one_line(corpus, tmp_path):
 def test_the_merges_bar_follows_sentencepieces_log_with_an_eta(capfd):
     import time
 
-    from engine.data.tokenizer import TrainingProgress
+    from engine.data.tokenizer_training import TrainingProgress
     progress = TrainingProgress(input_bytes=1000, vocab_size=1300)
     with progress:
         progress.read(1000)

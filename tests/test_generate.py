@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.config import Config
-from engine.data.tokenizer import train_sentencepiece
+from engine.data.tokenizer_training import train_sentencepiece
 from engine.model import GPTModel
 from engine.parallel.layers import spec_of
 from engine.parallel.topology import ParallelContext

@@ -18,7 +18,8 @@ from demo_corpus import stdlib_sources
 from engine.cli import parse_config
 from engine.config import ConfigError, resolve
 from engine.data import IndexedDataset
-from engine.data.tokenizer import tokenizer_spec, train_sentencepiece
+from engine.data.tokenizer import tokenizer_spec
+from engine.data.tokenizer_training import train_sentencepiece
 from engine.validation import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

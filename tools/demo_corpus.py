@@ -13,7 +13,7 @@ import sys
 import sysconfig
 
 from engine.data.preprocess import Options, output_prefix, preprocess
-from engine.data.tokenizer import train_sentencepiece
+from engine.data.tokenizer_training import train_sentencepiece
 
 MAX_FILE_BYTES = 200_000  # a few generated files (e.g. pydoc topics) would dominate a small corpus
 # Tests and third-party packages are not the stdlib's prose; the codec tables in encodings/ are mostly

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional
 
 from engine.cli import OneLineParser
 from engine.data.preprocess import check_inputs, is_json_input
-from engine.data.tokenizer import TrainingProgress, fertility, train_sentencepiece
+from engine.data.tokenizer_training import TrainingProgress, fertility, train_sentencepiece
 
 HOLDOUT_EVERY = 100
 HOLDOUT_MAX = 2000
