@@ -1,9 +1,9 @@
 """Issue 20: the data-parallel sharding strategies (no_shard, optim = ZeRO-1, optim_grads = ZeRO-2,
 optim_grads_params = ZeRO-3) train the GPT model 20 AdamW steps exactly like one rank: loss within 1e-4
 and the same clipped gradient norm, at dp 2, 4 and 8 and combined with tp + SP, pp, vpp, cp, tied
-embeddings (on one stage and across stages), the ZB-V zero-bubble schedule, recomputation and overlapped
-reduction / prefetched gathers; the fp16 loss scaler gives the same curve sharded and unsharded. Each world
-size is one spawned group running all its layouts.
+embeddings (on one stage and across stages), the ZB-V zero-bubble schedule, MoE experts over ep 2,
+recomputation and overlapped reduction / prefetched gathers; the fp16 loss scaler gives the same curve
+sharded and unsharded. Each world size is one spawned group running all its layouts.
 """
 import pytest
 import torch
@@ -73,11 +73,11 @@ def _train(rank, world, cfg, load=None, save=None, steps=range(STEPS)) -> list:
     par = cfg.parallel
     ctx = build_context(world, rank, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                         vpp=par.virtual_pipeline_model_parallel_size or 1, sequence_parallel=par.sequence_parallel,
-                        cp=par.context_parallel_size, seed=cfg.training.seed)
+                        cp=par.context_parallel_size, ep=par.expert_model_parallel_size, seed=cfg.training.seed)
     try:
         dtype = torch.float16 if cfg.training.fp16 else torch.float32
         chunks = build_model_chunks(cfg, ctx, vocab_size=VOCAB, dtype=dtype)
-        opt = build_optimizer(cfg, chunks, ctx, bucket_numel=3000)
+        opt = build_optimizer(cfg, chunks, ctx, bucket_numel=10_000)
         if load is not None:
             assert load_checkpoint(load, chunks, opt, ctx)["iteration"] == steps[0]
         curve = _curve(cfg, chunks, ctx, opt, steps)
@@ -92,7 +92,7 @@ def _name(cfg, world) -> str:
     par, m = cfg.parallel, cfg.model
     return (f"{par.data_parallel_sharding_strategy} world {world} tp{par.tensor_model_parallel_size} "
             f"pp{par.pipeline_model_parallel_size} vpp{par.virtual_pipeline_model_parallel_size or 1} "
-            f"cp{par.context_parallel_size} {cfg.pipeline_schedule} overlap={par.overlap_grad_reduce} recompute={m.recompute_granularity} "
+            f"cp{par.context_parallel_size} ep{par.expert_model_parallel_size} {cfg.pipeline_schedule} overlap={par.overlap_grad_reduce} recompute={m.recompute_granularity} "
             f"fp16={cfg.training.fp16}")
 
 
@@ -107,19 +107,31 @@ def _compare(name, curve, reference, tol=1e-4) -> list:
     return failures
 
 
+def _moe(strategy):
+    """A MoE model (another model: compared with its own no_shard run at the same layout), experts over ep 2."""
+    cfg = _cfg(strategy)
+    m = cfg.model
+    m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_aux_loss_coeff = 4, 2, 32, 0.01
+    cfg.parallel.expert_model_parallel_size = 2
+    return cfg
+
+
 def _layouts(rank, world, layouts, reference):
-    """Every layout of this world size against the one-rank curve; fp16 pairs against each other."""
-    failures, fp16_base = [], None
+    """Every layout of this world size against the one-rank curve; fp16 runs and MoE runs against the first
+    run of their kind (no_shard) at the same layout."""
+    failures, bases = [], {}
     for cfg in layouts:
         curve = _train(rank, world, cfg)
-        if cfg.training.fp16:
-            # fp16 weights round to 2^-11 relative: a different (fp32) summation order of the same gradients
-            # flips roundings, so sharded and unsharded fp16 runs agree to fp16's resolution, not fp32's;
-            # the loss scaler must skip the same steps and move the same way.
-            fp16_base = fp16_base or curve
-            failures += _compare(_name(cfg, world) + " (vs fp16 no_shard)", curve, fp16_base, tol=2.0 ** -10)
-        else:
+        kind = "fp16" if cfg.training.fp16 else "moe" if cfg.model.num_experts else None
+        if kind is None:
             failures += _compare(_name(cfg, world), curve, reference)
+            continue
+        base = bases.setdefault(kind, curve)
+        # fp16 weights round to 2^-11 relative: a different (fp32) summation order of the same gradients
+        # flips roundings, so sharded and unsharded fp16 runs agree to fp16's resolution, not fp32's;
+        # the loss scaler must skip the same steps and move the same way.
+        tol = 2.0 ** -10 if kind == "fp16" else 1e-4
+        failures += _compare(f"{_name(cfg, world)} (vs {kind} no_shard)", curve, base, tol=tol)
     return failures
 
 
@@ -136,7 +148,8 @@ ZERO3 = "optim_grads_params"
 WORLDS = {
     2: [_cfg(s) for s in ALL] + [_cfg(ZERO3, overlap=True), _cfg("no_shard", fp16=True), _cfg(ZERO3, fp16=True)],
     4: [_cfg(s) for s in ALL] + [_cfg(ZERO3, tp=2), _cfg(ZERO3, cp=2, overlap=True),
-                                 _cfg(ZERO3, pp=2, vpp=2, schedule="zb-v", recompute="full", overlap=True)],
+                                 _cfg(ZERO3, pp=2, vpp=2, schedule="zb-v", recompute="full", overlap=True),
+                                 _moe("no_shard"), _moe(ZERO3)],
     8: [_cfg(s) for s in ALL] + [_cfg(ZERO3, tp=2, pp=2, recompute="full"),
                                  _cfg(ZERO3, pp=2, vpp=2, recompute="selective", overlap=True)],
 }
