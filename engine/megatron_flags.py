@@ -162,6 +162,8 @@ FLAGS = (
     Flag("--ckpt-fully-parallel-save", IMPLEMENTATION, "every rank writes its own shards"),
     Flag("--ckpt-fully-parallel-load", IMPLEMENTATION, "every rank reads its own shards"),
     Flag("--tp-comm-overlap", IMPLEMENTATION, "communication/GEMM overlap"),
+    Flag("--use-megatron-fsdp", IMPLEMENTATION, "sharded data parallelism runs on the engine's own grad buffer; "
+                                                "--data-parallel-sharding-strategy says what is sharded"),
     Flag("--moe-grouped-gemm", IMPLEMENTATION, "experts run as one grouped GEMM wherever torch has one"),
     Flag("--moe-use-legacy-grouped-gemm", IMPLEMENTATION, "one grouped GEMM"),
     Flag("--moe-permute-fusion", IMPLEMENTATION, "token permutation"),
