@@ -316,38 +316,41 @@ SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
 
 
 def _engine_rank0(cfg, layout, pp_rank, bucket_numel):
-    """Weights, gradient buffers and optimizer state (Adam's step counters left out) of dp rank 0."""
+    """Optimizer.memory_bytes() of dp rank 0 (Adam's scalar step counts left out), weights plus the frozen
+    fp32 expert bias (no optimizer holds it)."""
     from engine.optim import adamw, build_optimizer
     from engine.parallel.topology import ParallelContext
     from engine.pipeline.partition import build_model_chunks
     ctx = ParallelContext.virtual(tp=layout.tp, pp=layout.pp, dp=layout.dp, vpp=layout.vpp, pp_rank=pp_rank,
                                   dp_rank=0, sequence_parallel=layout.sequence_parallel, ep=layout.ep)
     cfg.parallel.use_distributed_optimizer = layout.distributed_optimizer
+    cfg.parallel.data_parallel_sharding_strategy = layout.strategy
     chunks = build_model_chunks(cfg, ctx, vocab_size=cfg.model.vocab_size, device="meta", dtype=torch.bfloat16)
     opt = build_optimizer(cfg, chunks, ctx, bucket_numel=bucket_numel)
-    weights = sum(p.numel() * p.element_size() for p in {id(p): p for c in chunks for p in c.parameters()}.values())
-    grads = sum(b.data.numel() * b.data.element_size() for b in opt.buffers)
+    held = opt.memory_bytes()
+    frozen = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters() if not p.requires_grad)
     steps = sum(t.numel() * t.element_size() for t in adamw.state_tensors(opt.adam) if t.dim() == 0)
-    return weights, grads, opt.state_bytes() - steps
+    return held["params"] + frozen, held["grads"], held["optimizer"] - steps
 
 
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 @pytest.mark.parametrize("bucket_numel", [40_000_000, 5000], ids=["default-buckets", "small-buckets"])
 @pytest.mark.parametrize("extra", [[], ["--untie-embeddings-and-output-weights"], MOE_ARGV[13:]],
                          ids=["tied", "untied", "moe"])
-def test_state_bytes_equal_engine_exactly_bucket_padding_included(bucket_numel, extra):
-    """Weights, gradient buffers and optimizer state of dp rank 0 (the most loaded: shards are padded at the end of
-    each bucket) equal what engine/optim allocates, byte for byte: buckets padded to 64 x dp x cp elements, the tied
-    embedding alone, buckets cut at bucket_numel and at every chunk; and memory_per_gpu reports the same."""
+def test_state_bytes_equal_engine_exactly_bucket_padding_included(bucket_numel, extra, strategy):
+    """Weights, gradients and optimizer state of dp rank 0 (the most loaded: shards are padded at the end of each
+    bucket) equal Optimizer.memory_bytes(), byte for byte, under every sharding strategy: buckets padded to 64 x dp
+    x cp elements, the tied embedding alone, buckets cut at bucket_numel and at every chunk, or under ZeRO-3 at
+    every gathered unit (whatever bucket_numel), ZeRO-2/3 keeping 1/n of the gradients and ZeRO-3 1/n of the
+    weights; and memory_per_gpu reports the same."""
     from engine.planner.sharding import rank_state_bytes
     cfg = parse_config(SMALL + extra)
     moe = bool(extra) and extra[0] == "--num-experts"
-    layouts = [Layout(1, 1, 1), Layout(2, 2, 2, 1, sequence_parallel=True, distributed_optimizer=True),
-               Layout(1, 2, 4, 2, distributed_optimizer=True), Layout(2, 2, 4, 1, sequence_parallel=True),
-               Layout(1, 2, 8, 1, distributed_optimizer=True)]
+    layouts = [Layout(1, 1, 1), Layout(2, 2, 2, 1, sequence_parallel=True), Layout(1, 2, 4, 2),
+               Layout(2, 2, 4, 1, sequence_parallel=True), Layout(1, 2, 8, 1)]
     if moe:
-        layouts = [Layout(1, 1, 4, ep=2, distributed_optimizer=True),
-                   Layout(2, 2, 4, sequence_parallel=True, ep=4, distributed_optimizer=True), Layout(1, 2, 2, ep=2)]
-    for layout in layouts:
+        layouts = [Layout(1, 1, 4, ep=2), Layout(2, 2, 4, sequence_parallel=True, ep=4), Layout(1, 2, 2, ep=2)]
+    for layout in (dataclasses_replace(lay, sharding_strategy=strategy) for lay in layouts):
         for r in range(layout.pp):
             planned = rank_state_bytes(cfg.model, layout, "bf16", r, bucket_numel)
             assert planned == _engine_rank0(cfg, layout, r, bucket_numel), (layout, r)
@@ -374,16 +377,19 @@ def test_zero_formulas_by_hand_for_7b_at_dp_8():
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 def test_exact_bytes_of_llama3_8b_are_the_zero_formula_plus_shard_padding(strategy):
     """The exact per-rank bytes of Llama 3 8B at dp 8 are the formula's, give or take each bucket's padding (less
-    than 64 x 8 elements a bucket) and with ZeRO-2/3 the largest bucket staged, ZeRO-3 the largest unit gathered."""
+    than 64 x 8 elements a bucket), plus ZeRO-2/3's gradient staging and ZeRO-3's gathered unit (sharding.py's
+    transient allowances) in the formula's `bucket` and `unit`."""
     from engine.planner.memory import params_per_rank
-    from engine.planner.sharding import _gathered_unit, rank_buckets, rank_state_bytes
+    from engine.planner.sharding import rank_buckets, rank_state_bytes, rank_transient_bytes
     cfg = parse_config(["--config", os.path.join(ROOT, "configs", "llama3-8b.yaml")])
     lay = Layout(dp=8, sharding_strategy=strategy)
     buckets = rank_buckets(cfg.model, lay, 0)
-    staged = max(p for _, p in buckets) if strategy in ("optim_grads", "optim_grads_params") else 0
-    unit = _gathered_unit(cfg.model, lay, 0) if strategy == "optim_grads_params" else 0
-    formula = state_bytes(params_per_rank(cfg.model, lay)[0], lay, "bf16", unit=unit, bucket=staged)
-    exact = rank_state_bytes(cfg.model, lay, "bf16", 0)
+    staging, gathered = rank_transient_bytes(cfg.model, lay, "bf16", 0)
+    zero3 = strategy == "optim_grads_params"
+    formula = state_bytes(params_per_rank(cfg.model, lay)[0], lay, "bf16", unit=gathered // 2 if zero3 else 0,
+                          bucket=staging // 4)
+    weights, grads, optimizer = rank_state_bytes(cfg.model, lay, "bf16", 0)
+    exact = (weights + (gathered if zero3 else 0), grads + staging, optimizer)
     slack = 64 * 8 * len(buckets) * np.array([2, 4, 12])
     assert np.all(np.abs(np.array(exact) - np.array(formula)) <= slack), (exact, formula)
 

@@ -308,11 +308,14 @@ class Memory:
     activations: float
     logits: float
     transient: float  # the largest weight's own gradient, alive until the hook adds it to the fp32 buffer
+    staging: float = 0.0   # ZeRO-2/3: full-size fp32 gradients of the buckets being reduced (sharding.py)
+    gathered: float = 0.0  # full-size weights: ZeRO-3's gathered units, ZeRO-1/2's all-gather target
 
     @property
     def allocated(self) -> float:
         """What torch.cuda.max_memory_allocated should report."""
-        return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.transient
+        return (self.weights + self.grads + self.optimizer + self.activations + self.logits + self.transient
+                + self.staging + self.gathered)
 
     @property
     def total(self) -> float:
@@ -331,9 +334,10 @@ def state_bytes(params: int, layout: Layout, precision: str, experts: int = 0, f
         optim_grads (-2)    W·P           4·P/n + 4·bucket    12·P/n
         optim_grads_params  W·(P/n+unit)  4·P/n + 4·bucket    12·P/n
 
-    W the training dtype's bytes, n the ranks sharding (dp x cp); `bucket` the gradient staging of the one
-    bucket in flight, `unit` the weights of the one gathered unit (a layer). engine/planner/sharding.py gives
-    the same parts exactly as the engine lays them out (shard padding included)."""
+    W the training dtype's bytes, n the ranks sharding (dp x cp); `bucket` the elements of fp32 gradient
+    staging allowed for, `unit` the weights of the gathered unit(s) (a layer). engine/planner/sharding.py gives
+    the parts kept between steps exactly as the engine lays them out (shard padding included) and the
+    staging and gathering the engine can hold (`rank_transient_bytes`)."""
     strategy = layout.strategy
     n, ne = (layout.shard_group, layout.expert_shard_group) if strategy != "no_shard" else (1, 1)
     mine, everything = params / n + experts / ne, params + experts
@@ -395,10 +399,13 @@ def zb_in_flight(schedule: str, pp: int, rank: int, num_microbatches: int) -> tu
 
 
 def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_microbatches: int,
-                   precision: str = "bf16", flash_attention: bool = True, bucket_numel: Optional[int] = None) -> Memory:
+                   precision: str = "bf16", flash_attention: bool = True, bucket_numel: Optional[int] = None,
+                   overlap_grad_reduce: bool = False, overlap_param_gather: bool = False) -> Memory:
     """Peak memory of the pipeline rank that needs the most; weights, gradients and optimizer state as the
-    engine allocates them (engine/planner/sharding.py, buckets of `bucket_numel`: the engine's default)."""
-    from engine.planner.sharding import rank_state_bytes
+    engine allocates them (engine/planner/sharding.py, buckets of `bucket_numel`: the engine's default), and
+    the sharding strategies' staging and gathering (--overlap-grad-reduce keeps one more bucket staged under
+    ZeRO-2/3, --overlap-param-gather one more unit gathered under ZeRO-3; both off by default, as in the engine)."""
+    from engine.planner.sharding import rank_state_bytes, rank_transient_bytes
     counts = stage_layer_counts(model.num_layers, layout)
     n_moe = moe_layers_per_rank(model, layout)
     splits = param_split_per_rank(model, layout)
@@ -426,7 +433,9 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
         if cls in classes and layout.schedule not in SPLIT_BACKWARD:
             continue
         if cls not in classes:
-            classes[cls] = rank_state_bytes(model, layout, precision, r, bucket_numel, splits[r])
+            classes[cls] = rank_state_bytes(model, layout, precision, r, bucket_numel, splits[r]), \
+                rank_transient_bytes(model, layout, precision, r, bucket_numel, overlap_grad_reduce,
+                                     overlap_param_gather)
         dense_layers = sum(chunks) - n_moe[r]
         per_chunk = (dense_layers * act_dense + n_moe[r] * act_moe) / len(chunks)
         acts = in_flight_bytes(layout, r, num_microbatches, per_chunk,
@@ -434,8 +443,9 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
         acts += workspace if sum(chunks) else 0.0
         ends = r in (first, last)
         largest = max(largest_layer_weight if sum(chunks) else 0, vocab_shard * model.hidden_size if ends else 0)
-        mem = Memory(r, sum(splits[r]), *classes[cls], acts,
-                     logits if r == last else 0.0, largest * PARAM_BYTES[precision])
+        state, (staging, gathered) = classes[cls]
+        mem = Memory(r, sum(splits[r]), *state, acts, logits if r == last else 0.0, largest * PARAM_BYTES[precision],
+                     staging, gathered)
         if best is None or mem.allocated > best.allocated:
             best = mem
     return best

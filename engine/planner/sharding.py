@@ -1,20 +1,32 @@
-"""Data-parallel sharding strategies: the engine's exact weight, gradient and optimizer bytes per rank, and the
-bytes each strategy sends per step.
+"""Data-parallel sharding strategies: the engine's exact weight, gradient and optimizer bytes per rank, the
+transient full-size buffers each strategy adds, and the bytes each strategy sends per step.
 
-Exact bytes: engine/optim/grad_buffer.py is replayed on the parameter list a rank builds (engine/model.py's
-order: per chunk the embedding and learned positions, every layer's norm1, QKV, projection, norm2 and MLP or
-MoE block, the final norm and the output layer). The buffer walks each chunk's trainable parameters in reverse,
-cuts a bucket once it holds DEFAULT_BUCKET_NUMEL elements, at the end of every chunk (a bucket never spans two
-chunks), around the tied embedding (a bucket of its own when pp > 1) and, under optim_grads_params, at every
-layer (a gathered unit); MoE experts fill a buffer of their own. When sharded, each bucket is padded to a
-multiple of SHARD_ALIGN x n elements (n the dp x cp ranks, dp/ep x cp for experts) and replica k owns its k-th
-1/n: data-parallel rank 0 owns min(used, size/n) elements of each bucket, the most of any rank.
+Exact bytes: engine/optim/grad_buffer.py is replayed on the parameter list a rank builds, in the order
+engine/model.py registers them: per chunk the GPTModel's own parameters first (the learned positions, then the
+output layer when it is not the tied embedding), then the word embedding, every layer's norm1, QKV, projection,
+norm2 and MLP or MoE block, and the final norm. The buffer walks each chunk's trainable parameters in reverse,
+cuts a bucket once it holds bucket_numel elements, at the end of every chunk (a bucket never spans two chunks),
+around the tied embedding (a bucket of its own when pp > 1) and, under optim_grads_params, wherever the gathered
+unit changes, ignoring bucket_numel (param_shard.py's units: the embedding = word and position embeddings, each
+layer, the head = final norm and output weight, the tied word embedding at pp 1 counting as the head's);
+MoE experts fill a buffer of their own. When sharded, each bucket is padded to a multiple of SHARD_ALIGN x n
+elements (n the dp x cp ranks, dp/ep x cp for experts) and replica k owns its k-th 1/n: data-parallel rank 0
+owns min(used, size/n) elements of each bucket, the most of any rank. Kept between steps
+(Optimizer.memory_bytes(), `rank_state_bytes`):
 
-    gradients   no_shard, optim: the whole padded buffer in fp32; optim_grads(_params): its 1/n, plus the
-                staging of the largest bucket (one full-size fp32 bucket in flight)
+    gradients   no_shard, optim: the whole padded buffer in fp32; optim_grads(_params): its 1/n
     optimizer   fp32 Adam m and v, and the fp32 master (not in fp32 no_shard), over the owned elements
-    weights     every parameter in the training dtype; optim_grads_params: the padded 1/n of the buffer plus
-                the largest gathered unit (a layer, or the embedding / output layer) on the rank
+    weights     every parameter in the training dtype; optim_grads_params: the padded 1/n of the buffer
+                (plus, in every strategy, the fp32 MoE expert bias, which no optimizer holds)
+
+Transients (`rank_transient_bytes`), full-size buffers on top of that:
+
+    staging     optim_grads(_params): fp32 gradients of the buckets whose microbatch round is open (see
+                `_chunk_staging` for the bound and how it follows from grad_buffer.py)
+    gathered    optim_grads_params: the largest unit's buckets in the training dtype (param_shard.py gathers
+                one unit at a time), the largest two neighbouring units' with --overlap-param-gather (the next
+                unit prefetched); optim, optim_grads: the all-gather target of the step's publish
+                (Optimizer._gather_buffer), as large as the largest bucket, kept once allocated
 
 Communication per step, bytes one rank sends (ring collectives: an all-gather or a reduce-scatter of B bytes
 sends (n-1)/n x B, an all-reduce 2(n-1)/n x B; G the gradients' bytes, W the weights' in the training dtype,
@@ -25,10 +37,12 @@ gather after the step (the updated shards are what is stored).
 """
 from __future__ import annotations
 
-from typing import Optional
+from collections import Counter
+from typing import NamedTuple, Optional
 
 from engine.config import ModelConfig
 from engine.optim.grad_buffer import DEFAULT_BUCKET_NUMEL, SHARD_ALIGN
+from engine.pipeline.schedules import SPLIT_BACKWARD
 from engine.planner.memory import ADAM_MOMENT_BYTES as MOMENTS
 from engine.planner.memory import (
     GRAD_BYTES,
@@ -36,8 +50,6 @@ from engine.planner.memory import (
     PARAM_BYTES,
     Layout,
     end_ranks,
-    layer_params,
-    moe_layer_params,
     param_split_per_rank,
     stage_layer_ids,
 )
@@ -68,26 +80,46 @@ def _mlp(model: ModelConfig, ffn: int, tp: int) -> list:
     return _linear((2 if model.swiglu else 1) * ffn, h, bias, tp, True) + _linear(h, ffn, bias, tp, False)
 
 
-def layer_param_sizes(model: ModelConfig, tp: int, ep: int, moe: bool) -> tuple:
-    """(numel, expert) of one layer's trainable parameters in engine/model.py's order."""
+def _norm(model: ModelConfig) -> list:
+    """A norm's (numel, tag): weight and, for LayerNorm, bias."""
+    h = model.hidden_size
+    return [(h, "norm_w")] + ([(h, "norm_b")] if model.normalization == "LayerNorm" else [])
+
+
+def _layer_params(model: ModelConfig, tp: int, ep: int, moe: bool) -> tuple:
+    """(numel, expert, tag) of one layer's trainable parameters in engine/model.py's order."""
     h, d = model.hidden_size, model.head_dim()
     nq, nkv, bias = model.num_attention_heads, model.resolved_query_groups(), not model.disable_bias_linear
-    norm = [h] * (2 if model.normalization == "LayerNorm" else 1)
-    attention = norm + _linear((nq + 2 * nkv) * d, h, bias or model.add_qkv_bias, tp, True) + \
-        _linear(h, nq * d, bias, tp, False) + norm
-    out = [(n, False) for n in attention]
+    linears = _linear((nq + 2 * nkv) * d, h, bias or model.add_qkv_bias, tp, True) + \
+        _linear(h, nq * d, bias, tp, False)
+    out = [(n, False, t) for n, t in _norm(model)] + [(n, False, None) for n in linears] + \
+        [(n, False, t) for n, t in _norm(model)]
     if not moe:
-        return tuple(out + [(n, False) for n in _mlp(model, model.resolved_ffn_hidden_size(), tp)])
+        return tuple(out + [(n, False, None) for n in _mlp(model, model.resolved_ffn_hidden_size(), tp)])
     E, f = model.num_experts, model.resolved_moe_ffn_hidden_size()
-    out += [(E * h, False), (E // ep * h * (2 if model.swiglu else 1) * f, True), (E // ep * f * h, True)]
+    out += [(E * h, False, None), (E // ep * h * (2 if model.swiglu else 1) * f, True, None),
+            (E // ep * f * h, True, None)]
     shared = model.moe_shared_expert_intermediate_size
-    return tuple(out + ([(n, False) for n in _mlp(model, shared, tp)] if shared else []))
+    return tuple(out + ([(n, False, None) for n in _mlp(model, shared, tp)] if shared else []))
+
+
+def layer_param_sizes(model: ModelConfig, tp: int, ep: int, moe: bool) -> tuple:
+    """(numel, expert) of one layer's trainable parameters in engine/model.py's order."""
+    return tuple((n, e) for n, e, _ in _layer_params(model, tp, ep, moe))
+
+
+class ChunkLayout(NamedTuple):
+    """One model chunk's part of a grad buffer (dense or expert), as grad_buffer.GradBuffer._layout cuts it."""
+    buckets: tuple   # (used, padded) elements of each bucket, in the buffer's order
+    arrival: tuple   # the bucket of each parameter, in the order backward produces their gradients
+    units: dict      # gathered unit (param_shard.param_units) -> indices of the buckets holding its parameters
+    order: tuple     # the chunk's units in forward order
 
 
 _BUCKETS: dict = {}
 
 
-def _chunk_buckets(key: tuple, model: ModelConfig, *args) -> tuple:
+def _chunk_layout(key: tuple, model: ModelConfig, *args) -> ChunkLayout:
     """Cached `_fill` (ModelConfig is not hashable: `key` stands for it)."""
     if (key, args) not in _BUCKETS:
         if len(_BUCKETS) > 65536:
@@ -96,40 +128,75 @@ def _chunk_buckets(key: tuple, model: ModelConfig, *args) -> tuple:
     return _BUCKETS[key, args]
 
 
-def _fill(model: ModelConfig, tp: int, ep: int, kinds: tuple, pre: bool, post: bool, pp: int, experts: bool,
-          bucket_numel: int, pad: int, by_layer: bool) -> tuple:
-    """(used, padded) elements of each bucket one chunk's parameters fill (grad_buffer.GradBuffer._layout).
-    `kinds`: the chunk's layers, True for an MoE layer."""
+def _chunk_params(model: ModelConfig, tp: int, ep: int, kinds: tuple, pre: bool, post: bool, pp: int,
+                  experts: bool) -> list:
+    """(numel, alone, unit, tag) of one chunk's parameters of one buffer in registration order: GPTModel's own
+    (learned positions, output layer), then its modules' (word embedding, layers, final norm). `unit`: the
+    gathered unit the grad buffer files it under (the last holding it: the tied word embedding at pp 1 is the
+    head's output weight too); `tag` marks what backward reaches out of the layout's order (`_arrival`)."""
     h, vocab = model.hidden_size, model.padded_vocab_size(tp)
-    tied = not model.untie_embeddings_and_output_weights and pp > 1
-    params = []  # (numel, tied, unit) in the model's order, this buffer's parameters only
+    tied = not model.untie_embeddings_and_output_weights
+    params = []
+    if pre and not experts and model.position_embedding_type == "learned_absolute":
+        params.append(((model.max_position_embeddings or model.seq_length) * h, False, "embedding", "position"))
+    if post and not experts and (not tied or not pre):
+        params.append((vocab * h // tp, tied and pp > 1, "head", "output"))
     if pre and not experts:
-        params.append((vocab * h // tp, tied, "embedding"))
-        if model.position_embedding_type == "learned_absolute":
-            params.append(((model.max_position_embeddings or model.seq_length) * h, False, "embedding"))
+        params.append((vocab * h // tp, tied and pp > 1, "head" if tied and post else "embedding", "word"))
     for i, moe in enumerate(kinds):
-        params += [(n, False, i) for n, e in layer_param_sizes(model, tp, ep, moe) if e == experts]
+        params += [(n, False, i, tag) for n, e, tag in _layer_params(model, tp, ep, moe) if e == experts]
     if post and not experts:
-        params += [(h, False, "head")] * (2 if model.normalization == "LayerNorm" else 1)
-        if model.untie_embeddings_and_output_weights or not pre:
-            params.append((vocab * h // tp, tied, "head"))
-    buckets, used, unit = [], 0, None
-    for numel, alone, u in reversed(params):
-        if used and (alone or (by_layer and u != unit)):
+        params += [(n, False, "head", tag) for n, tag in _norm(model)]
+    return params
+
+
+def _arrival(tags: list) -> list:
+    """Positions in the layout (registration reversed) in the order backward produces the gradients: the
+    output weight first (registered before the layers, used last), a LayerNorm's weight before its bias, the
+    learned positions before the word embedding; the rest in the layout's order."""
+    rest = [i for i, t in enumerate(tags) if t != "output"]
+    j = 0
+    while j + 1 < len(rest):
+        if (tags[rest[j]], tags[rest[j + 1]]) in (("norm_b", "norm_w"), ("word", "position")):
+            rest[j], rest[j + 1] = rest[j + 1], rest[j]
+            j += 1
+        j += 1
+    return [i for i, t in enumerate(tags) if t == "output"] + rest
+
+
+def _fill(model: ModelConfig, tp: int, ep: int, kinds: tuple, pre: bool, post: bool, pp: int, experts: bool,
+          bucket_numel: int, pad: int, by_unit: bool) -> ChunkLayout:
+    """One chunk's buckets (grad_buffer.GradBuffer._layout). `kinds`: the chunk's layers, True for an MoE layer;
+    `by_unit`: optim_grads_params (cut where the unit changes, never at bucket_numel)."""
+    layout = list(reversed(_chunk_params(model, tp, ep, kinds, pre, post, pp, experts)))
+    buckets, bucket_of, used, unit = [], [], 0, None
+    for numel, alone, u, _ in layout:
+        if used and (alone or (by_unit and u != unit)):
             buckets.append(used)
             used = 0
+        bucket_of.append(len(buckets))
         used, unit = used + numel, u
-        if alone or (used >= bucket_numel and not by_layer):
+        if alone or (used >= bucket_numel and not by_unit):
             buckets.append(used)
             used = 0
     if used:
         buckets.append(used)
-    return tuple((b, -(-b // pad) * pad) for b in buckets)
+    units: dict = {}
+    for (_, _, u, tag), b in zip(layout, bucket_of):
+        for name in (u, "embedding") if tag == "word" else (u,):
+            units.setdefault(name, [])
+            if b not in units[name]:
+                units[name].append(b)
+    order = (("embedding",) if pre else ()) + tuple(range(len(kinds))) + (("head",) if post else ())
+    return ChunkLayout(tuple((b, -(-b // pad) * pad) for b in buckets),
+                       tuple(bucket_of[i] for i in _arrival([t for *_, t in layout])),
+                       {u: tuple(b) for u, b in units.items()}, tuple(u for u in order if u in units))
 
 
-def rank_buckets(model: ModelConfig, layout: Layout, rank: int, experts: bool = False,
-                 bucket_numel: Optional[int] = None) -> list:
-    """(used, padded) elements of every bucket of pipeline rank `rank`'s dense (or expert) grad buffer."""
+def rank_chunks(model: ModelConfig, layout: Layout, rank: int, experts: bool = False,
+                bucket_numel: Optional[int] = None) -> list:
+    """The ChunkLayout of each chunk of pipeline rank `rank`'s dense (or expert) grad buffer, in the buffer's
+    order (the last chunk first)."""
     moe = set(model.moe_layers()) if model.num_experts else set()
     sharded = layout.strategy != "no_shard"
     n = (layout.expert_shard_group if experts else layout.shard_group) if sharded else 1
@@ -141,56 +208,129 @@ def rank_buckets(model: ModelConfig, layout: Layout, rank: int, experts: bool = 
     for c in reversed(range(len(chunks))):
         pre = rank == first and c == 0
         post = rank == last and c == len(chunks) - 1
-        out += _chunk_buckets(key, model, tuple(i in moe for i in chunks[c]), pre, post, layout.pp, experts,
-                              bucket_numel or DEFAULT_BUCKET_NUMEL, pad, layout.strategy == "optim_grads_params")
+        out.append(_chunk_layout(key, model, tuple(i in moe for i in chunks[c]), pre, post, layout.pp, experts,
+                                 bucket_numel or DEFAULT_BUCKET_NUMEL, pad, layout.strategy == "optim_grads_params"))
     return out
 
 
-def _gathered_unit(model: ModelConfig, layout: Layout, rank: int) -> int:
-    """Elements of the largest unit optim_grads_params gathers on this rank: a layer, or the embedding or
-    output layer on the ranks holding them (engine/planner/memory.py's counts)."""
-    tp, ep = layout.tp, layout.ep
-    ids = [i for chunk in stage_layer_ids(model.num_layers, layout)[rank] for i in chunk]
-    moe = set(model.moe_layers()) if model.num_experts else set()
-    dense_layer = layer_params(model, tp)
-    moe_layer = sum(moe_layer_params(model, tp, ep)[:2]) if moe else 0
-    unit = max([moe_layer if i in moe else dense_layer for i in ids] or [0])
-    ends = end_ranks(layout)
-    if rank in ends:
-        unit = max(unit, model.padded_vocab_size(tp) * model.hidden_size // tp)
-    return unit
+def rank_buckets(model: ModelConfig, layout: Layout, rank: int, experts: bool = False,
+                 bucket_numel: Optional[int] = None) -> list:
+    """(used, padded) elements of every bucket of pipeline rank `rank`'s dense (or expert) grad buffer."""
+    return [b for chunk in rank_chunks(model, layout, rank, experts, bucket_numel) for b in chunk.buckets]
+
+
+def _buffers(model: ModelConfig, layout: Layout, rank: int, bucket_numel: Optional[int]) -> list:
+    """(replicas, chunk layouts) of the rank's dense buffer and, with MoE layers on it, its expert buffer."""
+    out = [(layout.shard_group, rank_chunks(model, layout, rank, False, bucket_numel))]
+    experts = rank_chunks(model, layout, rank, True, bucket_numel) if model.num_experts else []
+    if any(c.buckets for c in experts):
+        out.append((layout.expert_shard_group, experts))
+    return out
 
 
 def rank_state_bytes(model: ModelConfig, layout: Layout, precision: str, rank: int,
                      bucket_numel: Optional[int] = None, split: Optional[tuple] = None) -> tuple:
-    """(weights, gradients, optimizer state) bytes data-parallel rank 0 of pipeline rank `rank` allocates;
-    `split`: the rank's param_split_per_rank entry, when the caller has it."""
+    """(weights, gradients, optimizer state) bytes data-parallel rank 0 of pipeline rank `rank` keeps between
+    steps: Optimizer.memory_bytes() exactly (Adam's scalar step counts left out), weights plus the fp32 frozen
+    MoE expert bias. `split`: the rank's param_split_per_rank entry, when the caller has it."""
     strategy = layout.strategy
     weights = grads = optimizer = 0
     master = MASTER_BYTES if (precision != "fp32" or strategy != "no_shard") else 0
     dense, experts, frozen = split or param_split_per_rank(model, layout)[rank]
-    staging = 0
-    for is_expert, n in ((False, layout.shard_group), (True, layout.expert_shard_group)):
-        if is_expert and not experts:
-            continue
-        buckets = rank_buckets(model, layout, rank, is_expert, bucket_numel)
+    for n, chunks in _buffers(model, layout, rank, bucket_numel):
+        buckets = [b for chunk in chunks for b in chunk.buckets]
         total = sum(p for _, p in buckets)
         if strategy == "no_shard":
             grads += total * GRAD_BYTES
             optimizer += total * (MOMENTS + master)
             continue
-        owned = sum(min(u, p // n) for u, p in buckets)
-        optimizer += owned * (MOMENTS + master)
+        optimizer += sum(min(u, p // n) for u, p in buckets) * (MOMENTS + master)
         grads += (total // n if strategy in SHARDED_GRADS else total) * GRAD_BYTES
-        staging = max([staging] + [p for _, p in buckets]) if strategy in SHARDED_GRADS else 0
-        if strategy == "optim_grads_params":
-            weights += total // n * PARAM_BYTES[precision]
-    grads += staging * GRAD_BYTES
-    if strategy == "optim_grads_params":
-        weights += _gathered_unit(model, layout, rank) * PARAM_BYTES[precision]
-    else:
+        weights += total // n * PARAM_BYTES[precision]
+    if strategy != "optim_grads_params":
         weights = (dense + experts) * PARAM_BYTES[precision]
     return weights + 4 * frozen, grads, optimizer
+
+
+# ZeRO-2/3 gradient staging, from engine/optim/grad_buffer.py: `_hook` allocates a bucket's full-size fp32
+# staging at the first gradient of a microbatch round; `_end_round` runs once each of the bucket's parameters
+# has had one more gradient: it first completes the reduce-scatter in flight (`_complete_inflight`: at most one
+# round in flight per buffer), then reduce-scatters this round's staging and drops it. Without
+# --overlap-grad-reduce (or with one replica) that reduction completes at once, before the next gradient; with
+# it the staging stays alive, in flight, until the next round of the buffer ends. So at any instant
+#     staged = the buckets whose round is open + (overlap, n > 1) one bucket in flight,
+# a bucket's round being open from the first to the last gradient of its parameters. Backward produces them in
+# the layout's order (registration reversed) except for three (`_arrival`): the output weight, laid out at its
+# chunk's end but the first to get its gradient (its bucket stays open the whole backward unless the weight is
+# alone in it), a LayerNorm's weight before its bias and the learned positions before the word embedding (the
+# next bucket opens early when such a pair straddles a boundary). `_chunk_staging` replays that order and takes
+# the most staged at any allocation (where the engine measures peak_staging_bytes), with the bucket in flight at
+# a chunk's first gradient the largest one that can close a backward (the previous microbatch's or chunk's); so
+# ZeRO-2 holds two or three buckets, ZeRO-3 (whole units as buckets) about one unit, or two with overlap. Under a
+# zero-bubble schedule the weights' gradients come in the deferred W pass, after the norms' and biases' in B,
+# with other passes in between: any bucket may then be open, and the allowance is all of them plus one in flight.
+
+def _chunk_staging(chunk: ChunkLayout, carried: int, overlap: bool) -> tuple:
+    """(most elements staged at once, the bucket closing last) over one backward pass of one chunk; `carried`:
+    the bucket in flight when it starts."""
+    left, sizes = Counter(chunk.arrival), [p for _, p in chunk.buckets]
+    staged, peak, inflight, last = set(), 0, carried, 0
+    for b in chunk.arrival:
+        if b not in staged:
+            staged.add(b)
+            peak = max(peak, inflight + sum(sizes[i] for i in staged))
+        left[b] -= 1
+        if not left[b]:
+            staged.discard(b)
+            last = sizes[b]
+            inflight = last if overlap else 0
+    return peak, last
+
+
+def _staging(chunks: list, overlap: bool, split_backward: bool) -> int:
+    """Most fp32 staging elements one grad buffer holds at once (see the comment above)."""
+    sizes = [p for c in chunks for _, p in c.buckets]
+    if not sizes:
+        return 0
+    if split_backward:
+        return sum(sizes) + (max(sizes) if overlap else 0)
+    carried = max(_chunk_staging(c, 0, overlap)[1] for c in chunks) if overlap else 0
+    return max(_chunk_staging(c, carried, overlap)[0] for c in chunks)
+
+
+def _gathered(buffers: list, prefetch: bool) -> int:
+    """Most elements of full-size weights optim_grads_params holds at once (param_shard.ParamSharder): one unit's
+    buckets (each bucket once: the tied embedding's belongs to two units), with `prefetch` the next unit's too
+    (forward: u_i and u_i+1; backward: u_i and u_i-1), within one chunk."""
+    peak = 0
+    for same in zip(*[chunks for _, chunks in buffers]):  # one chunk's dense (every unit has some) and experts
+        order = same[0].order
+        for i in range(len(order)):
+            held = order[i:i + 2] if prefetch else order[i:i + 1]
+            peak = max(peak, sum(chunk.buckets[b][1] for chunk in same
+                                 for b in {b for u in held for b in chunk.units.get(u, ())}))
+    return peak
+
+
+def rank_transient_bytes(model: ModelConfig, layout: Layout, precision: str, rank: int,
+                         bucket_numel: Optional[int] = None, overlap_grad_reduce: bool = False,
+                         overlap_param_gather: bool = False) -> tuple:
+    """(staging, gathered) bytes pipeline rank `rank` holds at most on top of rank_state_bytes: ZeRO-2/3's fp32
+    gradient staging (the dense and expert buffers' peaks added), and full-size weights in the training dtype:
+    ZeRO-3's gathered units (two with `overlap_param_gather`), ZeRO-1/2's all-gather target of the step."""
+    strategy = layout.strategy
+    if strategy == "no_shard":
+        return 0, 0
+    buffers = _buffers(model, layout, rank, bucket_numel)
+    staging = 0
+    if strategy in SHARDED_GRADS:
+        split = layout.schedule in SPLIT_BACKWARD
+        staging = sum(_staging(chunks, overlap_grad_reduce and n > 1, split) for n, chunks in buffers)
+    if strategy == "optim_grads_params":
+        gathered = _gathered(buffers, overlap_param_gather)
+    else:
+        gathered = max([p for _, chunks in buffers for c in chunks for _, p in c.buckets] or [0])
+    return staging * GRAD_BYTES, gathered * PARAM_BYTES[precision]
 
 
 def dp_bytes_per_step(params: float, layout: Layout, precision: str, num_microbatches: int,

@@ -405,7 +405,9 @@ def estimate(model: ModelConfig, layout: Layout, gpu: GPUSpec, global_batch: int
     dp = _data_parallel_seconds(params, layout, gpu, software, links.dp, micro, m, experts, links.edp)
     step = compute + bubble + dp["dp_comm"] + dp["optimizer"]
 
-    mem = memory_per_gpu(model, layout, seq, m, software.precision, software.flash_attention)
+    mem = memory_per_gpu(model, layout, seq, m, software.precision, software.flash_attention,
+                         overlap_grad_reduce=software.overlap_grad_reduce,
+                         overlap_param_gather=software.overlap_param_gather)
     n_gpus = layout.num_gpus
     model_flops = flops_per_iteration(model, global_batch, seq, None, layout.tp)
     hw_flops = flops_per_iteration(model, global_batch, seq,
