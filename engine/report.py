@@ -45,7 +45,8 @@ def memory_estimate(cfg, ctx, global_batch: int, attention: str):
                     last_stage_layers=par.decoder_last_pipeline_num_layers, cp=ctx.cp_size, ep=ctx.ep_size)
     microbatches = global_batch // (tr.micro_batch_size * ctx.dp_size)
     return memory_per_gpu(m, layout, m.seq_length, microbatches, precision_name(cfg),
-                          flash_attention=attention != "local")
+                          flash_attention=attention != "local", overlap_grad_reduce=par.overlap_grad_reduce,
+                          overlap_param_gather=par.overlap_param_gather)
 
 
 def _size(nbytes: float) -> str:

@@ -142,9 +142,9 @@ def test_staging_allowance_at_pp_2_and_under_zero_bubble_schedules():
 
 def test_llama3_8b_staging_and_gathering_by_hand():
     """Llama 3 8B (untied, 40M-element buckets) at pp 2, dp 8, ZeRO-2: the last stage's output weight is laid out
-    in the bucket that layer 16's norm1 closes but gets its gradient first, so that bucket (525M elements) stays
-    staged the whole backward beside the one being filled (an fc1 bucket, 117M); the first stage stages one
-    bucket at a time (its largest: the word embedding's), and with --overlap-grad-reduce one more in flight.
+    first (forward order reversed), in a bucket of its own (525M elements), and gets its gradient first, so
+    that bucket is reduced and freed before any other opens; every stage stages one bucket at a time (the
+    largest: the output's, the word embedding's), and with --overlap-grad-reduce one more in flight.
     ZeRO-3 stages and gathers one unit (a layer or the embedding), two with overlap / prefetch; a zero-bubble
     schedule may keep every bucket open from B to W."""
     import os
@@ -156,8 +156,8 @@ def test_llama3_8b_staging_and_gathering_by_hand():
     vocab, fc1 = model.padded_vocab_size(1) * model.hidden_size, 2 * model.resolved_ffn_hidden_size() * 4096
     lay = Layout(1, 2, 8, sharding_strategy="optim_grads")
     last = rank_chunks(model, lay, 1)[0].buckets
-    assert last[-1] == (vocab + 4096, vocab + 4096) and max(p for _, p in last[:-1]) == fc1
-    assert rank_transient_bytes(model, lay, "bf16", 1) == (4 * (vocab + 4096 + fc1), 2 * (vocab + 4096))
+    assert last[0] == (vocab, vocab) and max(p for _, p in last[1:]) == fc1
+    assert rank_transient_bytes(model, lay, "bf16", 1) == (4 * vocab, 2 * vocab)
     first = [p for _, p in rank_buckets(model, lay, 0)]
     assert rank_transient_bytes(model, lay, "bf16", 0)[0] == 4 * max(first) == 4 * (vocab + 4096)
     staged = rank_transient_bytes(model, lay, "bf16", 0, overlap_grad_reduce=True)[0]

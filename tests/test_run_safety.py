@@ -162,6 +162,8 @@ def _failing_save(rank, world, root, async_save):
     ctx = build_context(world, rank, 2, 1)
     chunks = build_model_chunks(cfg, ctx, vocab_size=64)
     opt = build_optimizer(cfg, chunks, ctx)
+    # The ranks are pooled processes that later tests reuse: the full disk must not outlive this case.
+    writers = {name: getattr(saver.files, name) for name in ("write_safetensors", "write_json_atomic")}
     if rank == 1:  # rank 1's disk is full: its shards and even its error marker cannot be written
         def full(*a, **k):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -179,6 +181,8 @@ def _failing_save(rank, world, root, async_save):
     except RuntimeError as e:
         return str(e), time.monotonic() - start, torch.distributed.get_rank()
     finally:
+        for name, writer in writers.items():
+            setattr(saver.files, name, writer)
         ctx.destroy()
     return None
 

@@ -183,6 +183,7 @@ def test_resume_across_strategies_and_dp_sizes_continues_the_curve(reference, tm
 ])
 def test_contradicting_sharding_flags_are_one_clear_line(flags, message):
     cfg = _cfg()
+    cfg.data.mock_data = True
     cfg.parallel.data_parallel_sharding_strategy = None
     for name, value in flags.items():
         setattr(cfg.parallel, name, value)
@@ -192,6 +193,7 @@ def test_contradicting_sharding_flags_are_one_clear_line(flags, message):
 
 def test_use_distributed_optimizer_is_the_strategy_optim():
     cfg = _cfg()
+    cfg.data.mock_data = True
     cfg.parallel.data_parallel_sharding_strategy, cfg.parallel.use_distributed_optimizer = None, True
     validate(cfg, 2)
     assert cfg.parallel.data_parallel_sharding_strategy == "optim"

@@ -2,8 +2,9 @@
 
 Every trainable parameter gets `p.main_grad`, a view into one flat fp32 tensor (whatever the
 parameter's dtype). A post-accumulate-grad hook adds each microbatch's `p.grad` into it and frees
-`p.grad`, so bf16/fp16 gradients are accumulated in fp32. Parameters are laid out in reverse order,
-roughly the order backward produces them, and cut into buckets of about `bucket_numel` elements.
+`p.grad`, so bf16/fp16 gradients are accumulated in fp32. Parameters are laid out in reverse forward order
+(param_shard.forward_order), roughly the order backward produces them, and cut into buckets of about
+`bucket_numel` elements.
 
 The schedule never says which microbatch is the last one, so the buffer counts: `start_step(n)` zeroes
 the grads and expects n gradients per parameter; when every parameter of a bucket has had its n-th,
@@ -34,6 +35,7 @@ from typing import Optional
 
 import torch
 
+from engine.optim.param_shard import forward_order
 from engine.parallel import comm
 from engine.parallel.layers import spec_of
 
@@ -126,9 +128,10 @@ class GradBuffer:
             self.buckets[-1].first = first
             current, current_numel = [], 0
 
-        # Reverse order approximates the order in which backward completes gradients.
+        # Reverse forward order approximates the order in which backward completes gradients (the output
+        # weight's first: its bucket can be reduced, or its ZeRO-2 round staged and freed, early).
         for chunk in reversed(model_chunks):
-            for p in reversed(list(chunk.parameters())):
+            for p in reversed(forward_order(chunk)):
                 if not p.requires_grad or id(p) in seen or (spec_of(p).ep_axis is not None) != self.experts:
                     continue
                 seen.add(id(p))

@@ -57,6 +57,21 @@ def param_units(model_chunks: list) -> list:
     return out
 
 
+def forward_order(chunk) -> list:
+    """A model chunk's parameters in the order forward first uses them (embedding, layers, final norm, output
+    weight); reversed, the order backward completes their gradients, which is how the grad buffer lays them
+    out. Registration order differs: GPTModel's own parameters (positions, output weight) come first."""
+    if not all(hasattr(chunk, a) for a in ("layers", "pre_process", "post_process")):
+        return list(chunk.parameters())  # not a GPTModel chunk (tests build other modules)
+    seen, order = set(), []
+    for unit in param_units([chunk])[0]:
+        for p in unit.params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                order.append(p)
+    return order + [p for p in chunk.parameters() if id(p) not in seen]
+
+
 def _free(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(0)
 

@@ -1,10 +1,10 @@
 """Data-parallel sharding strategies: the engine's exact weight, gradient and optimizer bytes per rank, the
 transient full-size buffers each strategy adds, and the bytes each strategy sends per step.
 
-Exact bytes: engine/optim/grad_buffer.py is replayed on the parameter list a rank builds, in the order
-engine/model.py registers them: per chunk the GPTModel's own parameters first (the learned positions, then the
-output layer when it is not the tied embedding), then the word embedding, every layer's norm1, QKV, projection,
-norm2 and MLP or MoE block, and the final norm. The buffer walks each chunk's trainable parameters in reverse,
+Exact bytes: engine/optim/grad_buffer.py is replayed on the parameter list a rank builds, in the order forward
+first uses them (engine.optim.param_shard.forward_order): per chunk the word embedding, the learned positions,
+every layer's norm1, QKV, projection, norm2 and MLP or MoE block, the final norm, and the output layer when it
+is not the tied embedding. The buffer walks each chunk's trainable parameters in reverse,
 cuts a bucket once it holds bucket_numel elements, at the end of every chunk (a bucket never spans two chunks),
 around the tied embedding (a bucket of its own when pp > 1) and, under optim_grads_params, wherever the gathered
 unit changes, ignoring bucket_numel (param_shard.py's units: the embedding = word and position embeddings, each
@@ -130,38 +130,38 @@ def _chunk_layout(key: tuple, model: ModelConfig, *args) -> ChunkLayout:
 
 def _chunk_params(model: ModelConfig, tp: int, ep: int, kinds: tuple, pre: bool, post: bool, pp: int,
                   experts: bool) -> list:
-    """(numel, alone, unit, tag) of one chunk's parameters of one buffer in registration order: GPTModel's own
-    (learned positions, output layer), then its modules' (word embedding, layers, final norm). `unit`: the
-    gathered unit the grad buffer files it under (the last holding it: the tied word embedding at pp 1 is the
-    head's output weight too); `tag` marks what backward reaches out of the layout's order (`_arrival`)."""
+    """(numel, alone, unit, tag) of one chunk's parameters of one buffer in forward order (engine.optim.
+    param_shard.forward_order: word embedding, learned positions, layers, final norm, output layer). `unit`:
+    the gathered unit the grad buffer files it under (the last holding it: the tied word embedding at pp 1
+    is the head's output weight too); `tag` marks what backward reaches out of the layout's order
+    (`_arrival`)."""
     h, vocab = model.hidden_size, model.padded_vocab_size(tp)
     tied = not model.untie_embeddings_and_output_weights
     params = []
-    if pre and not experts and model.position_embedding_type == "learned_absolute":
-        params.append(((model.max_position_embeddings or model.seq_length) * h, False, "embedding", "position"))
-    if post and not experts and (not tied or not pre):
-        params.append((vocab * h // tp, tied and pp > 1, "head", "output"))
     if pre and not experts:
         params.append((vocab * h // tp, tied and pp > 1, "head" if tied and post else "embedding", "word"))
+    if pre and not experts and model.position_embedding_type == "learned_absolute":
+        params.append(((model.max_position_embeddings or model.seq_length) * h, False, "embedding", "position"))
     for i, moe in enumerate(kinds):
         params += [(n, False, i, tag) for n, e, tag in _layer_params(model, tp, ep, moe) if e == experts]
     if post and not experts:
         params += [(n, False, "head", tag) for n, tag in _norm(model)]
+    if post and not experts and (not tied or not pre):
+        params.append((vocab * h // tp, tied and pp > 1, "head", "output"))
     return params
 
 
 def _arrival(tags: list) -> list:
-    """Positions in the layout (registration reversed) in the order backward produces the gradients: the
-    output weight first (registered before the layers, used last), a LayerNorm's weight before its bias, the
-    learned positions before the word embedding; the rest in the layout's order."""
-    rest = [i for i, t in enumerate(tags) if t != "output"]
+    """Positions in the layout (forward order reversed) in the order backward produces the gradients: the
+    layout's order, except that a LayerNorm's weight comes before its bias."""
+    order = list(range(len(tags)))
     j = 0
-    while j + 1 < len(rest):
-        if (tags[rest[j]], tags[rest[j + 1]]) in (("norm_b", "norm_w"), ("word", "position")):
-            rest[j], rest[j + 1] = rest[j + 1], rest[j]
+    while j + 1 < len(order):
+        if (tags[order[j]], tags[order[j + 1]]) == ("norm_b", "norm_w"):
+            order[j], order[j + 1] = order[j + 1], order[j]
             j += 1
         j += 1
-    return [i for i, t in enumerate(tags) if t == "output"] + rest
+    return order
 
 
 def _fill(model: ModelConfig, tp: int, ep: int, kinds: tuple, pre: bool, post: bool, pp: int, experts: bool,
@@ -260,10 +260,9 @@ def rank_state_bytes(model: ModelConfig, layout: Layout, precision: str, rank: i
 # it the staging stays alive, in flight, until the next round of the buffer ends. So at any instant
 #     staged = the buckets whose round is open + (overlap, n > 1) one bucket in flight,
 # a bucket's round being open from the first to the last gradient of its parameters. Backward produces them in
-# the layout's order (registration reversed) except for three (`_arrival`): the output weight, laid out at its
-# chunk's end but the first to get its gradient (its bucket stays open the whole backward unless the weight is
-# alone in it), a LayerNorm's weight before its bias and the learned positions before the word embedding (the
-# next bucket opens early when such a pair straddles a boundary). `_chunk_staging` replays that order and takes
+# the layout's order (forward order reversed: the output weight first) except that a LayerNorm's weight comes
+# before its bias (`_arrival`; the next bucket opens early when that pair straddles a boundary; at pp 1 the tied
+# word embedding, laid out last, also completes last). `_chunk_staging` replays that order and takes
 # the most staged at any allocation (where the engine measures peak_staging_bytes), with the bucket in flight at
 # a chunk's first gradient the largest one that can close a backward (the previous microbatch's or chunk's); so
 # ZeRO-2 holds two or three buckets, ZeRO-3 (whole units as buckets) about one unit, or two with overlap. Under a
