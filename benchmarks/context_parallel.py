@@ -15,15 +15,12 @@ on 4 gloo ranks at cp 1, 2 and 4 (p2p ring and all-gather) over a sequence of SE
 """
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from benchmarks.memory import expected_saved, llama_config, measure
+from benchmarks.spawn import spawn_rows
 from engine.parallel import comm, ring_attention
 from engine.parallel.topology import build_context
 
@@ -57,24 +54,13 @@ def _measure_case(rank: int, cp: int, comm_type: str) -> dict:
     return row
 
 
-def _worker(rank: int, world: int, init_file: str, out: str) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    rows = [_measure_case(rank, cp, comm_type) for cp, comm_type in CASES]
-    gathered = comm.all_gather_object(rows)
-    if rank == 0:
-        torch.save([r for per_rank in gathered for r in per_rank], out)
-    dist.barrier()
-    dist.destroy_process_group()
+def _rows(rank: int) -> list:
+    return [_measure_case(rank, cp, comm_type) for cp, comm_type in CASES]
 
 
 def run() -> list:
     """One row per (case, rank): saved bytes and their expected value, bytes sent and the ring volume, FLOPs."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.pt")
-        mp.spawn(_worker, args=(WORLD, os.path.join(tmp, "init"), out), nprocs=WORLD, join=True)
-        return torch.load(out, weights_only=False)
+    return spawn_rows(_rows, WORLD)
 
 
 def summary(rows: list) -> list:

@@ -30,15 +30,12 @@ side and the script exits non-zero when one differs or a bound fails.
 """
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from benchmarks.spawn import spawn_rows
 from engine.config import Config, ModelConfig
 from engine.optim import build_optimizer
 from engine.parallel import comm
@@ -107,23 +104,13 @@ def formulas(strategy: str, P: int, Pb: int) -> dict:
     return dict(params=weights, grads=grads, sent=sent)
 
 
-def _worker(rank: int, world: int, init_file: str, out: str) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    rows = [_measure(rank, s, p) for s, p in CASES]
-    gathered = comm.all_gather_object(rows)
-    if rank == 0:
-        torch.save([r for per_rank in gathered for r in per_rank], out)
-    dist.barrier()
-    dist.destroy_process_group()
+def _rows(rank: int) -> list:
+    return [_measure(rank, s, p) for s, p in CASES]
 
 
 def run() -> list:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.pt")
-        mp.spawn(_worker, args=(DP, os.path.join(tmp, "init"), out), nprocs=DP, join=True)
-        return torch.load(out, weights_only=False)
+    """Every rank's rows."""
+    return spawn_rows(_rows, DP)
 
 
 def summary(rows: list) -> list:

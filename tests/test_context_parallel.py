@@ -1,5 +1,6 @@
 """Context parallelism against one rank (fp32, CPU, gloo): the chunk layout, the ring's static plan, ring and
 all-gather attention, and whole models over tp x cp x pp x dp layouts of up to 8 ranks."""
+import functools
 import math
 
 import pytest
@@ -212,16 +213,11 @@ def _model_layout(rank, world, style, tp, cp, pp, vpp, comm_type, recompute, ste
     return curve, first_grads
 
 
-_REFERENCES: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def reference_run(style: str, samples: int, steps: int) -> tuple:
     """The same training on one rank, in this process (once per batch shape): curve and step-0 grads."""
-    key = (style, samples, steps)
-    if key not in _REFERENCES:
-        model = GPTModel(model_cfg(style), ParallelContext(), seed=9, vocab_size=VOCAB)
-        _REFERENCES[key] = sgd_reference(model, lambda step: global_batch(step, samples), steps)
-    return _REFERENCES[key]
+    model = GPTModel(model_cfg(style), ParallelContext(), seed=9, vocab_size=VOCAB)
+    return sgd_reference(model, lambda step: global_batch(step, samples), steps)
 
 
 def compare_with_reference(results: list, ref_curve: list, ref_grads: dict, tied: bool) -> list:

@@ -18,18 +18,7 @@ from engine.planner.memory import (
 )
 from engine.planner.search import candidate_layouts, chinchilla_optimal, rank_layouts
 from engine.validation import validate
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = sorted(os.path.join(ROOT, "configs", f) for f in os.listdir(os.path.join(ROOT, "configs"))
-                 if f.endswith(".yaml"))
-A100 = GPU_PRESETS["a100-80g"]
-TOOL = os.path.join(ROOT, "tools", "find_parallelism.py")
-
-
-def run_cli(*argv):
-    import find_parallelism
-    return find_parallelism.cli(list(argv))
-
+from planner_common import A100, ROOT, TOOL, run_cli
 
 
 # --- the GPT-3 175B pick and the command line -------------------------------------------------

@@ -1,4 +1,5 @@
 """Pipeline partitioning, schedules and execution against the unpipelined run (fp32, CPU, gloo)."""
+import functools
 import warnings
 
 import pytest
@@ -202,17 +203,12 @@ def _layout(rank, world, tp, pp, vpp, tied, steps, microbatches):
     return curve, first_grads
 
 
-_REFERENCES: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def reference_run(tied: bool, samples: int, steps: int) -> tuple:
     """The same SGD training unpipelined on one rank, in this process (once per batch shape, shared by the
     layouts): mean loss per step and step-0 gradients."""
-    key = (tied, samples, steps)
-    if key not in _REFERENCES:
-        model = GPTModel(model_cfg(tied), ParallelContext(), seed=9, vocab_size=VOCAB)
-        _REFERENCES[key] = sgd_reference(model, lambda step: global_batch(step, samples), steps)
-    return _REFERENCES[key]
+    model = GPTModel(model_cfg(tied), ParallelContext(), seed=9, vocab_size=VOCAB)
+    return sgd_reference(model, lambda step: global_batch(step, samples), steps)
 
 
 def _compare(results: list, ref_curve: list, ref_grads: dict, tied: bool, steps: int) -> list:

@@ -36,18 +36,7 @@ from engine.planner.memory import (
 )
 from engine.planner.published import PUBLISHED
 from engine.planner.step_time import Software, _links, estimate
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = sorted(os.path.join(ROOT, "configs", f) for f in os.listdir(os.path.join(ROOT, "configs"))
-                 if f.endswith(".yaml"))
-A100 = GPU_PRESETS["a100-80g"]
-TOOL = os.path.join(ROOT, "tools", "find_parallelism.py")
-
-
-def run_cli(*argv):
-    import find_parallelism
-    return find_parallelism.cli(list(argv))
-
+from planner_common import ROOT, run_cli
 
 
 # --- published runs (engine/planner/published.py) ---------------------------------------------

@@ -13,7 +13,6 @@ import torch
 
 from engine.cli import parse_config
 from engine.pipeline.schedules import peak_in_flight
-from engine.planner.flops import GPU_PRESETS
 from engine.planner.memory import (
     Layout,
     layer_activation_bytes,
@@ -27,19 +26,7 @@ from engine.planner.published import gpt
 from engine.planner.search import uneven_split
 from engine.planner.verify import meta_params_per_rank
 from engine.validation import validate
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = sorted(os.path.join(ROOT, "configs", f) for f in os.listdir(os.path.join(ROOT, "configs"))
-                 if f.endswith(".yaml"))
-A100 = GPU_PRESETS["a100-80g"]
-TOOL = os.path.join(ROOT, "tools", "find_parallelism.py")
-
-
-def run_cli(*argv):
-    import find_parallelism
-    return find_parallelism.cli(list(argv))
-
-
+from planner_common import CONFIGS, ROOT
 
 # --- parameters: analytic == what the engine builds --------------------------------------------
 

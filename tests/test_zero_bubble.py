@@ -1,4 +1,5 @@
 """Zero-bubble schedules (ZB-H1, ZB-V) with split backward, against 1F1B and the unpipelined run (CPU, gloo)."""
+import functools
 import glob
 import json
 import math
@@ -163,16 +164,11 @@ def model_cfg(tied: bool, recompute=None) -> ModelConfig:
                        untie_embeddings_and_output_weights=not tied, recompute_granularity=recompute)
 
 
-_REFERENCES: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def reference_run(tied: bool, samples: int, steps: int) -> tuple:
     """The same SGD training on one rank, in this process (once per batch shape): curve and step-0 grads."""
-    key = (tied, samples, steps)
-    if key not in _REFERENCES:
-        model = GPTModel(model_cfg(tied), ParallelContext(), seed=9, vocab_size=VOCAB)
-        _REFERENCES[key] = sgd_reference(model, lambda step: global_batch(step, samples), steps)
-    return _REFERENCES[key]
+    model = GPTModel(model_cfg(tied), ParallelContext(), seed=9, vocab_size=VOCAB)
+    return sgd_reference(model, lambda step: global_batch(step, samples), steps)
 
 
 def _zb_layout(rank, world, tp, pp, schedule, tied, recompute, steps, microbatches, distributed, trace):
