@@ -218,3 +218,27 @@ def test_benchmark_state_bytes_and_traffic_equal_the_zero_formulas():
     zero3, zero2 = table[3], table[2]
     assert zero3["params"] * sharded_dp.DP == zero3["Pb"] * 2 and zero3["gathered"] == zero3["unit_bound"] > 0
     assert 0 < zero2["staging"] < 4 * zero2["Pb"] and zero2["grads"] * sharded_dp.DP == 4 * zero2["Pb"]
+
+
+def test_a_backward_that_raises_leaves_no_weights_gathered_for_the_next_step():
+    """ZeRO-3 on one rank: a backward interrupted by an exception (its end-of-backward callback never runs)
+    must not leave units gathered, and the next step trains as usual."""
+    cfg = _cfg(ZERO3)
+    ctx = ParallelContext()
+    model = GPTModel(cfg.model, ctx, seed=cfg.training.seed, vocab_size=VOCAB)
+    opt = build_optimizer(cfg, [model], ctx)
+    mb = _microbatches(0)[0]
+    opt.start_step(1)
+    loss = model(tokens=mb["tokens"], labels=mb["labels"])
+
+    def fail(_):
+        raise RuntimeError("injected")
+    loss.register_hook(fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        loss.backward()
+    opt.start_step(1)
+    assert opt.sharder.gathered_bytes() == 0
+    model(tokens=mb["tokens"], labels=mb["labels"]).backward()
+    assert opt.sharder.gathered_bytes() == 0
+    opt.finish_grad_sync()
+    assert opt.step(1e-3).updated

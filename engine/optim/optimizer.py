@@ -134,6 +134,8 @@ class Optimizer:
         balancing losses' gradients are scaled like the LM loss's (1/microbatches x the loss scale)."""
         for buffer in self.buffers:
             buffer.start_step(num_microbatches)
+        if self.sharder is not None:
+            self.sharder.start_step()
         set_aux_loss_scale(self.scaler.scale / num_microbatches)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:

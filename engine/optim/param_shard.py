@@ -184,6 +184,11 @@ class ParamSharder:
         if self.prefetch and i > 0:
             self._prefetch(c, i - 1)
 
+    def start_step(self) -> None:
+        """Between steps nothing is held for backward: a backward that raised (and so never ran its end
+        callback) leaves no unit gathered and the callback is queued afresh next time."""
+        self._end_backward()
+
     def _end_backward(self) -> None:
         self._callback_queued = False
         for key in [k for k in self._held if k[1] == "bwd"]:
