@@ -158,8 +158,8 @@ WORLDS = {
     4: [_cfg(s) for s in ALL] + [_cfg(ZERO3, tp=2)]
        + [_short(c) for c in (_cfg(ZERO3, cp=2, overlap=True), _moe("no_shard"), _moe(ZERO3),
                               _cfg(ZERO3, pp=2, vpp=2, schedule="zb-v", recompute="full", overlap=True))],
-    8: [_cfg(s) for s in ALL] + [_cfg(ZERO3, tp=2, pp=2, recompute="full"),
-                                 _cfg(ZERO3, pp=2, vpp=2, recompute="selective", overlap=True)],
+    8: [_cfg(s) for s in ALL] + [_cfg(s, tp=2, pp=2, recompute="full") for s in ("optim_grads", ZERO3)]
+       + [_cfg(ZERO3, pp=2, vpp=2, recompute="selective", overlap=True)],
 }
 
 

@@ -146,8 +146,7 @@ class GradBuffer:
 
     def _flat(self, p, tensor: torch.Tensor) -> torch.Tensor:
         """p's elements within `tensor`, a bucket-sized tensor of p's bucket."""
-        i = self._index[id(p)]
-        off = self.offsets[i] - self.buckets[self._bucket_of[i]].start
+        off = self.offset_in_bucket(p)[1]
         return tensor[off:off + p.numel()]
 
     def _hook(self, i: int):

@@ -127,7 +127,6 @@ class ParamSharder:
                 keys = dict.fromkeys(self._key(p) for p in u.params)  # ordered, each bucket once
                 u.buckets = [self._slots[k] for k in keys]
         self._held = {}  # (chunk, "fwd" or "bwd") -> the unit index held for that pass
-        self._backward = set()  # (chunk, unit) being back-propagated
         self._prefetched = set()  # (chunk, unit) whose gather was started ahead
         self._callback_queued = False
         self.peak_gathered_bytes = 0  # the most full-size weight bytes held at once (benchmarks/sharded_dp.py)
@@ -158,7 +157,7 @@ class ParamSharder:
         return hook
 
     def _forward_enter(self, c: int, i: int, x) -> None:
-        if (c, i) in self._backward:
+        if self._held.get((c, "bwd")) == i:
             return  # recomputation inside this unit's backward: it stays gathered
         previous = self._held.pop((c, "fwd"), None)
         if previous is not None:  # its forward is done: freed before the next gather, one unit held at a time
@@ -176,10 +175,8 @@ class ParamSharder:
             self._callback_queued = True
         previous = self._held.pop((c, "bwd"), None)
         if previous is not None:  # the gradient of its input is complete: its backward is done
-            self._backward.discard((c, previous))
             self._release(c, previous)
         self._gather(c, i)
-        self._backward.add((c, i))
         self._held[(c, "bwd")] = i
         if self.prefetch and i > 0:
             self._prefetch(c, i - 1)
@@ -192,10 +189,7 @@ class ParamSharder:
     def _end_backward(self) -> None:
         self._callback_queued = False
         for key in [k for k in self._held if k[1] == "bwd"]:
-            c = key[0]
-            i = self._held.pop(key)
-            self._backward.discard((c, i))
-            self._release(c, i)
+            self._release(key[0], self._held.pop(key))
         self._drop_prefetched()
 
     # --- gathering ---------------------------------------------------------------------------------
