@@ -47,8 +47,7 @@ class Trainer:
         self.chunks = build_model_chunks(cfg, ctx, device=device, dtype=self.dtype)
         self.optimizer = build_optimizer(cfg, self.chunks, ctx)
         self.trace = PipelineTrace(ctx.rank, ctx.pp_rank) if cfg.logging.pipeline_trace else None
-        shape = ctx.activation_shape(m.seq_length, tr.micro_batch_size, m.hidden_size)
-        self.pipeline = PipelineRunner(self.chunks, ctx, shape, self.dtype, device, self.trace, cfg.pipeline_schedule)
+        self.pipeline = PipelineRunner.from_config(cfg, self.chunks, ctx, self.dtype, device, self.trace)
         self.batch_sizes = BatchSizeSchedule.from_config(tr)
         self.sampler = BatchSampler(self.batch_sizes, tr.micro_batch_size, ctx.dp_rank, ctx.dp_size)
         self.guard = SpikeGuard.from_config(cfg.stability)

@@ -15,11 +15,12 @@ from engine.optim import GradBuffer
 from engine.parallel import mappings
 from engine.parallel.layers import spec_of
 from engine.parallel.topology import ParallelContext, build_context
-from engine.pipeline import schedules
+from engine.pipeline import schedules, zero_bubble
 from engine.pipeline.p2p import exchange_plan
 from engine.pipeline.partition import build_model_chunks, neighbours, place, stage_layers, stage_of
 from engine.pipeline.runner import PipelineRunner
 from engine.pipeline.trace import PipelineTrace
+from engine.planner.flops import split_backward_costs
 from engine.validation import validate
 from harness import full_grad, run_ranks, sgd_reference
 
@@ -89,14 +90,58 @@ def test_simulated_bubbles_with_equal_f_b_w():
     assert schedules.simulate(p, 1, m, 1.0, 1.0, 0.0, "zb-h1")["bubble"] > h1["bubble"]
 
 
+UNEQUAL = [zero_bubble.Costs(1, 1.5, 0.5), zero_bubble.Costs(1, 2, 1), zero_bubble.Costs(1, 2.2, 0.8)]
+
+
+@pytest.mark.parametrize("costs", UNEQUAL, ids=lambda c: "F{}-B{}-W{}".format(*c))
+def test_orders_built_for_unequal_costs_beat_1f1b_and_the_equal_cost_orders(costs):
+    """p = 8, m = 32. Replayed at unequal costs, orders built as if F = B = W leave ZB-V worse than 1F1B (the
+    first two cases); the orders built for the costs keep both schedules ahead of 1F1B and never behind the
+    equal-cost orders. (F, 2.2, 0.8): full recomputation, B holding a second forward."""
+    p, m = 8, 32
+    base = schedules.simulate(p, 1, m, costs.forward, costs.input_grad + costs.weight_grad)["bubble"]
+    for schedule in ZB:
+        built = schedules.simulate(p, VPP[schedule], m, *costs, schedule)["bubble"]
+        equal = schedules.simulate(p, VPP[schedule], m, *costs, schedule, built_for=zero_bubble.UNIT)["bubble"]
+        assert built <= equal and built < base, (schedule, built, equal, base)
+    v_equal = schedules.simulate(p, 2, m, *costs, "zb-v", built_for=zero_bubble.UNIT)["bubble"]
+    assert v_equal > base or costs == UNEQUAL[2]
+    if costs != UNEQUAL[2]:  # B-heavy orders stay far from ZB-V's best (0.84x 1F1B's at B 2.2: README)
+        assert schedules.simulate(p, 2, m, *costs, "zb-v")["bubble"] < 0.35 * base
+    for r in range(p):  # the memory caps hold whatever the costs
+        order = schedules.schedule_order(p, 1, r, m, "zb-h1", costs)
+        assert schedules.max_in_flight(order) <= p - r and schedules.max_in_flight(order, until="W") <= p
+        assert schedules.peak_in_flight(p, 2, r, m, "zb-v", costs) <= 2 * p
+
+
+def test_costs_come_from_the_models_flops_split():
+    """Input and weight gradients each cost their matrix multiply's forward; the attention core's backward
+    (twice its forward) and recomputation go to B; the routed experts' weight gradients are not deferred."""
+    from engine.planner.flops import _layer_flops
+    dense = model_cfg(tied=False)
+    f = _layer_flops(dense, SEQ)
+    plain, full = split_backward_costs(dense, SEQ), split_backward_costs(dense, SEQ, "full")
+    assert plain.forward == f["linear"] + f["attention"] == full.forward
+    assert plain.weight_grad == f["linear"] == full.weight_grad  # every dense weight is deferred
+    assert plain.input_grad == f["linear"] + 2 * f["attention"] and full.input_grad == plain.input_grad + plain.forward
+    assert split_backward_costs(dense, SEQ, "selective").input_grad == plain.input_grad + f["attention"]
+    moe = ModelConfig(**{**dense.__dict__, "num_experts": 4, "moe_router_topk": 2})
+    costs = split_backward_costs(moe, SEQ)
+    assert costs.input_grad + costs.weight_grad == pytest.approx(2 * costs.forward) and \
+        costs.weight_grad < _layer_flops(moe, SEQ)["linear"] / 2
+    with pytest.raises(ValueError, match="positive forward"):
+        zero_bubble.orders("zb-v", 4, 8, costs=zero_bubble.Costs(0, 1, 1))
+
+
 @pytest.mark.parametrize("forward_only", [False, True])
-def test_zero_bubble_exchange_plans_never_deadlock_and_pair_up(forward_only):
+@pytest.mark.parametrize("costs", [zero_bubble.UNIT, UNEQUAL[0], UNEQUAL[2]], ids=["equal", "B1.5-W0.5", "B2.2-W0.8"])
+def test_zero_bubble_exchange_plans_never_deadlock_and_pair_up(forward_only, costs):
     for schedule in ZB:
         vpp = VPP[schedule]
         for pp in range(2, 9):
             for m in sorted({1, 2, pp - 1, pp, pp + 1, 2 * pp + 1, 3 * pp} - {0}):
-                plans = [exchange_plan(schedules.schedule_steps(pp, vpp, r, m, forward_only, schedule), pp, vpp, r,
-                                       schedule) for r in range(pp)]
+                plans = [exchange_plan(schedules.schedule_steps(pp, vpp, r, m, forward_only, schedule, costs), pp,
+                                       vpp, r, schedule, costs) for r in range(pp)]
                 result = replay_exchanges(plans)
                 assert result["sent"] == result["expected"], (schedule, pp, m)
                 assert sum(map(len, result["sent"].values())) == (2 - forward_only) * m * (pp * vpp - 1)
@@ -179,8 +224,8 @@ def _zb_layout(rank, world, tp, pp, schedule, tied, recompute, steps, microbatch
     ctx = build_context(world, rank, tp, pp, vpp=cfg.vpp, sequence_parallel=tp > 1, seed=9)
     chunks = build_model_chunks(cfg, ctx, vocab_size=VOCAB)
     tracer = PipelineTrace(rank, ctx.pp_rank) if trace else None
-    runner = PipelineRunner(chunks, ctx, ctx.activation_shape(SEQ, MICRO, cfg.model.hidden_size), torch.float32,
-                            "cpu", tracer, cfg.pipeline_schedule)
+    cfg.training.micro_batch_size = MICRO
+    runner = PipelineRunner.from_config(cfg, chunks, ctx, torch.float32, "cpu", tracer)  # the model's costs
     buffer = GradBuffer(chunks, ctx, distributed=distributed, overlap=True, bucket_numel=3000)
     curve, grads, launched_in_backward = [], {}, True
     for step in range(steps):
@@ -249,7 +294,8 @@ LAYOUTS = [  # (tp, pp, schedule, tied, recompute, steps, microbatches per dp ra
     (2, 2, "zb-h1", True, None, 20, 3, False, False),          # dp 2, sequence parallel, tied across stages
     (2, 4, "zb-h1", False, None, 20, 4, False, False),         # dp 1
     (2, 2, "zb-v", True, None, 20, 3, False, False),           # dp 2, both tied copies on rank 0
-    (1, 4, "zb-v", False, None, 20, 4, False, True),           # dp 2, traced and drawn
+    (1, 4, "zb-v", False, "full", 20, 4, False, True),         # dp 2, traced and drawn; its order is built for
+                                                               # B = 2 F (recomputation), not F = B = W
     (1, 4, "zb-v", True, None, 1, 4, True, False),             # dp 2, distributed optimizer's gradient shards
 ]
 
@@ -261,6 +307,10 @@ LAYOUTS = [  # (tp, pp, schedule, tied, recompute, steps, microbatches per dp ra
 def test_zero_bubble_loss_gradients_and_curves_equal_one_rank(tp, pp, schedule, tied, recompute, steps,
                                                               microbatches, distributed, traced, tmp_path):
     prefix = str(tmp_path / "trace") if traced else None
+    costs = split_backward_costs(model_cfg(tied, recompute), SEQ, recompute)
+    if recompute:  # the runner's order is the one built for the model's costs, and here that is another order
+        assert zero_bubble.orders(schedule, pp, microbatches, costs=costs) != zero_bubble.orders(schedule, pp,
+                                                                                               microbatches)
     results = run_ranks(_zb_layout, 8, tp, pp, schedule, tied, recompute, steps, microbatches, distributed, prefix,
                         timeout=300)
     dp = 8 // (tp * pp)
@@ -290,7 +340,9 @@ def test_the_planner_takes_the_schedules_bubble():
     one = estimate(cfg, Layout(tp=8, pp=8, dp=1), gpu, 32, 4096).breakdown["bubble"]
     h1 = estimate(cfg, Layout(tp=8, pp=8, dp=1), gpu, 32, 4096, software=Software(pipeline_schedule="zb-h1"))
     v = estimate(cfg, Layout(tp=8, pp=8, dp=1, vpp=2), gpu, 32, 4096, software=Software(pipeline_schedule="zb-v"))
-    assert 0 < v.breakdown["bubble"] < h1.breakdown["bubble"] < 0.5 * one
+    # B outweighs W here (the attention core's backward is all in B), so ZB-H1 keeps about (F + B - W)/(F + B + W)
+    # of 1F1B's bubble, more than the third it keeps with F = B = W
+    assert 0 < v.breakdown["bubble"] < h1.breakdown["bubble"] < 0.6 * one
     assert h1.step_time_s < estimate(cfg, Layout(tp=8, pp=8, dp=1), gpu, 32, 4096).step_time_s
 
 

@@ -62,7 +62,8 @@ def messages(kind: str, chunk: int, mb: int, rank: int, pp: int, vpp: int, v_sha
     return recv, send
 
 
-def exchange_plan(steps: list, pp: int, vpp: int, rank: int, schedule: Optional[str] = None) -> list:
+def exchange_plan(steps: list, pp: int, vpp: int, rank: int, schedule: Optional[str] = None,
+                  costs: zero_bubble.Costs = zero_bubble.UNIT) -> list:
     """[(Exchange, operations of the step)] for each step, then a last exchange with no operations.
 
     `steps` groups the schedule's operations (engine.pipeline.schedules.schedule_steps). 1F1B exchanges
@@ -72,12 +73,12 @@ def exchange_plan(steps: list, pp: int, vpp: int, rank: int, schedule: Optional[
     interleaved schedule; one batch per operation would deadlock there under batch semantics (the
     replay in tests/test_pipeline.py shows both). Pairing 1F1B as well would be deadlock-free but would
     make each forward wait for the gradient its partner backward needs, serialising neighbouring stages.
-    The zero-bubble schedules get `_timed_plan`.
+    The zero-bubble schedules get `_timed_plan` (`costs`: those their order was built for).
     """
     if schedule in zero_bubble.SCHEDULES:
         ops = [op for step in steps for op in step]
         return _timed_plan(ops, pp, rank, schedule, 1 + max(mb for _, _, mb in ops),
-                           not any(kind == "B" for kind, _, _ in ops))
+                           not any(kind == "B" for kind, _, _ in ops), costs)
     plan, sends = [], ()
     for ops in steps:
         pairs = [messages(kind, chunk, mb, rank, pp, vpp) for kind, chunk, mb in ops]
@@ -87,15 +88,16 @@ def exchange_plan(steps: list, pp: int, vpp: int, rank: int, schedule: Optional[
     return plan
 
 
-def _timed_plan(ops: list, pp: int, rank: int, schedule: str, m: int, forward_only: bool) -> list:
-    """A zero-bubble schedule's plan: one step per slot of its unit-time construction (engine.pipeline.
-    zero_bubble; an operation or none), each message posted by both ends at the slot of the operation that
-    needs it. A batch's partners are then in the same-numbered batches of its peers, so every rank's batch
-    k completes once all have reached it: no deadlock, whatever the order. (One batch per operation, as in
+def _timed_plan(ops: list, pp: int, rank: int, schedule: str, m: int, forward_only: bool, costs) -> list:
+    """A zero-bubble schedule's plan: one step per slot of its timeline (engine.pipeline.zero_bubble: the
+    distinct start times of its replay; an operation of this rank or none), each message posted by both ends
+    at the slot of the operation that needs it, which starts after the one that makes it ended. A batch's
+    partners are then in the same-numbered batches of its peers, so every rank's batch k completes once all
+    have reached it: no deadlock, whatever the order. (One batch per operation, as in
     1F1B, deadlocks ZB-V, whose ranks exchange in both directions; the replay in the tests shows it.)"""
     v_shape = schedule == "zb-v"
     vpp = 2 if v_shape else 1
-    slot = zero_bubble.timeline(schedule, pp, m, forward_only)
+    slot = zero_bubble.timeline(schedule, pp, m, forward_only, costs)
     at = {slot[(kind, stage_of(pp, vpp, rank, c, v_shape), mb)]: (kind, c, mb) for kind, c, mb in ops}
     sends: dict = {}
     for kind, c, mb in ops:

@@ -21,18 +21,31 @@ from engine.parallel import comm, mappings
 from engine.pipeline.p2p import StageLink, backward_through, exchange_plan, messages
 from engine.pipeline.partition import place
 from engine.pipeline.schedules import SPLIT_BACKWARD, check_schedule, schedule_steps
+from engine.pipeline.zero_bubble import UNIT, Costs
 
 
 class PipelineRunner:
-    def __init__(self, chunks: list, ctx, shape: tuple, dtype, device, trace=None, schedule: Optional[str] = None):
+    def __init__(self, chunks: list, ctx, shape: tuple, dtype, device, trace=None, schedule: Optional[str] = None,
+                 costs: Costs = UNIT):
         """`shape`: every message between stages (ctx.activation_shape); `trace`: a PipelineTrace or None;
-        `schedule`: cfg.pipeline_schedule (None: 1F1B, or interleaved when ctx.vpp_size > 1)."""
-        self.chunks, self.ctx, self.device, self.trace = chunks, ctx, device, trace
+        `schedule`: cfg.pipeline_schedule (None: 1F1B, or interleaved when ctx.vpp_size > 1); `costs`: a stage's
+        forward, B and W, which a zero-bubble order is built for (engine.planner.flops.split_backward_costs)."""
+        self.chunks, self.ctx, self.device, self.trace, self.costs = chunks, ctx, device, trace, costs
         self.schedule = schedule if schedule in SPLIT_BACKWARD else None
         self.link = StageLink(ctx, shape, dtype, device)
         self.deferred: dict = {}  # (chunk, microbatch) -> the weight-gradient work its W will do
         # the pipeline rank whose last chunk computes the loss: pp - 1, or 0 under ZB-V's V
         self.loss_rank = place(ctx.pp_size * ctx.vpp_size - 1, ctx.pp_size, ctx.vpp_size, schedule == "zb-v")[0]
+
+    @classmethod
+    def from_config(cls, cfg, chunks: list, ctx, dtype, device, trace=None) -> "PipelineRunner":
+        """The runner of a training run: messages of the configured microbatch, the configured schedule, and a
+        zero-bubble order built for the model's FLOPs split of the backward (engine.planner.flops)."""
+        from engine.planner.flops import split_backward_costs
+        m = cfg.model
+        shape = ctx.activation_shape(m.seq_length, cfg.training.micro_batch_size, m.hidden_size)
+        costs = split_backward_costs(m, m.seq_length, m.recompute_granularity)
+        return cls(chunks, ctx, shape, dtype, device, trace, cfg.pipeline_schedule, costs)
 
     def run(self, microbatches: list, scale_loss: Optional[Callable] = None, forward_only: bool = False) -> float:
         """Forward (and backward) over all microbatches; returns the mean loss, known on every rank.
@@ -43,9 +56,9 @@ class PipelineRunner:
         """
         ctx, m, schedule = self.ctx, len(microbatches), self.schedule
         check_schedule(ctx.pp_size, ctx.vpp_size, m, schedule)
-        steps = schedule_steps(ctx.pp_size, ctx.vpp_size, ctx.pp_rank, m, forward_only, schedule)
+        steps = schedule_steps(ctx.pp_size, ctx.vpp_size, ctx.pp_rank, m, forward_only, schedule, self.costs)
         saved, losses, outbox = {}, [], {}
-        for exchange, ops in exchange_plan(steps, ctx.pp_size, ctx.vpp_size, ctx.pp_rank, schedule):
+        for exchange, ops in exchange_plan(steps, ctx.pp_size, ctx.vpp_size, ctx.pp_rank, schedule, self.costs):
             # what earlier steps made for this batch to send, what this step needs (one entry per operation)
             inbox = self.link.exchange(exchange, [outbox.pop(msg[1:]) for msg in exchange.sends])
             for (kind, chunk, mb), received in zip(ops, inbox):

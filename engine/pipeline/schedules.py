@@ -15,7 +15,9 @@ runs two chunks per rank in a V (engine.pipeline.partition). `schedule` names th
 matters; None is 1F1B, or interleaved when vpp > 1.
 
 The same order drives `runner.PipelineRunner` (real tensors) and `simulate` (given costs), so the bubble
-the simulator reports is the bubble of the schedule that trains.
+the simulator reports is the bubble of the schedule that trains. A zero-bubble order depends on the costs
+it is built for (`costs`, a zero_bubble.Costs): the runner and the planner pass the model's
+(engine.planner.flops.split_backward_costs), the simulator the costs it replays.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ import warnings
 from typing import Optional
 
 from engine.pipeline import zero_bubble
-from engine.pipeline.partition import neighbours, stage_of
+from engine.pipeline.replay import makespan, replay
+from engine.pipeline.zero_bubble import UNIT, Costs
 from engine.validation import check_interleaved_microbatches
 
 SPLIT_BACKWARD = zero_bubble.SCHEDULES  # the schedules whose backward is split into B and W
@@ -47,14 +50,15 @@ def warmup_count(pp: int, vpp: int, rank: int, num_microbatches: int) -> int:
     return min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
 
 
-def peak_in_flight(pp: int, vpp: int, rank: int, num_microbatches: int, schedule: Optional[str] = None) -> int:
+def peak_in_flight(pp: int, vpp: int, rank: int, num_microbatches: int, schedule: Optional[str] = None,
+                   costs: Costs = UNIT) -> int:
     """Model-chunk forwards whose activations rank `rank` holds at its peak: the warm-up and one more, at
     most every forward of the step; the planner's activation count. For 1F1B that is pp - rank; for the
     interleaved schedule 2(pp - rank - 1) + (vpp - 1)pp + 1 chunks, which on rank 0 is Korthikanti et al.'s
     factor 1 + (pp - 1)/(pp vpp) in units of the rank's layers. Zero-bubble schedules: counted on their
     order, up to the W pass (the stores W needs count as held activations)."""
     if schedule in SPLIT_BACKWARD:
-        return max_in_flight(schedule_order(pp, vpp, rank, num_microbatches, schedule), until="W")
+        return max_in_flight(schedule_order(pp, vpp, rank, num_microbatches, schedule, costs), until="W")
     return min(warmup_count(pp, vpp, rank, num_microbatches) + 1, num_microbatches * vpp)
 
 
@@ -67,7 +71,7 @@ def _virtual(k: int, pp: int, vpp: int, forward: bool) -> tuple:
 
 
 def schedule_steps(pp: int, vpp: int, rank: int, num_microbatches: int, forward_only: bool = False,
-                   schedule: Optional[str] = None) -> list:
+                   schedule: Optional[str] = None, costs: Costs = UNIT) -> list:
     """This rank's operations, ("F" | "B" | "W", chunk, microbatch), grouped into the steps between two exchanges.
 
     Every operation is a step of its own, except in the interleaved schedule's steady state, where a
@@ -75,7 +79,7 @@ def schedule_steps(pp: int, vpp: int, rank: int, num_microbatches: int, forward_
     runs (evaluation) take every forward alone.
     """
     if schedule in SPLIT_BACKWARD:
-        return [[op] for op in zero_bubble.orders(schedule, pp, num_microbatches, forward_only)[rank]]
+        return [[op] for op in zero_bubble.orders(schedule, pp, num_microbatches, forward_only, costs)[rank]]
     total = num_microbatches * vpp
     fwd = [("F", *_virtual(k, pp, vpp, True)) for k in range(total)]
     if forward_only:
@@ -87,9 +91,11 @@ def schedule_steps(pp: int, vpp: int, rank: int, num_microbatches: int, forward_
     return [[op] for op in fwd[:warm]] + steady + [[op] for op in bwd[total - warm:]]
 
 
-def schedule_order(pp: int, vpp: int, rank: int, num_microbatches: int, schedule: Optional[str] = None) -> list:
+def schedule_order(pp: int, vpp: int, rank: int, num_microbatches: int, schedule: Optional[str] = None,
+                   costs: Costs = UNIT) -> list:
     """This rank's operations in execution order: ("F" | "B" | "W", chunk, microbatch)."""
-    return [op for step in schedule_steps(pp, vpp, rank, num_microbatches, schedule=schedule) for op in step]
+    return [op for step in schedule_steps(pp, vpp, rank, num_microbatches, schedule=schedule, costs=costs)
+            for op in step]
 
 
 def max_in_flight(order: list, until: str = "B") -> int:
@@ -104,55 +110,28 @@ def max_in_flight(order: list, until: str = "B") -> int:
 
 
 def simulate(pp: int, vpp: int, num_microbatches: int, t_forward: float = 1.0, t_backward: float = 2.0,
-             t_weight: float = 0.0, schedule: Optional[str] = None) -> dict:
-    """Replay every rank's order with per-chunk costs t/vpp and free communication.
+             t_weight: float = 0.0, schedule: Optional[str] = None, built_for: Optional[Costs] = None) -> dict:
+    """Replay every rank's order with per-chunk costs t/vpp and free communication (engine.pipeline.replay).
 
     `t_backward` is the input-gradient part of a backward and `t_weight` the weight-gradient part: one
-    backward operation costs both in 1F1B and interleaving, a B and a W of a split backward one each.
-    Returns the makespan, the ideal time (one stage's work, m*(tf+tb+tw)) and the bubble fraction
-    (makespan - ideal) / ideal.
+    backward operation costs both in 1F1B and interleaving, a B and a W of a split backward one each (whose
+    order is the one built for `built_for`, by default these costs). Returns the makespan, the ideal time
+    (one stage's work, m*(tf+tb+tw)) and the bubble fraction (makespan - ideal) / ideal.
     """
-    v_shape, split = schedule == "zb-v", schedule in SPLIT_BACKWARD
-    orders = [schedule_order(pp, vpp, r, num_microbatches, schedule) for r in range(pp)]
-    done, clock, pos = {}, [0.0] * pp, [0] * pp
+    split = schedule in SPLIT_BACKWARD
+    costs = built_for or Costs(t_forward, t_backward, t_weight)
+    orders = [schedule_order(pp, vpp, r, num_microbatches, schedule, costs) for r in range(pp)]
     cost = {"F": t_forward / vpp, "B": (t_backward + (0.0 if split else t_weight)) / vpp, "W": t_weight / vpp}
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for r in range(pp):
-            if pos[r] == len(orders[r]):
-                continue
-            kind, c, mb = orders[r][pos[r]]
-            dep = _dependency(kind, r, c, mb, pp, vpp, v_shape)
-            if any(d not in done for d in dep):
-                continue
-            start = max([clock[r]] + [done[d] for d in dep])
-            clock[r] = done[(kind, r, c, mb)] = start + cost[kind]
-            pos[r] += 1
-            remaining -= 1
-            progressed = True
-        if not progressed:
-            raise RuntimeError("schedule deadlocks")  # a bug in schedule_order, never a user error
     ideal = num_microbatches * (t_forward + t_backward + t_weight)
-    makespan = max(clock)
-    return {"makespan": makespan, "ideal": ideal, "bubble": (makespan - ideal) / ideal}
+    span = makespan(replay(orders, vpp, cost, schedule == "zb-v"))
+    return {"makespan": span, "ideal": ideal, "bubble": (span - ideal) / ideal}
 
 
 @functools.lru_cache(maxsize=256)
 def bubble_time(schedule: str, pp: int, vpp: int, num_microbatches: int, t_forward: float, t_backward: float,
-                t_weight: float) -> float:
+                t_weight: float, built_for: Optional[Costs] = None) -> float:
     """Idle time of one step (makespan - ideal) for the given per-stage costs: the planner's bubble. Past 3pp
     microbatches the bubble no longer grows, so longer steps are replayed at that length."""
     m = min(num_microbatches, 3 * pp)
-    sim = simulate(pp, vpp, m, t_forward, t_backward, t_weight, schedule)
+    sim = simulate(pp, vpp, m, t_forward, t_backward, t_weight, schedule, built_for)
     return sim["makespan"] - sim["ideal"]
-
-
-def _dependency(kind, r, c, mb, pp, vpp, v_shape=False) -> list:
-    """The operations (kind, pp rank, chunk, microbatch) this one waits for."""
-    if kind == "W":
-        return [("B", r, c, mb)]
-    previous, following = neighbours(stage_of(pp, vpp, r, c, v_shape), pp, vpp, v_shape)
-    if kind == "F":
-        return [("F", *previous, mb)] if previous else []
-    return [("F", r, c, mb)] + ([("B", *following, mb)] if following else [])

@@ -2,10 +2,10 @@
 
 Each backward is split in two: B, the input gradient, which the previous stage waits for, and W, the
 weight gradients, which nothing waits for and which can therefore fill the time a rank would otherwise
-idle (engine.parallel.mappings defers them). The orders are built here by list scheduling on unit-cost
-operations: time advances one operation at a time, and every rank, when it is free, takes of the
-operations whose inputs are ready a forward (the later stage first) if its memory allows one more, else
-an input-gradient backward (the later stage first), else its oldest deferred W, else idles. Memory is
+idle (engine.parallel.mappings defers them). The orders are built here by list scheduling: time advances
+from one event to the next, and every rank, when it is free, takes of the operations whose inputs are
+ready a forward (the later stage first) if its memory allows one more, else an input-gradient backward
+(the later stage first), else its oldest deferred W, else idles until something changes. Memory is
 counted in model-chunk microbatches:
 
 - ZB-H1 (one chunk per rank): rank r holds at most pp - r microbatches' activations (forward done, B not
@@ -16,17 +16,48 @@ counted in model-chunk microbatches:
   last rank cannot start before the first microbatch has passed p - 1 half-stages, and it has a full
   share of work after that (no placement of two chunks per rank does better), a sixth of 1F1B's.
 
-The unit-cost orders are what runs with real tensors and what the simulator (engine.pipeline.schedules.
-simulate) replays with other F, B, W costs.
+Operation costs (`Costs`: forward, B and W of one stage and microbatch; engine.planner.flops.
+split_backward_costs derives them from the model) decide when inputs are ready, so they shape the order.
+Three orders are built: one as if F = B = W, and two for the given costs (rounded to eighths of the
+forward), one as above and one that takes a ready B before a forward. The one whose replay at the given
+costs ends first is used (the first on a tie). Orders built for equal costs alone do badly when B and W
+differ: at p 8, m 32 with F = 1, B = 1.5, W = 0.5, ZB-V's bubble is 1.38x 1F1B's; built for those costs it
+is 0.35x. The chosen order is what runs with real tensors, what the
+simulator (engine.pipeline.schedules.simulate) replays and what the exchange plan posts messages by
+(`timeline`).
 """
 from __future__ import annotations
 
 import functools
+import heapq
+import math
 from collections import deque
+from typing import NamedTuple
 
 from engine.pipeline.partition import place, stage_of
+from engine.pipeline.replay import makespan, replay
 
 SCHEDULES = ("zb-h1", "zb-v")
+TICKS = 8  # costs are rounded to eighths of the forward's
+
+
+class Costs(NamedTuple):
+    """Time of one stage's forward, input-gradient backward (B) and weight-gradient backward (W) of one
+    microbatch, in any unit (only their ratios matter)."""
+    forward: float = 1.0
+    input_grad: float = 1.0
+    weight_grad: float = 1.0
+
+
+UNIT = Costs()
+
+
+def ticks(costs: Costs) -> tuple:
+    """The costs in whole eighths of the forward's, at least one each (positive times keep a rank's operations
+    at distinct times, which the exchange plan's slots need)."""
+    if not (costs.forward > 0 and all(0 <= c < math.inf for c in costs)):
+        raise ValueError(f"zero-bubble costs need a positive forward and finite B and W, got {tuple(costs)}")
+    return tuple(max(1, round(TICKS * c / costs.forward)) for c in costs)
 
 
 class _Rank:
@@ -48,48 +79,68 @@ def _caps(schedule: str, pp: int, rank: int) -> tuple:
     return (2 * pp, 2 * pp) if schedule == "zb-v" else (pp - rank, pp)
 
 
-def orders(schedule: str, pp: int, num_microbatches: int, forward_only: bool = False) -> tuple:
+def orders(schedule: str, pp: int, num_microbatches: int, forward_only: bool = False, costs: Costs = UNIT) -> tuple:
     """Every pipeline rank's operations ("F" | "B" | "W", chunk, microbatch) in execution order."""
-    return _build(schedule, pp, num_microbatches, forward_only)[0]
+    return _build(schedule, pp, num_microbatches, forward_only, ticks(costs))[0]
 
 
-def timeline(schedule: str, pp: int, num_microbatches: int, forward_only: bool = False) -> dict:
-    """{(kind, virtual stage, microbatch): the unit-time slot it was scheduled in} (engine.pipeline.p2p posts
-    each message at the slot of the operation that needs it). Read only: it is cached."""
-    return _build(schedule, pp, num_microbatches, forward_only)[1]
+def timeline(schedule: str, pp: int, num_microbatches: int, forward_only: bool = False, costs: Costs = UNIT) -> dict:
+    """{(kind, virtual stage, microbatch): the slot it starts in}: slots number the distinct start times of the
+    order's replay at `costs` (engine.pipeline.p2p posts each message at the slot of the operation that needs
+    it). Read only: it is cached."""
+    return _build(schedule, pp, num_microbatches, forward_only, ticks(costs))[1]
 
 
 @functools.lru_cache(maxsize=128)
-def _build(schedule: str, pp: int, num_microbatches: int, forward_only: bool) -> tuple:
+def _build(schedule: str, pp: int, m: int, forward_only: bool, cost_ticks: tuple) -> tuple:
     assert schedule in SCHEDULES, schedule
     v_shape = schedule == "zb-v"
-    vpp, m = (2 if v_shape else 1), num_microbatches
+    vpp, cost = (2 if v_shape else 1), dict(zip("FBW", cost_ticks))
+    candidates = (((1, 1, 1), False), (cost_ticks, False), (cost_ticks, True))
+    built = list(dict.fromkeys(_list_schedule(schedule, pp, m, forward_only, c, b) for c, b in candidates))
+    replayed = [replay(o, vpp, cost, v_shape) for o in built]
+    best = min(range(len(built)), key=lambda i: makespan(replayed[i]))  # the first on a tie
+    slot = {t: i for i, t in enumerate(sorted({start for start, _ in replayed[best].values()}))}
+    return built[best], {(kind, stage_of(pp, vpp, r, c, v_shape), mb): slot[start]
+                         for (kind, r, c, mb), (start, _) in replayed[best].items()}
+
+
+def _list_schedule(schedule: str, pp: int, m: int, forward_only: bool, cost_ticks: tuple, b_first: bool) -> tuple:
+    """Every rank's order by list scheduling with these costs (see the module doc); `b_first`: a ready B goes
+    before a forward."""
+    v_shape = schedule == "zb-v"
+    vpp, cost = (2 if v_shape else 1), dict(zip("FBW", cost_ticks))
     ranks = [_Rank([stage_of(pp, vpp, r, c, v_shape) for c in range(vpp)], _caps(schedule, pp, r))
              for r in range(pp)]
-    started: dict = {}  # (kind, stage, microbatch) -> the time step it ran in (it is done one step later)
+    ends: dict = {}  # (kind, stage, microbatch) -> when it ends
+    events, clock = [], [0] * pp  # end times still ahead; when each rank is next free
     next_f, next_b = [0] * (pp * vpp), [0] * (pp * vpp)
     left = pp * vpp * m * (1 if forward_only else 3)
-    t = 0
     while left:
-        ran = 0
-        for rank in ranks:
-            op = _choose(rank, t, started, next_f, next_b, pp * vpp - 1, m, forward_only)
+        t = min(clock)
+        for r, rank in enumerate(ranks):
+            op = _choose(rank, t, ends, next_f, next_b, pp * vpp - 1, m, forward_only, b_first) \
+                if clock[r] == t else None
             if op is not None:
-                kind, stage, mb = op
-                started[op] = t
-                rank.order.append((kind, place(stage, pp, vpp, v_shape)[1], mb))
-                ran += 1
-        if not ran:
+                ends[op] = clock[r] = t + cost[op[0]]
+                heapq.heappush(events, clock[r])
+                rank.order.append((op[0], place(op[1], pp, vpp, v_shape)[1], op[2]))
+                left -= 1
+        while events and events[0] <= t:
+            heapq.heappop(events)
+        later = [c for c in clock if c > t] + events[:1]
+        if left and not later:
             raise RuntimeError(f"{schedule} cannot be scheduled for pp {pp}, {m} microbatches")  # a bug here
-        left -= ran
-        t += 1
-    return tuple(tuple(rank.order) for rank in ranks), started
+        clock = [c if c > t else min(later, default=t) for c in clock]  # idle ranks wait for the next event
+    return tuple(tuple(rank.order) for rank in ranks)
 
 
-def _choose(rank: _Rank, t: int, started: dict, next_f: list, next_b: list, last: int, m: int,
-            forward_only: bool):
-    """The operation (kind, stage, microbatch) `rank` runs at step `t`, or None (it idles); updates its state."""
-    done = lambda *op: started.get(op, t) < t  # noqa: E731 - ran in an earlier step
+def _choose(rank: _Rank, t: int, ends: dict, next_f: list, next_b: list, last: int, m: int,
+            forward_only: bool, b_first: bool):
+    """The operation (kind, stage, microbatch) `rank` runs at time `t`, or None (it idles); updates its state."""
+    done = lambda *op: ends.get(op, math.inf) <= t  # noqa: E731 - ended by now
+    if b_first and not forward_only and (op := _ready_b(rank, done, next_b, last, m)):
+        return op
     if rank.may_forward(forward_only):
         for s in sorted(rank.stages, reverse=True):
             k = next_f[s]
@@ -99,6 +150,16 @@ def _choose(rank: _Rank, t: int, started: dict, next_f: list, next_b: list, last
                 return "F", s, k
     if forward_only:
         return None
+    if op := _ready_b(rank, done, next_b, last, m):
+        return op
+    if rank.waiting_w:
+        rank.held -= 1
+        return ("W", *rank.waiting_w.popleft())
+    return None
+
+
+def _ready_b(rank: _Rank, done, next_b: list, last: int, m: int):
+    """The input-gradient backward `rank` can run now (the later stage first), taken; or None."""
     for s in sorted(rank.stages, reverse=True):
         k = next_b[s]
         if k < m and done("F", s, k) and (s == last or done("B", s + 1, k)):
@@ -106,7 +167,4 @@ def _choose(rank: _Rank, t: int, started: dict, next_f: list, next_b: list, last
             rank.activations -= 1
             rank.waiting_w.append((s, k))
             return "B", s, k
-    if rank.waiting_w:
-        rank.held -= 1
-        return ("W", *rank.waiting_w.popleft())
     return None

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from engine.config import ModelConfig
+from engine.pipeline.zero_bubble import Costs
 
 
 @dataclass(frozen=True)
@@ -105,13 +106,40 @@ def activated_params(model: ModelConfig) -> int:
 
 def forward_flops_per_sequence(model: ModelConfig, seq_length: int, tp: int = 1) -> dict:
     """Forward FLOPs of one sequence, split into the parts recomputation treats differently."""
-    s, l = seq_length, model.num_layers
-    n_moe = len(model.moe_layers())
+    logits = 2 * seq_length * model.hidden_size * model.padded_vocab_size(tp)
+    return {**_layer_flops(model, seq_length), "logits": logits}
+
+
+def _layer_flops(model: ModelConfig, s: int) -> dict:
+    """Forward FLOPs of all transformer layers for one sequence: their matrix multiplies and attention cores."""
+    l, n_moe = model.num_layers, len(model.moe_layers())
     matmul = (l - n_moe) * layer_matmul_params(model) + (n_moe * layer_matmul_params(model, moe=True) if n_moe else 0)
-    linear = 2 * s * matmul
     attention = 4 * s * s * model.num_attention_heads * model.head_dim() * l  # full s², see module doc
-    logits = 2 * s * model.hidden_size * model.padded_vocab_size(tp)
-    return {"linear": linear, "attention": attention, "logits": logits}
+    return {"linear": 2 * s * matmul, "attention": attention}
+
+
+def split_backward_costs(model: ModelConfig, seq_length: int, recompute: Optional[str] = None) -> Costs:
+    """A layer's forward, input-gradient backward (B) and weight-gradient backward (W) in FLOPs, averaged over
+    the layers: the costs a zero-bubble order is built for (engine.pipeline.zero_bubble).
+
+    Every matrix multiply's input gradient and weight gradient each cost its forward. W holds the weight
+    gradients engine.parallel.mappings defers: the attention projections', the dense MLPs' and the shared
+    experts'; the routed experts compute theirs in B. The attention core has no weights, so all of its
+    backward (twice its forward) is in B, and so is recomputation: the whole forward again with "full", the
+    attention core with "selective". Embedding and loss are left out (a stage's costs are a layer's times its
+    layer count)."""
+    h, d = model.hidden_size, model.head_dim()
+    attention_weights = h * (model.num_attention_heads + 2 * model.resolved_query_groups()) * d \
+        + model.num_attention_heads * d * h
+    moe = set(model.moe_layers())
+    shared = _mlp_matmul_params(model, model.moe_shared_expert_intermediate_size or 0)
+    deferred = sum(attention_weights + (shared if i in moe else _mlp_matmul_params(model,
+                   model.resolved_ffn_hidden_size())) for i in range(model.num_layers))
+    f = _layer_flops(model, seq_length)
+    forward = f["linear"] + f["attention"]
+    weight = 2 * seq_length * deferred
+    recomputed = forward if recompute == "full" else f["attention"] if recompute == "selective" else 0
+    return Costs(float(forward), float(2 * f["linear"] - weight + 2 * f["attention"] + recomputed), float(weight))
 
 
 def flops_per_iteration(model: ModelConfig, global_batch_size: int, seq_length: int,

@@ -47,6 +47,8 @@ from typing import Optional
 from engine.config import SHARDING_STRATEGIES, ModelConfig
 from engine.pipeline.partition import stage_layers
 from engine.pipeline.schedules import SPLIT_BACKWARD, peak_in_flight
+from engine.pipeline.zero_bubble import UNIT, Costs
+from engine.planner.flops import split_backward_costs
 
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")
 
@@ -373,26 +375,27 @@ def w_store_bytes(model: ModelConfig, seq_length: int, micro_batch: int, tp: int
     return 2 * tokens * (inputs + grads)
 
 
-def in_flight_bytes(layout: Layout, rank: int, num_microbatches: int, per_chunk: float, store_chunk: float) -> float:
+def in_flight_bytes(layout: Layout, rank: int, num_microbatches: int, per_chunk: float, store_chunk: float,
+                    costs: Costs = UNIT) -> float:
     """Activation bytes rank `rank` holds at its peak: the schedule's in-flight chunk count x per_chunk; for a
-    zero-bubble schedule the largest A·per_chunk + W·store_chunk over its order (A chunks between F and B,
-    W between B and W)."""
+    zero-bubble schedule the largest A·per_chunk + W·store_chunk over its order for these `costs` (A chunks
+    between F and B, W between B and W)."""
     if layout.schedule not in SPLIT_BACKWARD or layout.pp == 1:
         return peak_in_flight(layout.pp, layout.vpp, rank, num_microbatches) * per_chunk
     return max(a * per_chunk + w * store_chunk for a, w in zb_in_flight(layout.schedule, layout.pp, rank,
-                                                                          num_microbatches))
+                                                                          num_microbatches, costs))
 
 
 @functools.lru_cache(maxsize=4096)
-def zb_in_flight(schedule: str, pp: int, rank: int, num_microbatches: int) -> tuple:
-    """The (A, W) pairs a zero-bubble order reaches that no other pair dominates: A chunk-microbatches with F
-    done and B not, W with B done and W not. The order is replayed for at most 3 pp microbatches: past the
-    warm-up its counts repeat (the schedule caps them: engine.pipeline.zero_bubble)."""
+def zb_in_flight(schedule: str, pp: int, rank: int, num_microbatches: int, costs: Costs = UNIT) -> tuple:
+    """The (A, W) pairs a zero-bubble order (the one built for `costs`) reaches that no other pair dominates: A
+    chunk-microbatches with F done and B not, W with B done and W not. The order is replayed for at most 3 pp
+    microbatches: past the warm-up its counts repeat (the schedule caps them: engine.pipeline.zero_bubble)."""
     from engine.pipeline.schedules import schedule_order
     vpp = 2 if schedule == "zb-v" else 1
     a = w = 0
     seen = set()
-    for kind, _, _ in schedule_order(pp, vpp, rank, min(num_microbatches, 3 * pp), schedule):
+    for kind, _, _ in schedule_order(pp, vpp, rank, min(num_microbatches, 3 * pp), schedule, costs):
         a, w = a + (kind == "F") - (kind == "B"), w + (kind == "B") - (kind == "W")
         seen.add((a, w))
     return tuple(sorted(p for p in seen if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in seen)))
@@ -417,6 +420,7 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
     act_moe = act(layout.recompute, True) if any(n_moe) else 0.0
     store = w_store_bytes(model, seq_length, layout.micro_batch_size, layout.tp, layout.sequence_parallel, layout.cp)
     store_moe = store + act("none", True) - act("none", False) if any(n_moe) else 0.0
+    costs = split_backward_costs(model, seq_length, layout.recompute)  # what a zero-bubble order is built for
     # Full recomputation rebuilds one layer's complete activations during its backward pass.
     workspace = 0.0
     if layout.recompute == "full":
@@ -438,8 +442,8 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
                                      overlap_param_gather)
         dense_layers = sum(chunks) - n_moe[r]
         per_chunk = (dense_layers * act_dense + n_moe[r] * act_moe) / len(chunks)
-        acts = in_flight_bytes(layout, r, num_microbatches, per_chunk,
-                               (dense_layers * store + n_moe[r] * store_moe) / len(chunks))
+        store_chunk = (dense_layers * store + n_moe[r] * store_moe) / len(chunks)
+        acts = in_flight_bytes(layout, r, num_microbatches, per_chunk, store_chunk, costs)
         acts += workspace if sum(chunks) else 0.0
         ends = r in (first, last)
         largest = max(largest_layer_weight if sum(chunks) else 0, vocab_shard * model.hidden_size if ends else 0)

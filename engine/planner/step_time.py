@@ -7,7 +7,8 @@ One training iteration on a pipeline is modelled as (Narayanan et al. 2021, sec.
 with m microbatches per pipeline, T_stage the forward+backward time of one microbatch on the slowest
 pipeline rank, and (p - 1)/v the pipeline bubble of 1F1B (v = 1) or the interleaved schedule; the
 zero-bubble schedules (Software.pipeline_schedule zb-h1, zb-v) take theirs from the schedule simulator
-(engine.pipeline.schedules.bubble_time), with the backward split evenly into input and weight gradients.
+(engine.pipeline.schedules.bubble_time): the order the engine runs, built for the model's FLOPs split of the
+backward into input and weight gradients (engine.planner.flops.split_backward_costs), replayed at the stage's times.
 T_stage sums, per layer: the matrix multiplies at a fraction of peak that grows with the per-GPU
 matrix sizes (and differs by GPU generation), the attention core, memory-bound element-wise work, the
 tensor-parallel collectives over NVLink (less the share a TP-overlapping engine hides), and with
@@ -35,7 +36,8 @@ from typing import Optional
 
 from engine.config import ModelConfig
 from engine.pipeline.schedules import SPLIT_BACKWARD, bubble_time
-from engine.planner.flops import GPUSpec, flops_per_iteration
+from engine.pipeline.zero_bubble import Costs
+from engine.planner.flops import GPUSpec, flops_per_iteration, split_backward_costs
 from engine.planner.memory import (
     GIB,
     GRAD_BYTES,
@@ -343,16 +345,19 @@ def _stage_times(model: ModelConfig, layout: Layout, c: _Costs) -> tuple:
     return times, bwd
 
 
-def _bubble(layout: Layout, schedule: Optional[str], m: int, t_stage: float, t_backward: float) -> float:
-    """Idle pipeline seconds per step: (p - 1)/v stage times for 1F1B and interleaving; the simulated bubble of
-    a zero-bubble schedule's own order, its backward split evenly into B and W."""
+def _bubble(layout: Layout, schedule: Optional[str], m: int, t_stage: float, t_backward: float,
+            costs: Costs) -> float:
+    """Idle pipeline seconds per step: (p - 1)/v stage times for 1F1B and interleaving; for a zero-bubble
+    schedule the simulated bubble of the order the engine runs (built for the model's FLOPs split, `costs`),
+    replayed with the stage's backward seconds split into B and W in the proportion of those costs."""
     if schedule not in SPLIT_BACKWARD or layout.pp == 1:
         return (layout.pp - 1) / layout.vpp * t_stage
     # Simulated in units of the forward time, B and W at two significant digits of it (the simulations are
     # cached: a search meets few distinct ratios).
     t_forward = t_stage - t_backward
-    ratio = float(f"{t_backward / 2 / t_forward:.2g}")
-    return t_forward * bubble_time(schedule, layout.pp, layout.vpp, m, 1.0, ratio, ratio)
+    weight = t_backward * costs.weight_grad / (costs.input_grad + costs.weight_grad)
+    b, w = (float(f"{x / t_forward:.2g}") for x in (t_backward - weight, weight))
+    return t_forward * bubble_time(schedule, layout.pp, layout.vpp, m, 1.0, b, w, costs)
 
 
 def _data_parallel_seconds(params: int, layout: Layout, gpu: GPUSpec, sw: Software, link: _Link,
@@ -399,7 +404,8 @@ def estimate(model: ModelConfig, layout: Layout, gpu: GPUSpec, global_batch: int
     slowest = max(range(layout.pp), key=lambda r: stage_times[r])
     t_stage = stage_times[slowest]
     compute = m * t_stage
-    bubble = _bubble(layout, layout.schedule, m, t_stage, stage_bwd[slowest])
+    bubble = _bubble(layout, layout.schedule, m, t_stage, stage_bwd[slowest],
+                     split_backward_costs(model, seq, layout.recompute))
     params, experts, _ = param_split_per_rank(model, layout)[slowest]
     micro = (t_stage - stage_bwd[slowest], stage_bwd[slowest])
     dp = _data_parallel_seconds(params, layout, gpu, software, links.dp, micro, m, experts, links.edp)

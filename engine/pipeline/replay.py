@@ -1,0 +1,51 @@
+"""Replaying every rank's pipeline order with given operation costs: when each operation starts and ends.
+
+Communication is free. An operation starts as soon as its rank is free and what it waits for has ended: a
+forward waits for the same microbatch's forward on the previous virtual stage; a backward (or a split
+backward's B) for its own forward and the same microbatch's backward on the next virtual stage; a W for its
+B. The pipeline simulator (engine.pipeline.schedules.simulate) reports these times; the zero-bubble orders
+(engine.pipeline.zero_bubble) pick among candidate orders by them and post their messages in their order.
+"""
+from __future__ import annotations
+
+from engine.pipeline.partition import neighbours, stage_of
+
+
+def replay(orders: list, vpp: int, cost: dict, v_shape: bool = False) -> dict:
+    """{(kind, pp rank, chunk, microbatch): (start, end)} for `orders` (one list of (kind, chunk, microbatch)
+    per pp rank), each operation costing cost[kind]."""
+    pp = len(orders)
+    times, clock, pos = {}, [0] * pp, [0] * pp
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for r in range(pp):
+            if pos[r] == len(orders[r]):
+                continue
+            kind, c, mb = orders[r][pos[r]]
+            waits = dependencies(kind, r, c, mb, pp, vpp, v_shape)
+            if any(d not in times for d in waits):
+                continue
+            start = max([clock[r]] + [times[d][1] for d in waits])
+            clock[r] = start + cost[kind]
+            times[(kind, r, c, mb)] = (start, clock[r])
+            pos[r] += 1
+            remaining -= 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError("pipeline order deadlocks")  # a bug in the schedule, never a user error
+    return times
+
+
+def makespan(times: dict):
+    return max(end for _, end in times.values())
+
+
+def dependencies(kind: str, r: int, c: int, mb: int, pp: int, vpp: int, v_shape: bool = False) -> list:
+    """The operations (kind, pp rank, chunk, microbatch) this one waits for."""
+    if kind == "W":
+        return [("B", r, c, mb)]
+    previous, following = neighbours(stage_of(pp, vpp, r, c, v_shape), pp, vpp, v_shape)
+    if kind == "F":
+        return [("F", *previous, mb)] if previous else []
+    return [("F", r, c, mb)] + ([("B", *following, mb)] if following else [])
