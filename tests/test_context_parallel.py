@@ -14,7 +14,7 @@ from engine.parallel.topology import ParallelContext, build_context, grid_coords
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
 from engine.validation import validate
-from harness import full_grad, grad_buffer, run_ranks, sgd_reference
+from harness import SGD_LR, full_grad, grad_buffer, run_ranks, sgd_reference
 from kernels import reference
 
 VOCAB, SEQ, MICRO = 64, 16, 2
@@ -208,7 +208,7 @@ def _model_layout(rank, world, style, tp, cp, pp, vpp, comm_type, recompute, ste
             first_grads = {n: full_grad(p, ctx).clone() for c in chunks for n, p in c.named_parameters()}
         with torch.no_grad():
             for p in params:
-                p -= 0.5 * p.main_grad  # plain SGD, as on the reference
+                p -= SGD_LR * p.main_grad  # plain SGD, as on the reference
     ctx.destroy()
     return curve, first_grads
 

@@ -11,7 +11,7 @@ from engine.parallel.topology import ParallelContext, build_context
 from engine.pipeline import schedules
 from engine.pipeline.partition import build_model_chunks, stage_layers, stage_sizes
 from engine.pipeline.runner import PipelineRunner
-from harness import full_grad, grad_buffer, run_ranks, sgd_reference
+from harness import SGD_LR, full_grad, grad_buffer, run_ranks, sgd_reference
 
 VOCAB, SEQ, MICRO = 96, 8, 2
 
@@ -198,7 +198,7 @@ def _layout(rank, world, tp, pp, vpp, tied, steps, microbatches):
                            for n, p in c.named_parameters()}
         with torch.no_grad():
             for p in params:
-                p -= 0.5 * p.main_grad  # plain SGD, as on the reference
+                p -= SGD_LR * p.main_grad  # plain SGD, as on the reference
     ctx.destroy()
     return curve, first_grads
 
@@ -235,9 +235,7 @@ def _compare(results: list, ref_curve: list, ref_grads: dict, tied: bool, steps:
 LAYOUTS_8 = [  # (tp, pp, vpp, tied, steps, microbatches per dp rank)
     (2, 2, 1, True, 20, 4), (2, 4, 2, False, 20, 4), (2, 2, 2, True, 20, 4), (2, 4, 1, False, 20, 4),
     (1, 4, 2, True, 20, 4), (1, 2, 2, False, 20, 2),
-    # Fewer microbatches than stages: warned, still correct. Loss and gradients only: with 4 samples a
-    # step, SGD at lr 0.5 amplifies fp32 rounding (1e-7) to ~1e-3 within 20 steps in any layout.
-    (2, 2, 1, False, 1, 1),
+    (2, 2, 1, False, 20, 1),  # fewer microbatches than stages: warned, still correct
 ]
 
 

@@ -22,7 +22,7 @@ from engine.pipeline.runner import PipelineRunner
 from engine.pipeline.trace import PipelineTrace
 from engine.planner.flops import split_backward_costs
 from engine.validation import validate
-from harness import full_grad, run_ranks, sgd_reference
+from harness import SGD_LR, full_grad, run_ranks, sgd_reference
 
 ZB = ("zb-h1", "zb-v")
 VPP = {"zb-h1": 1, "zb-v": 2}
@@ -241,7 +241,7 @@ def _zb_layout(rank, world, tp, pp, schedule, tied, recompute, steps, microbatch
                      for n, p in chunk.named_parameters()}
         with torch.no_grad():
             for p in buffer.params:
-                p -= 0.5 * p.main_grad  # plain SGD, as on the reference
+                p -= SGD_LR * p.main_grad  # plain SGD, as on the reference
     if tracer is not None:
         tracer.write(trace)
     ctx.destroy()
