@@ -254,3 +254,34 @@ def test_state_dict_resume_continues_identically():
         bad["params"]["w1"]["range"] = (0, 7)
         bad["params"]["w1"]["exp_avg"] = bad["params"]["w1"]["exp_avg"][:7]
         opt2.load_state_dict(bad)
+
+
+def test_foreach_adamw_is_bitwise_pytorchs():
+    """engine.optim.adamw.ForeachAdamW (used off CUDA: torch.optim's constructor imports torch._dynamo, 2.8 s
+    a process) against torch.optim.AdamW(foreach=True): the same bits after every step, weight decay on
+    one group only, a parameter without a gradient left alone (its step count too), LR changed per step."""
+    from engine.optim.adamw import ForeachAdamW, _init_state
+    g = torch.Generator().manual_seed(0)
+    shapes = [(5, 7), (3, 4), (7,), (1,)]
+    ours, ref = ([torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
+                 for _ in range(2))
+
+    def groups(params):
+        return [dict(params=params[:2], weight_decay=0.1), dict(params=params[2:], weight_decay=0.0)]
+    opt = ForeachAdamW(groups(ours), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    _init_state(opt)
+    ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    for step in range(6):
+        for i, (a, b) in enumerate(zip(ours, ref)):
+            grad = None if i == 3 and step < 2 else torch.randn(a.shape, generator=g) * 10 ** (step % 3 - 1)
+            a.grad, b.grad = grad, None if grad is None else grad.clone()
+        for group in opt.param_groups + ref_opt.param_groups:
+            group["lr"] = 1e-2 / (step + 1)
+        opt.step()
+        ref_opt.step()
+        for a, b in zip(ours, ref):
+            assert torch.equal(a, b), step
+        for a, b in zip(ours, ref):
+            for key in ref_opt.state[b]:  # PyTorch creates the state at a tensor's first gradient
+                assert torch.equal(opt.state[a][key], ref_opt.state[b][key]), (step, key)
+    assert opt.state[ours[3]]["step"].item() == 4.0 and opt.state[ours[0]]["step"].item() == 6.0

@@ -1,10 +1,19 @@
 """Pick the fastest AdamW at run time and give uniform access to its per-tensor state.
 
 CUDA tensors: apex's FusedAdam when it imports and its CUDA extension is built, else PyTorch's fused
-AdamW. Other devices: PyTorch's foreach AdamW. State is created eagerly (zero moments, step 0) so that
-its size can be measured and a checkpoint loaded before the first step.
+AdamW. Other devices: `ForeachAdamW` below, PyTorch's foreach AdamW arithmetic written out. State is
+created eagerly (zero moments, step 0) so that its size can be measured and a checkpoint loaded before
+the first step.
+
+Why a written-out AdamW off CUDA: constructing any `torch.optim` optimizer imports `torch._dynamo`
+(`Optimizer.__init__` is wrapped by `torch._disable_dynamo`), 2.8 s of CPU per process measured on the
+2-core CI machine (torch itself imports in 2.3 s): 11 s of wall time for every 8-rank CPU job, about half
+of a short resume test. The arithmetic is PyTorch's `_multi_tensor_adam` with decoupled weight decay, op
+for op, so results are bitwise those of `torch.optim.AdamW(foreach=True)` (tests/test_optim_dist.py).
 """
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 
@@ -30,13 +39,55 @@ def make_adamw(groups: list, *, lr: float, betas: tuple, eps: float, device: tor
                 pass
         opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
     else:
-        opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+        opt = ForeachAdamW(groups, lr=lr, betas=betas, eps=eps)
     _init_state(opt)
     return opt
 
 
+class ForeachAdamW:
+    """AdamW (decoupled weight decay, no amsgrad) over each group's tensors with `torch._foreach_*` ops.
+
+    The same interface as far as this package uses it: `param_groups` (dicts with `params`, `lr`, `betas`,
+    `eps`, `weight_decay`), `state[p]` with `exp_avg`, `exp_avg_sq` and `step` (a float32 CPU scalar
+    tensor, as PyTorch keeps it) and `step()`. Parameters without a gradient are left alone, step count
+    included."""
+
+    def __init__(self, groups: list, *, lr: float, betas: tuple, eps: float):
+        self.param_groups = [dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0) | g | {"params": list(g["params"])}
+                             for g in groups]
+        self.state = defaultdict(dict)  # keyed by tensor identity, as torch.optim's
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._update(params, [self.state[p] for p in params], group)
+
+    @staticmethod
+    def _update(params: list, states: list, group: dict) -> None:
+        lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        grads = [p.grad for p in params]
+        exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1.0)
+        if decay != 0:
+            torch._foreach_mul_(params, 1 - lr * decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+        counts = [s.item() for s in steps]
+        step_size = [(lr / (1 - beta1 ** n)) * -1 for n in counts]
+        correction2_sqrt = [(1 - beta2 ** n) ** 0.5 for n in counts]
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, correction2_sqrt)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
+
+
 def _is_torch(opt) -> bool:
-    return isinstance(opt, torch.optim.AdamW)
+    """Whether the optimizer keeps PyTorch's per-tensor step counts (else apex's per-group count)."""
+    return isinstance(opt, (ForeachAdamW, torch.optim.AdamW))
 
 
 def _init_state(opt) -> None:
