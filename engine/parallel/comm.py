@@ -85,12 +85,10 @@ def _record(op: str, t: torch.Tensor, group, src: Optional[int] = None) -> None:
     _counter.records.append(CommRecord(op, group, n, payload, sent))
 
 
-@contextlib.contextmanager
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated.*")
-        warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.*deprecated.*")
-        yield
+# The two deprecation warnings are filtered once, at import: a `catch_warnings` block around each call cost
+# about 60 us of CPU per collective (6% of a ZeRO-2 step on CPU ranks). The filters match only these messages.
+warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated.*")
+warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.*deprecated.*")
 
 
 def world_size(group=None) -> int:
@@ -111,16 +109,14 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: 
     """Concatenate every rank's `inp` along dim 0 into `out`."""
     if _counter is not None:
         _record("all_gather", out, group)
-    with _quiet():
-        return dist.all_gather_into_tensor(out, inp.contiguous(), group=group, async_op=async_op)
+    return dist.all_gather_into_tensor(out, inp.contiguous(), group=group, async_op=async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False):
     """Sum `inp` over ranks and keep this rank's dim-0 slice in `out`."""
     if _counter is not None:
         _record("reduce_scatter", inp, group)
-    with _quiet():
-        return dist.reduce_scatter_tensor(out, inp.contiguous(), op=op, group=group, async_op=async_op)
+    return dist.reduce_scatter_tensor(out, inp.contiguous(), op=op, group=group, async_op=async_op)
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_splits: list, group=None):
