@@ -64,7 +64,7 @@ def full_grad(p, ctx, grad=None):
 # chaotic: at 0.5 the untied 8-layer pipeline model (8 samples a step) and the CP Llama (4 samples) move by
 # 2e-4 to 8e-4 over 20 steps when their weights carry 3e-7 of noise, which is what a different CPU's fp32
 # rounding does, so a 1e-4 comparison passed or failed by chance. At 0.1 the same noise moves every such
-# curve by under 1e-6 (test_harness.py keeps it so) and a 1e-4 difference is a real one.
+# curve by under 1e-6 (test_harness.py asserts under 1e-5) and a 1e-4 difference is a real one.
 SGD_LR = 0.1
 
 
