@@ -131,10 +131,10 @@ def split_backward_costs(model: ModelConfig, seq_length: int, recompute: Optiona
     h, d = model.hidden_size, model.head_dim()
     attention_weights = h * (model.num_attention_heads + 2 * model.resolved_query_groups()) * d \
         + model.num_attention_heads * d * h
-    moe = set(model.moe_layers())
+    n_moe = len(model.moe_layers())
     shared = _mlp_matmul_params(model, model.moe_shared_expert_intermediate_size or 0)
-    deferred = sum(attention_weights + (shared if i in moe else _mlp_matmul_params(model,
-                   model.resolved_ffn_hidden_size())) for i in range(model.num_layers))
+    dense = _mlp_matmul_params(model, model.resolved_ffn_hidden_size())
+    deferred = model.num_layers * attention_weights + n_moe * shared + (model.num_layers - n_moe) * dense
     f = _layer_flops(model, seq_length)
     forward = f["linear"] + f["attention"]
     weight = 2 * seq_length * deferred

@@ -269,18 +269,34 @@ def rank_state_bytes(model: ModelConfig, layout: Layout, precision: str, rank: i
 # zero-bubble schedule the weights' gradients come in the deferred W pass, after the norms' and biases' in B,
 # with other passes in between: any bucket may then be open, and the allowance is all of them plus one in flight.
 
+_STAGED: dict = {}
+
+
 def _chunk_staging(chunk: ChunkLayout, carried: int, overlap: bool) -> tuple:
     """(most elements staged at once, the bucket closing last) over one backward pass of one chunk; `carried`:
-    the bucket in flight when it starts."""
+    the bucket in flight when it starts. Cached by the chunk's identity (layouts come from `_chunk_layout`'s
+    cache, so a search meets the same few again and again); the entry holds the chunk, so its id stays its."""
+    key = (id(chunk), carried, overlap)
+    hit = _STAGED.get(key)
+    if hit is None or hit[0] is not chunk:
+        if len(_STAGED) > 65536:
+            _STAGED.clear()
+        hit = _STAGED[key] = (chunk, _replay_staging(chunk, carried, overlap))
+    return hit[1]
+
+
+def _replay_staging(chunk: ChunkLayout, carried: int, overlap: bool) -> tuple:
     left, sizes = Counter(chunk.arrival), [p for _, p in chunk.buckets]
-    staged, peak, inflight, last = set(), 0, carried, 0
+    staged, held, peak, inflight, last = set(), 0, 0, carried, 0  # held: the staged buckets' elements
     for b in chunk.arrival:
         if b not in staged:
             staged.add(b)
-            peak = max(peak, inflight + sum(sizes[i] for i in staged))
+            held += sizes[b]
+            peak = max(peak, inflight + held)
         left[b] -= 1
         if not left[b]:
             staged.discard(b)
+            held -= sizes[b]
             last = sizes[b]
             inflight = last if overlap else 0
     return peak, last
