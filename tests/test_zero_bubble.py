@@ -77,7 +77,9 @@ def test_zb_h1_holds_no_more_activations_than_1f1b(pp, m):
 def test_simulated_bubbles_with_equal_f_b_w():
     """p = 8, m = 32, F = B = W. ZB-H1: a third of 1F1B's bubble. ZB-V: (p-1)F/2, a sixth of 1F1B's, which
     no two-chunk placement can beat (the rank holding stage p-1 cannot start earlier and has a full share
-    of work after that), so the 0.1x the issue hoped for is out of reach."""
+    of work after that), so the 0.1x the issue hoped for is out of reach while every stage waits for the
+    global grad norm before its optimizer step; the schedule's authors reach zero by stepping eagerly and
+    rolling back when clipping or inf/nan turns out to be needed ("optimizer post-validation")."""
     p, m = 8, 32
     base = schedules.simulate(p, 1, m, 1.0, 1.0, 1.0)
     h1 = schedules.simulate(p, 1, m, 1.0, 1.0, 1.0, "zb-h1")
