@@ -41,6 +41,23 @@ def makespan(times: dict):
     return max(end for _, end in times.values())
 
 
+def steady_period(orders: list, vpp: int, cost: dict, num_microbatches: int, v_shape: bool = False,
+                  steps: int = 3) -> float:
+    """Time from the end of one training step to the end of the next once steps run back to back: every rank
+    runs its order `steps` times over, starting its next step as soon as its own operations of this one are
+    done (its optimizer step needs no other rank's: engine.optim.post_validation), the microbatches of each
+    step numbered after the last's. For an order whose first rank starts first and ends last (1F1B,
+    interleaving) this is the makespan; for one whose ranks end as much later as they start (a
+    parallelogram) it is one rank's work. The last step's increment is returned: the first steps may still be
+    settling."""
+    m = num_microbatches
+    chained = [[(kind, c, mb + s * m) for s in range(steps) for kind, c, mb in order] for order in orders]
+    ends = [0.0] * steps
+    for (_, _, _, mb), (_, end) in replay(chained, vpp, cost, v_shape).items():
+        ends[mb // m] = max(ends[mb // m], end)
+    return ends[-1] - ends[-2]
+
+
 def dependencies(kind: str, r: int, c: int, mb: int, pp: int, vpp: int, v_shape: bool = False) -> list:
     """The operations (kind, pp rank, chunk, microbatch) this one waits for."""
     if kind == "W":

@@ -26,7 +26,7 @@ import warnings
 from typing import Optional
 
 from engine.pipeline import zero_bubble
-from engine.pipeline.replay import makespan, replay
+from engine.pipeline.replay import makespan, replay, steady_period
 from engine.pipeline.zero_bubble import UNIT, Costs
 from engine.validation import check_interleaved_microbatches
 
@@ -115,8 +115,13 @@ def simulate(pp: int, vpp: int, num_microbatches: int, t_forward: float = 1.0, t
 
     `t_backward` is the input-gradient part of a backward and `t_weight` the weight-gradient part: one
     backward operation costs both in 1F1B and interleaving, a B and a W of a split backward one each (whose
-    order is the one built for `built_for`, by default these costs). Returns the makespan, the ideal time
-    (one stage's work, m*(tf+tb+tw)) and the bubble fraction (makespan - ideal) / ideal.
+    order is the one built for `built_for`, by default these costs). Returns
+    - makespan: one step alone, every rank starting together (a step that waits for all ranks before the next);
+    - ideal: one stage's work, m*(tf+tb+tw), and bubble = (makespan - ideal) / ideal;
+    - period: the time per step once steps run back to back (`replay.steady_period`), which is how the
+      zero-bubble schedules run (their optimizer steps without a pipeline-wide barrier:
+      engine.optim.post_validation), and steady_bubble = (period - ideal) / ideal. For 1F1B and interleaving,
+      whose first rank starts first and ends last, the period is the makespan.
     """
     split = schedule in SPLIT_BACKWARD
     costs = built_for or Costs(t_forward, t_backward, t_weight)
@@ -124,14 +129,17 @@ def simulate(pp: int, vpp: int, num_microbatches: int, t_forward: float = 1.0, t
     cost = {"F": t_forward / vpp, "B": (t_backward + (0.0 if split else t_weight)) / vpp, "W": t_weight / vpp}
     ideal = num_microbatches * (t_forward + t_backward + t_weight)
     span = makespan(replay(orders, vpp, cost, schedule == "zb-v"))
-    return {"makespan": span, "ideal": ideal, "bubble": (span - ideal) / ideal}
+    period = steady_period(orders, vpp, cost, num_microbatches, schedule == "zb-v")
+    return {"makespan": span, "ideal": ideal, "bubble": (span - ideal) / ideal, "period": period,
+            "steady_bubble": (period - ideal) / ideal}
 
 
 @functools.lru_cache(maxsize=256)
 def bubble_time(schedule: str, pp: int, vpp: int, num_microbatches: int, t_forward: float, t_backward: float,
                 t_weight: float, built_for: Optional[Costs] = None) -> float:
-    """Idle time of one step (makespan - ideal) for the given per-stage costs: the planner's bubble. Past 3pp
-    microbatches the bubble no longer grows, so longer steps are replayed at that length."""
+    """Idle time per step for the given per-stage costs, the planner's bubble: period - ideal, the steps
+    running back to back as the engine runs them (for 1F1B and interleaving the same as makespan - ideal).
+    Past 3pp microbatches the bubble no longer grows, so longer steps are replayed at that length."""
     m = min(num_microbatches, 3 * pp)
     sim = simulate(pp, vpp, m, t_forward, t_backward, t_weight, schedule, built_for)
-    return sim["makespan"] - sim["ideal"]
+    return sim["period"] - sim["ideal"]

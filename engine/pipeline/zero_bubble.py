@@ -11,20 +11,27 @@ counted in model-chunk microbatches:
 - ZB-H1 (one chunk per rank): rank r holds at most pp - r microbatches' activations (forward done, B not
   yet: 1F1B's count on that rank) and at most pp counting the stores W still needs (1F1B's peak, rank 0's).
   With F = B = W the bubble is (p - 1) F, a third of 1F1B's (p - 1)(F + B + W).
-- ZB-V (two chunks per rank in a V, engine.pipeline.partition): at most 2 pp chunk-microbatches either way,
-  i.e. pp microbatches of the rank's layers, 1F1B's peak. Its bubble is (p - 1) F / 2 with F = B = W: the
-  last rank cannot start before the first microbatch has passed p - 1 half-stages, and it has a full
-  share of work after that (no placement of two chunks per rank does better), a sixth of 1F1B's.
+- ZB-V (two chunks per rank in a V, engine.pipeline.partition): activations of at most 2 pp chunk-microbatches,
+  i.e. pp microbatches of the rank's layers, 1F1B's peak; with the stores W still needs, 2 pp, or 3 pp in
+  the "roomy" candidates below, which buy the zero bubble.
+
+Bubbles, F = B = W, p 8, m 32 (tests/test_zero_bubble.py). Steps run back to back (the engine's optimizer
+steps without a pipeline-wide barrier under these schedules: engine.optim.post_validation), so the bubble
+is the period per step less one rank's work (replay.steady_period). ZB-H1: (p - 1) F, a third of 1F1B's
+(p - 1)(F + B + W). ZB-V: zero with the roomy cap: each rank is busy from its first operation to its last,
+and the last rank, which cannot start before the first microbatch has passed p - 1 half-stages, ends that
+much later than the first (a parallelogram). One step alone behind a barrier would keep those (p - 1) F / 2.
 
 Operation costs (`Costs`: forward, B and W of one stage and microbatch; engine.planner.flops.
 split_backward_costs derives them from the model) decide when inputs are ready, so they shape the order.
-Three orders are built: one as if F = B = W, and two for the given costs (rounded to eighths of the
-forward), one as above and one that takes a ready B before a forward. The one whose replay at the given
-costs ends first is used (the first on a tie). Orders built for equal costs alone do badly when B and W
-differ: at p 8, m 32 with F = 1, B = 1.5, W = 0.5, ZB-V's bubble is 1.38x 1F1B's; built for those costs it
-is 0.35x. The chosen order is what runs with real tensors, what the
-simulator (engine.pipeline.schedules.simulate) replays and what the exchange plan posts messages by
-(`timeline`).
+Candidate orders are built as if F = B = W and for the given costs (rounded to eighths of the forward),
+each taking a ready forward before a ready B or the other way round, and for ZB-V with either cap on the
+W stores (a candidate that runs into its caps with nothing ready is dropped). The one with the shortest
+period at the given costs is used, then the one holding least, then the shortest single step (the first on
+a tie). Orders built for equal costs alone do badly when B and W differ: at p 8, m 32 with F = 1, B = 1.5,
+W = 0.5, ZB-V's bubble is 1.9x 1F1B's; built for those costs it is 0.35x. The chosen order is what runs
+with real tensors, what the simulator (engine.pipeline.schedules.simulate) replays and what the exchange
+plan posts messages by (`timeline`).
 """
 from __future__ import annotations
 
@@ -35,7 +42,7 @@ from collections import deque
 from typing import NamedTuple
 
 from engine.pipeline.partition import place, stage_of
-from engine.pipeline.replay import makespan, replay
+from engine.pipeline.replay import makespan, replay, steady_period
 
 SCHEDULES = ("zb-h1", "zb-v")
 TICKS = 8  # costs are rounded to eighths of the forward's
@@ -74,9 +81,10 @@ class _Rank:
         return forward_only or (self.activations < self.caps[0] and self.held < self.caps[1])
 
 
-def _caps(schedule: str, pp: int, rank: int) -> tuple:
-    """(activations, activations + W stores) rank `rank` may hold, in model-chunk microbatches."""
-    return (2 * pp, 2 * pp) if schedule == "zb-v" else (pp - rank, pp)
+def _caps(schedule: str, pp: int, rank: int, roomy: bool) -> tuple:
+    """(activations, activations + W stores) rank `rank` may hold, in model-chunk microbatches; `roomy`: ZB-V
+    keeps up to pp more W stores."""
+    return (2 * pp, (3 if roomy else 2) * pp) if schedule == "zb-v" else (pp - rank, pp)
 
 
 def orders(schedule: str, pp: int, num_microbatches: int, forward_only: bool = False, costs: Costs = UNIT) -> tuple:
@@ -96,21 +104,37 @@ def _build(schedule: str, pp: int, m: int, forward_only: bool, cost_ticks: tuple
     assert schedule in SCHEDULES, schedule
     v_shape = schedule == "zb-v"
     vpp, cost = (2 if v_shape else 1), dict(zip("FBW", cost_ticks))
-    candidates = (((1, 1, 1), False), (cost_ticks, False), (cost_ticks, True))
-    built = list(dict.fromkeys(_list_schedule(schedule, pp, m, forward_only, c, b) for c, b in candidates))
+    candidates = [(c, b, roomy) for c in ((1, 1, 1), cost_ticks) for b in (False, True) for roomy in (False, v_shape)]
+    built = [o for o in dict.fromkeys(_list_schedule(schedule, pp, m, forward_only, *c) for c in candidates) if o]
+    if not built:
+        raise RuntimeError(f"{schedule} cannot be scheduled for pp {pp}, {m} microbatches")  # a bug here
     replayed = [replay(o, vpp, cost, v_shape) for o in built]
-    best = min(range(len(built)), key=lambda i: makespan(replayed[i]))  # the first on a tie
+
+    def merit(i: int) -> tuple:  # steady-state period, then held memory, then one step's makespan
+        period = 0 if forward_only else steady_period(built[i], vpp, cost, m, v_shape)
+        return period, max(max_held(o) for o in built[i]), makespan(replayed[i])
+    best = min(range(len(built)), key=merit)  # the first on a tie
     slot = {t: i for i, t in enumerate(sorted({start for start, _ in replayed[best].values()}))}
     return built[best], {(kind, stage_of(pp, vpp, r, c, v_shape), mb): slot[start]
                          for (kind, r, c, mb), (start, _) in replayed[best].items()}
 
 
-def _list_schedule(schedule: str, pp: int, m: int, forward_only: bool, cost_ticks: tuple, b_first: bool) -> tuple:
+def max_held(order) -> int:
+    """Most chunk-microbatches a rank's order holds at once: forward done, W not yet (what W needs counts)."""
+    live = peak = 0
+    for kind, _, _ in order:
+        live += {"F": 1, "W": -1}.get(kind, 0)
+        peak = max(peak, live)
+    return peak
+
+
+def _list_schedule(schedule: str, pp: int, m: int, forward_only: bool, cost_ticks: tuple, b_first: bool,
+                   roomy: bool) -> tuple:
     """Every rank's order by list scheduling with these costs (see the module doc); `b_first`: a ready B goes
     before a forward."""
     v_shape = schedule == "zb-v"
     vpp, cost = (2 if v_shape else 1), dict(zip("FBW", cost_ticks))
-    ranks = [_Rank([stage_of(pp, vpp, r, c, v_shape) for c in range(vpp)], _caps(schedule, pp, r))
+    ranks = [_Rank([stage_of(pp, vpp, r, c, v_shape) for c in range(vpp)], _caps(schedule, pp, r, roomy))
              for r in range(pp)]
     ends: dict = {}  # (kind, stage, microbatch) -> when it ends
     events, clock = [], [0] * pp  # end times still ahead; when each rank is next free
@@ -129,8 +153,8 @@ def _list_schedule(schedule: str, pp: int, m: int, forward_only: bool, cost_tick
         while events and events[0] <= t:
             heapq.heappop(events)
         later = [c for c in clock if c > t] + events[:1]
-        if left and not later:
-            raise RuntimeError(f"{schedule} cannot be scheduled for pp {pp}, {m} microbatches")  # a bug here
+        if left and not later:  # every rank at its memory caps with nothing else ready
+            return None
         clock = [c if c > t else min(later, default=t) for c in clock]  # idle ranks wait for the next event
     return tuple(tuple(rank.order) for rank in ranks)
 
