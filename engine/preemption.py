@@ -51,13 +51,21 @@ class PreemptionHandler:
     def should_stop(self, iteration: Optional[int] = None) -> bool:
         """Collective: True on every rank once any rank got a signal, the time limit has passed, or `iteration`
         is a multiple of --exit-interval (the same on every rank)."""
-        timed = self.deadline is not None and time.monotonic() >= self.deadline
-        stop = any_rank(self.received is not None or timed, self.device)
+        return self.decide(any_rank(self.asked(), self.device), iteration)
+
+    def asked(self) -> bool:
+        """This rank's own reason to stop: a signal, or the time limit passed."""
+        return self.received is not None or (self.deadline is not None and time.monotonic() >= self.deadline)
+
+    def decide(self, any_asked: bool, iteration: Optional[int] = None) -> bool:
+        """`should_stop` given whether any rank was `asked` (post-validation sums the flags in its own
+        all-reduce, one iteration later, instead of this collective)."""
         interval = bool(self.exit_interval and iteration and iteration % self.exit_interval == 0)
-        if (stop or interval) and self.reason is None:
+        if (any_asked or interval) and self.reason is None:
+            timed = self.deadline is not None and time.monotonic() >= self.deadline
             self.reason = f"signal {self.received}" if self.received else "--exit-duration-in-mins reached" \
-                if timed else "another rank was asked to stop" if stop else f"--exit-interval {self.exit_interval}"
-        return stop or interval
+                if timed else "another rank was asked to stop" if any_asked else f"--exit-interval {self.exit_interval}"
+        return any_asked or interval
 
     def restore(self) -> None:
         """Put back the handlers that were installed before."""

@@ -59,6 +59,17 @@ def global_grad_norm(grads: list, ctx, *, sharded_over_dp: bool, device, expert_
     return math.sqrt(sq.item())
 
 
+def norm_share(grads: list, ctx, *, sharded_over_dp: bool, device, expert_grads=None) -> torch.Tensor:
+    """This rank's share of the squared global norm, such that the sum over every rank is the square of
+    `global_grad_norm`: the same pieces, replicas counted on their first rank only (the dp x cp rank 0 for
+    dense gradients, the experts' replica rank 0 for theirs) unless sharded over them. One all-reduce over
+    all ranks then gives the norm, which post-validation starts without waiting (engine.optim.post_validation)."""
+    sq = _square_sum(grads, device) if sharded_over_dp or ctx.dp_cp_rank == 0 else torch.zeros((), device=device)
+    if expert_grads is not None and (sharded_over_dp or ctx.edp_cp_rank == 0):
+        sq = sq + _square_sum(expert_grads, device)
+    return sq
+
+
 def clip_coefficient(norm: float, max_norm: float) -> float:
     """Megatron's rule: scale by max_norm / (norm + 1e-6) when that is below 1; `max_norm` 0 disables."""
     if max_norm <= 0:

@@ -153,16 +153,30 @@ class Optimizer:
         scale, metrics = self.scaler.scale, self._metrics
         if not loss_is_finite:
             return StepResult(False, float("nan"), scale, metrics)
+        dense, experts = self.norm_pieces()
+        norm = global_grad_norm(dense, self.ctx, sharded_over_dp=self.distributed, device=self.buffer.data.device,
+                                expert_grads=experts) / scale
+        return self.finish_step(lr, norm, scale)
+
+    def norm_pieces(self) -> tuple:
+        """(dense, expert or None): this rank's gradient pieces that count toward the global norm (clip.py)."""
         counted = [e.master.grad for e in self._entries if counts_toward_norm(e.param, self.ctx)]
         experts = [e.master.grad for e in self._entries if e.buffer.experts and counts_toward_norm(e.param, self.ctx)]
         dense = [g for g in counted if not any(g is x for x in experts)]
-        norm = global_grad_norm(dense, self.ctx, sharded_over_dp=self.distributed, device=self.buffer.data.device,
-                                expert_grads=experts if len(self.buffers) > 1 else None) / scale
+        return dense, (experts if len(self.buffers) > 1 else None)
+
+    def finish_step(self, lr: float, norm: float, scale: float) -> StepResult:
+        """Given the global norm (loss scale `scale` removed): update the scaler, then skip (inf/nan) or clip
+        and update."""
         found_inf = not math.isfinite(norm)
         self.scaler.update(found_inf)
         if found_inf:
-            return StepResult(False, norm, self.scaler.scale, metrics)
-        factor = clip_coefficient(norm, self.clip_grad) / scale
+            return StepResult(False, norm, self.scaler.scale, self._metrics)
+        self.update(lr, clip_coefficient(norm, self.clip_grad) / scale)
+        return StepResult(True, norm, self.scaler.scale, self._metrics)
+
+    def update(self, lr: float, factor: float) -> None:
+        """AdamW at rate `lr` on the gradients times `factor` (unscaling and clipping), then publish."""
         if factor != 1.0:
             for buffer in self.buffers:
                 buffer.scale_local_grads(factor)
@@ -172,7 +186,18 @@ class Optimizer:
             self.adam.step()
         self.steps += 1
         self._publish()
-        return StepResult(True, norm, self.scaler.scale, metrics)
+
+    def rollback_tensors(self) -> list:
+        """What an update changes on this rank (masters, or the weights that are their own masters, and the
+        Adam moments) and what it reads (the gradients): post-validation copies them to undo a step."""
+        out = []
+        for e in self._entries:
+            out += [e.master, e.master.grad, *(adamw.moments(self.adam, e.master) if self.adam is not None else ())]
+        return out
+
+    def republish(self) -> None:
+        """Copy the masters into the model's parameters again (after they were restored)."""
+        self._publish()
 
     def _publish(self) -> None:
         """Copy the updated masters into the model's parameters (all-gathered over dp when sharded)."""

@@ -40,6 +40,7 @@ def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> di
         "edp_cp": [[rank(t, c, k * ep + e, p) for k in K for c in C] for p in P for e in E for t in T],
     }
     grid["embedding"] = [sorted({g[0], g[-1]}) for g in grid["pp"]]
+    grid["step"] = [list(range(world_size))]  # the zero-bubble optimizer's post-validation (engine.optim)
     return grid
 
 
@@ -76,6 +77,7 @@ class ParallelContext:
     dp_cp_group: object = None  # gradients and optimizer shards: the dp group itself when cp is 1
     ep_group: object = None
     edp_cp_group: object = None  # expert gradients and optimizer shards: dp_cp_group when ep is 1
+    step_group: object = None  # every rank, apart from the default group: post-validation's all-reduce
     pp_ranks: list = field(default_factory=lambda: [0])
     tp_ranks: list = field(default_factory=lambda: [0])
     dp_ranks: list = field(default_factory=lambda: [0])
@@ -199,11 +201,11 @@ class ParallelContext:
 
 # The group kinds of `rank_grid` a context keeps, and the attribute each is kept in. cp and dp_cp are
 # made only when cp > 1 (with cp 1 there is no CP group, and dp x cp is the dp group); ep and edp_cp only
-# when ep > 1 (with ep 1 the experts' replicas are the dp x cp group); embedding only when pp > 1 (nothing to
-# tie across stages).
+# when ep > 1 (with ep 1 the experts' replicas are the dp x cp group); embedding and step only when pp > 1
+# (nothing to tie across stages; no stage to run ahead of another).
 GROUPS = {"tp": "tp_group", "dp": "dp_group", "pp": "pp_group", "mp": "mp_group", "embedding": "embedding_group",
-          "cp": "cp_group", "dp_cp": "dp_cp_group", "ep": "ep_group", "edp_cp": "edp_cp_group"}
-_ONLY_WHEN = {"cp": "cp", "dp_cp": "cp", "ep": "ep", "edp_cp": "ep", "embedding": "pp"}
+          "cp": "cp_group", "dp_cp": "dp_cp_group", "ep": "ep_group", "edp_cp": "edp_cp_group", "step": "step_group"}
+_ONLY_WHEN = {"cp": "cp", "dp_cp": "cp", "ep": "ep", "edp_cp": "ep", "embedding": "pp", "step": "pp"}
 
 
 def build_context(world_size: int, rank: int, tp: int, pp: int, *, vpp: int = 1, sequence_parallel: bool = False,

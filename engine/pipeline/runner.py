@@ -47,8 +47,10 @@ class PipelineRunner:
         costs = split_backward_costs(m, m.seq_length, m.recompute_granularity)
         return cls(chunks, ctx, shape, dtype, device, trace, cfg.pipeline_schedule, costs)
 
-    def run(self, microbatches: list, scale_loss: Optional[Callable] = None, forward_only: bool = False) -> float:
-        """Forward (and backward) over all microbatches; returns the mean loss, known on every rank.
+    def run(self, microbatches: list, scale_loss: Optional[Callable] = None, forward_only: bool = False,
+            shared: bool = True):
+        """Forward (and backward) over all microbatches; returns the mean loss, known on every rank, or with
+        `shared` False without any collective: this rank's share of it (`loss_share`).
 
         `microbatches`: dicts (tokens, labels, loss_mask); only the first stage reads tokens and only the
         last reads labels, but every rank gets the same list. Losses fed to backward are divided by the
@@ -69,7 +71,7 @@ class PipelineRunner:
                     outbox[send[1:]] = made
                 if self.trace is not None and not forward_only:  # evaluation passes are not traced
                     self.trace.record(kind, mb, chunk, start, time.time())
-        return self._share_loss(losses)
+        return self._share_loss(losses) if shared else self.loss_share(losses)
 
     def _run_op(self, kind, chunk, mb, microbatches, received, saved, scale_loss, losses, forward_only):
         """One operation; returns what it sends on (a forward's output, a B's input gradient) or None."""
@@ -112,6 +114,15 @@ class PipelineRunner:
         else:
             backward_through(out, received)
         return None if x is None else x.grad
+
+    def loss_share(self, losses: list) -> torch.Tensor:
+        """This rank's share of the mean loss: the sum of every rank's shares is what `_share_loss` gives (the
+        loss rank's TP rank 0 holds the mean over its microbatches, over dp replicas averaged, CP shares
+        summed; every other rank holds 0). Post-validation sums it with the gradient norm in one all-reduce."""
+        ctx = self.ctx
+        if not losses or ctx.pp_rank != self.loss_rank or ctx.tp_rank != 0:
+            return torch.zeros((), device=self.device)
+        return torch.stack(losses).float().mean() / ctx.dp_size
 
     def _share_loss(self, losses: list) -> float:
         """Mean loss over microbatches from the loss's rank to every rank: summed over CP ranks (each holds
