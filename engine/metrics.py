@@ -329,3 +329,14 @@ def _report_written(pending, iteration: int, start: float, log) -> None:
     pending.thread.join()
     if pending.error is None:
         log(f"saved checkpoint at iteration {iteration} in {time.time() - start:.2f} s (async)")
+
+
+def train_record(o, guard, cfg, ctx, device, peak: float, seconds: float) -> dict:
+    """The metrics file's training record of a settled iteration (an engine.stepping.Outcome)."""
+    m, result = cfg.model, o.result
+    record = {"iteration": o.iteration, "train_iters": cfg.training.train_iters, "consumed_samples": o.consumed,
+              "consumed_tokens": o.consumed * m.seq_length, "lm_loss": o.loss, "lr": o.lr,
+              "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped": guard.skipped,
+              "spikes": guard.spikes, "rollbacks": guard.rollbacks,
+              "mem_peak_gb": peak_memory_gb(torch.device(device))} | result.metrics
+    return record | throughput(m, o.global_batch, seconds, ctx.world_size, ctx.tp_size, peak)

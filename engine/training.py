@@ -13,9 +13,7 @@ the work in progress that the launcher names when a collective fails.
 """
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -24,29 +22,17 @@ from engine.checkpoint import Checkpointer
 from engine.checkpoint.resume import check_resumed
 from engine.config import model_dtype, resolve
 from engine.data import BatchSampler, BatchSizeSchedule, build_datasets, make_batch
-from engine.metrics import MetricsWriter, peak_memory_gb, peak_tflops, perplexity, save_report, throughput
-from engine.optim import StepResult, build_optimizer
-from engine.optim.post_validation import PostValidator
+from engine.metrics import MetricsWriter, peak_tflops, perplexity, save_report, train_record
+from engine.optim import build_optimizer
 from engine.optim.schedule import lr_at_sample
 from engine.phase import Phase
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
-from engine.pipeline.schedules import SPLIT_BACKWARD
 from engine.pipeline.trace import PipelineTrace
 from engine.preemption import PreemptionHandler
 from engine.profiling import StepProfiler
 from engine.stability import ROLLBACK, FaultDrill, SpikeGuard
-
-
-@dataclass
-class Outcome:
-    """An iteration as the stability guard and the metrics see it."""
-    iteration: int
-    consumed: int  # samples consumed after it
-    loss: float
-    lr: float
-    result: Optional[StepResult]
-    global_batch: int
+from engine.stepping import Stepper
 
 
 class Trainer:
@@ -71,12 +57,9 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, ctx)
         self.profiler = StepProfiler(cfg.logging, ctx.rank, device, log)
         self.peak = peak_tflops(cfg, torch.device(device))
-        self.iteration, self.metrics, self.last_record = 0, None, None
-        # Zero-bubble schedules step without waiting for the other stages (engine.optim.post_validation).
-        self.validator = PostValidator(self.optimizer, ctx) \
-            if cfg.pipeline_schedule in SPLIT_BACKWARD and ctx.pp_size > 1 else None
-        self.pending: Optional[Outcome] = None  # the iteration whose step awaits its check
-        self.asked_to_stop, self.step_seconds = False, 0.0
+        self.iteration, self.metrics, self.last_record, self.step_seconds = 0, None, None, 0.0
+        self.stepper = Stepper(cfg, ctx, self.optimizer, self.pipeline, self.drill, self.preemption, self.phase,
+                               self.trace, log)
         self.phase.text = "built; not started"
 
     def _datasets(self) -> tuple:
@@ -131,9 +114,7 @@ class Trainer:
         The live guard is kept (not the checkpoint's): its counts record what happened.
         """
         spike_iteration, spike_consumed = self.iteration, self.consumed
-        if self.validator is not None:
-            self.validator.drop()  # the checkpoint replaces what the step in flight changed
-            self.pending = None
+        self.stepper.drop()  # the checkpoint replaces what a step in flight changed
         point = self.checkpointer.resume_point()
         # --no-load-optim is about how the run started; going back within the run restores everything
         if point is None or self._load(point, load_optim=True) is None:
@@ -153,10 +134,8 @@ class Trainer:
         return [make_batch(dataset, ids, device=self.device) for ids in microbatches]
 
     def train_step(self) -> list:
-        """Forward-backward over this iteration's microbatches, grad reduction, optimizer step (or its skip).
-
-        Returns the outcomes known now: this iteration's, or under post-validation the previous one's (none
-        on the first), settled before this one steps; the trainer accounts for them in that order."""
+        """Forward-backward, grad reduction, optimizer step (or its skip); the outcomes known now, in order
+        (engine.stepping: this iteration's, or under post-validation the previous one's)."""
         n, tr = self.iteration + 1, self.cfg.training
         position = self.batch_sizes.lr_samples(self.consumed, self.iteration)  # Megatron-LM's unit: samples
         lr = lr_at_sample(position, self.cfg.optim, tr) * self.guard.lr_multiplier(n)
@@ -164,48 +143,9 @@ class Trainer:
         mbs, scale_loss = self.drill.arm(n, self._tensors(self.train_ds, next(self.sampler)), self.optimizer.scale_loss)
         for model in self.chunks:
             model.train()
-        if self.validator is None:
-            loss = self._forward_backward(n, mbs, scale_loss)
-            with self.phase(f"optimizer step of iteration {n}", "tp", "pp", "dp"):
-                result = self.optimizer.step(lr, loss_is_finite=math.isfinite(loss))
-            self.iteration = n
-            return [Outcome(n, self.consumed, loss, lr, result, gbs)]
-        share = self._forward_backward(n, mbs, scale_loss)
-        done, rerun = self._settle()
-        if rerun:  # the previous step was redone (or the loss scale moved): these gradients used stale weights
-            self.log(f"iteration {n - 1}: optimizer step redone after its check ({rerun}); iteration {n} runs its "
-                     "forward and backward again")
-            share = self._forward_backward(n, mbs, scale_loss)
-        with self.phase(f"optimizer step of iteration {n} (validated during the next)", "dp"):
-            self.validator.speculate(lr, [share, float(self.preemption.asked())])
-        self.pending = Outcome(n, self.consumed, math.nan, lr, None, gbs)
+        outcomes = self.stepper.step(n, lr, self.consumed, gbs, mbs, scale_loss)
         self.iteration = n
-        return done
-
-    def _forward_backward(self, n: int, mbs: list, scale_loss):
-        """The schedule's forwards and backwards and the gradient reduction; the loss (known everywhere), or
-        under post-validation this rank's share of it."""
-        self.optimizer.start_step(len(mbs))
-        if self.trace is not None:
-            self.trace.iteration = n
-        with self.phase(f"forward/backward schedule of iteration {n}", "pp", "tp"):
-            loss = self.drill.reported_loss(self.pipeline.run(mbs, scale_loss=scale_loss,
-                                                              shared=self.validator is None))
-        with self.phase(f"gradient reduction of iteration {n}", "dp"):
-            self.optimizer.finish_grad_sync()
-        return loss
-
-    def _settle(self) -> tuple:
-        """Post-validation: wait for the pending step's check and keep or redo it; ([its outcome] or [], why the
-        step in progress must run again, or "")."""
-        if self.validator is None or self.pending is None:
-            return [], ""
-        with self.phase(f"checking the optimizer step of iteration {self.pending.iteration}", "all"):
-            settled = self.validator.settle()
-        outcome, self.pending = self.pending, None
-        outcome.loss, outcome.result = settled.shares[0], settled.result
-        self.asked_to_stop = settled.shares[1] > 0
-        return [outcome], settled.why if settled.rerun else ""
+        return outcomes
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -230,8 +170,7 @@ class Trainer:
             start = time.time()
             outcomes = self.train_step()
             with self.phase(f"pre-emption check after iteration {self.iteration}", "all"):
-                stop = self.preemption.should_stop(self.iteration) if self.validator is None else \
-                    self.preemption.decide(self.asked_to_stop, self.iteration)  # flags of the step just settled
+                stop = self.stepper.should_stop(self.iteration)
             with self.phase(f"checking the checkpoint save in flight after iteration {self.iteration}", "all"):
                 self.checkpointer.check_in_flight()
             self.step_seconds = time.time() - start
@@ -239,7 +178,7 @@ class Trainer:
         evaluate = lg.eval_interval and self.iteration % lg.eval_interval == 0 and self.valid_ds is not None
         due = ck.save_interval and self.iteration % ck.save_interval == 0
         if not rolled_back and (evaluate or (ck.save and (due or stop))):
-            rolled_back = self._account(self._settle()[0], time.time() - start)  # weights as they will stay
+            rolled_back = self._account(self.stepper.settle(), time.time() - start)  # weights as they will stay
         if not rolled_back and evaluate:
             loss = self.evaluate()
             self.metrics.log_valid(self.iteration, loss)
@@ -256,7 +195,7 @@ class Trainer:
         """Stability guard, metrics and reports for each settled iteration; True when the guard rolled back."""
         for o in outcomes:
             decision = self.guard.check(o.iteration, o.loss, o.result.grad_norm)
-            self.last_record = self._record(o, seconds)
+            self.last_record = train_record(o, self.guard, self.cfg, self.ctx, self.device, self.peak, seconds)
             if (line := self.metrics.log_train(self.last_record)) is not None:  # every --log-interval iterations
                 self.log(line)
             self._report(o.iteration, self.guard.events(decision, o.iteration))
@@ -265,23 +204,13 @@ class Trainer:
                 return True
         return False
 
-    def _record(self, o: "Outcome", seconds: float) -> dict:
-        """The metrics file's training record of a settled iteration."""
-        g, m, mem, ctx, result = self.guard, self.cfg.model, peak_memory_gb(torch.device(self.device)), self.ctx, \
-            o.result
-        record = {"iteration": o.iteration, "train_iters": self.cfg.training.train_iters,
-                  "consumed_samples": o.consumed, "consumed_tokens": o.consumed * m.seq_length, "lm_loss": o.loss,
-                  "lr": o.lr, "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped": g.skipped,
-                  "spikes": g.spikes, "rollbacks": g.rollbacks, "mem_peak_gb": mem} | result.metrics
-        return record | throughput(m, o.global_batch, seconds, ctx.world_size, ctx.tp_size, self.peak)
-
     def train(self) -> None:
         cfg, save = self.cfg, self.cfg.checkpoint.save
         if self.metrics is None:
             self.start()
         while self.iteration < cfg.training.train_iters and self.iterate():
             pass
-        self._account(self._settle()[0], self.step_seconds)  # a step still pending (post-validation), if any
+        self._account(self.stepper.settle(), self.step_seconds)  # a step still pending (post-validation), if any
         if save and self.iteration == cfg.training.train_iters and self.checkpointer.latest(save) != self.iteration:
             self.save()
         with self.phase("finishing the last asynchronous checkpoint save", "all"):
