@@ -84,7 +84,7 @@ class PostValidator:
             p.work.wait()
         values = p.vector.tolist()
         opt, shares = self.optimizer, values[1:]
-        norm = math.sqrt(values[0]) / p.scale if math.isfinite(values[0]) else float("nan")
+        norm = math.sqrt(values[0]) / p.scale  # inf and nan stay what they are, as in the synchronous path
         loss_ok = loss_index is None or math.isfinite(shares[loss_index])
         if loss_ok and math.isfinite(norm) and clip_coefficient(norm, opt.clip_grad) == 1.0:
             opt.scaler.update(False)
