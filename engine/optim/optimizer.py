@@ -76,7 +76,7 @@ class Optimizer:
         """`after_grad_sync`: called by every rank once the gradients are reduced (Megatron's finalize step:
         the MoE statistics and expert-bias update); the dict it returns is the step's `metrics`."""
         par, opt = cfg.parallel, cfg.optim
-        self.ctx, self.after_grad_sync, self._metrics = ctx, after_grad_sync, {}
+        self.ctx, self.after_grad_sync, self.step_metrics = ctx, after_grad_sync, {}
         self.strategy = sharding_strategy(par)
         self.distributed = self.strategy != "no_shard"
         self.clip_grad = opt.clip_grad
@@ -145,12 +145,12 @@ class Optimizer:
     def finish_grad_sync(self) -> None:
         for buffer in self.buffers:
             buffer.finish()
-        self._metrics = self.after_grad_sync() if self.after_grad_sync is not None else {}
+        self.step_metrics = self.after_grad_sync() if self.after_grad_sync is not None else {}
 
     def step(self, lr: float, loss_is_finite: bool = True) -> StepResult:
         """Clip and update at learning rate `lr`, or skip: a non-finite loss skips outright (its gradients
         cannot be trusted even when their norm is finite), a non-finite gradient norm through the scaler."""
-        scale, metrics = self.scaler.scale, self._metrics
+        scale, metrics = self.scaler.scale, self.step_metrics
         if not loss_is_finite:
             return StepResult(False, float("nan"), scale, metrics)
         dense, experts = self.norm_pieces()
@@ -171,9 +171,9 @@ class Optimizer:
         found_inf = not math.isfinite(norm)
         self.scaler.update(found_inf)
         if found_inf:
-            return StepResult(False, norm, self.scaler.scale, self._metrics)
+            return StepResult(False, norm, self.scaler.scale, self.step_metrics)
         self.update(lr, clip_coefficient(norm, self.clip_grad) / scale)
-        return StepResult(True, norm, self.scaler.scale, self._metrics)
+        return StepResult(True, norm, self.scaler.scale, self.step_metrics)
 
     def update(self, lr: float, factor: float) -> None:
         """AdamW at rate `lr` on the gradients times `factor` (unscaling and clipping), then publish."""
@@ -185,7 +185,7 @@ class Optimizer:
                 group["lr"] = lr
             self.adam.step()
         self.steps += 1
-        self._publish()
+        self.publish()
 
     def rollback_tensors(self) -> list:
         """What an update changes on this rank (masters, or the weights that are their own masters, and the
@@ -195,11 +195,7 @@ class Optimizer:
             out += [e.master, e.master.grad, *(adamw.moments(self.adam, e.master) if self.adam is not None else ())]
         return out
 
-    def republish(self) -> None:
-        """Copy the masters into the model's parameters again (after they were restored)."""
-        self._publish()
-
-    def _publish(self) -> None:
+    def publish(self) -> None:
         """Copy the updated masters into the model's parameters (all-gathered over dp when sharded)."""
         if not self.distributed or self.sharder is not None:
             for e in self._entries:

@@ -55,11 +55,11 @@ class Settled:
 
 class PostValidator:
     def __init__(self, optimizer: Optimizer, ctx):
-        self.optimizer, self.ctx, self.pending = optimizer, ctx, None
+        self.optimizer, self.ctx, self.pending, self.copies = optimizer, ctx, None, None
 
     def speculate(self, lr: float, shares: list) -> None:
-        """Start the all-reduce of this step's norm and `shares` (tensors or floats), copy what the update
-        changes, and update as if the norm needed no clipping and nothing were inf/nan."""
+        """Start the all-reduce of this step's norm and `shares` (tensors or floats, the loss first), copy what
+        the update changes, and update as if the norm needed no clipping and nothing were inf/nan."""
         assert self.pending is None, "settle the previous step first"
         opt = self.optimizer
         device = opt.buffer.data.device
@@ -69,14 +69,20 @@ class PostValidator:
                                                         .reshape(()) for x in shares])
         work = comm.all_reduce(vector, group=self.ctx.step_group, async_op=True) \
             if self.ctx.step_group is not None else None
-        saved = [t.clone() for t in opt.rollback_tensors()]
+        live = opt.rollback_tensors()
+        if self.copies is None:
+            self.copies = [torch.empty_like(t) for t in live]  # allocated once, refilled every step
+        with torch.no_grad():
+            for copy, t in zip(self.copies, live):
+                copy.copy_(t)
+        saved = self.copies
         scale = opt.scaler.scale
-        self.pending = _Pending(lr, scale, vector, work, saved, opt.steps, opt._metrics)
+        self.pending = _Pending(lr, scale, vector, work, saved, opt.steps, opt.step_metrics)
         opt.update(lr, 1.0 / scale)
 
-    def settle(self, loss_index: Optional[int] = 0) -> Optional[Settled]:
-        """Wait for the pending step's all-reduce; keep or redo the step (module doc). `loss_index`: which share
-        is the loss (a non-finite loss skips the step, as in Optimizer.step). None when nothing is pending."""
+    def settle(self) -> Optional[Settled]:
+        """Wait for the pending step's all-reduce; keep or redo the step (module doc). The first share is the
+        loss: a non-finite one skips the step, as in Optimizer.step. None when nothing is pending."""
         p, self.pending = self.pending, None
         if p is None:
             return None
@@ -85,7 +91,7 @@ class PostValidator:
         values = p.vector.tolist()
         opt, shares = self.optimizer, values[1:]
         norm = math.sqrt(values[0]) / p.scale  # inf and nan stay what they are, as in the synchronous path
-        loss_ok = loss_index is None or math.isfinite(shares[loss_index])
+        loss_ok = math.isfinite(shares[0])
         if loss_ok and math.isfinite(norm) and clip_coefficient(norm, opt.clip_grad) == 1.0:
             opt.scaler.update(False)
             moved = opt.scaler.scale != p.scale
@@ -113,4 +119,4 @@ class PostValidator:
         opt.steps = p.steps
         if opt.adam is not None:
             adamw.set_step(opt.adam, p.steps)
-        opt.republish()
+        opt.publish()

@@ -66,3 +66,14 @@ def dependencies(kind: str, r: int, c: int, mb: int, pp: int, vpp: int, v_shape:
     if kind == "F":
         return [("F", *previous, mb)] if previous else []
     return [("F", r, c, mb)] + ([("B", *following, mb)] if following else [])
+
+
+def max_in_flight(order: list, until: str = "B") -> int:
+    """Most microbatch-chunks whose activations are held at once: forward done, backward (B) not; with
+    until="W", counted up to the W pass of a split backward (what W keeps counts as held)."""
+    closing = "W" if until == "W" and any(kind == "W" for kind, _, _ in order) else "B"
+    live = peak = 0
+    for kind, _, _ in order:
+        live += 1 if kind == "F" else -1 if kind == closing else 0
+        peak = max(peak, live)
+    return peak

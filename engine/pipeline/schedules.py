@@ -26,7 +26,7 @@ import warnings
 from typing import Optional
 
 from engine.pipeline import zero_bubble
-from engine.pipeline.replay import makespan, replay, steady_period
+from engine.pipeline.replay import makespan, max_in_flight, replay, steady_period  # noqa: F401 (max_in_flight: API)
 from engine.pipeline.zero_bubble import UNIT, Costs
 from engine.validation import check_interleaved_microbatches
 
@@ -96,17 +96,6 @@ def schedule_order(pp: int, vpp: int, rank: int, num_microbatches: int, schedule
     """This rank's operations in execution order: ("F" | "B" | "W", chunk, microbatch)."""
     return [op for step in schedule_steps(pp, vpp, rank, num_microbatches, schedule=schedule, costs=costs)
             for op in step]
-
-
-def max_in_flight(order: list, until: str = "B") -> int:
-    """Most microbatch-chunks whose activations are held at once: forward done, backward (B) not; with
-    until="W", counted up to the W pass of a split backward (what W keeps counts as held)."""
-    closing = "W" if until == "W" and any(kind == "W" for kind, _, _ in order) else "B"
-    live = peak = 0
-    for kind, _, _ in order:
-        live += 1 if kind == "F" else -1 if kind == closing else 0
-        peak = max(peak, live)
-    return peak
 
 
 def simulate(pp: int, vpp: int, num_microbatches: int, t_forward: float = 1.0, t_backward: float = 2.0,

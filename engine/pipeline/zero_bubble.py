@@ -42,7 +42,7 @@ from collections import deque
 from typing import NamedTuple
 
 from engine.pipeline.partition import place, stage_of
-from engine.pipeline.replay import makespan, replay, steady_period
+from engine.pipeline.replay import makespan, max_in_flight, replay, steady_period
 
 SCHEDULES = ("zb-h1", "zb-v")
 TICKS = 8  # costs are rounded to eighths of the forward's
@@ -112,20 +112,11 @@ def _build(schedule: str, pp: int, m: int, forward_only: bool, cost_ticks: tuple
 
     def merit(i: int) -> tuple:  # steady-state period, then held memory, then one step's makespan
         period = 0 if forward_only else steady_period(built[i], vpp, cost, m, v_shape)
-        return period, max(max_held(o) for o in built[i]), makespan(replayed[i])
+        return period, max(max_in_flight(o, until="W") for o in built[i]), makespan(replayed[i])
     best = min(range(len(built)), key=merit)  # the first on a tie
     slot = {t: i for i, t in enumerate(sorted({start for start, _ in replayed[best].values()}))}
     return built[best], {(kind, stage_of(pp, vpp, r, c, v_shape), mb): slot[start]
                          for (kind, r, c, mb), (start, _) in replayed[best].items()}
-
-
-def max_held(order) -> int:
-    """Most chunk-microbatches a rank's order holds at once: forward done, W not yet (what W needs counts)."""
-    live = peak = 0
-    for kind, _, _ in order:
-        live += {"F": 1, "W": -1}.get(kind, 0)
-        peak = max(peak, live)
-    return peak
 
 
 def _list_schedule(schedule: str, pp: int, m: int, forward_only: bool, cost_ticks: tuple, b_first: bool,
