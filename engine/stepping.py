@@ -45,12 +45,15 @@ class Stepper:
         done, rerun = self._settle()
         if rerun:  # the previous step was redone (or the loss scale moved): these gradients used stale weights
             self.log(f"iteration {n - 1}: optimizer step redone after its check ({rerun}); iteration {n} runs its "
-                     "forward and backward again")
+                     "forward and backward again, and steps wait for their check until one passes")
             share = self._forward_backward(n, mbs, scale_loss)
-        with self.phase(f"optimizer step of iteration {n} (validated during the next)", "dp"):
-            self.validator.speculate(lr, [share, float(self.preemption.asked())])
-        self.pending = Outcome(n, consumed, math.nan, lr, None, global_batch)
-        return done
+        with self.phase(f"optimizer step of iteration {n}", "all"):
+            checked = self.validator.step(lr, [share, float(self.preemption.asked())])
+        if checked is None:  # validated during the next iteration
+            self.pending = Outcome(n, consumed, math.nan, lr, None, global_batch)
+            return done
+        self.asked_to_stop = checked.shares[1] > 0
+        return done + [Outcome(n, consumed, checked.shares[0], lr, checked.result, global_batch)]
 
     def should_stop(self, iteration: int) -> bool:
         """The pre-emption decision after `iteration`: a collective, or from the flags settled last."""

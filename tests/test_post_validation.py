@@ -48,9 +48,12 @@ def test_post_validated_steps_equal_the_synchronous_ones_whether_kept_redone_or_
             assert a["lm_loss"] == pytest.approx(b["lm_loss"], rel=1e-6, abs=1e-6), i
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), i
     assert checked[10]["skipped"] == 1
-    # zb-v stepped before the check: each clipped or skipped step (but the last, settled after the loop) was
-    # redone and the step after it run again; 1F1B never speculates
-    redone = [i for i in range(1, 10) if i == 3 or synchronous[i]["grad_norm"] > CLIP]
+    # zb-v stepped before the check: a clipped or skipped step after a clean one (but the last, settled after
+    # the loop) was redone and the step after it run again; after a redo steps wait for their check until
+    # one passes, so a run of clipped steps costs one redo; 1F1B never speculates
+    bad = {i: i == 3 or synchronous[i]["grad_norm"] > CLIP for i in synchronous}
+    redone = [i for i in range(1, 10) if bad[i] and not bad.get(i - 1, False)]
+    assert len(redone) < sum(bad[i] for i in range(1, 10)), bad  # some clipped steps were taken checked
     lines = [line for line in output.splitlines() if "optimizer step redone after its check" in line]
     assert [int(line.split("iteration ")[1].split(":")[0]) for line in lines] == redone, lines
     assert "non-finite loss" in lines[redone.index(3)] and "over --clip-grad" in lines[-1]
