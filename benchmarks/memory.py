@@ -28,6 +28,7 @@ report `torch.cuda.max_memory_allocated` growth over the layer's forward.
 """
 from __future__ import annotations
 
+import functools
 import argparse
 import os
 import sys
@@ -39,6 +40,7 @@ import torch.multiprocessing as mp
 
 from engine.config import ModelConfig
 from engine.model import GPTModel
+from engine.parallel import context_split
 from engine.parallel.topology import build_context
 from engine.planner.memory import layer_activation_bytes
 
@@ -106,7 +108,8 @@ def measure(cfg: ModelConfig, ctx, device, seq: int = SEQ, micro: int = MICRO) -
     s_local = ctx.activation_shape(seq, micro, cfg.hidden_size)[0]
     torch.manual_seed(0)
     x = torch.randn(s_local, micro, cfg.hidden_size, device=device, requires_grad=True)
-    tables = model.rope_freqs(ctx.positions(seq, device=x.device))
+    positions = context_split.positions(seq, ctx.cp_size, ctx.cp_rank, x.device)
+    tables = model.rope_freqs(positions)
     layer = model.layers["1"]
     saved = SavedBytes(model.parameters())
     peak = None
@@ -117,9 +120,9 @@ def measure(cfg: ModelConfig, ctx, device, seq: int = SEQ, micro: int = MICRO) -
     with saved.hooks():
         if cfg.recompute_granularity == "full":
             from engine.parallel.recompute import recompute
-            y = recompute(layer, ctx.rng, x, tables)
+            y = recompute(functools.partial(layer, positions=positions), ctx.rng, x, tables)
         else:
-            y = layer(x, tables)
+            y = layer(x, tables, positions)
     if device.type == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base

@@ -68,7 +68,7 @@ def _step(chunks, opt, ctx) -> tuple:
         opt.start_step(M)
         for _ in range(M):
             tokens = torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=g)
-            (model(tokens=tokens[:, :-1], labels=tokens[:, 1:]) / M).backward()
+            (model(tokens=tokens[:, :-1], labels=tokens[:, 1:]).mean() / M).backward()
         opt.finish_grad_sync()
         opt.step(1e-4)
     seconds = time.perf_counter() - start
@@ -77,7 +77,7 @@ def _step(chunks, opt, ctx) -> tuple:
 
 
 def _measure(rank: int, strategy: str, prefetch: bool) -> dict:
-    ctx = build_context(DP, rank, 1, 1)
+    ctx = build_context(DP, rank, 1, 1, sharding=strategy)
     cfg = config(strategy, prefetch)
     chunks = build_model_chunks(cfg, ctx, vocab_size=VOCAB, dtype=torch.bfloat16)
     opt = build_optimizer(cfg, chunks, ctx, bucket_numel=50_000)

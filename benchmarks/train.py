@@ -8,7 +8,7 @@ on the same batches, alternating step by step so that a change in machine load h
 - engine: `engine.training.Trainer.iterate()`, i.e. everything a real run does per iteration (batch,
   pipeline schedule, grad buffer, mixed-precision AdamW, clipping, stability guard, pre-emption check);
 - plain: `GPTModel` + `torch.optim.AdamW` + `clip_grad_norm_` (autocast for --bf16/--fp16), nothing else.
-Reported per loop: median step time, tokens/s, model TFLOP/s and MFU (engine.planner.flops), and the ratio
+Reported per loop: median step time, tokens/s, model TFLOP/s and MFU (engine.flops), and the ratio
 engine / plain step time. The peak for MFU is --peak-tflops, else the CUDA device's preset, else (CPU)
 a measured fp32 matmul rate of this machine, labelled as such. The two loss curves are also compared:
 they agree to rounding, which shows both loops do the same work.
@@ -107,6 +107,7 @@ class PlainLoop:
 
         from engine.data import make_batch
         from engine.optim import lr_at
+        from engine.pipeline.loss import mean_loss
         cfg, tr = self.cfg, self.cfg.training
         gbs, mbs = tr.global_batch_size, tr.micro_batch_size
         first = iteration * gbs
@@ -115,8 +116,7 @@ class PlainLoop:
         total = 0.0
         for batch in batches:
             with torch.autocast(torch.device(self.device).type, dtype=self.autocast, enabled=self.autocast is not None):
-                loss = self.model(tokens=batch["tokens"], labels=batch["labels"],
-                                  loss_mask=batch["loss_mask"])
+                loss = mean_loss(self.model(tokens=batch["tokens"], labels=batch["labels"]), batch["loss_mask"])
             (loss / len(batches)).backward()
             total += loss.item()
         if cfg.optim.clip_grad:
@@ -132,10 +132,11 @@ def run(own, cfg) -> dict:
     import torch
     import torch.distributed as dist
 
+    from engine import flops
     from engine.config import model_dtype
+    from engine.layout import Layout
     from engine.metrics import peak_tflops
-    from engine.parallel.topology import build_context
-    from engine.planner import flops
+    from engine.parallel.topology import context_for
     from engine.training import Trainer
 
     use_cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
@@ -152,7 +153,8 @@ def run(own, cfg) -> dict:
         peak_source = f"measured {str(dtype).replace('torch.', '')} 1024^3 matmul on this machine"
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=0, world_size=1)
     try:
-        ctx = build_context(1, 0, 1, 1, seed=cfg.training.seed, device_type="cuda" if use_cuda else "cpu")
+        ctx = context_for(Layout.from_config(cfg, 1), 0, seed=cfg.training.seed,
+                          device_type="cuda" if use_cuda else "cpu")
         trainer = Trainer(cfg, ctx, device, log=lambda _msg: None)
         trainer.start()
         plain = PlainLoop(cfg, ctx, trainer, device)

@@ -56,12 +56,9 @@ FAULT_KINDS = ("nan", "spike")  # --inject-fault drills (engine.stability.FaultD
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 
 
+# The names --pipeline-schedule and --data-parallel-sharding-strategy take; what each means is engine/layout.py's.
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-
-
-def sharding_strategy(par) -> str:
-    """The data-parallel sharding strategy in force: the flag, or --use-distributed-optimizer's alias."""
-    return par.data_parallel_sharding_strategy or ("optim" if par.use_distributed_optimizer else "no_shard")
 
 
 def _f(default, help, *, aliases=(), choices=None, nargs=None, action=None, type=None, yaml_only=False):
@@ -174,7 +171,7 @@ class ParallelConfig:
     sequence_parallel: bool = _f(False, "split norms and dropout over the sequence within the TP group")
     pipeline_schedule: Optional[str] = _f(None, "pipeline schedule (default: 1f1b, interleaved with --vpp); zb-h1 and "
                                                 "zb-v split each backward into input- and weight-gradient parts",
-                                          choices=("1f1b", "interleaved", "zb-h1", "zb-v"))
+                                          choices=PIPELINE_SCHEDULES)
     context_parallel_size: int = _f(1, "context-parallel size: each sequence split over this many ranks "
                                        "(load-balanced causal chunks, ring attention)", aliases=("--cp",))
     cp_comm_type: str = _f("p2p", "how attention sees the other CP ranks' keys and values: p2p passes them round "
@@ -341,18 +338,6 @@ class Config:
     @property
     def pp(self) -> int:
         return self.parallel.pipeline_model_parallel_size
-
-    @property
-    def vpp(self) -> int:
-        """Model chunks per pipeline rank: --vpp, or the two of ZB-V's V."""
-        if self.parallel.pipeline_schedule == "zb-v":
-            return 2
-        return self.parallel.virtual_pipeline_model_parallel_size or 1
-
-    @property
-    def pipeline_schedule(self) -> str:
-        """The schedule that runs: --pipeline-schedule, else interleaved with --vpp > 1 (as Megatron-LM), else 1f1b."""
-        return self.parallel.pipeline_schedule or ("interleaved" if self.vpp > 1 else "1f1b")
 
     @property
     def cp(self) -> int:

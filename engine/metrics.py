@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from engine.planner import flops
+from engine import flops
 
 TRAIN_KEYS = ("iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "loss_scale", "skipped",
               "tokens_per_sec", "tflops_per_gpu", "mfu")
@@ -75,7 +75,7 @@ def throughput(model, global_batch_size: int, seconds: float, num_gpus: int, tp_
                peak: Optional[float]) -> dict:
     """Per-iteration speed fields of a training record, from the iteration's wall time.
 
-    `model`: the ModelConfig. TFLOP/s count model FLOPs (no recomputation, engine.planner.flops), so
+    `model`: the ModelConfig. TFLOP/s count model FLOPs (no recomputation, engine.flops), so
     mfu = tflops_per_gpu / peak.
     """
     seq = model.seq_length
@@ -338,5 +338,5 @@ def train_record(o, guard, cfg, ctx, device, peak: float, seconds: float) -> dic
               "consumed_tokens": o.consumed * m.seq_length, "lm_loss": o.loss, "lr": o.lr,
               "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped": guard.skipped,
               "spikes": guard.spikes, "rollbacks": guard.rollbacks,
-              "mem_peak_gb": peak_memory_gb(torch.device(device))} | result.metrics
+              "mem_peak_gb": peak_memory_gb(torch.device(device))} | o.routing
     return record | throughput(m, o.global_batch, seconds, ctx.world_size, ctx.tp_size, peak)

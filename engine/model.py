@@ -4,26 +4,32 @@ One class covers GPT-2/3 (LayerNorm, learned positions, exact or tanh GELU, bias
 Llama 2/3 (RMSNorm, rotary positions with optional Llama 3.1 scaling, SwiGLU, grouped-query attention, no
 biases, untied output); Mistral is Llama-shaped and Qwen2 adds a bias to the QKV projection only.
 Activations are [s, b, h] between layers, or this rank's slice of the sequence where the parallel context
-splits it (sequence parallelism: the context decides, the model asks it). A pipeline stage or virtual chunk
-is the same class holding a subset of the layers (by global id, so parameter names do not depend on
-the layout), with the embedding on the first chunk (`pre_process`) and final norm, output layer and
-loss on the last (`post_process`).
+splits it (sequence parallelism: the context decides, the model asks it). The model sees whatever positions
+of each sequence it is given (`positions`: the pipeline runner cuts a microbatch for context parallelism
+before it gets here) and never asks how the sequence was cut. A pipeline stage or virtual chunk is the same
+class holding a subset of the layers (by global id, so parameter names do not depend on the layout), with
+the embedding on the first chunk (`pre_process`) and final norm, output layer and loss on the last
+(`post_process`).
 
-`forward(tokens=..., labels=...)` returns the mean loss over unmasked tokens; without labels it returns
-this rank's vocabulary slice of the logits ([b, s, V/tp]); a middle stage maps `hidden` to `hidden`.
+`forward(tokens=..., labels=...)` returns the loss of every token ([b, s], the z-loss included); how
+those make a microbatch's loss is engine.pipeline.loss's rule. Without labels it returns this rank's
+vocabulary slice of the logits ([b, s, V/tp]); a middle stage maps `hidden` to `hidden`.
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention_mask import AttentionMask
 from engine.config import ModelConfig, padded_vocab_size
 from engine.moe.layer import MoELayer
 from engine.parallel import mappings
+from engine.parallel.attention import attention_for
 from engine.parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.parallel.layers import (
     ColumnParallelLinear,
@@ -35,7 +41,6 @@ from engine.parallel.layers import (
     mark_tied,
 )
 from engine.parallel.recompute import recompute
-from engine.parallel.ring_attention import ContextAttention
 from kernels import dispatch
 
 WORD_EMBEDDING_KEY = "embedding.word.weight"  # the random stream both copies of a tied embedding are drawn from
@@ -71,6 +76,7 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(self.heads * self.head_dim, cfg.hidden_size, ctx, bias=bias, std=out_std,
                                       device=device, dtype=dtype)
         self.selective = cfg.recompute_granularity == "selective"
+        self.mask = AttentionMask.of(cfg)
         # The backend is resolved once, for the device and dtype the layer is built on (a model built on the
         # meta device only describes shapes and never runs).
         device = torch.device(device) if device is not None else torch.get_default_device()
@@ -78,16 +84,12 @@ class Attention(nn.Module):
         if device.type != "meta":
             backend = dispatch.resolve_attention_backend(cfg.attention_backend, device, cfg.attention_dropout,
                                                          dtype or torch.get_default_dtype())
-            self.attend = dispatch.attention_fn(backend)
-            if ctx.cp_size > 1:  # the sequence is split over CP ranks: attention runs round them
-                self.attend = ContextAttention(ctx, dispatch.attention_block_backend(backend, device))
+            self.attend = attention_for(ctx, backend, device)
 
     def _core(self, q, k, v):
         p = self.cfg.attention_dropout if self.training else 0.0
         with self.ctx.dropout_rng(split_over_tp=True):  # heads are split over TP
-            if self.ctx.cp_size > 1:
-                return self.attend(q, k, v, p)
-            return self.attend(q, k, v, True, p, None)
+            return self.attend(q, k, v, self.mask, p)
 
     def forward(self, x, freqs):
         qkv = self.qkv(x)
@@ -114,7 +116,8 @@ class MLP(nn.Module):
                                         stack=2 if cfg.swiglu else 1, device=device, dtype=dtype)
         self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, ctx, bias=bias, std=out_std, device=device, dtype=dtype)
 
-    def forward(self, x):
+    def forward(self, x, positions=None):
+        """`positions`: unused here (an MoE block routes by them; the two blocks take the same arguments)."""
         y = self.fc1(x)
         if self.swiglu:
             gate, up = y.chunk(2, dim=-1)
@@ -147,10 +150,17 @@ class TransformerLayer(nn.Module):
         with self.ctx.residual_dropout_rng():
             return F.dropout(x, self.dropout, training=True)
 
-    def forward(self, x, freqs):
+    def forward(self, x, freqs, positions):
         # The residual add before the MLP's norm is fused with it: one pass over the activations.
         h, x = self.norm2.add(self._drop(self.attention(self.norm1(x), freqs)), x)
-        return x + self._drop(self.mlp(h))
+        return x + self._drop(self.mlp(h, positions))
+
+
+class Unit(NamedTuple):
+    """A piece of a model chunk that runs as a whole: the embedding, a layer or the head."""
+    name: object          # "embedding", the layer's global id, or "head"
+    module: nn.Module     # whose forward runs it
+    params: list
 
 
 class GPTModel(nn.Module):
@@ -204,6 +214,20 @@ class GPTModel(nn.Module):
     def output_weight(self):
         return self.word.weight if self.tied and self.pre_process else self.output
 
+    def units(self) -> list:
+        """This chunk's pieces in forward order: the embedding (word and learned position embeddings, run by
+        the chunk's own forward), each layer, the head (final norm and output weight, which at pp 1 with tied
+        embeddings is the word embedding again). ZeRO-3 gathers them one at a time (engine.optim.param_shard)
+        and the MoE statistics find the routed layers among them (engine.moe.stats)."""
+        units = []
+        if self.pre_process:
+            units.append(Unit("embedding", self, [self.word.weight] + ([self.position] if hasattr(self, "position")
+                                                                        else [])))
+        units += [Unit(i, self.layers[str(i)], list(self.layers[str(i)].parameters())) for i in self.layer_ids]
+        if self.post_process:
+            units.append(Unit("head", self.final_norm, list(self.final_norm.parameters()) + [self.output_weight()]))
+        return units
+
     def rope_freqs(self, positions: torch.Tensor) -> Optional[torch.Tensor]:
         """RoPE angles [len(positions), d/2] of the given token positions (this rank's, under CP)."""
         if self.cfg.position_embedding_type != "rope":
@@ -214,41 +238,41 @@ class GPTModel(nn.Module):
             inv = llama3_scaled(inv, self.cfg)
         return torch.outer(positions.to(torch.float32), inv)
 
-    def embed(self, tokens):
-        """Embeddings of this rank's positions of `tokens` [b, s] (the whole sequences)."""
-        x = self.word(self.ctx.cp_split(tokens, 1))
+    def embed(self, tokens, positions):
+        """Embeddings of `tokens` [b, s] at `positions` [s]."""
+        x = self.word(tokens)
         if self.cfg.position_embedding_type == "learned_absolute":
-            x = x + self.ctx.local_seq(self.ctx.cp_split(self.position[: tokens.shape[1]], 0)).unsqueeze(1)
+            x = x + self.ctx.local_seq(self.position[positions]).unsqueeze(1)
         if self.training and self.cfg.hidden_dropout:
             with self.ctx.residual_dropout_rng():
                 x = F.dropout(x, self.cfg.hidden_dropout, training=True)
         return x
 
-    def forward(self, tokens=None, hidden=None, labels=None, loss_mask=None):
-        x = self.embed(tokens) if self.pre_process else hidden
-        freqs = self.rope_freqs(self.ctx.positions(self.ctx.full_seq_len(x.shape[0]), x.device))
+    def forward(self, tokens=None, hidden=None, labels=None, positions=None):
+        """`positions` [s]: where in the sequence the tokens (or the activations `hidden`) are; by default all of
+        one whole sequence, 0..s-1."""
+        if positions is None:
+            s = tokens.shape[1] if tokens is not None else hidden.shape[0] * self.ctx.seq_split
+            positions = torch.arange(s, device=(tokens if tokens is not None else hidden).device)
+        x = self.embed(tokens, positions) if self.pre_process else hidden
+        freqs = self.rope_freqs(positions)
         for i in self.layer_ids:
             layer = self.layers[str(i)]
             if i in self.full_recompute and self.training:
-                x = recompute(layer, self.ctx.rng, x, freqs)
+                # positions ride in the replayed call, not among the saved tensors: the microbatch holds them
+                x = recompute(functools.partial(layer, positions=positions), self.ctx.rng, x, freqs)
             else:
-                x = layer(x, freqs)
+                x = layer(x, freqs, positions)
         if not self.post_process:
             return x
-        return self.head(self.final_norm(x), labels, loss_mask)
+        return self.head(self.final_norm(x), labels)
 
-    def head(self, x, labels, loss_mask):
-        """Logits, or the loss of this rank's positions over the whole sequences' token count: under CP the
-        ranks' losses add up to the mean over every unmasked token of the microbatch."""
+    def head(self, x, labels):
+        """This rank's vocabulary slice of the logits [b, s, V/tp], or with labels every token's loss [b, s]."""
         logits = mappings.enter_tp_linear(x, self.output_weight(), None, self.ctx)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)
         s, b, v = logits.shape
-        local_labels = self.ctx.cp_split(labels, 1)
-        loss = vocab_parallel_cross_entropy(logits.reshape(s * b, v), local_labels.t().reshape(-1), self.ctx,
+        return vocab_parallel_cross_entropy(logits.reshape(s * b, v), labels.t().reshape(-1), self.ctx,
                                             self.vocab_size, self.z_loss_weight).view(s, b).t()
-        if loss_mask is None:
-            return loss.mean() if self.ctx.cp_size == 1 else loss.sum() / labels.numel()
-        loss_mask = loss_mask.float()
-        return (loss * self.ctx.cp_split(loss_mask, 1)).sum() / loss_mask.sum().clamp(min=1.0)
 

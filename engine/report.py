@@ -14,11 +14,11 @@ from typing import Optional
 
 import torch
 
-from engine.config import model_dtype, precision_name, sharding_strategy
+from engine.config import model_dtype, precision_name
 from engine.metrics import arguments_path
 from engine.parallel import comm
 from engine.parallel.layers import spec_of
-from engine.planner.memory import GIB, Layout, memory_per_gpu
+from engine.planner.memory import GIB, memory_per_gpu
 from kernels import dispatch
 
 
@@ -36,14 +36,8 @@ def stage_parameters(chunks, ctx) -> list:
 
 def memory_estimate(cfg, ctx, global_batch: int, attention: str):
     """engine.planner.memory's estimate for this run's layout (the busiest pipeline stage)."""
-    par, tr, m = cfg.parallel, cfg.training, cfg.model
-    layout = Layout(tp=ctx.tp_size, pp=ctx.pp_size, dp=ctx.dp_size, vpp=ctx.vpp_size,
-                    micro_batch_size=tr.micro_batch_size, recompute=m.recompute_granularity or "none",
-                    sequence_parallel=ctx.sequence_parallel, distributed_optimizer=par.use_distributed_optimizer,
-                    sharding_strategy=sharding_strategy(par), pipeline_schedule=cfg.pipeline_schedule,
-                    first_stage_layers=par.decoder_first_pipeline_num_layers,
-                    last_stage_layers=par.decoder_last_pipeline_num_layers, cp=ctx.cp_size, ep=ctx.ep_size)
-    microbatches = global_batch // (tr.micro_batch_size * ctx.dp_size)
+    par, m, layout = cfg.parallel, cfg.model, ctx.layout
+    microbatches = global_batch // (layout.micro_batch_size * layout.dp)
     return memory_per_gpu(m, layout, m.seq_length, microbatches, precision_name(cfg),
                           flash_attention=attention != "local", overlap_grad_reduce=par.overlap_grad_reduce,
                           overlap_param_gather=par.overlap_param_gather)

@@ -2,16 +2,18 @@
 synchronous (every rank waits for the global norm, then steps) or, under the zero-bubble schedules,
 post-validated (engine.optim.post_validation: step now, checked during the next iteration, which runs again
 when the check redoes the step). Either way the loop gets `Outcome`s in iteration order: synchronous steps
-report their own, post-validated ones the previous iteration's, and `settle()` the one still pending."""
+report their own, post-validated ones the previous iteration's, and `settle()` the one still pending. Once the
+gradients are reduced, the MoE routing statistics are summed and the expert biases moved (engine.moe.stats;
+Megatron-LM does this in its finalize step)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import Optional
 
+from engine.moe.stats import MoEStats
 from engine.optim.optimizer import StepResult
 from engine.optim.post_validation import PostValidator
-from engine.pipeline.schedules import SPLIT_BACKWARD
 
 
 @dataclass
@@ -23,14 +25,16 @@ class Outcome:
     lr: float
     result: Optional[StepResult]
     global_batch: int
+    routing: dict  # the MoE routing statistics of its step (engine.moe.stats), or {}
 
 
 class Stepper:
     def __init__(self, cfg, ctx, optimizer, pipeline, drill, preemption, phase, trace=None, log=print):
         self.optimizer, self.pipeline, self.drill, self.preemption = optimizer, pipeline, drill, preemption
         self.phase, self.trace, self.log = phase, trace, log
-        self.validator = PostValidator(optimizer, ctx) \
-            if cfg.pipeline_schedule in SPLIT_BACKWARD and ctx.pp_size > 1 else None
+        self.validator = PostValidator(optimizer, ctx) if ctx.layout.schedule.split_backward else None
+        self.stats = MoEStats(cfg, pipeline.chunks, ctx, pipeline.device) if cfg.model.num_experts else None
+        self.routing: dict = {}  # the statistics of the last gradient reduction
         self.pending: Optional[Outcome] = None  # the iteration whose step awaits its check
         self.asked_to_stop = False  # the pre-emption flags of the step settled last, summed over every rank
 
@@ -40,7 +44,7 @@ class Stepper:
             loss = self._forward_backward(n, mbs, scale_loss)
             with self.phase(f"optimizer step of iteration {n}", "tp", "pp", "dp"):
                 result = self.optimizer.step(lr, loss_is_finite=math.isfinite(loss))
-            return [Outcome(n, consumed, loss, lr, result, global_batch)]
+            return [Outcome(n, consumed, loss, lr, result, global_batch, self.routing)]
         share = self._forward_backward(n, mbs, scale_loss)
         done, rerun = self._settle()
         if rerun:  # the previous step was redone (or the loss scale moved): these gradients used stale weights
@@ -50,10 +54,10 @@ class Stepper:
         with self.phase(f"optimizer step of iteration {n}", "all"):
             checked = self.validator.step(lr, [share, float(self.preemption.asked())])
         if checked is None:  # validated during the next iteration
-            self.pending = Outcome(n, consumed, math.nan, lr, None, global_batch)
+            self.pending = Outcome(n, consumed, math.nan, lr, None, global_batch, self.routing)
             return done
         self.asked_to_stop = checked.shares[1] > 0
-        return done + [Outcome(n, consumed, checked.shares[0], lr, checked.result, global_batch)]
+        return done + [Outcome(n, consumed, checked.shares[0], lr, checked.result, global_batch, self.routing)]
 
     def should_stop(self, iteration: int) -> bool:
         """The pre-emption decision after `iteration`: a collective, or from the flags settled last."""
@@ -82,6 +86,9 @@ class Stepper:
                                                               shared=self.validator is None))
         with self.phase(f"gradient reduction of iteration {n}", "dp"):
             self.optimizer.finish_grad_sync()
+        if self.stats is not None:
+            with self.phase(f"MoE routing statistics of iteration {n}", "all"):
+                self.routing = self.stats.finish_step()
         return loss
 
     def _settle(self) -> tuple:

@@ -24,25 +24,26 @@ from engine.config import (
     data_vocab_size,
     flag_of,
     parse_faults,
-    sharding_strategy,
     tokenizer_of,
     vocab_source,
 )
+from engine.layout import PipelineSchedule, Sharding
 
 TP_FLAG, PP_FLAG, CP_FLAG = "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"
 
 
 def validate(cfg: Config, world_size: int) -> None:
     """Every check that needs no process group, section by section. Raises ConfigError with one line."""
-    tp, pp, vpp = cfg.tp, cfg.pp, cfg.vpp
     _check_parallel_sizes(cfg.parallel)
     _check_pipeline_schedule(cfg.parallel, cfg.model.num_layers)
+    par = cfg.parallel
+    schedule = PipelineSchedule.of(par.pipeline_schedule, cfg.pp, par.virtual_pipeline_model_parallel_size)
     _check_model(cfg.model)
     # The split before the world size: a tp that the heads reject is the more useful line to print.
-    _check_split(cfg.model, cfg.parallel, tp, pp, vpp)
+    _check_split(cfg.model, cfg.parallel, cfg.tp, cfg.pp, schedule.vpp)
     _check_parallel(cfg.parallel, world_size)
     _check_moe(cfg.model, cfg.parallel, cfg.dp(world_size))
-    _check_training(cfg.training, cfg.dp(world_size), pp, vpp if cfg.pipeline_schedule == "interleaved" else 1)
+    _check_training(cfg.training, cfg.dp(world_size), cfg.pp, schedule.vpp if schedule.interleaved else 1)
     _check_optim(cfg.optim, cfg.training)
     _check_logging(cfg.logging)
     _check_files(cfg)
@@ -129,36 +130,40 @@ def _check_sharding_strategy(par: ParallelConfig) -> None:
     """--use-distributed-optimizer is the strategy `optim`: the two flags may not disagree; afterwards both
     say the same (the flag names the strategy, the boolean says whether anything is sharded)."""
     flag = "--data-parallel-sharding-strategy"
-    if par.use_distributed_optimizer and par.data_parallel_sharding_strategy == "no_shard":
-        _err(flag, "no_shard", "contradicts --use-distributed-optimizer (which is the strategy optim); drop one")
-    par.data_parallel_sharding_strategy = sharding_strategy(par)
-    par.use_distributed_optimizer = par.data_parallel_sharding_strategy != "no_shard"
-    if par.overlap_param_gather and par.data_parallel_sharding_strategy == "no_shard":
+    given = par.data_parallel_sharding_strategy
+    if par.use_distributed_optimizer and given is not None and not Sharding.of(given).optimizer:
+        _err(flag, given, "contradicts --use-distributed-optimizer (which is the strategy optim); drop one")
+    sharding = Sharding.of(par.data_parallel_sharding_strategy, par.use_distributed_optimizer)
+    par.data_parallel_sharding_strategy, par.use_distributed_optimizer = sharding.strategy, sharding.optimizer
+    if par.overlap_param_gather and not sharding.optimizer:
         _err("--overlap-param-gather", True, "overlaps the gathering of sharded weights, and nothing is sharded; "
                                              f"add --use-distributed-optimizer or {flag}, or drop it")
 
 
 def _check_pipeline_schedule(par: ParallelConfig, layers: int) -> None:
-    """--pipeline-schedule against --pp and --vpp: interleaved needs chunks, 1f1b and zb-h1 take one per rank,
-    zb-v exactly the two of its V (it sets them itself)."""
-    schedule, pp = par.pipeline_schedule, par.pipeline_model_parallel_size
-    vpp = par.virtual_pipeline_model_parallel_size
-    flag, other = "--pipeline-schedule", {"1f1b": "interleaved", "zb-h1": "zb-v (two chunks per rank in a V)"}
-    if schedule in other and (vpp or 1) > 1:
-        _err(flag, schedule, f"runs one model chunk per rank, but --vpp is {vpp}; drop --vpp or use {other[schedule]}")
-    if schedule == "interleaved" and (vpp or 1) < 2:
-        _err(flag, schedule, "needs --virtual-pipeline-model-parallel-size of at least 2 (model chunks per rank)")
-    if schedule == "zb-v" and vpp not in (None, 2):
-        _err(flag, schedule, f"places exactly 2 model chunks per rank (a V), not --vpp {vpp}; drop --vpp or give 2")
-    if schedule in ("zb-h1", "zb-v") and pp < 2:
-        _err(flag, schedule, "needs --pipeline-model-parallel-size of at least 2; drop the flag for pp 1")
+    """--pipeline-schedule against --pp and --vpp: a schedule that runs a fixed number of chunks per rank takes
+    no other --vpp, one that interleaves needs at least two, a split backward needs stages to overlap, and
+    equal chunks refuse an uneven split (engine.layout.SCHEDULE_KINDS says which is which)."""
+    if par.pipeline_schedule is None:
+        return
+    name, pp, vpp = par.pipeline_schedule, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+    kind, flag = PipelineSchedule.of(name, pp).kind, "--pipeline-schedule"
+    if kind.chunks == 1 and (vpp or 1) > 1:
+        _err(flag, name, f"runs one model chunk per rank, but --vpp is {vpp}; drop --vpp or use {kind.instead}")
+    if kind.chunks is None and (vpp or 1) < 2:
+        _err(flag, name, "needs --virtual-pipeline-model-parallel-size of at least 2 (model chunks per rank)")
+    if (kind.chunks or 1) > 1 and vpp not in (None, kind.chunks):
+        _err(flag, name, f"places exactly {kind.chunks} model chunks per rank ({kind.shape}), not --vpp {vpp}; drop "
+                         f"--vpp or give {kind.chunks}")
+    if kind.split_backward and pp < 2:
+        _err(flag, name, "needs --pipeline-model-parallel-size of at least 2; drop the flag for pp 1")
     uneven = par.decoder_first_pipeline_num_layers is not None or par.decoder_last_pipeline_num_layers is not None
-    if schedule == "zb-v" and uneven:
-        _err(flag, schedule, "splits the layers into 2 x pp equal chunks; drop --decoder-first/last-pipeline-"
-                             "num-layers or use zb-h1")
-    if schedule == "zb-v" and layers % (2 * pp):
-        _err(flag, schedule, f"needs --num-layers {layers} divisible by 2 x pp = {2 * pp} (two equal chunks per "
-                             "rank); change --num-layers or --pp")
+    if (kind.chunks or 1) > 1 and uneven:
+        _err(flag, name, f"splits the layers into {kind.chunks} x pp equal chunks; drop --decoder-first/last-"
+                         f"pipeline-num-layers or use {kind.instead}")
+    if (kind.chunks or 1) > 1 and layers % (kind.chunks * pp):
+        _err(flag, name, f"needs --num-layers {layers} divisible by {kind.chunks} x pp = {kind.chunks * pp} "
+                         f"({kind.chunks} equal chunks per rank); change --num-layers or --pp")
 
 
 def _check_model(m: ModelConfig) -> None:

@@ -172,9 +172,10 @@ def main(argv=None) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker outlives no agent (see engine/preemption.py)
         watch_parent(on_exit=_release_locks)
 
+    from engine.layout import Layout
     from engine.liveness import Liveness
     from engine.parallel import comm
-    from engine.parallel.topology import build_context, layout_table
+    from engine.parallel.topology import context_for, layout_table
     from engine.report import banner, report_arguments
     from engine.training import Trainer
 
@@ -186,10 +187,9 @@ def main(argv=None) -> int:
         liveness = Liveness(store, rank, world, lambda: str(trainer.phase) if trainer else where).start()
     par = cfg.parallel
     try:
-        ctx = build_context(world, rank, cfg.tp, cfg.pp, vpp=cfg.vpp, sequence_parallel=par.sequence_parallel,
-                            gpus_per_node=par.gpus_per_node, timeout_minutes=par.distributed_timeout_minutes,
-                            seed=cfg.training.seed, device_type=torch.device(device).type, cp=cfg.cp,
-                            cp_comm_type=par.cp_comm_type, ep=par.expert_model_parallel_size)
+        ctx = context_for(Layout.from_config(cfg, world), rank, gpus_per_node=par.gpus_per_node,
+                          timeout_minutes=par.distributed_timeout_minutes, seed=cfg.training.seed,
+                          device_type=torch.device(device).type, cp_comm_type=par.cp_comm_type)
         where = "building the model, optimizer and data"
         log = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)
         report_arguments(cfg, rank, log)  # rank 0: the resolved arguments, printed and saved beside the metrics

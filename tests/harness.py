@@ -74,12 +74,14 @@ def sgd_reference(model, batches, steps: int, lr: float = SGD_LR) -> tuple:
     `batches(step)` gives the step's microbatches (dicts with tokens, labels and optionally loss_mask); each
     microbatch's loss is divided by their number, as the pipeline runner does."""
     import torch
+
+    from engine.pipeline.loss import mean_loss
     opt, curve, first = torch.optim.SGD(model.parameters(), lr=lr), [], {}
     for step in range(steps):
         opt.zero_grad()
         mbs, losses = batches(step), []
         for mb in mbs:
-            loss = model(mb["tokens"], labels=mb["labels"], loss_mask=mb.get("loss_mask"))
+            loss = mean_loss(model(mb["tokens"], labels=mb["labels"]), mb.get("loss_mask"))
             (loss / len(mbs)).backward()
             losses.append(loss.item())
         curve.append(sum(losses) / len(losses))

@@ -1,7 +1,7 @@
 """What the planner's test files share: paths, the shipped configs, the A100 preset, the CLI in-process."""
 import os
 
-from engine.planner.flops import GPU_PRESETS
+from engine.flops import GPU_PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(os.path.join(ROOT, "configs", f) for f in os.listdir(os.path.join(ROOT, "configs"))

@@ -16,9 +16,10 @@ from engine.checkpoint import Checkpointer, CheckpointReader, latest_iteration, 
 from engine.checkpoint import rng as ckpt_rng
 from engine.checkpoint.layout import local_tensors
 from engine.config import Config, ConfigError
+from engine.layout import Layout
 from engine.optim import build_optimizer
 from engine.parallel.layers import tp_slice
-from engine.parallel.topology import ParallelContext, build_context
+from engine.parallel.topology import ParallelContext, context_for
 from engine.pipeline.partition import build_model_chunks
 from engine.preemption import PreemptionHandler
 from harness import run_ranks
@@ -106,7 +107,7 @@ TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_see
 
 
 def _real(cfg, rank, world):
-    return build_context(world, rank, cfg.tp, cfg.pp, vpp=cfg.vpp, seed=cfg.training.seed)
+    return context_for(Layout.from_config(cfg, world), rank, seed=cfg.training.seed)
 
 
 def _sharded_logits(chunks, ctx):
@@ -288,7 +289,7 @@ def test_reshard_to_other_layouts_reproduces_full_tensors(saved, name, style):
     for tp, pp, vpp, dp, dist_opt in TARGETS:
         cfg = make_config(style, tp, pp, vpp, dist_opt)
         for rank in range(tp * pp * dp):
-            ctx = ParallelContext.virtual(tp=tp, pp=pp, dp=dp, vpp=cfg.vpp, tp_rank=rank % tp,
+            ctx = ParallelContext.virtual(layout=Layout.from_config(cfg, tp * pp * dp), tp_rank=rank % tp,
                                           dp_rank=(rank // tp) % dp, pp_rank=rank // (tp * dp))
             chunks, opt = build(cfg, ctx)
             extra = load_checkpoint(os.path.join(root, name), chunks, opt, ctx)

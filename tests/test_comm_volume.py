@@ -31,9 +31,10 @@ from fractions import Fraction
 import torch
 
 from engine.config import Config, ModelConfig, padded_vocab_size
+from engine.layout import Layout as EngineLayout
 from engine.optim import build_optimizer
 from engine.parallel import comm
-from engine.parallel.topology import build_context, coords
+from engine.parallel.topology import context_for, coords
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
 from harness import run_ranks
@@ -171,7 +172,7 @@ def _kinds(ctx) -> dict:
 
 def _iteration(rank, world, lay: Layout) -> dict:
     cfg = _config(lay)
-    ctx = build_context(world, rank, lay.tp, lay.pp, vpp=lay.vpp, sequence_parallel=lay.sp, seed=5)
+    ctx = context_for(EngineLayout.from_config(cfg, world), rank, seed=5)
     try:
         chunks = build_model_chunks(cfg, ctx)
         optimizer = build_optimizer(cfg, chunks, ctx)

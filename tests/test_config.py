@@ -17,7 +17,7 @@ def test_yaml_then_flags_override_with_megatron_names_and_aliases(tmp_path):
     path = write(tmp_path, "num-layers: 6\nhidden_size: 96\ntensor_model_parallel_size: 2\nmock_data: true\n")
     cfg = parse_config(["--config", path, "--tp", "1", "--pp", "2", "--vpp", "3", "--lr", "0.5"])
     assert cfg.model.num_layers == 6 and cfg.model.hidden_size == 96
-    assert (cfg.tp, cfg.pp, cfg.vpp) == (1, 2, 3)
+    assert (cfg.tp, cfg.pp, cfg.parallel.virtual_pipeline_model_parallel_size) == (1, 2, 3)
     assert cfg.optim.lr == 0.5 and cfg.data.mock_data
 
 
@@ -147,15 +147,16 @@ def test_topology_raises_the_line_validate_raises():
 
 
 def test_schedule_and_validate_share_the_interleaving_rule():
+    from engine.layout import PipelineSchedule
     from engine.pipeline.schedules import check_schedule
     msg = check(["--num-layers", "8", "--pp", "2", "--vpp", "2", "--global-batch-size", "6", "--micro-batch-size", "2"],
                 2, "--global-batch-size 6: gives 3 microbatches")
     with pytest.raises(ConfigError) as info:
-        check_schedule(2, 2, 3)
+        check_schedule(PipelineSchedule.of(None, 2, 2), 3)
     # The schedule knows the count, not the batch flag that led to it: same rule, its own flag and value.
     assert str(info.value).startswith("--virtual-pipeline-model-parallel-size 2: ")
     assert str(info.value).split(": ", 1)[1] == msg.split(": ", 1)[1]
-    check_schedule(2, 2, 4)
+    check_schedule(PipelineSchedule.of(None, 2, 2), 4)
 
 
 def test_model_split_check_names_the_flags_it_is_given():

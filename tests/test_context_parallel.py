@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from engine.attention_mask import AttentionMask
 from engine.config import Config, ConfigError, ModelConfig
 from engine.model import TIED_EMBEDDING, GPTModel
 from engine.parallel import context_split, ring_attention
@@ -128,19 +129,20 @@ def _attention_case(rank, world, cp, comm_type, nkv):
     ref = reference.attention(*full, causal=True)
     dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(6))
     ref.backward(dout)
-    local = [ctx.cp_split(t.detach(), 1).requires_grad_() for t in full]
+    cut = lambda t: context_split.split(t, 1, ctx.cp_size, ctx.cp_rank)  # noqa: E731
+    local = [cut(t.detach()).requires_grad_() for t in full]
     attn = ContextAttention(ctx, "reference")
     with ring_attention.counting() as flops:
-        out = attn(*local)
-        out.backward(ctx.cp_split(dout, 1))
+        out = attn(*local, AttentionMask())
+        out.backward(cut(dout))
     failures = []
     for name, got, want in (("out", out, ref), ("dq", local[0].grad, full[0].grad), ("dk", local[1].grad, full[1].grad),
                             ("dv", local[2].grad, full[2].grad)):
-        err = (got - ctx.cp_split(want.detach() if name == "out" else want, 1)).abs().max().item()
+        err = (got - cut(want.detach() if name == "out" else want)).abs().max().item()
         if err > 1e-5:
             failures.append(f"cp {cp} {comm_type} nkv {nkv}: {name} err {err:.3g}")
     with ctx.rng.fork():  # dropout: the same stream on both comm types -> the same masks
-        dropped = attn(*[t.detach() for t in local], dropout_p=0.2)
+        dropped = attn(*[t.detach() for t in local], AttentionMask(), dropout_p=0.2)
     ctx.destroy()
     return failures, flops.forward, flops.backward, dropped
 
@@ -274,7 +276,7 @@ def _dropout_case(rank, world):
         cfg.attention_dropout, cfg.hidden_dropout, cfg.recompute_granularity = 0.2, 0.1, recompute
         model = GPTModel(cfg, ctx, seed=9, vocab_size=VOCAB).train()
         states = ctx.rng.get_states(), torch.get_rng_state()
-        model(mb["tokens"], labels=mb["labels"]).backward()
+        model(mb["tokens"], labels=mb["labels"]).mean().backward()
         grads[recompute] = {n: p.grad.clone() for n, p in model.named_parameters()}
         ctx.rng.set_states(states[0])
         torch.set_rng_state(states[1])

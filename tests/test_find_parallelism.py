@@ -12,10 +12,8 @@ import pytest
 
 from engine.cli import parse_config
 from engine.config import ConfigError
-from engine.planner.flops import GPU_PRESETS
-from engine.planner.memory import (
-    Layout,
-)
+from engine.flops import GPU_PRESETS
+from engine.layout import Layout
 from engine.planner.search import candidate_layouts, chinchilla_optimal, rank_layouts
 from engine.validation import validate
 from planner_common import A100, ROOT, TOOL, run_cli

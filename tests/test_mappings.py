@@ -13,6 +13,7 @@ dp 2) that test_layers.py and the other parallel tests reuse; each case then tak
 import pytest
 import torch
 
+from engine.layout import Layout
 from engine.parallel import mappings
 from engine.parallel.topology import ParallelContext, build_context
 from harness import run_ranks
@@ -145,8 +146,9 @@ IDENTITY_NONE = [(op, False) for op in ALL_OPS] + [(op, True) for op in ("enter_
                          ids=[f"{op}{'-sp' if sp else ''}-none" for op, sp in IDENTITY_NONE])
 def test_group_none_is_identity(op, sp):
     # No process group at all (one process, no torch.distributed): what a single-device run uses. A
-    # context that asks for sequence parallelism without a group must still not communicate.
-    ctx = ParallelContext(sequence_parallel=sp)
+    # context that asks for sequence parallelism (a layout of tp 2) without a group must still not communicate.
+    ctx = ParallelContext(layout=Layout(tp=2, sequence_parallel=sp))
+    assert ctx.sequence_parallel == sp
     assert _identity_failures(op, ctx) == []
 
 

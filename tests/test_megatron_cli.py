@@ -153,7 +153,7 @@ def test_accepted_flags_set_megatrons_meaning():
     assert uniform.model.recompute_num_layers is None and "every layer is recomputed" in uniform.notices[0]
     vpp = _cfg("--num-layers", "8", "--pp", "2", "--num-layers-per-virtual-pipeline-stage", "2",
                "--global-batch-size", "2", world=2)
-    assert vpp.vpp == 2
+    assert vpp.parallel.virtual_pipeline_model_parallel_size == 2
     samples = _cfg("--train-samples", "100", "--global-batch-size", "8", "--lr-warmup-fraction", "0.1")
     assert samples.training.train_iters == 12  # whole global batches, as Megatron-LM counts them
 

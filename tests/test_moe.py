@@ -7,12 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import Config, ConfigError, ModelConfig
+from engine.layout import Layout
 from engine.model import GPTModel
 from engine.moe.experts import grouped_matmul
 from engine.moe.router import _keep_within_capacity
+from engine.moe.stats import MoEStats
 from engine.optim import build_optimizer
 from engine.parallel.layers import spec_of
-from engine.parallel.topology import ParallelContext, build_context
+from engine.parallel.topology import ParallelContext, context_for
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
 from engine.validation import validate
@@ -71,16 +73,19 @@ def test_moe_block_equals_the_token_by_token_sum(score):
     model = GPTModel(moe_cfg(moe_router_score_function=score, moe_router_topk=2), ParallelContext(), seed=3)
     block = model.layers["1"].mlp
     x = torch.randn(SEQ, 2, 32, generator=torch.Generator().manual_seed(1))
-    assert torch.allclose(block(x), _naive_moe(block, x), atol=1e-5)
+    assert torch.allclose(block(x, torch.arange(SEQ)), _naive_moe(block, x), atol=1e-5)
 
 
 def test_capacity_keeps_the_heaviest_or_earliest_per_expert():
-    # (expert, weight, token id)
-    rows = torch.tensor([[0, 0.9, 3], [0, 0.2, 0], [0, 0.5, 1], [1, 0.7, 2], [0, 0.5, 2]], dtype=torch.float64)
+    # (expert, weight, sample, position)
+    rows = torch.tensor([[0, 0.9, 0, 3], [0, 0.2, 0, 0], [0, 0.5, 0, 1], [1, 0.7, 0, 2], [0, 0.5, 0, 2]],
+                        dtype=torch.float64)
     assert _keep_within_capacity(rows, 2, "probs").tolist() == [True, False, True, True, False]
     rows[4, 1] = 0.5 + 1e-7  # a rounding difference does not overtake the earlier token
     assert _keep_within_capacity(rows, 2, "probs").tolist() == [True, False, True, True, False]
     assert _keep_within_capacity(rows, 2, "position").tolist() == [False, True, True, True, False]
+    rows[1, 2:] = torch.tensor([1.0, 0.0])  # samples first: sample 1's first token comes after sample 0's last
+    assert _keep_within_capacity(rows, 2, "position").tolist() == [False, False, True, True, True]
 
 
 def test_aux_loss_joins_backward_but_not_the_loss():
@@ -90,7 +95,7 @@ def test_aux_loss_joins_backward_but_not_the_loss():
     losses, grads = [], []
     for coeff in (0.0, 0.5):
         model = GPTModel(moe_cfg(moe_aux_loss_coeff=coeff), ParallelContext(), seed=3).train()
-        loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:]).mean()
         loss.backward()
         losses.append(loss.item())
         grads.append(model.layers["1"].mlp.router.weight.grad.clone())
@@ -156,7 +161,7 @@ def _whole(p, ctx):
 def _train(cfg, ctx, steps: int, microbatches: int, dp_rank: int = 0, dp: int = 1) -> tuple:
     """Loss, grad norm and MoE metrics per step and the step-0 gradients, with the engine's optimizer."""
     chunks = build_model_chunks(cfg, ctx, vocab_size=VOCAB)
-    opt = build_optimizer(cfg, chunks, ctx)
+    opt, stats = build_optimizer(cfg, chunks, ctx), MoEStats(cfg, chunks, ctx, "cpu")
     runner = PipelineRunner(chunks, ctx, ctx.activation_shape(SEQ, MICRO, 32), torch.float32, "cpu")
     history, first = [], {}
     for step in range(steps):
@@ -164,16 +169,17 @@ def _train(cfg, ctx, steps: int, microbatches: int, dp_rank: int = 0, dp: int = 
         opt.start_step(microbatches)
         loss = runner.run(mbs[dp_rank * microbatches:(dp_rank + 1) * microbatches])
         opt.finish_grad_sync()
+        metrics = stats.finish_step()
         if step == 0 and not cfg.parallel.use_distributed_optimizer:
             first = {n: _whole(p, ctx).clone() for c in chunks for n, p in c.named_parameters() if p.requires_grad}
         result = opt.step(cfg.optim.lr)
-        history.append((loss, result.grad_norm, result.metrics))
+        history.append((loss, result.grad_norm, metrics))
     return history, first
 
 
 def _layout(rank, world, moe, tp, pp, cp, ep, distributed, steps, microbatches):
     cfg = _config(moe, tp, pp, cp, ep, distributed)
-    ctx = build_context(world, rank, tp, pp, sequence_parallel=tp > 1, seed=9, cp=cp, ep=ep)
+    ctx = context_for(Layout.from_config(cfg, world), rank, seed=9)
     out = _train(cfg, ctx, steps, microbatches, ctx.dp_rank, ctx.dp_size)
     ctx.destroy()
     return out

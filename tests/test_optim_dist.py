@@ -18,7 +18,6 @@ from engine.optim import build_optimizer
 from engine.optim.clip import counts_toward_norm, global_grad_norm
 from engine.parallel.layers import ParamSpec
 from engine.parallel.topology import ParallelContext, build_context
-from engine.pipeline.partition import stage_layers
 from harness import run_ranks
 
 NUM_LAYERS, MICRO, LR, CLIP = 4, 3, 1e-2, 1.0
@@ -78,7 +77,7 @@ def _build_chunks(ctx, dtype=torch.float32):
         first, last = ctx.is_first_stage and c == 0, ctx.is_last_stage and c == ctx.vpp_size - 1
         if first:
             add(chunk, "word.weight", "emb")
-        for i in stage_layers(NUM_LAYERS, ctx.pp_size, ctx.vpp_size, ctx.pp_rank, c):
+        for i in ctx.layout.layer_ids(NUM_LAYERS, ctx.pp_rank, c):
             for suffix in ("qkv.weight", "qkv.bias", "proj.weight", "proj.bias", "norm.weight"):
                 add(chunk, f"layers.{i}.{suffix}", f"layers.{i}.{suffix}")
         if last:
@@ -146,7 +145,8 @@ class _CommLog:
 
 
 def _run_layout(rank, world, tp, pp, vpp, sp, distributed, overlap, steps, reference):
-    ctx = build_context(world, rank, tp, pp, vpp=vpp, sequence_parallel=sp)
+    ctx = build_context(world, rank, tp, pp, vpp=vpp, sequence_parallel=sp,
+                        sharding="optim" if distributed else None)
     try:
         cfg = Config()
         cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.clip_grad = LR, 0.1, CLIP
@@ -231,10 +231,10 @@ def _merge(shards: list) -> dict:
 
 def _state_bytes_and_resharding(rank, world):
     """dp4 sharded state is at most 0.3 of dp1's; sharded state merges into whole tensors and back."""
-    ctx = build_context(world, rank, 1, 1)
+    ctx = build_context(world, rank, 1, 1, sharding="optim")
     try:
         one, four = _Wide(), _Wide()
-        opt1 = build_optimizer(_bf16_cfg(True), [one], ParallelContext.virtual())
+        opt1 = build_optimizer(_bf16_cfg(True), [one], ParallelContext.virtual(sharding="optim"))
         opt4 = build_optimizer(_bf16_cfg(True), [four], ctx)
         ratio = opt4.state_bytes() / opt1.state_bytes()
         assert ratio <= 0.3, ratio
@@ -276,7 +276,7 @@ def _fp16_overflow_on_one_rank(rank, world):
     """An inf in one dp rank's gradient makes every rank skip, halve the scale and keep its parameters."""
     from engine.optim import LossScaler
     for distributed in (True, False):
-        ctx = build_context(world, rank, 1, 1)
+        ctx = build_context(world, rank, 1, 1, sharding="optim" if distributed else None)
         try:
             cfg = Config()
             cfg.training.fp16, cfg.parallel.use_distributed_optimizer = True, distributed

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from engine.config import Config, ModelConfig
+from engine.layout import Layout
 from engine.model import GPTModel
 from engine.optim import build_optimizer, lr_at
-from engine.parallel.topology import ParallelContext, build_context
+from engine.parallel.topology import ParallelContext, context_for
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
 from harness import run_ranks
@@ -53,7 +54,7 @@ def _single_rank_curve():
         opt.start_step(len(mbs))
         losses = []
         for mb in mbs:
-            loss = model(tokens=mb["tokens"], labels=mb["labels"])
+            loss = model(tokens=mb["tokens"], labels=mb["labels"]).mean()
             (loss / len(mbs)).backward()
             losses.append(loss.item())
         opt.finish_grad_sync()
@@ -64,7 +65,7 @@ def _single_rank_curve():
 
 def _train(rank, world, tp, pp, overlap, reference, recompute=None):
     cfg = _cfg(tp, pp, dp_optimizer=True, overlap=overlap, sp=tp > 1, recompute=recompute)
-    ctx = build_context(world, rank, tp, pp, sequence_parallel=tp > 1, seed=cfg.training.seed)
+    ctx = context_for(Layout.from_config(cfg, world), rank, seed=cfg.training.seed)
     try:
         chunks = build_model_chunks(cfg, ctx, vocab_size=VOCAB)
         opt = build_optimizer(cfg, chunks, ctx, bucket_numel=4000)
@@ -81,7 +82,7 @@ def _train(rank, world, tp, pp, overlap, reference, recompute=None):
             else:  # a plain loop over microbatches, no pipeline
                 losses = []
                 for mb in mine:
-                    mb_loss = chunks[0](tokens=mb["tokens"], labels=mb["labels"])
+                    mb_loss = chunks[0](tokens=mb["tokens"], labels=mb["labels"]).mean()
                     (mb_loss / len(mine)).backward()
                     losses.append(mb_loss.detach())
                 total = torch.stack(losses).mean().reshape(1)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from engine.config import Config
+from engine.layout import Layout
 from engine.optim import LossScaler, build_optimizer
 from engine.parallel.topology import ParallelContext
 
@@ -53,7 +54,7 @@ def _reference_adamw(model, lr, wd):
 def test_fp32_steps_match_torch_adamw_with_clipping(overlap, distributed):
     model, ref = Tiny(), Tiny()
     cfg = _cfg(overlap_grad_reduce=overlap, use_distributed_optimizer=distributed)
-    opt = build_optimizer(cfg, [model], ParallelContext.virtual(), bucket_numel=20)
+    opt = build_optimizer(cfg, [model], ParallelContext.virtual(layout=Layout.from_config(cfg, 1)), bucket_numel=20)
     assert len(opt.buffer.buckets) >= 2
     ref_opt = _reference_adamw(ref, 1e-2, 0.1)
     for step in range(4):

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from engine.config import Config, ConfigError, ModelConfig
+from engine.layout import Layout, PipelineSchedule
 from engine.model import TIED_EMBEDDING, GPTModel
 from engine.parallel.topology import ParallelContext, build_context
 from engine.pipeline import schedules
-from engine.pipeline.partition import build_model_chunks, stage_layers, stage_sizes
+from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
 from harness import SGD_LR, full_grad, grad_buffer, run_ranks, sgd_reference
 
@@ -19,37 +20,39 @@ VOCAB, SEQ, MICRO = 96, 8, 2
 # ---------------------------------------------------------------- partitioning and schedule shape
 
 def test_even_uneven_and_interleaved_partitions():
-    assert [stage_layers(8, 4, 1, r, 0) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert stage_sizes(10, 4, first=1, last=3) == [1, 3, 3, 3]
-    assert stage_layers(10, 4, 1, 3, 0, first=1, last=3) == [7, 8, 9]
+    assert [Layout(pp=4).layer_ids(8, r, 0) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    uneven = Layout(pp=4, first_stage_layers=1, last_stage_layers=3)
+    assert uneven.stage_sizes(10) == [1, 3, 3, 3]
+    assert uneven.layer_ids(10, 3, 0) == [7, 8, 9]
     # interleaved: chunk c on pipeline rank r holds virtual stage c*pp + r
-    assert stage_layers(8, 2, 2, 0, 0) == [0, 1] and stage_layers(8, 2, 2, 1, 0) == [2, 3]
-    assert stage_layers(8, 2, 2, 0, 1) == [4, 5] and stage_layers(8, 2, 2, 1, 1) == [6, 7]
+    two = Layout(pp=2, vpp=2)
+    assert two.layer_ids(8, 0, 0) == [0, 1] and two.layer_ids(8, 1, 0) == [2, 3]
+    assert two.layer_ids(8, 0, 1) == [4, 5] and two.layer_ids(8, 1, 1) == [6, 7]
     for pp, vpp in ((2, 1), (4, 1), (2, 2), (4, 2)):
-        ids = sorted(i for r in range(pp) for c in range(vpp) for i in stage_layers(16, pp, vpp, r, c))
+        ids = sorted(i for r in range(pp) for c in range(vpp) for i in Layout(pp=pp, vpp=vpp).layer_ids(16, r, c))
         assert ids == list(range(16))
 
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 4), (4, 8), (4, 3), (8, 16)])
 def test_1f1b_holds_at_most_pp_minus_rank_microbatches(pp, m):
     for r in range(pp):
-        order = schedules.schedule_order(pp, 1, r, m)
+        order = schedules.schedule_order(PipelineSchedule.of(None, pp), r, m)
         assert sorted(o for o in order if o[0] == "F") == [("F", 0, i) for i in range(m)]
-        assert schedules.max_in_flight(order) == schedules.peak_in_flight(pp, 1, r, m) <= pp - r
+        assert schedules.max_in_flight(order) == schedules.peak_in_flight(PipelineSchedule.of(None, pp), r, m) <= pp - r
 
 
 @pytest.mark.parametrize("pp,vpp,m", [(2, 2, 4), (4, 2, 8), (4, 2, 4), (4, 3, 12), (8, 2, 16)])
 def test_interleaved_holds_at_most_warmup_plus_one(pp, vpp, m):
     for r in range(pp):
-        order = schedules.schedule_order(pp, vpp, r, m)
+        order = schedules.schedule_order(PipelineSchedule.of(None, pp, vpp), r, m)
         bound = schedules.warmup_count(pp, vpp, r, m) + 1  # the documented bound
-        assert schedules.max_in_flight(order) == schedules.peak_in_flight(pp, vpp, r, m) <= bound
+        assert schedules.max_in_flight(order) == schedules.peak_in_flight(PipelineSchedule.of(None, pp, vpp), r, m) <= bound
         assert len(order) == 2 * m * vpp
 
 
 @pytest.mark.parametrize("pp,vpp,m", [(2, 1, 4), (4, 1, 8), (4, 1, 16), (8, 1, 32), (2, 2, 4), (4, 2, 8), (4, 4, 16), (8, 2, 16)])
 def test_replayed_bubble_is_textbook(pp, vpp, m):
-    sim = schedules.simulate(pp, vpp, m, t_forward=1.0, t_backward=2.0)
+    sim = schedules.simulate(PipelineSchedule.of(None, pp, vpp), m, t_forward=1.0, t_backward=2.0)
     assert sim["bubble"] == pytest.approx((pp - 1) / (vpp * m), abs=1e-9)
 
 
@@ -104,8 +107,8 @@ def test_batched_exchanges_never_deadlock_and_pair_up(forward_only):
     cases = [(pp, 1, m) for pp in range(2, 9) for m in range(1, 2 * pp + 2)]
     cases += [(pp, v, k * pp) for pp in range(2, 9) for v in range(2, 5) for k in (1, 2, 3)]
     for pp, vpp, m in cases:
-        plans = [exchange_plan(schedules.schedule_steps(pp, vpp, r, m, forward_only), pp, vpp, r)
-                 for r in range(pp)]
+        schedule = PipelineSchedule.of(None, pp, vpp)
+        plans = [exchange_plan(schedules.schedule_steps(schedule, r, m, forward_only), schedule, r) for r in range(pp)]
         result = replay_exchanges(plans)
         assert result["sent"] == result["expected"], (pp, vpp, m)
         assert sum(map(len, result["sent"].values())) == (2 - forward_only) * m * (pp * vpp - 1), (pp, vpp, m)
@@ -120,7 +123,8 @@ def test_replay_catches_a_deadlocking_plan():
         replay_exchanges([a, b])
     # and one batch per operation (instead of one per steady-state forward/backward pair) hangs interleaving
     from engine.pipeline.p2p import exchange_plan
-    per_op = [exchange_plan([[op] for op in schedules.schedule_order(2, 2, r, 4)], 2, 2, r) for r in range(2)]
+    two = PipelineSchedule.of(None, 2, 2)
+    per_op = [exchange_plan([[op] for op in schedules.schedule_order(two, r, 4)], two, r) for r in range(2)]
     with pytest.raises(RuntimeError, match="deadlock"):
         replay_exchanges(per_op)
 
@@ -153,10 +157,10 @@ def test_batched_exchange_delivers_in_order_and_releases_sent_activations():
 
 def test_impossible_interleaving_rejected_and_few_microbatches_warned():
     with pytest.raises(ConfigError, match="multiple of pp"):
-        schedules.check_schedule(4, 2, 6)
+        schedules.check_schedule(PipelineSchedule.of(None, 4, 2), 6)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        schedules.check_schedule(4, 1, 2)
+        schedules.check_schedule(PipelineSchedule.of(None, 4), 2)
     assert any("microbatches" in str(w.message) for w in caught)
 
 

@@ -28,12 +28,10 @@ import os
 import pytest
 
 from engine.cli import parse_config
+from engine.flops import GPU_PRESETS
+from engine.layout import Layout
 from engine.planner import published
-from engine.planner.flops import GPU_PRESETS
-from engine.planner.memory import (
-    Layout,
-    memory_per_gpu,
-)
+from engine.planner.memory import memory_per_gpu
 from engine.planner.published import PUBLISHED
 from engine.planner.step_time import Software, _links, estimate
 from planner_common import ROOT, run_cli

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from engine.cli import parse_config
+from engine.layout import Layout, PipelineSchedule
 from engine.pipeline.schedules import peak_in_flight
 from engine.planner.memory import (
-    Layout,
     layer_activation_bytes,
     memory_per_gpu,
     param_split_per_rank,
@@ -31,9 +31,7 @@ from planner_common import CONFIGS, ROOT
 # --- parameters: analytic == what the engine builds --------------------------------------------
 
 def _layouts_for(cfg):
-    own = Layout(cfg.tp, cfg.pp, 1, cfg.vpp, first_stage_layers=cfg.parallel.decoder_first_pipeline_num_layers,
-                 last_stage_layers=cfg.parallel.decoder_last_pipeline_num_layers)
-    yield own
+    yield Layout.from_config(cfg, cfg.tp * cfg.pp * cfg.cp)
     m = cfg.model
     groups = m.resolved_query_groups()
     for tp, pp in ((1, 1), (2, 2), (4, 4)):
@@ -83,10 +81,10 @@ def test_activation_formulas_reproduce_table_2(s, b, h, a, t):
 
 def test_microbatches_in_flight():
     # 1F1B: rank r holds pp - r microbatches; interleaved rank 0 holds Korthikanti's L(1 + (p-1)/(pv)) layers.
-    assert [peak_in_flight(4, 1, r, 64) for r in range(4)] == [4, 3, 2, 1]
-    assert peak_in_flight(4, 1, 0, 2) == 2
+    assert [peak_in_flight(PipelineSchedule.of(None, 4), r, 64) for r in range(4)] == [4, 3, 2, 1]
+    assert peak_in_flight(PipelineSchedule.of(None, 4), 0, 2) == 2
     p, v, L = 8, 3, 96
-    layers_held = peak_in_flight(p, v, 0, 64) * L / (p * v)
+    layers_held = peak_in_flight(PipelineSchedule.of(None, p, v), 0, 64) * L / (p * v)
     assert layers_held == pytest.approx(L * (1 + (p - 1) / (p * v)))
     m = gpt(96, 12288, 96)
     mem = memory_per_gpu(m, Layout(8, 8, 1, 3, 1, "selective", True), 2048, 64, flash_attention=False)
@@ -100,8 +98,7 @@ def _engine_state_bytes(cfg, layout, pp_rank, dp_rank):
     from engine.optim import adamw, build_optimizer
     from engine.parallel.topology import ParallelContext
     from engine.pipeline.partition import build_model_chunks
-    ctx = ParallelContext.virtual(tp=layout.tp, pp=layout.pp, dp=layout.dp, vpp=layout.vpp, pp_rank=pp_rank,
-                                  dp_rank=dp_rank, sequence_parallel=layout.sequence_parallel)
+    ctx = ParallelContext.virtual(layout=layout, pp_rank=pp_rank, dp_rank=dp_rank)
     cfg.parallel.use_distributed_optimizer = layout.distributed_optimizer
     dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
     chunks = build_model_chunks(cfg, ctx, vocab_size=cfg.model.vocab_size, device="meta", dtype=dtype)
@@ -156,7 +153,7 @@ def test_predicted_peak_memory_single_rank_within_15_percent():
         opt.start_step(steps)
         for _ in range(steps):
             tokens = torch.randint(0, cfg.model.vocab_size, (micro, s + 1), device="cuda", generator=g)
-            loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+            loss = model(tokens[:, :-1], labels=tokens[:, 1:]).mean()
             (opt.scale_loss(loss) / steps).backward()
         opt.finish_grad_sync()
         opt.step(1e-4)
@@ -240,8 +237,7 @@ def _engine_moe_state_bytes(cfg, layout, pp_rank, dp_rank):
     from engine.optim import adamw, build_optimizer
     from engine.parallel.topology import ParallelContext
     from engine.pipeline.partition import build_model_chunks
-    ctx = ParallelContext.virtual(tp=layout.tp, pp=layout.pp, dp=layout.dp, pp_rank=pp_rank, dp_rank=dp_rank,
-                                  sequence_parallel=layout.sequence_parallel, ep=layout.ep)
+    ctx = ParallelContext.virtual(layout=layout, pp_rank=pp_rank, dp_rank=dp_rank)
     cfg.parallel.use_distributed_optimizer = layout.distributed_optimizer
     chunks = build_model_chunks(cfg, ctx, vocab_size=cfg.model.vocab_size, device="meta", dtype=torch.bfloat16)
     opt = build_optimizer(cfg, chunks, ctx)
@@ -308,10 +304,9 @@ def _engine_rank0(cfg, layout, pp_rank, bucket_numel):
     from engine.optim import adamw, build_optimizer
     from engine.parallel.topology import ParallelContext
     from engine.pipeline.partition import build_model_chunks
-    ctx = ParallelContext.virtual(tp=layout.tp, pp=layout.pp, dp=layout.dp, vpp=layout.vpp, pp_rank=pp_rank,
-                                  dp_rank=0, sequence_parallel=layout.sequence_parallel, ep=layout.ep)
+    ctx = ParallelContext.virtual(layout=layout, pp_rank=pp_rank, dp_rank=0)
     cfg.parallel.use_distributed_optimizer = layout.distributed_optimizer
-    cfg.parallel.data_parallel_sharding_strategy = layout.strategy
+    cfg.parallel.data_parallel_sharding_strategy = layout.sharding_strategy
     chunks = build_model_chunks(cfg, ctx, vocab_size=cfg.model.vocab_size, device="meta", dtype=torch.bfloat16)
     opt = build_optimizer(cfg, chunks, ctx, bucket_numel=bucket_numel)
     held = opt.memory_bytes()
@@ -395,14 +390,15 @@ def test_zero_bubble_peaks_follow_the_schedules_order():
         for r in range(4):
             a = w = 0
             peak = 0.0
-            for kind, _, _ in schedule_order(4, vpp, r, 12, schedule):
+            for kind, _, _ in schedule_order(lay.schedule, r, 12):
                 a, w = a + (kind == "F") - (kind == "B"), w + (kind == "B") - (kind == "W")
                 peak = max(peak, a * act + w * store)
             assert in_flight_bytes(lay, r, 12, act, store) == pytest.approx(peak)
-            assert zb_in_flight(schedule, 4, r, 12) == zb_in_flight(schedule, 4, r, 20)
+            assert zb_in_flight(lay.schedule, r, 12) == zb_in_flight(lay.schedule, r, 20)
     h1 = Layout(1, 4, 1, pipeline_schedule="zb-h1")
-    assert in_flight_bytes(h1, 0, 12, act, store) == peak_in_flight(4, 1, 0, 12) * act
-    assert in_flight_bytes(h1, 3, 12, act, store) > peak_in_flight(4, 1, 3, 12) * act
+    one = PipelineSchedule.of(None, 4)
+    assert in_flight_bytes(h1, 0, 12, act, store) == peak_in_flight(one, 0, 12) * act
+    assert in_flight_bytes(h1, 3, 12, act, store) > peak_in_flight(one, 3, 12) * act
     mem = {s: memory_per_gpu(m, Layout(1, 4, 1, 2 if s == "zb-v" else 1, pipeline_schedule=s), 1024, 12)
            for s in ("1f1b", "zb-h1", "zb-v")}
     assert mem["zb-h1"].allocated == pytest.approx(mem["1f1b"].allocated, rel=0.05)  # ZB-H1 keeps about 1F1B's peak

@@ -11,11 +11,12 @@ import pytest
 import torch
 from test_sharded_dp import MICRO, SEQ, VOCAB, _cfg, _microbatches, _moe
 
+from engine.layout import Layout
 from engine.optim import build_optimizer
-from engine.parallel.topology import build_context
+from engine.parallel.topology import context_for
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
-from engine.planner.memory import Layout, memory_per_gpu
+from engine.planner.memory import memory_per_gpu
 from engine.planner.sharding import rank_state_bytes, rank_transient_bytes
 from harness import run_ranks
 
@@ -39,8 +40,7 @@ def _measure(rank: int, world: int, kind: str, strategy: str, overlap: bool, pre
     """One step on this rank: the engine's transient peaks and its memory_bytes()."""
     cfg = _model(kind, strategy)
     cfg.parallel.overlap_grad_reduce, cfg.parallel.overlap_param_gather = overlap, prefetch
-    par = cfg.parallel
-    ctx = build_context(world, rank, 1, 1, ep=par.expert_model_parallel_size, seed=cfg.training.seed)
+    ctx = context_for(Layout.from_config(cfg, world), rank, seed=cfg.training.seed)
     try:
         chunks = build_model_chunks(cfg, ctx, vocab_size=VOCAB, dtype=torch.bfloat16)
         opt = build_optimizer(cfg, chunks, ctx, bucket_numel=bucket_numel)
@@ -48,7 +48,7 @@ def _measure(rank: int, world: int, kind: str, strategy: str, overlap: bool, pre
         opt.start_step(M)
         for _ in range(M):
             tokens = torch.randint(0, VOCAB, (1, SEQ + 1), generator=g)
-            (opt.scale_loss(chunks[0](tokens[:, :-1], labels=tokens[:, 1:])) / M).backward()
+            (opt.scale_loss(chunks[0](tokens[:, :-1], labels=tokens[:, 1:]).mean()) / M).backward()
         opt.finish_grad_sync()
         assert opt.step(1e-4).updated
         gathered = opt.sharder.peak_gathered_bytes if opt.sharder is not None else \
@@ -101,12 +101,12 @@ def test_transient_allowances_equal_the_engine_peaks(measured, case):
 def _pipeline_staging(rank: int, world: int, strategy: str, schedule, vpp) -> tuple:
     """(pp rank, staging peak) of one step of 8 microbatches at pp 2 (fp32, buckets of 3000 elements)."""
     cfg = _cfg(strategy, pp=2, vpp=vpp, schedule=schedule)
-    ctx = build_context(world, rank, 1, 2, vpp=vpp or 1, seed=cfg.training.seed)
+    ctx = context_for(Layout.from_config(cfg, world), rank, seed=cfg.training.seed)
     try:
         chunks = build_model_chunks(cfg, ctx, vocab_size=VOCAB, dtype=torch.float32)
         opt = build_optimizer(cfg, chunks, ctx, bucket_numel=3000)
         runner = PipelineRunner(chunks, ctx, ctx.activation_shape(SEQ, MICRO, cfg.model.hidden_size), torch.float32,
-                                "cpu", schedule=cfg.pipeline_schedule)
+                                "cpu")
         microbatches = _microbatches(0)
         opt.start_step(len(microbatches))
         runner.run(microbatches, scale_loss=opt.scale_loss)

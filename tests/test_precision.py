@@ -70,7 +70,7 @@ def _curve(bf16: bool, steps=20):
     for step in range(steps):
         batch = data[step % 3]
         opt.start_step(1)
-        loss = model(batch[:, :-1], labels=batch[:, 1:])
+        loss = model(batch[:, :-1], labels=batch[:, 1:]).mean()
         loss.backward()
         opt.finish_grad_sync()
         assert opt.step(lr_at(step, cfg.optim, steps)).updated

@@ -23,7 +23,7 @@ def _loss_and_grads(rank, world, granularity, num_layers=None, sp=True, position
     model.train()
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 64, (2, 17), generator=g)
-    loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+    loss = model(tokens[:, :-1], labels=tokens[:, 1:]).mean()
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     ctx.destroy()

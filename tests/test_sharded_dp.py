@@ -11,9 +11,10 @@ import torch
 from engine.checkpoint.loader import load_checkpoint
 from engine.checkpoint.saver import save_checkpoint
 from engine.config import Config, ConfigError, ModelConfig
+from engine.layout import Layout
 from engine.model import GPTModel
 from engine.optim import build_optimizer, lr_at
-from engine.parallel.topology import ParallelContext, build_context
+from engine.parallel.topology import ParallelContext, context_for
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
 from engine.validation import validate
@@ -54,8 +55,7 @@ def _microbatches(step):
 
 def _curve(cfg, chunks, ctx, opt, steps=range(STEPS)) -> list:
     dtype = torch.float16 if cfg.training.fp16 else torch.float32
-    runner = PipelineRunner(chunks, ctx, ctx.activation_shape(SEQ, MICRO, cfg.model.hidden_size), dtype, "cpu",
-                            schedule=cfg.pipeline_schedule)
+    runner = PipelineRunner(chunks, ctx, ctx.activation_shape(SEQ, MICRO, cfg.model.hidden_size), dtype, "cpu")
     per_rank = MICROBATCHES // ctx.dp_size
     curve = []
     for step in steps:
@@ -70,10 +70,7 @@ def _curve(cfg, chunks, ctx, opt, steps=range(STEPS)) -> list:
 
 def _train(rank, world, cfg, load=None, save=None, steps=range(STEPS)) -> list:
     """The curve over `steps`; first loading the checkpoint in `load`, and saving into `save` at the end."""
-    par = cfg.parallel
-    ctx = build_context(world, rank, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                        vpp=par.virtual_pipeline_model_parallel_size or 1, sequence_parallel=par.sequence_parallel,
-                        cp=par.context_parallel_size, ep=par.expert_model_parallel_size, seed=cfg.training.seed)
+    ctx = context_for(Layout.from_config(cfg, world), rank, seed=cfg.training.seed)
     try:
         dtype = torch.float16 if cfg.training.fp16 else torch.float32
         chunks = build_model_chunks(cfg, ctx, vocab_size=VOCAB, dtype=dtype)
@@ -92,7 +89,7 @@ def _name(cfg, world) -> str:
     par, m = cfg.parallel, cfg.model
     return (f"{par.data_parallel_sharding_strategy} world {world} tp{par.tensor_model_parallel_size} "
             f"pp{par.pipeline_model_parallel_size} vpp{par.virtual_pipeline_model_parallel_size or 1} "
-            f"cp{par.context_parallel_size} ep{par.expert_model_parallel_size} {cfg.pipeline_schedule} overlap={par.overlap_grad_reduce} recompute={m.recompute_granularity} "
+            f"cp{par.context_parallel_size} ep{par.expert_model_parallel_size} {par.pipeline_schedule} overlap={par.overlap_grad_reduce} recompute={m.recompute_granularity} "
             f"fp16={cfg.training.fp16}")
 
 
@@ -232,12 +229,12 @@ def test_a_backward_that_raises_leaves_no_weights_gathered_for_the_next_step():
     """ZeRO-3 on one rank: a backward interrupted by an exception (its end-of-backward callback never runs)
     must not leave units gathered, and the next step trains as usual."""
     cfg = _cfg(ZERO3)
-    ctx = ParallelContext()
+    ctx = ParallelContext.virtual(layout=Layout.from_config(cfg, 1))
     model = GPTModel(cfg.model, ctx, seed=cfg.training.seed, vocab_size=VOCAB)
     opt = build_optimizer(cfg, [model], ctx)
     mb = _microbatches(0)[0]
     opt.start_step(1)
-    loss = model(tokens=mb["tokens"], labels=mb["labels"])
+    loss = model(tokens=mb["tokens"], labels=mb["labels"]).mean()
 
     def fail(_):
         raise RuntimeError("injected")
@@ -246,7 +243,7 @@ def test_a_backward_that_raises_leaves_no_weights_gathered_for_the_next_step():
         loss.backward()
     opt.start_step(1)
     assert opt.sharder.gathered_bytes() == 0
-    model(tokens=mb["tokens"], labels=mb["labels"]).backward()
+    model(tokens=mb["tokens"], labels=mb["labels"]).mean().backward()
     assert opt.sharder.gathered_bytes() == 0
     opt.finish_grad_sync()
     assert opt.step(1e-3).updated

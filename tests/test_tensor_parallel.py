@@ -89,13 +89,13 @@ def _tp_case(rank, world, style, tp, sp):
     """Loss and every full gradient of one layout against the same model on one rank (4 ranks: dp 4 / tp)."""
     tokens, labels = batch(7)
     ref = GPTModel(STYLES[style](), ParallelContext(), seed=11)
-    ref_loss = ref(tokens, labels=labels)
+    ref_loss = ref(tokens, labels=labels).mean()
     ref_loss.backward()
     ref_grads = {n: full_grad(p, ParallelContext(), p.grad) for n, p in ref.named_parameters()}
     ctx = build_context(world, rank, tp, 1, sequence_parallel=sp)
     model = GPTModel(STYLES[style](), ctx, seed=11)
     grads = grad_buffer([model], ctx)
-    loss = model(tokens, labels=labels)
+    loss = model(tokens, labels=labels).mean()
     loss.backward()
     grads.finish()
     failures = [] if abs(loss.item() - ref_loss.item()) <= 1e-5 else [f"loss {loss.item()} vs {ref_loss.item()}"]
@@ -123,7 +123,7 @@ def _curve(rank, world, tp, sp, steps):
     for step in range(steps):
         tokens, labels = batch(100 + step % 2)  # two batches, revisited: the loss must fall
         grads.start_step(1)
-        loss = model(tokens, labels=labels)
+        loss = model(tokens, labels=labels).mean()
         loss.backward()
         grads.finish()
         for p in model.parameters():

@@ -20,7 +20,7 @@ def bench(args, timeout=120):
 
 def test_benchmark_reports_both_loops_on_the_same_work():
     from engine.config import ModelConfig
-    from engine.planner.flops import flops_per_iteration
+    from engine.flops import flops_per_iteration
     proc = bench(SMALL + ["--iters", "4", "--warmup", "1", "--json"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout)

@@ -10,39 +10,42 @@ import torch
 from test_pipeline import MICRO, SEQ, VOCAB, global_batch, replay_exchanges
 
 from engine.config import Config, ConfigError, ModelConfig
+from engine.flops import UNIT, Costs, split_backward_costs
+from engine.layout import Layout, PipelineSchedule
 from engine.model import TIED_EMBEDDING, GPTModel
 from engine.optim import GradBuffer
-from engine.parallel import mappings
+from engine.parallel import weight_grad_store
 from engine.parallel.layers import spec_of
 from engine.parallel.topology import ParallelContext, build_context
 from engine.pipeline import schedules, zero_bubble
 from engine.pipeline.p2p import exchange_plan
-from engine.pipeline.partition import build_model_chunks, neighbours, place, stage_layers, stage_of
+from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.replay import replay, steady_period
 from engine.pipeline.runner import PipelineRunner
 from engine.pipeline.trace import PipelineTrace
-from engine.planner.flops import split_backward_costs
 from engine.validation import validate
 from harness import SGD_LR, full_grad, run_ranks, sgd_reference
 
 ZB = ("zb-h1", "zb-v")
 VPP = {"zb-h1": 1, "zb-v": 2}
+S = PipelineSchedule.of
 
 
 # ---------------------------------------------------------------- placement and schedule shape
 
 def test_v_placement_runs_chunk_0_down_and_chunk_1_back_up():
-    assert [stage_of(4, 2, r, c, v_shape=True) for c in (0, 1) for r in range(4)] == [0, 1, 2, 3, 7, 6, 5, 4]
-    assert all(place(stage_of(4, 2, r, c, True), 4, 2, True) == (r, c) for r in range(4) for c in (0, 1))
-    layers = [[stage_layers(16, 4, 2, r, c, v_shape=True) for c in (0, 1)] for r in range(4)]
+    v = S("zb-v", 4)
+    assert [v.stage_of(r, c) for c in (0, 1) for r in range(4)] == [0, 1, 2, 3, 7, 6, 5, 4]
+    assert all(v.place(v.stage_of(r, c)) == (r, c) for r in range(4) for c in (0, 1))
+    layers = [[Layout(pp=4, pipeline_schedule="zb-v").layer_ids(16, r, c) for c in (0, 1)] for r in range(4)]
     assert layers[0] == [[0, 1], [14, 15]] and layers[3] == [[6, 7], [8, 9]]
-    assert neighbours(3, 4, 2, v_shape=True) == ((2, 0), (3, 1))  # the turn of the V stays on rank 3
+    assert v.neighbours(3) == ((2, 0), (3, 1))  # the turn of the V stays on rank 3
     cfg = Config()
     cfg.model = model_cfg(tied=True)
     cfg.parallel.pipeline_model_parallel_size, cfg.parallel.pipeline_schedule = 4, "zb-v"
-    first = build_model_chunks(cfg, ParallelContext.virtual(pp=4, vpp=cfg.vpp, pp_rank=0), vocab_size=VOCAB,
-                               device="meta")
-    assert cfg.vpp == 2 and [(c.pre_process, c.post_process) for c in first] == [(True, False), (False, True)]
+    layout = Layout.from_config(cfg, 4)
+    first = build_model_chunks(cfg, ParallelContext.virtual(layout=layout, pp_rank=0), vocab_size=VOCAB, device="meta")
+    assert layout.vpp == 2 and [(c.pre_process, c.post_process) for c in first] == [(True, False), (False, True)]
     assert first[0].layer_ids == [0] and first[1].layer_ids == [7]  # embedding and loss both on rank 0
 
 
@@ -55,7 +58,7 @@ def test_every_rank_runs_each_f_b_w_once_in_dependency_order(schedule):
     for pp in range(2, 9):
         for m in (1, pp - 1, pp, 2 * pp + 1, 3 * pp):
             for r in range(pp):
-                order = schedules.schedule_order(pp, VPP[schedule], r, max(m, 1), schedule)
+                order = schedules.schedule_order(S(schedule, pp), r, max(m, 1))
                 every = sorted((c, mb) for c in range(VPP[schedule]) for mb in range(max(m, 1)))
                 assert _ops(order, "F") == _ops(order, "B") == _ops(order, "W") == every
                 pos = {op: i for i, op in enumerate(order)}
@@ -67,14 +70,14 @@ def test_zb_h1_holds_no_more_activations_than_1f1b(pp, m):
     """Per rank, activations (forward done, B not) never exceed 1F1B's count there, and with the stores W
     still needs they never exceed 1F1B's peak (rank 0's pp microbatches)."""
     for r in range(pp):
-        zb = schedules.schedule_order(pp, 1, r, m, "zb-h1")
-        one_f_one_b = schedules.max_in_flight(schedules.schedule_order(pp, 1, r, m))
-        assert schedules.max_in_flight(zb) <= one_f_one_b == schedules.peak_in_flight(pp, 1, r, m)
-        assert schedules.max_in_flight(zb, until="W") <= schedules.peak_in_flight(pp, 1, 0, m)
+        zb = schedules.schedule_order(S("zb-h1", pp), r, m)
+        one_f_one_b = schedules.max_in_flight(schedules.schedule_order(S(None, pp), r, m))
+        assert schedules.max_in_flight(zb) <= one_f_one_b == schedules.peak_in_flight(S(None, pp), r, m)
+        assert schedules.max_in_flight(zb, until="W") <= schedules.peak_in_flight(S(None, pp), 0, m)
     for r in range(pp):  # ZB-V: activations of 2pp chunk-microbatches (half the rank's layers each), 1F1B's
-        order = schedules.schedule_order(pp, 2, r, m, "zb-v")  # peak; with the stores W needs, at most 3pp
-        assert schedules.max_in_flight(order) <= 2 * schedules.peak_in_flight(pp, 1, 0, m)
-        assert schedules.peak_in_flight(pp, 2, r, m, "zb-v") <= 3 * pp
+        order = schedules.schedule_order(S("zb-v", pp), r, m)  # peak; with the stores W needs, at most 3pp
+        assert schedules.max_in_flight(order) <= 2 * schedules.peak_in_flight(S(None, pp), 0, m)
+        assert schedules.peak_in_flight(S("zb-v", pp), r, m) <= 3 * pp
 
 
 def test_simulated_bubbles_with_equal_f_b_w():
@@ -86,21 +89,21 @@ def test_simulated_bubbles_with_equal_f_b_w():
     bubble (a sixth of 1F1B's), which is what a pipeline-wide barrier before the optimizer step costs. 1F1B
     gains nothing from running steps back to back (its first rank starts first and ends last)."""
     p, m = 8, 32
-    base = schedules.simulate(p, 1, m, 1.0, 1.0, 1.0)
-    h1 = schedules.simulate(p, 1, m, 1.0, 1.0, 1.0, "zb-h1")
-    v = schedules.simulate(p, 2, m, 1.0, 1.0, 1.0, "zb-v")
+    base = schedules.simulate(S(None, p), m, 1.0, 1.0, 1.0)
+    h1 = schedules.simulate(S("zb-h1", p), m, 1.0, 1.0, 1.0)
+    v = schedules.simulate(S("zb-v", p), m, 1.0, 1.0, 1.0)
     assert base["bubble"] == pytest.approx((p - 1) / m) == pytest.approx(base["steady_bubble"])
     assert h1["steady_bubble"] <= 0.36 * base["steady_bubble"] and h1["period"] - h1["ideal"] == pytest.approx(p - 1)
     assert v["steady_bubble"] <= 0.1 * base["steady_bubble"] and v["period"] == pytest.approx(v["ideal"])
     assert v["makespan"] - v["ideal"] == pytest.approx((p - 1) / 2)  # one step alone, behind a barrier
-    orders = [schedules.schedule_order(p, 2, r, m, "zb-v") for r in range(p)]
-    times = replay(orders, 2, {"F": 0.5, "B": 0.5, "W": 0.5}, v_shape=True)
+    orders = [schedules.schedule_order(S("zb-v", p), r, m) for r in range(p)]
+    times = replay(orders, S("zb-v", p), {"F": 0.5, "B": 0.5, "W": 0.5})
     for r, order in enumerate(orders):  # the parallelogram: rank r starts at r F/2, busy for its whole share
         start = min(times[(k, r, c, mb)][0] for k, c, mb in order)
         end = max(times[(k, r, c, mb)][1] for k, c, mb in order)
         assert start == r / 2 and end - start == pytest.approx(v["ideal"]), (r, start, end)
     # costs matter: free weight gradients leave ZB-H1 nothing to fill its bubble with
-    assert schedules.simulate(p, 1, m, 1.0, 1.0, 0.0, "zb-h1")["bubble"] > h1["bubble"]
+    assert schedules.simulate(S("zb-h1", p), m, 1.0, 1.0, 0.0)["bubble"] > h1["bubble"]
 
 
 def test_the_steady_period_is_one_ranks_work_only_when_nothing_waits():
@@ -108,11 +111,11 @@ def test_the_steady_period_is_one_ranks_work_only_when_nothing_waits():
     Stage 1 cannot start a step before stage 0's forward, and stage 0 cannot end one before stage 1's
     backward: back to back, a step takes F + F + B + B = 4, the makespan, not one stage's work of 2."""
     orders = [[("F", 0, 0), ("B", 0, 0)], [("F", 0, 0), ("B", 0, 0)]]
-    assert steady_period(orders, 1, {"F": 1, "B": 1}, 1) == 4
-    assert steady_period(orders[:1], 1, {"F": 1, "B": 1}, 1) == 2  # alone, a stage waits for nothing
+    assert steady_period(orders, S(None, 2), {"F": 1, "B": 1}, 1) == 4
+    assert steady_period(orders[:1], S(None, 1), {"F": 1, "B": 1}, 1) == 2  # alone, a stage waits for nothing
 
 
-UNEQUAL = [zero_bubble.Costs(1, 1.5, 0.5), zero_bubble.Costs(1, 2, 1), zero_bubble.Costs(1, 2.2, 0.8)]
+UNEQUAL = [Costs(1, 1.5, 0.5), Costs(1, 2, 1), Costs(1, 2.2, 0.8)]
 
 
 @pytest.mark.parametrize("costs", UNEQUAL, ids=lambda c: "F{}-B{}-W{}".format(*c))
@@ -121,26 +124,26 @@ def test_orders_built_for_unequal_costs_beat_1f1b_and_the_equal_cost_orders(cost
     first two cases); the orders built for the costs keep both schedules ahead of 1F1B and never behind the
     equal-cost orders. (F, 2.2, 0.8): full recomputation, B holding a second forward."""
     p, m = 8, 32
-    base = schedules.simulate(p, 1, m, costs.forward, costs.input_grad + costs.weight_grad)["bubble"]
+    base = schedules.simulate(S(None, p), m, costs.forward, costs.input_grad + costs.weight_grad)["bubble"]
     for schedule in ZB:
-        built = schedules.simulate(p, VPP[schedule], m, *costs, schedule)["bubble"]
-        equal = schedules.simulate(p, VPP[schedule], m, *costs, schedule, built_for=zero_bubble.UNIT)["bubble"]
+        built = schedules.simulate(S(schedule, p), m, *costs)["bubble"]
+        equal = schedules.simulate(S(schedule, p), m, *costs, built_for=UNIT)["bubble"]
         assert built <= equal and built < base, (schedule, built, equal, base)
-    v_equal = schedules.simulate(p, 2, m, *costs, "zb-v", built_for=zero_bubble.UNIT)["bubble"]
+    v_equal = schedules.simulate(S("zb-v", p), m, *costs, built_for=UNIT)["bubble"]
     assert v_equal > base or costs == UNEQUAL[2]
     if costs != UNEQUAL[2]:  # B-heavy orders stay far from ZB-V's best (0.84x 1F1B's at B 2.2: README)
-        assert schedules.simulate(p, 2, m, *costs, "zb-v")["bubble"] < 0.35 * base
+        assert schedules.simulate(S("zb-v", p), m, *costs)["bubble"] < 0.35 * base
     for r in range(p):  # the memory caps hold whatever the costs
-        order = schedules.schedule_order(p, 1, r, m, "zb-h1", costs)
+        order = schedules.schedule_order(S("zb-h1", p), r, m, costs)
         assert schedules.max_in_flight(order) <= p - r and schedules.max_in_flight(order, until="W") <= p
-        order = schedules.schedule_order(p, 2, r, m, "zb-v", costs)
-        assert schedules.max_in_flight(order) <= 2 * p and schedules.peak_in_flight(p, 2, r, m, "zb-v", costs) <= 3 * p
+        order = schedules.schedule_order(S("zb-v", p), r, m, costs)
+        assert schedules.max_in_flight(order) <= 2 * p and schedules.peak_in_flight(S("zb-v", p), r, m, costs) <= 3 * p
 
 
 def test_costs_come_from_the_models_flops_split():
     """Input and weight gradients each cost their matrix multiply's forward; the attention core's backward
     (twice its forward) and recomputation go to B; the routed experts' weight gradients are not deferred."""
-    from engine.planner.flops import _layer_flops
+    from engine.flops import _layer_flops
     dense = model_cfg(tied=False)
     f = _layer_flops(dense, SEQ)
     plain, full = split_backward_costs(dense, SEQ), split_backward_costs(dense, SEQ, "full")
@@ -153,18 +156,18 @@ def test_costs_come_from_the_models_flops_split():
     assert costs.input_grad + costs.weight_grad == pytest.approx(2 * costs.forward) and \
         costs.weight_grad < _layer_flops(moe, SEQ)["linear"] / 2
     with pytest.raises(ValueError, match="positive forward"):
-        zero_bubble.orders("zb-v", 4, 8, costs=zero_bubble.Costs(0, 1, 1))
+        zero_bubble.orders(S("zb-v", 4), 8, costs=Costs(0, 1, 1))
 
 
 @pytest.mark.parametrize("forward_only", [False, True])
-@pytest.mark.parametrize("costs", [zero_bubble.UNIT, UNEQUAL[0], UNEQUAL[2]], ids=["equal", "B1.5-W0.5", "B2.2-W0.8"])
+@pytest.mark.parametrize("costs", [UNIT, UNEQUAL[0], UNEQUAL[2]], ids=["equal", "B1.5-W0.5", "B2.2-W0.8"])
 def test_zero_bubble_exchange_plans_never_deadlock_and_pair_up(forward_only, costs):
     for schedule in ZB:
         vpp = VPP[schedule]
         for pp in range(2, 9):
             for m in sorted({1, 2, pp - 1, pp, pp + 1, 2 * pp + 1, 3 * pp} - {0}):
-                plans = [exchange_plan(schedules.schedule_steps(pp, vpp, r, m, forward_only, schedule, costs), pp,
-                                       vpp, r, schedule, costs) for r in range(pp)]
+                plans = [exchange_plan(schedules.schedule_steps(S(schedule, pp), r, m, forward_only, costs),
+                                       S(schedule, pp), r, costs) for r in range(pp)]
                 result = replay_exchanges(plans)
                 assert result["sent"] == result["expected"], (schedule, pp, m)
                 assert sum(map(len, result["sent"].values())) == (2 - forward_only) * m * (pp * vpp - 1)
@@ -196,7 +199,8 @@ def test_zb_v_is_valid_with_or_without_vpp_2_and_any_microbatch_count():
         cfg.parallel.virtual_pipeline_model_parallel_size = vpp
         cfg.training.global_batch_size, cfg.data.mock_data = 3, True  # 3: only interleaving needs a multiple of pp
         validate(cfg, 4)
-        assert cfg.vpp == 2 and cfg.pipeline_schedule == "zb-v"
+        layout = Layout.from_config(cfg, 4)
+        assert layout.vpp == 2 and layout.pipeline_schedule == "zb-v"
 
 
 def test_split_backward_on_one_rank_gives_autograds_gradients():
@@ -205,18 +209,18 @@ def test_split_backward_on_one_rank_gives_autograds_gradients():
     cfg = model_cfg(tied=False, recompute="full")
     mb = global_batch(0, MICRO)[0]
     whole = GPTModel(cfg, ParallelContext(), seed=9, vocab_size=VOCAB)
-    whole(mb["tokens"], labels=mb["labels"]).backward()
+    whole(mb["tokens"], labels=mb["labels"]).mean().backward()
     split = GPTModel(cfg, ParallelContext(), seed=9, vocab_size=VOCAB)
     hooks = {}
     for n, p in split.named_parameters():
         p.register_post_accumulate_grad_hook(lambda p, n=n: hooks.__setitem__(n, hooks.get(n, 0) + 1))
     store = []
-    with mappings.deferring_weight_grads(store):
-        loss = split(mb["tokens"], labels=mb["labels"])
+    with weight_grad_store.deferring_weight_grads(store):
+        loss = split(mb["tokens"], labels=mb["labels"]).mean()
         loss.backward()
     linears = {n for n, p in split.named_parameters() if p.dim() >= 2 and "word" not in n}
     assert {n for n, p in split.named_parameters() if p.grad is None} == linears and len(store) == len(linears)
-    mappings.weight_grads(store)
+    weight_grad_store.weight_grads(store)
     assert not store and set(hooks.values()) == {1} and len(hooks) == len(list(split.parameters()))
     want = dict(whole.named_parameters())
     for n, p in split.named_parameters():
@@ -244,7 +248,7 @@ def _zb_layout(rank, world, tp, pp, schedule, tied, recompute, steps, microbatch
     cfg.model = model_cfg(tied, recompute)
     cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = tp, pp
     cfg.parallel.pipeline_schedule, cfg.parallel.sequence_parallel, cfg.training.seed = schedule, tp > 1, 9
-    ctx = build_context(world, rank, tp, pp, vpp=cfg.vpp, sequence_parallel=tp > 1, seed=9)
+    ctx = build_context(world, rank, tp, pp, sequence_parallel=tp > 1, seed=9, schedule=schedule)
     chunks = build_model_chunks(cfg, ctx, vocab_size=VOCAB)
     tracer = PipelineTrace(rank, ctx.pp_rank) if trace else None
     cfg.training.micro_batch_size = MICRO
@@ -332,8 +336,8 @@ def test_zero_bubble_loss_gradients_and_curves_equal_one_rank(tp, pp, schedule, 
     prefix = str(tmp_path / "trace") if traced else None
     costs = split_backward_costs(model_cfg(tied, recompute), SEQ, recompute)
     if recompute:  # the runner's order is the one built for the model's costs, and here that is another order
-        assert zero_bubble.orders(schedule, pp, microbatches, costs=costs) != zero_bubble.orders(schedule, pp,
-                                                                                               microbatches)
+        assert zero_bubble.orders(S(schedule, pp), microbatches, costs=costs) != \
+            zero_bubble.orders(S(schedule, pp), microbatches)
     results = run_ranks(_zb_layout, 8, tp, pp, schedule, tied, recompute, steps, microbatches, distributed, prefix,
                         timeout=300)
     dp = 8 // (tp * pp)
@@ -355,14 +359,13 @@ def _draw_trace(prefix: str, out, steps: int, operations: int) -> None:
 
 
 def test_the_planner_takes_the_schedules_bubble():
-    from engine.planner.flops import GPU_PRESETS
-    from engine.planner.memory import Layout
-    from engine.planner.step_time import Software, estimate
+    from engine.flops import GPU_PRESETS
+    from engine.planner.step_time import estimate
     cfg = ModelConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=4096, vocab_size=32000)
     gpu = GPU_PRESETS["h100-sxm"]
     one = estimate(cfg, Layout(tp=8, pp=8, dp=1), gpu, 32, 4096).breakdown["bubble"]
-    h1 = estimate(cfg, Layout(tp=8, pp=8, dp=1), gpu, 32, 4096, software=Software(pipeline_schedule="zb-h1"))
-    v = estimate(cfg, Layout(tp=8, pp=8, dp=1, vpp=2), gpu, 32, 4096, software=Software(pipeline_schedule="zb-v"))
+    h1 = estimate(cfg, Layout(tp=8, pp=8, dp=1, pipeline_schedule="zb-h1"), gpu, 32, 4096)
+    v = estimate(cfg, Layout(tp=8, pp=8, dp=1, pipeline_schedule="zb-v"), gpu, 32, 4096)
     # B outweighs W here (the attention core's backward is all in B), so ZB-H1 keeps about (F + B - W)/(F + B + W)
     # of 1F1B's bubble, more than the third it keeps with F = B = W
     assert 0 < v.breakdown["bubble"] < h1.breakdown["bubble"] < 0.6 * one

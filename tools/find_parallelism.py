@@ -30,9 +30,10 @@ import json
 import sys
 
 from engine.cli import OneLineParser, parse_config
-from engine.config import SHARDING_STRATEGIES, ConfigError, precision_name, resolve
-from engine.planner.flops import GPU_PRESETS, activated_params, flops_per_iteration
-from engine.planner.memory import GIB, PIPELINE_SCHEDULES, Layout, params_per_rank
+from engine.config import PIPELINE_SCHEDULES, SHARDING_STRATEGIES, ConfigError, precision_name, resolve
+from engine.flops import GPU_PRESETS, activated_params, flops_per_iteration
+from engine.layout import Layout, Sharding
+from engine.planner.memory import GIB, params_per_rank
 from engine.planner.search import DEFAULT_SCHEDULES, chinchilla_optimal, rank_layouts
 from engine.planner.step_time import Software, estimate
 from engine.validation import validate
@@ -123,7 +124,7 @@ def _check(args, cfg):
         raise UsageError("--tokens must be positive")
     if args.pipeline_schedule == "all" and args.tp is not None:
         raise UsageError("--pipeline-schedule all searches the schedules; with --tp and --pp (one layout) name one "
-                         "of 1f1b, interleaved, zb-h1, zb-v")
+                         f"of {', '.join(PIPELINE_SCHEDULES)}")
 
 
 def _given_layout(args, cfg, batch) -> Layout:
@@ -143,7 +144,7 @@ def _given_layout(args, cfg, batch) -> Layout:
         first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
     dp = args.num_gpus // (args.tp * cp * args.pp)
     ep = args.ep or par.expert_model_parallel_size
-    strategy = args.data_parallel_sharding_strategy or ("optim" if dp * cp > 1 else "no_shard")
+    strategy = Sharding.of(args.data_parallel_sharding_strategy, dp * cp > 1).strategy
     c = dataclasses.replace(cfg)
     c.parallel = dataclasses.replace(
         par, tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, context_parallel_size=cp,
@@ -158,16 +159,14 @@ def _given_layout(args, cfg, batch) -> Layout:
     c.checkpoint = dataclasses.replace(cfg.checkpoint, load=None)
     validate(c, args.num_gpus)
     recompute = args.recompute_granularity or cfg.model.recompute_granularity or "none"
-    return Layout(args.tp, args.pp, dp, c.vpp, c.training.micro_batch_size, recompute, args.tp > 1, dp * cp > 1,
-                  c.parallel.decoder_first_pipeline_num_layers, c.parallel.decoder_last_pipeline_num_layers, cp,
-                  ep, strategy, c.pipeline_schedule if args.pp > 1 else None)
+    return dataclasses.replace(Layout.from_config(c, args.num_gpus), recompute=recompute)
 
 
 def estimate_given(args, cfg, batch, seq, gpu, sw):
     """The given layout's estimate; without --data-parallel-sharding-strategy, the best of the strategies
     (those that fit first, then the fastest)."""
     layout = _given_layout(args, cfg, batch)
-    strategies = [layout.strategy] if args.data_parallel_sharding_strategy or layout.shard_group == 1 \
+    strategies = [layout.sharding_strategy] if args.data_parallel_sharding_strategy or layout.shard_group == 1 \
         else SHARDING_STRATEGIES
     ests = [estimate(cfg.model, dataclasses.replace(layout, sharding_strategy=s), gpu, batch, seq, args.gpus_per_node,
                      sw) for s in strategies]
@@ -186,10 +185,7 @@ def torchrun_command(args, layout: Layout, batch: int, seq: int, precision: str)
         cmd.append(f"--context-parallel-size {layout.cp}")
     if layout.ep > 1:
         cmd.append(f"--expert-model-parallel-size {layout.ep}")
-    if layout.vpp > 1 and layout.schedule != "zb-v":
-        cmd.append(f"--virtual-pipeline-model-parallel-size {layout.vpp}")
-    if layout.schedule in ("zb-h1", "zb-v"):
-        cmd.append(f"--pipeline-schedule {layout.schedule}")
+    cmd += layout.schedule.flags
     if layout.first_stage_layers is not None:
         cmd += [f"--decoder-first-pipeline-num-layers {layout.first_stage_layers}",
                 f"--decoder-last-pipeline-num-layers {layout.last_stage_layers}"]
@@ -199,10 +195,7 @@ def torchrun_command(args, layout: Layout, batch: int, seq: int, precision: str)
         cmd.append("--sequence-parallel")
     if layout.recompute != "none":
         cmd.append(f"--recompute-granularity {layout.recompute}")
-    if layout.strategy == "optim":
-        cmd.append("--use-distributed-optimizer")
-    elif layout.strategy != "no_shard":
-        cmd.append(f"--data-parallel-sharding-strategy {layout.strategy}")
+    cmd += layout.sharding.flags
     if layout.shard_group > 1:
         cmd.append("--overlap-grad-reduce")
     if precision != "fp32":
@@ -215,7 +208,7 @@ def _verify(args, cfg) -> int:
     from engine.planner.verify import verify
     par = cfg.parallel
     tp, pp = args.tp or cfg.tp, args.pp or cfg.pp
-    vpp = args.vpp or (cfg.vpp if args.pp is None else 1)
+    vpp = args.vpp or (Layout.from_config(cfg, cfg.tp * cfg.pp * cfg.cp).vpp if args.pp is None else 1)
     ep = args.ep or par.expert_model_parallel_size  # dp = ep: the smallest grid holding the expert ranks
     sp = par.sequence_parallel or (tp > 1 and bool(cfg.model.num_experts))  # MoE with tp > 1 needs SP
     c = dataclasses.replace(cfg)
@@ -257,7 +250,8 @@ def _table(rows) -> str:
         lay = e.layout
         vpp = f"{lay.first_stage_layers}/../{lay.last_stage_layers}" if lay.first_stage_layers is not None else lay.vpp
         lines.append((lay.tp, lay.cp, lay.pp, vpp, lay.dp, lay.ep, lay.micro_batch_size, "y" if lay.sequence_parallel else "-",
-                      "y" if lay.distributed_optimizer else "-", lay.strategy, lay.schedule if lay.pp > 1 else "-",
+                      "y" if lay.distributed_optimizer else "-", lay.sharding_strategy,
+                      lay.pipeline_schedule if lay.pp > 1 else "-",
                       lay.recompute, f"{e.memory.total / GIB:.1f}",
                       "yes" if e.fits else "NO", f"{e.step_time_s:.3f}", f"{e.tokens_per_s:,.0f}",
                       f"{e.tflops_per_gpu:.1f}", f"{e.mfu * 100:.1f}%"))

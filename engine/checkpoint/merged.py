@@ -83,8 +83,8 @@ def split(reader: CheckpointReader, out_dir: str, tp: int, pp: int) -> None:
     """Write the checkpoint again for layout tp x pp (dp 1, replicated optimizer), in the usual format."""
     cfg = Config.from_dict(reader.meta.config)
     cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = tp, pp
-    cfg.parallel.virtual_pipeline_model_parallel_size = None
-    cfg.parallel.use_distributed_optimizer = False
+    cfg.parallel.virtual_pipeline_model_parallel_size = cfg.parallel.pipeline_schedule = None
+    cfg.parallel.use_distributed_optimizer, cfg.parallel.data_parallel_sharding_strategy = False, None
     cfg.parallel.decoder_first_pipeline_num_layers = cfg.parallel.decoder_last_pipeline_num_layers = None
     check_model_split(cfg.model, tp, pp, tp_flag="--target-tp", pp_flag="--target-pp")
     os.makedirs(out_dir, exist_ok=True)

@@ -52,16 +52,17 @@ class MoELayer(nn.Module):
         self.stats = {"counts": torch.zeros(E, dtype=torch.float64), "aux": 0.0, "z": 0.0, "dropped": 0,
                       "microbatches": 0}
 
-    def _token_ids(self, s_local: int, b: int, device) -> torch.Tensor:
-        """Each local token's index in the microbatch, sample-major (j * s + position), s-major like x."""
-        s = self.ctx.full_seq_len(s_local)
-        positions = self.ctx.local_seq(self.ctx.positions(s, device))
-        return (torch.arange(b, device=device)[None, :] * s + positions[:, None]).reshape(-1)
+    def _token_keys(self, positions: torch.Tensor, b: int) -> torch.Tensor:
+        """[s_local * b, 2]: each local token's (sample, position) in the microbatch, s-major like x; `positions`
+        those of this rank's part of the sequence (its sequence-parallel slice is taken here)."""
+        mine = self.ctx.local_seq(positions)
+        samples = torch.arange(b, device=positions.device)
+        return torch.stack((samples.repeat(mine.shape[0]), mine.repeat_interleave(b)), dim=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         s_local, b, h = x.shape
         tokens = x.reshape(-1, h)
-        routing = self.router(tokens, self._token_ids(s_local, b, x.device), (s_local, b))
+        routing = self.router(tokens, self._token_keys(positions, b), (s_local, b))
         out = dispatch_combine(tokens, routing, self.experts, self.ctx)
         if routing.aux_loss is not None and torch.is_grad_enabled():
             out = _AuxLossGradient.apply(out, routing.aux_loss)

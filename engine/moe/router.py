@@ -50,22 +50,19 @@ class Routing:
 
 
 def token_group_sum(t: torch.Tensor, ctx) -> torch.Tensor:
-    """Sum over the ranks holding other tokens of the same microbatch (tp under SP, then cp); in place."""
-    if ctx.seq_split > 1:
-        comm.all_reduce(t, ctx.tp_group)
-    if ctx.cp_size > 1:
-        comm.all_reduce(t, ctx.cp_group)
+    """Sum over the ranks holding the microbatch's tokens (ctx.token_group: tp under SP, times cp); in place."""
+    if ctx.token_group_size > 1:
+        comm.all_reduce(t, ctx.token_group)
     return t
 
 
 def _token_group_gather(t: torch.Tensor, ctx) -> torch.Tensor:
-    """This microbatch's rows from every rank holding its tokens, tp-major within cp (equal sizes)."""
-    for size, group in ((ctx.seq_split, ctx.tp_group), (ctx.cp_size, ctx.cp_group)):
-        if size > 1:
-            out = t.new_empty((size * t.shape[0],) + tuple(t.shape[1:]))
-            comm.all_gather_into(out, t, group=group)
-            t = out
-    return t
+    """This microbatch's rows from every rank holding its tokens, in token-group order (equal sizes)."""
+    if ctx.token_group_size == 1:
+        return t
+    out = t.new_empty((ctx.token_group_size * t.shape[0],) + tuple(t.shape[1:]))
+    comm.all_gather_into(out, t, group=ctx.token_group)
+    return out
 
 
 class Router(nn.Module):
@@ -81,8 +78,8 @@ class Router(nn.Module):
         else:
             self.expert_bias = None
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, seq_shape: tuple) -> Routing:
-        """x [T, h] this rank's tokens; token_ids [T] their index in the microbatch (sample-major);
+    def forward(self, x: torch.Tensor, token_keys: torch.Tensor, seq_shape: tuple) -> Routing:
+        """x [T, h] this rank's tokens; token_keys [T, 2] their (sample, position) in the microbatch;
         seq_shape (s_local, b): x is [s_local, b] flattened."""
         cfg, k = self.cfg, self.cfg.moe_router_topk
         dtype = torch.float64 if cfg.moe_router_dtype == "fp64" else torch.float32
@@ -98,7 +95,7 @@ class Router(nn.Module):
         counts_local = torch.zeros(self.num_experts, dtype=dtype, device=x.device)
         counts_local.index_add_(0, experts.reshape(-1), torch.ones(experts.numel(), dtype=dtype, device=x.device))
         aux, aux_value, z_value, counts = self._losses(logits, scores, experts, counts_local, seq_shape)
-        kept, dropped = self._capacity(experts, weights.detach(), token_ids, counts)
+        kept, dropped = self._capacity(experts, weights.detach(), token_keys, counts)
         return Routing(experts, weights.float() * kept, kept, aux, counts, aux_value, z_value, dropped)
 
     # ------------------------------------------------------------------ balancing and z losses
@@ -117,7 +114,7 @@ class Router(nn.Module):
             parts += [one_hot.view(s_local, b, E).sum(0).reshape(-1), probs.detach().view(s_local, b, E).sum(0).reshape(-1)]
         summed = token_group_sum(torch.cat(parts), ctx)
         counts, probs_sum, z_sum = summed[:E], summed[E:2 * E], summed[2 * E]
-        T = T_local * ctx.seq_split * ctx.cp_size
+        T = T_local * ctx.token_group_size
         aux, aux_value = None, 0.0
         if kind == "aux_loss" and coeff > 0:
             scale = coeff * E / (T * T * k)
@@ -139,28 +136,29 @@ class Router(nn.Module):
         return aux, aux_value, z_value, counts
 
     # ------------------------------------------------------------------ capacity
-    def _capacity(self, experts, weights, token_ids, counts) -> tuple:
+    def _capacity(self, experts, weights, token_keys, counts) -> tuple:
         """(kept [T, k] bool, assignments dropped in the microbatch): the same decision on every layout."""
         cfg, ctx = self.cfg, self.ctx
         if cfg.moe_expert_capacity_factor is None:
             return torch.ones_like(experts, dtype=torch.bool), 0
         T_local, k = experts.shape
-        T = T_local * ctx.seq_split * ctx.cp_size
+        T = T_local * ctx.token_group_size
         capacity = math.ceil(cfg.moe_expert_capacity_factor * T * k / self.num_experts)
         if int(counts.max()) <= capacity:
             return torch.ones_like(experts, dtype=torch.bool), 0
-        ids = token_ids[:, None].expand(T_local, k).to(weights.dtype)
-        mine = torch.stack((experts.to(weights.dtype), weights, ids), dim=-1).reshape(-1, 3)
-        every = _token_group_gather(mine, ctx)  # [T * k, 3]: this rank's rows are one contiguous block
+        keys = token_keys[:, None, :].expand(T_local, k, 2).to(weights.dtype)
+        mine = torch.cat((experts.to(weights.dtype)[..., None], weights[..., None], keys), dim=-1).reshape(-1, 4)
+        every = _token_group_gather(mine, ctx)  # [T * k, 4]: this rank's rows are one contiguous block
         kept = _keep_within_capacity(every, capacity, cfg.moe_token_drop_policy)
-        block = _my_block(ctx) * T_local * k
+        block = ctx.token_group_rank * T_local * k
         return kept[block:block + T_local * k].view(T_local, k), int((~kept).sum())
 
 
 def _keep_within_capacity(rows: torch.Tensor, capacity: int, policy: str) -> torch.Tensor:
-    """rows [N, 3] of (expert, weight, token id): which assignments are within their expert's capacity."""
-    expert, weight, token = rows[:, 0].long(), rows[:, 1], rows[:, 2]
-    order = torch.argsort(token, stable=True)  # the earliest token first among equals
+    """rows [N, 4] of (expert, weight, sample, position): which assignments are within their expert's capacity."""
+    expert, weight, sample, position = rows[:, 0].long(), rows[:, 1], rows[:, 2], rows[:, 3]
+    order = torch.argsort(position, stable=True)
+    order = order[torch.argsort(sample[order], stable=True)]  # the earliest token first among equals
     if policy == "probs":
         # The heaviest first, weights compared on a 2^-10 grid: layouts differ in fp32 rounding (~1e-7), and
         # on the grid only a weight within that of a grid line can rank differently (then by position).
@@ -173,9 +171,3 @@ def _keep_within_capacity(rows: torch.Tensor, capacity: int, policy: str) -> tor
     kept = torch.empty(rows.shape[0], dtype=torch.bool, device=rows.device)
     kept[order] = rank_in_expert < capacity
     return kept
-
-
-def _my_block(ctx) -> int:
-    """This rank's index among the ranks holding the microbatch's tokens, in gathered order (cp-major)."""
-    tp_part = ctx.tp_rank if ctx.seq_split > 1 else 0
-    return ctx.cp_rank * ctx.seq_split + tp_part

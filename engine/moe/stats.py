@@ -2,8 +2,8 @@
 
 Every MoE layer adds, per microbatch, the tokens routed to each expert in the whole microbatch (already
 summed over the ranks holding its tokens), its balancing and z-loss values and the assignments dropped
-over capacity. `MoEStats.finish_step()` (called by the optimizer once the gradients are reduced, every
-rank, every step: it is one all-reduce over the world) sums them over data-parallel replicas and pipeline
+over capacity. `MoEStats.finish_step()` (called by the step, engine.stepping, once the gradients are
+reduced, every rank, every step: it is one all-reduce over the world) sums them over data-parallel replicas and pipeline
 stages, then
 - moves each expert bias by rate x sign(mean load - load) (DeepSeek-V3's aux-loss-free balancing; the same
   update on every rank, so the replicated biases stay equal), and
@@ -20,9 +20,9 @@ from engine.parallel import comm
 
 
 def moe_blocks(model_chunks: list) -> list:
-    """(global layer id, MoELayer) of this rank's MoE layers."""
-    return [(int(i), layer.mlp) for chunk in model_chunks for i, layer in getattr(chunk, "layers", {}).items()
-            if isinstance(layer.mlp, MoELayer)]
+    """(global layer id, MoELayer) of this rank's MoE layers (GPTModel.units)."""
+    return [(u.name, u.module.mlp) for chunk in model_chunks for u in chunk.units()
+            if isinstance(getattr(u.module, "mlp", None), MoELayer)]
 
 
 class MoEStats:
@@ -38,7 +38,7 @@ class MoEStats:
         E, ctx = self.m.num_experts, self.ctx
         table = torch.zeros(len(self.ids), E + 4, dtype=torch.float64, device=self.device)
         # Counts are already whole-microbatch sums on every rank holding its tokens: one of them adds them.
-        contributes = ctx.tp_rank == 0 and ctx.cp_rank == 0
+        contributes = ctx.token_group_rank == 0
         for layer_id, block in self.blocks:
             st = block.stats
             if contributes:

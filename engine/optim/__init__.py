@@ -7,7 +7,6 @@ Trainer use, per iteration:
     opt.finish_grad_sync()
     result = opt.step(lr_at(iteration, cfg.optim, cfg.training.train_iters))
 """
-from engine.moe.stats import MoEStats
 from engine.optim.grad_buffer import DEFAULT_BUCKET_NUMEL, GradBuffer
 from engine.optim.loss_scaler import LossScaler
 from engine.optim.optimizer import Optimizer, StepResult, param_names
@@ -15,14 +14,8 @@ from engine.optim.schedule import lr_at
 
 
 def build_optimizer(cfg, model_chunks: list, ctx, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> Optimizer:
-    """The optimizer for these model chunks (their parameters get `main_grad` and grad hooks); with MoE
-    layers, their statistics and expert-bias update run once the gradients are reduced."""
-    chunks = list(model_chunks)
-    hook = None
-    if cfg.model.num_experts:
-        device = next((p.device for c in chunks for p in c.parameters()), "cpu")
-        hook = MoEStats(cfg, chunks, ctx, device).finish_step
-    return Optimizer(cfg, chunks, ctx, bucket_numel=bucket_numel, after_grad_sync=hook)
+    """The optimizer for these model chunks (their parameters get `main_grad` and grad hooks)."""
+    return Optimizer(cfg, list(model_chunks), ctx, bucket_numel=bucket_numel)
 
 
 __all__ = ["build_optimizer", "Optimizer", "StepResult", "GradBuffer", "LossScaler", "param_names", "lr_at"]

@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from dataclasses import dataclass
 
 import torch
 
-from engine.config import sharding_strategy
-from engine.moe.layer import set_aux_loss_scale
 from engine.optim import adamw
 from engine.optim.clip import clip_coefficient, counts_toward_norm, global_grad_norm
 from engine.optim.grad_buffer import DEFAULT_BUCKET_NUMEL, GradBuffer
@@ -42,7 +39,6 @@ class StepResult:
     updated: bool      # False when the step was skipped for inf/nan gradients
     grad_norm: float   # global L2 norm before clipping, loss scale removed
     loss_scale: float  # the scale the next step's loss is multiplied by
-    metrics: dict = field(default_factory=dict)  # what the grad-sync hook reported (MoE statistics)
 
 
 @dataclass
@@ -70,21 +66,26 @@ def param_names(model_chunks: list) -> dict:
     return names
 
 
+def _check_agrees(cfg, ctx):
+    from engine.layout import Sharding
+    mine = Sharding.of(cfg.parallel.data_parallel_sharding_strategy, cfg.parallel.use_distributed_optimizer)
+    assert mine == ctx.layout.sharding, (mine, ctx.layout.sharding)
+
+
 class Optimizer:
-    def __init__(self, cfg, model_chunks: list, ctx, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-                 after_grad_sync: Optional[Callable[[], dict]] = None):
-        """`after_grad_sync`: called by every rank once the gradients are reduced (Megatron's finalize step:
-        the MoE statistics and expert-bias update); the dict it returns is the step's `metrics`."""
+    def __init__(self, cfg, model_chunks: list, ctx, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
+        """What is sharded over the replicas is the context's layout's (ctx.layout.sharding)."""
         par, opt = cfg.parallel, cfg.optim
-        self.ctx, self.after_grad_sync, self.step_metrics = ctx, after_grad_sync, {}
-        self.strategy = sharding_strategy(par)
-        self.distributed = self.strategy != "no_shard"
+        self.ctx = ctx
+        sharding = ctx.layout.sharding
+        _check_agrees(cfg, ctx)  # TEMPORARY(refactor)
+        self.distributed = sharding.optimizer
         self.clip_grad = opt.clip_grad
         self.scaler = LossScaler.from_config(cfg.training)
-        units = param_units(model_chunks) if self.strategy == "optim_grads_params" else None
+        units = param_units(model_chunks) if sharding.params else None
         # Dense parameters reduce (and shard) over dp x cp; MoE experts over their own replicas (engine.moe).
         kw = dict(distributed=self.distributed, overlap=par.overlap_grad_reduce, bucket_numel=bucket_numel,
-                  shard_grads=self.strategy in ("optim_grads", "optim_grads_params"),
+                  shard_grads=sharding.grads,
                   units=[u.params for chunk in units for u in chunk] if units else None)
         self.buffer = GradBuffer(model_chunks, ctx, **kw)
         self.expert_buffer = GradBuffer(model_chunks, ctx, experts=True, **kw)
@@ -130,13 +131,11 @@ class Optimizer:
 
     # --- the step, in the order the trainer calls it -------------------------------------------
     def start_step(self, num_microbatches: int) -> None:
-        """Zero the main grads and expect `num_microbatches` backward passes before the reduction; the MoE
-        balancing losses' gradients are scaled like the LM loss's (1/microbatches x the loss scale)."""
+        """Zero the main grads and expect `num_microbatches` backward passes before the reduction."""
         for buffer in self.buffers:
             buffer.start_step(num_microbatches)
         if self.sharder is not None:
             self.sharder.start_step()
-        set_aux_loss_scale(self.scaler.scale / num_microbatches)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         scale = self.scaler.scale
@@ -145,14 +144,13 @@ class Optimizer:
     def finish_grad_sync(self) -> None:
         for buffer in self.buffers:
             buffer.finish()
-        self.step_metrics = self.after_grad_sync() if self.after_grad_sync is not None else {}
 
     def step(self, lr: float, loss_is_finite: bool = True) -> StepResult:
         """Clip and update at learning rate `lr`, or skip: a non-finite loss skips outright (its gradients
         cannot be trusted even when their norm is finite), a non-finite gradient norm through the scaler."""
-        scale, metrics = self.scaler.scale, self.step_metrics
+        scale = self.scaler.scale
         if not loss_is_finite:
-            return StepResult(False, float("nan"), scale, metrics)
+            return StepResult(False, float("nan"), scale)
         dense, experts = self.norm_pieces()
         norm = global_grad_norm(dense, self.ctx, sharded_over_dp=self.distributed, device=self.buffer.data.device,
                                 expert_grads=experts) / scale
@@ -171,9 +169,9 @@ class Optimizer:
         found_inf = not math.isfinite(norm)
         self.scaler.update(found_inf)
         if found_inf:
-            return StepResult(False, norm, self.scaler.scale, self.step_metrics)
+            return StepResult(False, norm, self.scaler.scale)
         self.update(lr, clip_coefficient(norm, self.clip_grad) / scale)
-        return StepResult(True, norm, self.scaler.scale, self.step_metrics)
+        return StepResult(True, norm, self.scaler.scale)
 
     def update(self, lr: float, factor: float) -> None:
         """AdamW at rate `lr` on the gradients times `factor` (unscaling and clipping), then publish."""

@@ -41,27 +41,16 @@ class Unit:
 
 
 def param_units(model_chunks: list) -> list:
-    """Per chunk, its units in forward order: [[Unit, ...], ...] (see the module docstring)."""
-    out = []
-    for chunk in model_chunks:
-        units = []
-        if chunk.pre_process:
-            units.append(Unit(chunk, [chunk.word.weight] + ([chunk.position] if hasattr(chunk, "position") else [])))
-        units += [Unit(layer, list(layer.parameters())) for layer in chunk.layers.values()]
-        if chunk.post_process:
-            head = list(chunk.final_norm.parameters())
-            units.append(Unit(chunk.final_norm, head + [chunk.output_weight()]))
-        for u in units:
-            u.params = [p for p in u.params if p.requires_grad]
-        out.append(units)
-    return out
+    """Per chunk, its units (GPTModel.units: embedding, layers, head) in forward order, trainable parameters
+    only: [[Unit, ...], ...]."""
+    return [[Unit(u.module, [p for p in u.params if p.requires_grad]) for u in chunk.units()] for chunk in model_chunks]
 
 
 def forward_order(chunk) -> list:
     """A model chunk's parameters in the order forward first uses them (embedding, layers, final norm, output
     weight); reversed, the order backward completes their gradients, which is how the grad buffer lays them
     out. Registration order differs: GPTModel's own parameters (positions, output weight) come first."""
-    if not all(hasattr(chunk, a) for a in ("layers", "pre_process", "post_process")):
+    if not hasattr(chunk, "units"):
         return list(chunk.parameters())  # not a GPTModel chunk (tests build other modules)
     seen, order = set(), []
     for unit in param_units([chunk])[0]:

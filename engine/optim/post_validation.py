@@ -44,7 +44,6 @@ class _Pending:
     work: object          # that all-reduce (None on one rank)
     saved: list           # copies of optimizer.rollback_tensors() before the step
     steps: int
-    metrics: dict         # what the grad-sync hook reported for the step
 
 
 @dataclass
@@ -80,7 +79,7 @@ class PostValidator:
             for copy, t in zip(self.copies, live):
                 copy.copy_(t)
         scale = opt.scaler.scale
-        self.pending = _Pending(lr, scale, vector, work, self.copies, opt.steps, opt.step_metrics)
+        self.pending = _Pending(lr, scale, vector, work, self.copies, opt.steps)
         opt.update(lr, 1.0 / scale)
 
     def settle(self) -> Optional[Settled]:
@@ -97,12 +96,11 @@ class PostValidator:
         if not why:
             opt.scaler.update(False)
             moved = opt.scaler.scale != p.scale
-            return Settled(StepResult(True, norm, opt.scaler.scale, p.metrics), shares, rerun=moved,
+            return Settled(StepResult(True, norm, opt.scaler.scale), shares, rerun=moved,
                            why="the loss scale changed" if moved else "")
         self._restore(p)
         result = opt.finish_step(p.lr, norm, p.scale) if math.isfinite(shares[0]) else \
             StepResult(False, float("nan"), p.scale)
-        result.metrics = p.metrics
         return Settled(result, shares, rerun=True, why=why)
 
     def _checked(self, lr: float, shares: list) -> Settled:
@@ -115,7 +113,7 @@ class PostValidator:
         norm, shares, why = self._judge(vector, scale)
         self.cautious = bool(why)
         result = opt.finish_step(lr, norm, scale) if math.isfinite(shares[0]) else \
-            StepResult(False, float("nan"), scale, opt.step_metrics)
+            StepResult(False, float("nan"), scale)
         return Settled(result, shares, rerun=False, why=why)
 
     def _launch(self, shares: list) -> tuple:

@@ -28,3 +28,14 @@ def split(t: torch.Tensor, dim: int, cp: int, cp_rank: int) -> torch.Tensor:
 def positions(seq_length: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
     """The positions (0-based token indices of the whole sequence) this CP rank holds, in its order."""
     return split(torch.arange(seq_length, device=device), 0, cp, cp_rank)
+
+
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask")  # [b, s] tensors of a microbatch, cut along the sequence
+
+
+def shard_batch(batch: dict, ctx) -> dict:
+    """This CP rank's part of a microbatch of whole sequences: its tokens, labels and loss mask, and their
+    `positions` in the whole sequence (every rank of a pipeline gets them, also those that read no tokens)."""
+    s = batch["tokens"].shape[1]
+    mine = {k: split(batch[k], 1, ctx.cp_size, ctx.cp_rank) for k in SEQUENCE_KEYS if batch.get(k) is not None}
+    return dict(mine, positions=positions(s, ctx.cp_size, ctx.cp_rank, batch["tokens"].device))

@@ -18,25 +18,16 @@ that is what makes sequence parallelism divide these inputs' memory by tp. The r
 before the input-gradient matmul and waited for after it, and the input gradient's reduce-scatter
 runs while the weight gradient is computed, so on a GPU both hide behind matmuls.
 
-Split backward (zero-bubble pipeline schedules, Qi et al. 2024): while `deferring_weight_grads(store)` is
-active, the linears' forwards (and forwards recomputed inside backward) give backward only the input and
-bias gradients to compute; each weight's gradient is left in `store` as what it needs (this rank's input,
-or its sequence shard under SP, and the output gradient) and computed by `weight_grads(store)` in a later
-W pass, which hands it to autograd as the weight's gradient. The autograd graph is never edited: the
-weight enters the linear detached, so backward has no edge to it, and the W pass is the weight's only
-gradient in that microbatch, which is what the grad buffer's accumulate hooks count.
+Under a split backward (zero-bubble pipeline schedules) the gathering linear leaves its weight's gradient
+to engine.parallel.weight_grad_store, handing it the re-gather of its input as a callable.
 """
 from __future__ import annotations
-
-import collections
-import contextlib
 
 import torch
 import torch.nn.functional as F
 
 from engine.parallel import comm
-
-_deferred = None  # the store of the pass being run under deferring_weight_grads, else None
+from engine.parallel.weight_grad_store import bias_grad, defer, deferral_of, linear, rows, weight_grad
 
 
 def _size(group) -> int:
@@ -129,7 +120,7 @@ class _GatherLinear(torch.autograd.Function):
         ctx.group, ctx.deferral = group, deferral
         ctx.bias_shape = None if bias is None else bias.shape
         ctx.save_for_backward(x, weight)
-        return F.linear(_gather_seq(x, group), _rows(weight), None if bias is None else bias.reshape(-1))
+        return F.linear(_gather_seq(x, group), rows(weight), None if bias is None else bias.reshape(-1))
 
     @staticmethod
     def backward(ctx, dy):
@@ -140,91 +131,20 @@ class _GatherLinear(torch.autograd.Function):
         if n > 1 and want_dw:
             full = torch.empty((x.shape[0] * n, *x.shape[1:]), dtype=x.dtype, device=x.device)
             gathering = comm.all_gather_into(full, x, group, async_op=True)
-        dx_full = dy.matmul(_rows(weight))
+        dx_full = dy.matmul(rows(weight))
         dx, scattering = dx_full, None
         if n > 1:
             if gathering is not None:
                 gathering.wait()
             dx = torch.empty(x.shape, dtype=dx_full.dtype, device=x.device)
             scattering = comm.reduce_scatter_into(dx, dx_full, group, async_op=True)
-        dw = _weight_grad(full, dy, weight.shape) if want_dw else None
-        db = _bias_grad(dy, ctx.bias_shape) if ctx.bias_shape is not None and ctx.needs_input_grad[2] else None
+        dw = weight_grad(full, dy, weight.shape) if want_dw else None
+        db = bias_grad(dy, ctx.bias_shape) if ctx.bias_shape is not None and ctx.needs_input_grad[2] else None
         if ctx.deferral is not None:
-            _defer(ctx.deferral, x, dy, group)
+            defer(ctx.deferral, lambda: _gather_seq(x, group), dy)
         if scattering is not None:
             scattering.wait()
         return dx, dw, db, None, None
-
-
-class _DeferredLinear(torch.autograd.Function):
-    """y = x W^T + b whose backward computes x's and b's gradients and leaves W's to the store."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, deferral):
-        ctx.deferral, ctx.bias_shape = deferral, None if bias is None else bias.shape
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, _rows(weight), None if bias is None else bias.reshape(-1))
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dx = dy.matmul(_rows(weight)) if ctx.needs_input_grad[0] else None
-        db = _bias_grad(dy, ctx.bias_shape) if ctx.bias_shape is not None and ctx.needs_input_grad[2] else None
-        _defer(ctx.deferral, x, dy, None)
-        return dx, None, db, None
-
-
-def _rows(weight):
-    return weight.reshape(-1, weight.shape[-1])
-
-
-def _weight_grad(x, dy, shape):
-    """dW = dy^T x summed over every token, in the weight's own shape."""
-    return dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])).view(shape)
-
-
-def _bias_grad(dy, shape):
-    return dy.reshape(-1, dy.shape[-1]).sum(0).view(shape)
-
-
-def _defer(deferral, x, dy, group) -> None:
-    """Leave W's gradient to the W pass: it keeps this input (re-gathered there under SP) and the output gradient."""
-    param, store = deferral
-    store.append((param, lambda: _weight_grad(x if group is None else _gather_seq(x, group), dy, param.shape)))
-
-
-def _deferral(weight):
-    """(weight, store) when this weight's gradient is to be deferred: a store is active and it is a parameter."""
-    if _deferred is None or not (weight.is_leaf and weight.requires_grad):
-        return None
-    return weight, _deferred
-
-
-@contextlib.contextmanager
-def deferring_weight_grads(store: list):
-    """Within: linears defer their weights' gradients into `store` (see the module docstring)."""
-    global _deferred
-    previous, _deferred = _deferred, store
-    try:
-        yield store
-    finally:
-        _deferred = previous
-
-
-def weight_grads(store: list) -> None:
-    """The W pass: every weight gradient deferred into `store`, handed to autograd as the weight's gradient
-    (accumulation and its hooks run as after a whole backward); a weight met twice gets one sum."""
-    left = collections.Counter(id(p) for p, _ in store)
-    partial = {}
-    for param, compute in store:
-        with torch.no_grad():  # as inside backward
-            grad = compute() if id(param) not in partial else partial.pop(id(param)) + compute()
-        left[id(param)] -= 1
-        if left[id(param)]:
-            partial[id(param)] = grad
-        else:
-            torch.autograd.backward(param, grad)
-    store.clear()
 
 
 def gather_linear(x, weight, bias, group):
@@ -232,18 +152,9 @@ def gather_linear(x, weight, bias, group):
     return _GatherLinear.apply(x, weight, bias, group)
 
 
-def linear(x, weight, bias=None):
-    """x W^T + b, W [..., out, in] with its leading dims as output rows; W's gradient deferred while
-    `deferring_weight_grads` is active."""
-    deferral = _deferral(weight)
-    if deferral is not None:
-        return _DeferredLinear.apply(x, weight.detach(), bias, deferral)
-    return F.linear(x, _rows(weight), None if bias is None else bias.reshape(-1))
-
-
 def enter_tp_linear(x, weight, bias, ctx):
     """`linear(enter_tp(x, ctx), weight, bias)`, keeping only the sequence shard for backward under SP."""
     if ctx.sequence_parallel and _size(ctx.tp_group) > 1:
-        deferral = _deferral(weight)
+        deferral = deferral_of(weight)
         return _GatherLinear.apply(x, weight if deferral is None else weight.detach(), bias, ctx.tp_group, deferral)
     return linear(copy_to_tp(x, ctx.tp_group), weight, bias)

@@ -29,6 +29,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from engine.attention_mask import AttentionMask
 from engine.parallel import comm
 from engine.parallel.context_split import chunk_ids
 from kernels import dispatch
@@ -109,7 +110,7 @@ def _merge(acc: Optional[tuple], out: torch.Tensor, lse: torch.Tensor) -> tuple:
 
 
 class ContextAttention:
-    """Causal attention of one layer over the CP group of `ctx`: `attn(q, k, v, dropout_p)` with q, k, v
+    """Causal attention of one layer over the CP group of `ctx`: `attn(q, k, v, mask, dropout_p)` with q, k, v
     [b, s_local, heads, d] of this rank's two chunks; returns [b, s_local, nq, d]."""
 
     def __init__(self, ctx, block_backend: str):
@@ -120,7 +121,9 @@ class ContextAttention:
         self.block_forward, self.block_backward = dispatch.attention_block_fns(block_backend)
         self.steps = [(owner, blocks_between(self.cp, self.rank, owner)) for owner in ring_order(self.cp, self.rank)]
 
-    def __call__(self, q, k, v, dropout_p: float = 0.0):
+    def __call__(self, q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
+        if not mask.causal:
+            raise ValueError("context-parallel attention plans its blocks for a causal mask")
         seeds = None
         if dropout_p > 0.0:
             n = sum(len(blocks) for _, blocks in self.steps)

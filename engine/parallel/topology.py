@@ -7,7 +7,8 @@ gradients are reduced, and the distributed optimizer shards, over the dp x cp gr
 Expert parallelism is carved from dp (Megatron's layout): each run of ep consecutive dp ranks ("ep")
 splits every MoE layer's experts and exchanges tokens all-to-all; an expert's replicas are the dp ranks
 ep apart, times cp ("edp_cp"), which is where expert gradients are reduced and expert optimizer state
-sharded. Every group is derived from `rank_grid`, a pure function the tests check without any process group.
+sharded. The ranks holding different tokens of one microbatch (tp under sequence parallelism, times cp:
+"tp_cp", the token group) decide together what depends on the whole microbatch (MoE routing). Every group is derived from `rank_grid`, a pure function the tests check without any process group.
 """
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ import datetime
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine.parallel import comm, context_split
+from engine.layout import Layout
+from engine.parallel import comm
 from engine.parallel.random import RNGTracker
 from engine.validation import check_tp_fits_node, check_world_size
 
 
 def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> dict:
-    """Global-rank lists of every group kind: tp, cp, dp, dp_cp, ep, edp_cp, pp, mp (tp x pp) and embedding
+    """Global-rank lists of every group kind: tp, cp, tp_cp, dp, dp_cp, ep, edp_cp, pp, mp (tp x pp) and embedding
     (first+last stage)."""
     check_world_size(world_size, tp, pp, cp)
     dp = world_size // (tp * cp * pp)
@@ -32,6 +34,7 @@ def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> di
     grid = {
         "tp": [[rank(t, c, d, p) for t in T] for p in P for d in D for c in C],
         "cp": [[rank(t, c, d, p) for c in C] for p in P for d in D for t in T],
+        "tp_cp": [[rank(t, c, d, p) for c in C for t in T] for p in P for d in D],
         "dp": [[rank(t, c, d, p) for d in D] for p in P for c in C for t in T],
         "dp_cp": [[rank(t, c, d, p) for d in D for c in C] for p in P for t in T],
         "pp": [[rank(t, c, d, p) for p in P] for d in D for c in C for t in T],
@@ -57,16 +60,9 @@ def coords(rank: int, tp: int, dp: int, cp: int = 1) -> tuple:
 
 @dataclass
 class ParallelContext:
-    """Sizes, coordinates and groups of this rank; passed to everything that communicates."""
-    world_size: int = 1
+    """This rank's place in the layout and its groups; passed to everything that communicates."""
     rank: int = 0
-    tp_size: int = 1
-    pp_size: int = 1
-    dp_size: int = 1
-    cp_size: int = 1
-    ep_size: int = 1
-    vpp_size: int = 1
-    sequence_parallel: bool = False
+    layout: Layout = field(default_factory=Layout)  # the degrees, schedule and sharding (engine.layout)
     cp_comm_type: str = "p2p"  # how attention reaches the other CP ranks' K/V (engine.parallel.ring_attention)
     tp_group: object = None
     dp_group: object = None
@@ -74,6 +70,7 @@ class ParallelContext:
     mp_group: object = None
     embedding_group: object = None
     cp_group: object = None
+    tp_cp_group: object = None  # the tp group when cp is 1, the cp group when tp is 1
     dp_cp_group: object = None  # gradients and optimizer shards: the dp group itself when cp is 1
     ep_group: object = None
     edp_cp_group: object = None  # expert gradients and optimizer shards: dp_cp_group when ep is 1
@@ -85,6 +82,39 @@ class ParallelContext:
     dp_cp_ranks: list = field(default_factory=lambda: [0])
     ep_ranks: list = field(default_factory=lambda: [0])
     rng: object = None  # engine.parallel.random.RNGTracker, set by build_context / the trainer
+
+    # The sizes are the layout's.
+    @property
+    def world_size(self) -> int:
+        return self.layout.num_gpus
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pp
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp
+
+    @property
+    def cp_size(self) -> int:
+        return self.layout.cp
+
+    @property
+    def ep_size(self) -> int:
+        return self.layout.ep
+
+    @property
+    def vpp_size(self) -> int:
+        return self.layout.vpp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.layout.sequence_parallel
 
     def _coords(self) -> tuple:
         return grid_coords(self.rank, self.tp_size, self.cp_size, self.dp_size)
@@ -146,17 +176,20 @@ class ParallelContext:
         along dim 0."""
         return t.chunk(self.seq_split, dim=0)[self.tp_rank] if self.seq_split > 1 else t
 
-    def cp_split(self, t, dim: int):
-        """This CP rank's positions of a tensor laid out by whole-sequence position along `dim`."""
-        return context_split.split(t, dim, self.cp_size, self.cp_rank)
+    # The ranks holding a microbatch's tokens, each a different part of them: tp under sequence parallelism,
+    # times cp (Megatron's tp_cp group); what they decide about the whole microbatch, they decide together.
+    @property
+    def token_group(self):
+        return self.tp_cp_group if self.seq_split > 1 else self.cp_group
 
-    def positions(self, seq_length: int, device=None):
-        """The positions of the whole sequence this rank's activations hold (all of them when cp is 1)."""
-        return context_split.positions(seq_length, self.cp_size, self.cp_rank, device)
+    @property
+    def token_group_size(self) -> int:
+        return self.seq_split * self.cp_size
 
-    def full_seq_len(self, local_len: int) -> int:
-        """The whole sequence's length from the length of this rank's activations."""
-        return local_len * self.seq_split * self.cp_size
+    @property
+    def token_group_rank(self) -> int:
+        """This rank's place in its token group: cp-major, as the group's ranks are ordered."""
+        return self.cp_rank * self.seq_split + (self.tp_rank if self.seq_split > 1 else 0)
 
     def activation_shape(self, seq_length: int, micro_batch: int, hidden: int) -> tuple:
         """The shape of the activations a layer takes and gives (and pipeline stages exchange): [s, b, h]."""
@@ -174,13 +207,15 @@ class ParallelContext:
     @classmethod
     def virtual(cls, tp: int = 1, pp: int = 1, dp: int = 1, vpp: int = 1, tp_rank: int = 0, pp_rank: int = 0,
                 dp_rank: int = 0, sequence_parallel: bool = False, cp: int = 1,
-                cp_rank: int = 0, ep: int = 1) -> "ParallelContext":
-        """A context with coordinates but no process groups: for building shapes (meta device, planners)."""
-        rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
-        world = tp * cp * pp * dp
-        ctx = cls(world_size=world, rank=rank, tp_size=tp, pp_size=pp, dp_size=dp, cp_size=cp, ep_size=ep,
-                  vpp_size=vpp, sequence_parallel=sequence_parallel and tp > 1)
-        ctx._fill_ranks(rank_grid(world, tp, pp, cp, ep))
+                cp_rank: int = 0, ep: int = 1, schedule: Optional[str] = None, sharding: Optional[str] = None,
+                layout: Optional[Layout] = None) -> "ParallelContext":
+        """A context with coordinates but no process groups: for building shapes (meta device, planners) and
+        one-rank runs. `layout` replaces the sizes, schedule and sharding given one by one."""
+        layout = layout or Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, sequence_parallel=sequence_parallel, cp=cp, ep=ep,
+                                  pipeline_schedule=schedule, sharding_strategy=sharding)
+        rank = tp_rank + layout.tp * (cp_rank + layout.cp * (dp_rank + layout.dp * pp_rank))
+        ctx = cls(rank=rank, layout=layout)
+        ctx._fill_ranks(rank_grid(layout.num_gpus, layout.tp, layout.pp, layout.cp, layout.ep))
         return ctx
 
     def _fill_ranks(self, grid: dict) -> None:
@@ -190,6 +225,8 @@ class ParallelContext:
 
     def destroy(self) -> None:
         """Release the subgroups this context made (the default group stays)."""
+        if self.tp_cp_group in (self.tp_group, self.cp_group):
+            self.tp_cp_group = None
         if self.edp_cp_group is self.dp_cp_group:
             self.edp_cp_group = None
         if self.dp_cp_group is self.dp_group:
@@ -204,23 +241,34 @@ class ParallelContext:
 # when ep > 1 (with ep 1 the experts' replicas are the dp x cp group); embedding and step only when pp > 1
 # (nothing to tie across stages; no stage to run ahead of another).
 GROUPS = {"tp": "tp_group", "dp": "dp_group", "pp": "pp_group", "mp": "mp_group", "embedding": "embedding_group",
-          "cp": "cp_group", "dp_cp": "dp_cp_group", "ep": "ep_group", "edp_cp": "edp_cp_group", "step": "step_group"}
-_ONLY_WHEN = {"cp": "cp", "dp_cp": "cp", "ep": "ep", "edp_cp": "ep", "embedding": "pp", "step": "pp"}
+          "cp": "cp_group", "tp_cp": "tp_cp_group", "dp_cp": "dp_cp_group", "ep": "ep_group", "edp_cp": "edp_cp_group",
+          "step": "step_group"}
+_ONLY_WHEN = {"cp": "cp", "tp_cp": "tp_cp", "dp_cp": "cp", "ep": "ep", "edp_cp": "ep", "embedding": "pp", "step": "pp"}
 
 
 def build_context(world_size: int, rank: int, tp: int, pp: int, *, vpp: int = 1, sequence_parallel: bool = False,
                   gpus_per_node: Optional[int] = None, timeout_minutes: Optional[float] = None,
-                  seed: int = 1234, device_type: str = "cpu", cp: int = 1,
-                  cp_comm_type: str = "p2p", ep: int = 1) -> ParallelContext:
-    """Make every group (each rank takes part in all new_group calls, in one order) and the RNG tracker."""
-    check_tp_fits_node(tp, gpus_per_node)  # callers other than the launcher skip validate
-    grid = rank_grid(world_size, tp, pp, cp, ep)
-    ctx = ParallelContext(world_size=world_size, rank=rank, tp_size=tp, pp_size=pp,
-                          dp_size=world_size // (tp * cp * pp), cp_size=cp, ep_size=ep, vpp_size=vpp,
-                          sequence_parallel=sequence_parallel and tp > 1, cp_comm_type=cp_comm_type)
+                  seed: int = 1234, device_type: str = "cpu", cp: int = 1, cp_comm_type: str = "p2p", ep: int = 1,
+                  schedule: Optional[str] = None, sharding: Optional[str] = None) -> ParallelContext:
+    """`context_for` the layout of these sizes, pipeline schedule and sharding strategy."""
+    check_world_size(world_size, tp, pp, cp)
+    layout = Layout(tp=tp, pp=pp, dp=world_size // (tp * cp * pp), vpp=vpp, sequence_parallel=sequence_parallel, cp=cp,
+                    ep=ep, pipeline_schedule=schedule, sharding_strategy=sharding)
+    return context_for(layout, rank, gpus_per_node=gpus_per_node, timeout_minutes=timeout_minutes, seed=seed,
+                       device_type=device_type, cp_comm_type=cp_comm_type)
+
+
+def context_for(layout: Layout, rank: int, *, gpus_per_node: Optional[int] = None,
+                timeout_minutes: Optional[float] = None, seed: int = 1234, device_type: str = "cpu",
+                cp_comm_type: str = "p2p") -> ParallelContext:
+    """Make every group of `layout` (each rank takes part in all new_group calls, in one order) and the RNG
+    tracker."""
+    check_tp_fits_node(layout.tp, gpus_per_node)  # callers other than the launcher skip validate
+    grid = rank_grid(layout.num_gpus, layout.tp, layout.pp, layout.cp, layout.ep)
+    ctx = ParallelContext(rank=rank, layout=layout, cp_comm_type=cp_comm_type)
     ctx._fill_ranks(grid)
     timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes else None
-    sizes = {"cp": cp, "ep": ep, "pp": pp}
+    sizes = {"cp": layout.cp, "ep": layout.ep, "pp": layout.pp, "tp_cp": min(layout.tp, layout.cp)}
     for kind, attr in GROUPS.items():
         if kind in _ONLY_WHEN and sizes[_ONLY_WHEN[kind]] == 1:
             continue  # (made and dropped, a group would keep its threads and sockets for the whole process)
@@ -228,9 +276,11 @@ def build_context(world_size: int, rank: int, tp: int, pp: int, *, vpp: int = 1,
             group = comm.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 setattr(ctx, attr, group)
-    if cp == 1:
+    if layout.cp == 1:
         ctx.dp_cp_group = ctx.dp_group
-    if ep == 1:
+    if min(layout.tp, layout.cp) == 1:
+        ctx.tp_cp_group = ctx.tp_group if layout.cp == 1 else ctx.cp_group
+    if layout.ep == 1:
         ctx.edp_cp_group = ctx.dp_cp_group
     ctx.rng = RNGTracker.for_context(ctx, seed, device_type)
     return ctx

@@ -26,13 +26,14 @@ makes it finishes, and taken by the step that needs it (always a later one on th
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
+from engine.flops import UNIT, Costs
+from engine.layout import PipelineSchedule
 from engine.parallel import comm
 from engine.pipeline import zero_bubble
-from engine.pipeline.partition import neighbours, stage_of
 
 
 class Message(NamedTuple):
@@ -47,12 +48,12 @@ class Exchange(NamedTuple):
     recvs: tuple  # one per operation of the next step: the Message it needs, or None
 
 
-def messages(kind: str, chunk: int, mb: int, rank: int, pp: int, vpp: int, v_shape: bool = False) -> tuple:
+def messages(kind: str, chunk: int, mb: int, rank: int, schedule: PipelineSchedule) -> tuple:
     """(what this operation receives, what it sends), each a Message or None."""
     if kind == "W":
         return None, None
-    stage = stage_of(pp, vpp, rank, chunk, v_shape)
-    previous, following = neighbours(stage, pp, vpp, v_shape)
+    stage = schedule.stage_of(rank, chunk)
+    previous, following = schedule.neighbours(stage)
     if kind == "F":
         recv = Message(previous[0], "act", stage, mb) if previous else None
         send = Message(following[0], "act", stage + 1, mb) if following else None
@@ -62,8 +63,7 @@ def messages(kind: str, chunk: int, mb: int, rank: int, pp: int, vpp: int, v_sha
     return recv, send
 
 
-def exchange_plan(steps: list, pp: int, vpp: int, rank: int, schedule: Optional[str] = None,
-                  costs: zero_bubble.Costs = zero_bubble.UNIT) -> list:
+def exchange_plan(steps: list, schedule: PipelineSchedule, rank: int, costs: Costs = UNIT) -> list:
     """[(Exchange, operations of the step)] for each step, then a last exchange with no operations.
 
     `steps` groups the schedule's operations (engine.pipeline.schedules.schedule_steps). 1F1B exchanges
@@ -75,39 +75,37 @@ def exchange_plan(steps: list, pp: int, vpp: int, rank: int, schedule: Optional[
     make each forward wait for the gradient its partner backward needs, serialising neighbouring stages.
     The zero-bubble schedules get `_timed_plan` (`costs`: those their order was built for).
     """
-    if schedule in zero_bubble.SCHEDULES:
+    if schedule.split_backward:
         ops = [op for step in steps for op in step]
-        return _timed_plan(ops, pp, rank, schedule, 1 + max(mb for _, _, mb in ops),
+        return _timed_plan(ops, schedule, rank, 1 + max(mb for _, _, mb in ops),
                            not any(kind == "B" for kind, _, _ in ops), costs)
     plan, sends = [], ()
     for ops in steps:
-        pairs = [messages(kind, chunk, mb, rank, pp, vpp) for kind, chunk, mb in ops]
+        pairs = [messages(kind, chunk, mb, rank, schedule) for kind, chunk, mb in ops]
         plan.append((Exchange(sends, tuple(recv for recv, _ in pairs)), list(ops)))
         sends = tuple(send for _, send in pairs if send is not None)
     plan.append((Exchange(sends, ()), []))
     return plan
 
 
-def _timed_plan(ops: list, pp: int, rank: int, schedule: str, m: int, forward_only: bool, costs) -> list:
+def _timed_plan(ops: list, schedule: PipelineSchedule, rank: int, m: int, forward_only: bool, costs) -> list:
     """A zero-bubble schedule's plan: one step per slot of its timeline (engine.pipeline.zero_bubble: the
     distinct start times of its replay; an operation of this rank or none), each message posted by both ends
     at the slot of the operation that needs it, which starts after the one that makes it ended. A batch's
     partners are then in the same-numbered batches of its peers, so every rank's batch k completes once all
     have reached it: no deadlock, whatever the order. (One batch per operation, as in
     1F1B, deadlocks ZB-V, whose ranks exchange in both directions; the replay in the tests shows it.)"""
-    v_shape = schedule == "zb-v"
-    vpp = 2 if v_shape else 1
-    slot = zero_bubble.timeline(schedule, pp, m, forward_only, costs)
-    at = {slot[(kind, stage_of(pp, vpp, rank, c, v_shape), mb)]: (kind, c, mb) for kind, c, mb in ops}
+    slot = zero_bubble.timeline(schedule, m, forward_only, costs)
+    at = {slot[(kind, schedule.stage_of(rank, c), mb)]: (kind, c, mb) for kind, c, mb in ops}
     sends: dict = {}
     for kind, c, mb in ops:
-        send = messages(kind, c, mb, rank, pp, vpp, v_shape)[1]
+        send = messages(kind, c, mb, rank, schedule)[1]
         if send is not None:  # received by the forward or B of the neighbouring stage
             sends.setdefault(slot[("F" if send.kind == "act" else "B", send.stage, mb)], []).append(send)
     plan = []
     for t in range(max([*at, *sends]) + 1):
         op = at.get(t)
-        recvs = () if op is None else (messages(*op, rank, pp, vpp, v_shape)[0],)
+        recvs = () if op is None else (messages(*op, rank, schedule)[0],)
         plan.append((Exchange(tuple(sends.get(t, ())), recvs), [] if op is None else [op]))
     plan.append((Exchange((), ()), []))
     return plan

@@ -8,12 +8,12 @@ B. The pipeline simulator (engine.pipeline.schedules.simulate) reports these tim
 """
 from __future__ import annotations
 
-from engine.pipeline.partition import neighbours, stage_of
+from engine.layout import PipelineSchedule
 
 
-def replay(orders: list, vpp: int, cost: dict, v_shape: bool = False) -> dict:
+def replay(orders: list, schedule: PipelineSchedule, cost: dict) -> dict:
     """{(kind, pp rank, chunk, microbatch): (start, end)} for `orders` (one list of (kind, chunk, microbatch)
-    per pp rank), each operation costing cost[kind]."""
+    per pp rank of `schedule`), each operation costing cost[kind]."""
     pp = len(orders)
     times, clock, pos = {}, [0] * pp, [0] * pp
     remaining = sum(len(o) for o in orders)
@@ -23,7 +23,7 @@ def replay(orders: list, vpp: int, cost: dict, v_shape: bool = False) -> dict:
             if pos[r] == len(orders[r]):
                 continue
             kind, c, mb = orders[r][pos[r]]
-            waits = dependencies(kind, r, c, mb, pp, vpp, v_shape)
+            waits = dependencies(kind, r, c, mb, schedule)
             if any(d not in times for d in waits):
                 continue
             start = max([clock[r]] + [times[d][1] for d in waits])
@@ -41,7 +41,7 @@ def makespan(times: dict):
     return max(end for _, end in times.values())
 
 
-def steady_period(orders: list, vpp: int, cost: dict, num_microbatches: int, v_shape: bool = False,
+def steady_period(orders: list, schedule: PipelineSchedule, cost: dict, num_microbatches: int,
                   steps: int = 3) -> float:
     """Time from the end of one training step to the end of the next once steps run back to back: every rank
     runs its order `steps` times over, starting its next step as soon as its own operations of this one are
@@ -53,16 +53,16 @@ def steady_period(orders: list, vpp: int, cost: dict, num_microbatches: int, v_s
     m = num_microbatches
     chained = [[(kind, c, mb + s * m) for s in range(steps) for kind, c, mb in order] for order in orders]
     ends = [0.0] * steps
-    for (_, _, _, mb), (_, end) in replay(chained, vpp, cost, v_shape).items():
+    for (_, _, _, mb), (_, end) in replay(chained, schedule, cost).items():
         ends[mb // m] = max(ends[mb // m], end)
     return ends[-1] - ends[-2]
 
 
-def dependencies(kind: str, r: int, c: int, mb: int, pp: int, vpp: int, v_shape: bool = False) -> list:
+def dependencies(kind: str, r: int, c: int, mb: int, schedule: PipelineSchedule) -> list:
     """The operations (kind, pp rank, chunk, microbatch) this one waits for."""
     if kind == "W":
         return [("B", r, c, mb)]
-    previous, following = neighbours(stage_of(pp, vpp, r, c, v_shape), pp, vpp, v_shape)
+    previous, following = schedule.neighbours(schedule.stage_of(r, c))
     if kind == "F":
         return [("F", *previous, mb)] if previous else []
     return [("F", r, c, mb)] + ([("B", *following, mb)] if following else [])

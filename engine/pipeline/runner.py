@@ -5,9 +5,9 @@ optional trace) and `run(microbatches)` does one step's forward and backward pas
 in the order `schedules.schedule_steps` gives, with one batched exchange between consecutive steps
 (`p2p.exchange_plan`). With pp 1 it is plain gradient accumulation.
 
-Under a zero-bubble schedule a chunk's forward and its B run under `mappings.deferring_weight_grads`
+Under a zero-bubble schedule a chunk's forward and its B run under `weight_grad_store.deferring_weight_grads`
 with one store per (chunk, microbatch), so B computes input gradients only; its W operation computes
-the weight gradients from that store (`mappings.weight_grads`).
+the weight gradients from that store (`weight_grad_store.weight_grads`).
 """
 from __future__ import annotations
 
@@ -17,56 +17,62 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.parallel import comm, mappings
+from engine.flops import split_backward_costs
+from engine.flops import UNIT, Costs
+from engine.moe.layer import set_aux_loss_scale
+from engine.parallel import comm, weight_grad_store
+from engine.parallel.context_split import shard_batch
+from engine.pipeline.loss import microbatch_loss, step_loss, token_count
 from engine.pipeline.p2p import StageLink, backward_through, exchange_plan, messages
-from engine.pipeline.partition import place
-from engine.pipeline.schedules import SPLIT_BACKWARD, check_schedule, schedule_steps
-from engine.pipeline.zero_bubble import UNIT, Costs
+from engine.pipeline.schedules import check_schedule, schedule_steps
 
 
 class PipelineRunner:
-    def __init__(self, chunks: list, ctx, shape: tuple, dtype, device, trace=None, schedule: Optional[str] = None,
-                 costs: Costs = UNIT):
+    def __init__(self, chunks: list, ctx, shape: tuple, dtype, device, trace=None, costs: Costs = UNIT):
         """`shape`: every message between stages (ctx.activation_shape); `trace`: a PipelineTrace or None;
-        `schedule`: cfg.pipeline_schedule (None: 1F1B, or interleaved when ctx.vpp_size > 1); `costs`: a stage's
-        forward, B and W, which a zero-bubble order is built for (engine.planner.flops.split_backward_costs)."""
+        `costs`: a stage's forward, B and W, which a zero-bubble order is built for (engine.flops.
+        split_backward_costs). The schedule is the context's (ctx.layout.schedule)."""
         self.chunks, self.ctx, self.device, self.trace, self.costs = chunks, ctx, device, trace, costs
-        self.schedule = schedule if schedule in SPLIT_BACKWARD else None
+        self.schedule = ctx.layout.schedule
         self.link = StageLink(ctx, shape, dtype, device)
         self.deferred: dict = {}  # (chunk, microbatch) -> the weight-gradient work its W will do
-        # the pipeline rank whose last chunk computes the loss: pp - 1, or 0 under ZB-V's V
-        self.loss_rank = place(ctx.pp_size * ctx.vpp_size - 1, ctx.pp_size, ctx.vpp_size, schedule == "zb-v")[0]
+        self.loss_rank = self.schedule.loss_rank
 
     @classmethod
     def from_config(cls, cfg, chunks: list, ctx, dtype, device, trace=None) -> "PipelineRunner":
-        """The runner of a training run: messages of the configured microbatch, the configured schedule, and a
-        zero-bubble order built for the model's FLOPs split of the backward (engine.planner.flops)."""
-        from engine.planner.flops import split_backward_costs
+        """The runner of a training run: messages of the configured microbatch, and a zero-bubble order built for
+        the model's FLOPs split of the backward (engine.flops)."""
         m = cfg.model
         shape = ctx.activation_shape(m.seq_length, cfg.training.micro_batch_size, m.hidden_size)
         costs = split_backward_costs(m, m.seq_length, m.recompute_granularity)
-        return cls(chunks, ctx, shape, dtype, device, trace, cfg.pipeline_schedule, costs)
+        return cls(chunks, ctx, shape, dtype, device, trace, costs)
 
     def run(self, microbatches: list, scale_loss: Optional[Callable] = None, forward_only: bool = False,
             shared: bool = True):
         """Forward (and backward) over all microbatches; returns the mean loss, known on every rank, or with
         `shared` False without any collective: this rank's share of it (`loss_share`).
 
-        `microbatches`: dicts (tokens, labels, loss_mask); only the first stage reads tokens and only the
-        last reads labels, but every rank gets the same list. Losses fed to backward are divided by the
-        number of microbatches; `scale_loss` (fp16 loss scaling, fault drills) applies after that.
+        `microbatches`: dicts (tokens, labels, loss_mask) of whole sequences; every rank gets the same list and
+        cuts it here, once, to its positions (engine.parallel.context_split.shard_batch); only the first stage
+        reads tokens and only the last labels. Losses fed to backward are divided by the number of
+        microbatches (engine.pipeline.loss); `scale_loss` (fp16 loss scaling, fault drills) applies after that,
+        and to the MoE balancing losses' gradients alike.
         """
         ctx, m, schedule = self.ctx, len(microbatches), self.schedule
-        check_schedule(ctx.pp_size, ctx.vpp_size, m, schedule)
-        steps = schedule_steps(ctx.pp_size, ctx.vpp_size, ctx.pp_rank, m, forward_only, schedule, self.costs)
+        check_schedule(schedule, m)
+        microbatches = [dict(shard_batch(batch, ctx), count=token_count(batch)) for batch in microbatches]
+        if not forward_only:
+            unit = torch.ones((), dtype=torch.float64)  # (float64: a static --loss-scale as given)
+            set_aux_loss_scale(float(scale_loss(unit) if scale_loss is not None else unit) / m)
+        steps = schedule_steps(schedule, ctx.pp_rank, m, forward_only, self.costs)
         saved, losses, outbox = {}, [], {}
-        for exchange, ops in exchange_plan(steps, ctx.pp_size, ctx.vpp_size, ctx.pp_rank, schedule, self.costs):
+        for exchange, ops in exchange_plan(steps, schedule, ctx.pp_rank, self.costs):
             # what earlier steps made for this batch to send, what this step needs (one entry per operation)
             inbox = self.link.exchange(exchange, [outbox.pop(msg[1:]) for msg in exchange.sends])
             for (kind, chunk, mb), received in zip(ops, inbox):
                 start = time.time()  # inputs have arrived: waiting for them shows as idle time in the trace
                 made = self._run_op(kind, chunk, mb, microbatches, received, saved, scale_loss, losses, forward_only)
-                send = messages(kind, chunk, mb, ctx.pp_rank, ctx.pp_size, ctx.vpp_size, schedule == "zb-v")[1]
+                send = messages(kind, chunk, mb, ctx.pp_rank, schedule)[1]
                 if send is not None:
                     outbox[send[1:]] = made
                 if self.trace is not None and not forward_only:  # evaluation passes are not traced
@@ -84,22 +90,23 @@ class PipelineRunner:
         if kind == "B":
             with self._deferring(chunk, mb, forward_only):  # forwards recomputed inside B defer too
                 return self._backward(*saved.pop((chunk, mb)), received)
-        mappings.weight_grads(self.deferred.pop((chunk, mb)))
+        weight_grad_store.weight_grads(self.deferred.pop((chunk, mb)))
         return None
 
     def _deferring(self, chunk: int, mb: int, forward_only: bool):
         """Where this chunk's weight gradients go for this microbatch: the store of its W, under a zero-bubble
         schedule; nowhere else (computed in backward as usual)."""
-        if self.schedule is None or forward_only:
+        if not self.schedule.split_backward or forward_only:
             return contextlib.nullcontext()
-        return mappings.deferring_weight_grads(self.deferred.setdefault((chunk, mb), []))
+        return weight_grad_store.deferring_weight_grads(self.deferred.setdefault((chunk, mb), []))
 
     def _forward(self, chunk: int, batch: dict, received, m: int, scale_loss, losses: list) -> tuple:
         """(input, output) of one chunk's forward; on the last stage the output is the scaled loss."""
         model = self.chunks[chunk]
         x = None if received is None else received.requires_grad_()
-        out = model(tokens=batch["tokens"], hidden=x, labels=batch.get("labels"), loss_mask=batch.get("loss_mask"))
+        out = model(tokens=batch["tokens"], hidden=x, labels=batch.get("labels"), positions=batch["positions"])
         if model.post_process:
+            out = microbatch_loss(out, batch.get("loss_mask"), batch["count"])
             losses.append(out.detach())
             out = out / m
             if scale_loss is not None:
@@ -120,19 +127,17 @@ class PipelineRunner:
         loss rank's TP rank 0 holds the mean over its microbatches, over dp replicas averaged, CP shares
         summed; every other rank holds 0). Post-validation sums it with the gradient norm in one all-reduce."""
         ctx = self.ctx
-        if not losses or ctx.pp_rank != self.loss_rank or ctx.tp_rank != 0:
+        if ctx.pp_rank != self.loss_rank or ctx.tp_rank != 0:
             return torch.zeros((), device=self.device)
-        return torch.stack(losses).float().mean() / ctx.dp_size
+        return step_loss(losses, ctx.dp_size, self.device)
 
     def _share_loss(self, losses: list) -> float:
-        """Mean loss over microbatches from the loss's rank to every rank: summed over CP ranks (each holds
-        its positions' share of the mean), averaged over dp."""
+        """The step's loss from the loss's rank to every rank: the shares summed over CP ranks and dp replicas
+        (engine.pipeline.loss.step_loss)."""
         ctx = self.ctx
-        value = torch.stack(losses).float().mean() if losses else torch.zeros((), device=self.device)
-        value = value.reshape(1).clone()
+        value = step_loss(losses, ctx.dp_size, self.device).reshape(1).clone()
         if ctx.pp_size > 1:
             comm.broadcast(value, ctx.pp_ranks[self.loss_rank], ctx.pp_group)
         if ctx.dp_cp_size > 1:
             comm.all_reduce(value, ctx.dp_cp_group)
-            value /= ctx.dp_size
         return value.item()

@@ -11,13 +11,13 @@ most warm-up + 1 virtual microbatches' activations (asserted in the tests).
 
 Zero-bubble schedules (ZB-H1, ZB-V; engine.pipeline.zero_bubble) split each backward into B (input
 gradient) and W (weight gradients): their operations are ("F" | "B" | "W", chunk, microbatch), and ZB-V
-runs two chunks per rank in a V (engine.pipeline.partition). `schedule` names the schedule wherever it
-matters; None is 1F1B, or interleaved when vpp > 1.
+runs two chunks per rank in a V. Every function takes the schedule as the layout's value
+(engine.layout.PipelineSchedule: name, pp, chunks per rank, placement).
 
 The same order drives `runner.PipelineRunner` (real tensors) and `simulate` (given costs), so the bubble
 the simulator reports is the bubble of the schedule that trains. A zero-bubble order depends on the costs
 it is built for (`costs`, a zero_bubble.Costs): the runner and the planner pass the model's
-(engine.planner.flops.split_backward_costs), the simulator the costs it replays.
+(engine.flops.split_backward_costs), the simulator the costs it replays.
 """
 from __future__ import annotations
 
@@ -25,18 +25,18 @@ import functools
 import warnings
 from typing import Optional
 
+from engine.flops import UNIT, Costs
+from engine.layout import PipelineSchedule
 from engine.pipeline import zero_bubble
-from engine.pipeline.replay import makespan, max_in_flight, replay, steady_period  # noqa: F401 (max_in_flight: API)
-from engine.pipeline.zero_bubble import UNIT, Costs
+from engine.pipeline.replay import makespan, max_in_flight, replay, steady_period
 from engine.validation import check_interleaved_microbatches
 
-SPLIT_BACKWARD = zero_bubble.SCHEDULES  # the schedules whose backward is split into B and W
 
-
-def check_schedule(pp: int, vpp: int, num_microbatches: int, schedule: Optional[str] = None) -> None:
+def check_schedule(schedule: PipelineSchedule, num_microbatches: int) -> None:
     """Reject impossible settings before any work; warn about wasteful ones."""
-    if schedule not in SPLIT_BACKWARD:
-        check_interleaved_microbatches(pp, vpp, num_microbatches)  # validate's rule for the batch flags
+    pp = schedule.pp
+    if schedule.interleaved:
+        check_interleaved_microbatches(pp, schedule.vpp, num_microbatches)  # validate's rule for the batch flags
     if pp > 1 and num_microbatches < pp:
         warnings.warn(f"{num_microbatches} microbatches for {pp} pipeline stages: most stages will idle; "
                       f"use at least {pp} microbatches per step", stacklevel=2)
@@ -50,16 +50,16 @@ def warmup_count(pp: int, vpp: int, rank: int, num_microbatches: int) -> int:
     return min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
 
 
-def peak_in_flight(pp: int, vpp: int, rank: int, num_microbatches: int, schedule: Optional[str] = None,
-                   costs: Costs = UNIT) -> int:
+def peak_in_flight(schedule: PipelineSchedule, rank: int, num_microbatches: int, costs: Costs = UNIT) -> int:
     """Model-chunk forwards whose activations rank `rank` holds at its peak: the warm-up and one more, at
     most every forward of the step; the planner's activation count. For 1F1B that is pp - rank; for the
     interleaved schedule 2(pp - rank - 1) + (vpp - 1)pp + 1 chunks, which on rank 0 is Korthikanti et al.'s
     factor 1 + (pp - 1)/(pp vpp) in units of the rank's layers. Zero-bubble schedules: counted on their
     order, up to the W pass (the stores W needs count as held activations)."""
-    if schedule in SPLIT_BACKWARD:
-        return max_in_flight(schedule_order(pp, vpp, rank, num_microbatches, schedule, costs), until="W")
-    return min(warmup_count(pp, vpp, rank, num_microbatches) + 1, num_microbatches * vpp)
+    if schedule.split_backward:
+        return max_in_flight(schedule_order(schedule, rank, num_microbatches, costs), until="W")
+    vpp = schedule.vpp
+    return min(warmup_count(schedule.pp, vpp, rank, num_microbatches) + 1, num_microbatches * vpp)
 
 
 def _virtual(k: int, pp: int, vpp: int, forward: bool) -> tuple:
@@ -70,16 +70,17 @@ def _virtual(k: int, pp: int, vpp: int, forward: bool) -> tuple:
     return (chunk if forward else vpp - 1 - chunk), group * pp + pos % pp
 
 
-def schedule_steps(pp: int, vpp: int, rank: int, num_microbatches: int, forward_only: bool = False,
-                   schedule: Optional[str] = None, costs: Costs = UNIT) -> list:
+def schedule_steps(schedule: PipelineSchedule, rank: int, num_microbatches: int, forward_only: bool = False,
+                   costs: Costs = UNIT) -> list:
     """This rank's operations, ("F" | "B" | "W", chunk, microbatch), grouped into the steps between two exchanges.
 
     Every operation is a step of its own, except in the interleaved schedule's steady state, where a
     forward and the backward after it form one step (see engine.pipeline.p2p.exchange_plan); forward-only
     runs (evaluation) take every forward alone.
     """
-    if schedule in SPLIT_BACKWARD:
-        return [[op] for op in zero_bubble.orders(schedule, pp, num_microbatches, forward_only, costs)[rank]]
+    if schedule.split_backward:
+        return [[op] for op in zero_bubble.orders(schedule, num_microbatches, forward_only, costs)[rank]]
+    pp, vpp = schedule.pp, schedule.vpp
     total = num_microbatches * vpp
     fwd = [("F", *_virtual(k, pp, vpp, True)) for k in range(total)]
     if forward_only:
@@ -91,15 +92,13 @@ def schedule_steps(pp: int, vpp: int, rank: int, num_microbatches: int, forward_
     return [[op] for op in fwd[:warm]] + steady + [[op] for op in bwd[total - warm:]]
 
 
-def schedule_order(pp: int, vpp: int, rank: int, num_microbatches: int, schedule: Optional[str] = None,
-                   costs: Costs = UNIT) -> list:
+def schedule_order(schedule: PipelineSchedule, rank: int, num_microbatches: int, costs: Costs = UNIT) -> list:
     """This rank's operations in execution order: ("F" | "B" | "W", chunk, microbatch)."""
-    return [op for step in schedule_steps(pp, vpp, rank, num_microbatches, schedule=schedule, costs=costs)
-            for op in step]
+    return [op for step in schedule_steps(schedule, rank, num_microbatches, costs=costs) for op in step]
 
 
-def simulate(pp: int, vpp: int, num_microbatches: int, t_forward: float = 1.0, t_backward: float = 2.0,
-             t_weight: float = 0.0, schedule: Optional[str] = None, built_for: Optional[Costs] = None) -> dict:
+def simulate(schedule: PipelineSchedule, num_microbatches: int, t_forward: float = 1.0, t_backward: float = 2.0,
+             t_weight: float = 0.0, built_for: Optional[Costs] = None) -> dict:
     """Replay every rank's order with per-chunk costs t/vpp and free communication (engine.pipeline.replay).
 
     `t_backward` is the input-gradient part of a backward and `t_weight` the weight-gradient part: one
@@ -112,23 +111,24 @@ def simulate(pp: int, vpp: int, num_microbatches: int, t_forward: float = 1.0, t
       engine.optim.post_validation), and steady_bubble = (period - ideal) / ideal. For 1F1B and interleaving,
       whose first rank starts first and ends last, the period is the makespan.
     """
-    split = schedule in SPLIT_BACKWARD
+    vpp = schedule.vpp
     costs = built_for or Costs(t_forward, t_backward, t_weight)
-    orders = [schedule_order(pp, vpp, r, num_microbatches, schedule, costs) for r in range(pp)]
-    cost = {"F": t_forward / vpp, "B": (t_backward + (0.0 if split else t_weight)) / vpp, "W": t_weight / vpp}
+    orders = [schedule_order(schedule, r, num_microbatches, costs) for r in range(schedule.pp)]
+    cost = {"F": t_forward / vpp, "B": (t_backward + (0.0 if schedule.split_backward else t_weight)) / vpp,
+            "W": t_weight / vpp}
     ideal = num_microbatches * (t_forward + t_backward + t_weight)
-    span = makespan(replay(orders, vpp, cost, schedule == "zb-v"))
-    period = steady_period(orders, vpp, cost, num_microbatches, schedule == "zb-v")
+    span = makespan(replay(orders, schedule, cost))
+    period = steady_period(orders, schedule, cost, num_microbatches)
     return {"makespan": span, "ideal": ideal, "bubble": (span - ideal) / ideal, "period": period,
             "steady_bubble": (period - ideal) / ideal}
 
 
 @functools.lru_cache(maxsize=256)
-def bubble_time(schedule: str, pp: int, vpp: int, num_microbatches: int, t_forward: float, t_backward: float,
+def bubble_time(schedule: PipelineSchedule, num_microbatches: int, t_forward: float, t_backward: float,
                 t_weight: float, built_for: Optional[Costs] = None) -> float:
     """Idle time per step for the given per-stage costs, the planner's bubble: period - ideal, the steps
     running back to back as the engine runs them (for 1F1B and interleaving the same as makespan - ideal).
     Past 3pp microbatches the bubble no longer grows, so longer steps are replayed at that length."""
-    m = min(num_microbatches, 3 * pp)
-    sim = simulate(pp, vpp, m, t_forward, t_backward, t_weight, schedule, built_for)
+    m = min(num_microbatches, 3 * schedule.pp)
+    sim = simulate(schedule, m, t_forward, t_backward, t_weight, built_for)
     return sim["period"] - sim["ideal"]

@@ -22,7 +22,7 @@ is the period per step less one rank's work (replay.steady_period). ZB-H1: (p - 
 and the last rank, which cannot start before the first microbatch has passed p - 1 half-stages, ends that
 much later than the first (a parallelogram). One step alone behind a barrier would keep those (p - 1) F / 2.
 
-Operation costs (`Costs`: forward, B and W of one stage and microbatch; engine.planner.flops.
+Operation costs (`Costs`: forward, B and W of one stage and microbatch; engine.flops.
 split_backward_costs derives them from the model) decide when inputs are ready, so they shape the order.
 Candidate orders are built as if F = B = W and for the given costs (rounded to eighths of the forward),
 each taking a ready forward before a ready B or the other way round, and for ZB-V with either cap on the
@@ -39,24 +39,12 @@ import functools
 import heapq
 import math
 from collections import deque
-from typing import NamedTuple
 
-from engine.pipeline.partition import place, stage_of
+from engine.flops import UNIT, Costs
+from engine.layout import PipelineSchedule
 from engine.pipeline.replay import makespan, max_in_flight, replay, steady_period
 
-SCHEDULES = ("zb-h1", "zb-v")
 TICKS = 8  # costs are rounded to eighths of the forward's
-
-
-class Costs(NamedTuple):
-    """Time of one stage's forward, input-gradient backward (B) and weight-gradient backward (W) of one
-    microbatch, in any unit (only their ratios matter)."""
-    forward: float = 1.0
-    input_grad: float = 1.0
-    weight_grad: float = 1.0
-
-
-UNIT = Costs()
 
 
 def ticks(costs: Costs) -> tuple:
@@ -81,52 +69,52 @@ class _Rank:
         return forward_only or (self.activations < self.caps[0] and self.held < self.caps[1])
 
 
-def _caps(schedule: str, pp: int, rank: int, roomy: bool) -> tuple:
+def _caps(schedule: PipelineSchedule, rank: int, roomy: bool) -> tuple:
     """(activations, activations + W stores) rank `rank` may hold, in model-chunk microbatches; `roomy`: ZB-V
     keeps up to pp more W stores."""
-    return (2 * pp, (3 if roomy else 2) * pp) if schedule == "zb-v" else (pp - rank, pp)
+    pp = schedule.pp
+    return (2 * pp, (3 if roomy else 2) * pp) if schedule.v_shape else (pp - rank, pp)
 
 
-def orders(schedule: str, pp: int, num_microbatches: int, forward_only: bool = False, costs: Costs = UNIT) -> tuple:
+def orders(schedule: PipelineSchedule, num_microbatches: int, forward_only: bool = False, costs: Costs = UNIT) -> tuple:
     """Every pipeline rank's operations ("F" | "B" | "W", chunk, microbatch) in execution order."""
-    return _build(schedule, pp, num_microbatches, forward_only, ticks(costs))[0]
+    return _build(schedule, num_microbatches, forward_only, ticks(costs))[0]
 
 
-def timeline(schedule: str, pp: int, num_microbatches: int, forward_only: bool = False, costs: Costs = UNIT) -> dict:
+def timeline(schedule: PipelineSchedule, num_microbatches: int, forward_only: bool = False,
+             costs: Costs = UNIT) -> dict:
     """{(kind, virtual stage, microbatch): the slot it starts in}: slots number the distinct start times of the
     order's replay at `costs` (engine.pipeline.p2p posts each message at the slot of the operation that needs
     it). Read only: it is cached."""
-    return _build(schedule, pp, num_microbatches, forward_only, ticks(costs))[1]
+    return _build(schedule, num_microbatches, forward_only, ticks(costs))[1]
 
 
 @functools.lru_cache(maxsize=128)
-def _build(schedule: str, pp: int, m: int, forward_only: bool, cost_ticks: tuple) -> tuple:
-    assert schedule in SCHEDULES, schedule
-    v_shape = schedule == "zb-v"
-    vpp, cost = (2 if v_shape else 1), dict(zip("FBW", cost_ticks))
-    candidates = [(c, b, roomy) for c in ((1, 1, 1), cost_ticks) for b in (False, True) for roomy in (False, v_shape)]
-    built = [o for o in dict.fromkeys(_list_schedule(schedule, pp, m, forward_only, *c) for c in candidates) if o]
+def _build(schedule: PipelineSchedule, m: int, forward_only: bool, cost_ticks: tuple) -> tuple:
+    assert schedule.split_backward, schedule
+    cost = dict(zip("FBW", cost_ticks))
+    candidates = [(c, b, roomy) for c in ((1, 1, 1), cost_ticks) for b in (False, True)
+                  for roomy in (False, schedule.v_shape)]
+    built = [o for o in dict.fromkeys(_list_schedule(schedule, m, forward_only, *c) for c in candidates) if o]
     if not built:
-        raise RuntimeError(f"{schedule} cannot be scheduled for pp {pp}, {m} microbatches")  # a bug here
-    replayed = [replay(o, vpp, cost, v_shape) for o in built]
+        raise RuntimeError(f"{schedule.name} cannot be scheduled for pp {schedule.pp}, {m} microbatches")  # a bug
+    replayed = [replay(o, schedule, cost) for o in built]
 
     def merit(i: int) -> tuple:  # steady-state period, then held memory, then one step's makespan
-        period = 0 if forward_only else steady_period(built[i], vpp, cost, m, v_shape)
+        period = 0 if forward_only else steady_period(built[i], schedule, cost, m)
         return period, max(max_in_flight(o, until="W") for o in built[i]), makespan(replayed[i])
     best = min(range(len(built)), key=merit)  # the first on a tie
     slot = {t: i for i, t in enumerate(sorted({start for start, _ in replayed[best].values()}))}
-    return built[best], {(kind, stage_of(pp, vpp, r, c, v_shape), mb): slot[start]
+    return built[best], {(kind, schedule.stage_of(r, c), mb): slot[start]
                          for (kind, r, c, mb), (start, _) in replayed[best].items()}
 
 
-def _list_schedule(schedule: str, pp: int, m: int, forward_only: bool, cost_ticks: tuple, b_first: bool,
+def _list_schedule(schedule: PipelineSchedule, m: int, forward_only: bool, cost_ticks: tuple, b_first: bool,
                    roomy: bool) -> tuple:
     """Every rank's order by list scheduling with these costs (see the module doc); `b_first`: a ready B goes
     before a forward."""
-    v_shape = schedule == "zb-v"
-    vpp, cost = (2 if v_shape else 1), dict(zip("FBW", cost_ticks))
-    ranks = [_Rank([stage_of(pp, vpp, r, c, v_shape) for c in range(vpp)], _caps(schedule, pp, r, roomy))
-             for r in range(pp)]
+    pp, vpp, cost = schedule.pp, schedule.vpp, dict(zip("FBW", cost_ticks))
+    ranks = [_Rank([schedule.stage_of(r, c) for c in range(vpp)], _caps(schedule, r, roomy)) for r in range(pp)]
     ends: dict = {}  # (kind, stage, microbatch) -> when it ends
     events, clock = [], [0] * pp  # end times still ahead; when each rank is next free
     next_f, next_b = [0] * (pp * vpp), [0] * (pp * vpp)
@@ -139,7 +127,7 @@ def _list_schedule(schedule: str, pp: int, m: int, forward_only: bool, cost_tick
             if op is not None:
                 ends[op] = clock[r] = t + cost[op[0]]
                 heapq.heappush(events, clock[r])
-                rank.order.append((op[0], place(op[1], pp, vpp, v_shape)[1], op[2]))
+                rank.order.append((op[0], schedule.place(op[1])[1], op[2]))
                 left -= 1
         while events and events[0] <= t:
             heapq.heappop(events)

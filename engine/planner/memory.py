@@ -29,7 +29,7 @@ whatever the recomputation. Dropout masks are counted only where the model has d
 stores them: the two residual masks (2·s·b·h) when hidden_dropout > 0, the attention-probability mask and
 dropout output (3·a·s²·b of the 5) when attention_dropout > 0 (Megatron's GPT-3 runs had both at 0.1).
 
-Pipeline schedules (Layout.pipeline_schedule, engine.pipeline.schedules): the microbatch-chunks a rank
+Pipeline schedules (Layout.schedule, engine.pipeline.schedules): the microbatch-chunks a rank
 holds at its peak come from the schedule's own order. Under a zero-bubble schedule a chunk's B frees
 what backward saved except what its deferred W needs (engine.parallel.mappings: every linear's input and
 its output gradient, `w_store_bytes`): the peak is the largest of A x activations + W x stores over the
@@ -44,13 +44,11 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
-from engine.config import SHARDING_STRATEGIES, ModelConfig
-from engine.pipeline.partition import stage_layers
-from engine.pipeline.schedules import SPLIT_BACKWARD, peak_in_flight
-from engine.pipeline.zero_bubble import UNIT, Costs
-from engine.planner.flops import split_backward_costs
-
-PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")
+from engine.attention_mask import AttentionMask
+from engine.config import ModelConfig
+from engine.flops import UNIT, Costs, split_backward_costs
+from engine.layout import Layout, PipelineSchedule
+from engine.pipeline.schedules import peak_in_flight, schedule_order
 
 # Bytes per parameter, as engine/optim allocates them: 2-byte weights in bf16/fp16, an fp32 main-grad
 # buffer (microbatch gradients accumulate in fp32), Adam m and v in fp32, and an fp32 master copy
@@ -76,102 +74,43 @@ MEMORY_RESERVED_GIB = 2.0
 GIB = 2.0 ** 30
 
 
-@dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    vpp: int = 1
-    micro_batch_size: int = 1
-    recompute: str = "none"            # none | selective | full
-    sequence_parallel: bool = False
-    distributed_optimizer: bool = False
-    first_stage_layers: Optional[int] = None   # uneven pipeline split (--decoder-first-pipeline-num-layers)
-    last_stage_layers: Optional[int] = None
-    cp: int = 1                        # context parallel: each sequence split over cp ranks
-    ep: int = 1                        # expert parallel, carved from dp: the experts split over ep dp ranks
-    # --data-parallel-sharding-strategy (None: optim with distributed_optimizer, else no_shard); a strategy
-    # given here sets distributed_optimizer to whether anything is sharded, as the engine's validation does.
-    sharding_strategy: Optional[str] = None
-    pipeline_schedule: Optional[str] = None    # --pipeline-schedule (None: 1f1b, interleaved when vpp > 1)
-
-    def __post_init__(self):
-        if self.sharding_strategy is not None:
-            if self.sharding_strategy not in SHARDING_STRATEGIES:
-                raise ValueError(f"unknown sharding strategy {self.sharding_strategy!r}")
-            object.__setattr__(self, "distributed_optimizer", self.sharding_strategy != "no_shard")
-        if self.pipeline_schedule not in (None,) + PIPELINE_SCHEDULES:
-            raise ValueError(f"unknown pipeline schedule {self.pipeline_schedule!r}")
-
-    @property
-    def strategy(self) -> str:
-        """The data-parallel sharding strategy in force (engine.config.sharding_strategy's rule)."""
-        return self.sharding_strategy or ("optim" if self.distributed_optimizer else "no_shard")
-
-    @property
-    def schedule(self) -> str:
-        """The pipeline schedule that runs (engine's Config.pipeline_schedule rule)."""
-        return self.pipeline_schedule or ("interleaved" if self.vpp > 1 else "1f1b")
-
-    @property
-    def num_gpus(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
-
-    @property
-    def shard_group(self) -> int:
-        """Ranks that hold replicas of the same weights: gradients reduce over them and the distributed
-        optimizer shards over them (dp x cp: CP ranks replicate the weights)."""
-        return self.dp * self.cp
-
-    @property
-    def expert_shard_group(self) -> int:
-        """Ranks holding the same experts (dp/ep x cp): the experts' gradients reduce over them and their
-        optimizer state shards over them."""
-        return self.dp // self.ep * self.cp
-
-
 def stage_layer_ids(num_layers: int, layout: Layout) -> tuple:
     """Global layer ids per (pipeline rank, model chunk): the engine's own split (engine.pipeline.partition).
 
     Uneven first/last stages with an interleaved schedule (the engine does not run it; Llama 3 405B did)
     split each rank's layers over its chunks as evenly as they go, for evaluating published layouts. ZB-V's V
     puts chunk 1 of rank r on stage 2pp-1-r."""
-    return _stage_ids(num_layers, layout.pp, layout.vpp, layout.first_stage_layers, layout.last_stage_layers,
-                      layout.schedule == "zb-v")
+    return _stage_ids(num_layers, layout.schedule, layout.first_stage_layers, layout.last_stage_layers)
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_ids(num_layers: int, pp: int, vpp: int, first: Optional[int], last: Optional[int],
-               v_shape: bool = False) -> tuple:
-    if v_shape:
-        return tuple(tuple(tuple(stage_layers(num_layers, pp, vpp, r, c, None, None, True)) for c in range(vpp))
-                     for r in range(pp))
+def _stage_ids(num_layers: int, schedule: PipelineSchedule, first: Optional[int], last: Optional[int]) -> tuple:
+    pp, vpp = schedule.pp, schedule.vpp
     if (first is not None or last is not None) and vpp > 1:
+        split = Layout(pp=pp, first_stage_layers=first, last_stage_layers=last)
         out = []
         for r in range(pp):
-            ids = tuple(stage_layers(num_layers, pp, 1, r, 0, first, last))
+            ids = tuple(split.layer_ids(num_layers, r, 0))
             sizes = [len(ids) // vpp + (c < len(ids) % vpp) for c in range(vpp)]
             out.append(tuple(ids[sum(sizes[:c]):sum(sizes[:c + 1])] for c in range(vpp)))
         return tuple(out)
-    return tuple(tuple(tuple(stage_layers(num_layers, pp, vpp, r, c, first, last)) for c in range(vpp))
-                 for r in range(pp))
+    split = Layout(pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last, pipeline_schedule=schedule.name)
+    return tuple(tuple(tuple(split.layer_ids(num_layers, r, c)) for c in range(vpp)) for r in range(pp))
 
 
 def stage_layer_counts(num_layers: int, layout: Layout) -> tuple:
     """Layers per (pipeline rank, model chunk), see stage_layer_ids."""
-    return _stage_counts(num_layers, layout.pp, layout.vpp, layout.first_stage_layers, layout.last_stage_layers,
-                         layout.schedule == "zb-v")
+    return _stage_counts(num_layers, layout.schedule, layout.first_stage_layers, layout.last_stage_layers)
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_counts(num_layers: int, pp: int, vpp: int, first: Optional[int], last: Optional[int],
-                  v_shape: bool) -> tuple:
-    return tuple(tuple(len(ids) for ids in chunks) for chunks in _stage_ids(num_layers, pp, vpp, first, last, v_shape))
+def _stage_counts(num_layers: int, schedule: PipelineSchedule, first: Optional[int], last: Optional[int]) -> tuple:
+    return tuple(tuple(len(ids) for ids in chunks) for chunks in _stage_ids(num_layers, schedule, first, last))
 
 
 def end_ranks(layout: Layout) -> tuple:
     """(pipeline rank with the embedding, pipeline rank with the output layer): ZB-V's V puts both on rank 0."""
-    return 0, (0 if layout.schedule == "zb-v" else layout.pp - 1)
+    return 0, layout.schedule.loss_rank
 
 
 def moe_layers_per_rank(model: ModelConfig, layout: Layout) -> list:
@@ -278,7 +217,8 @@ def layer_activation_bytes(model: ModelConfig, seq_length: int, micro_batch: int
     split = 2 * s * b * (nq * d + nkv * d) + 2 * s * b * nkv * d + 2 * s * b * nq * d + mlp
     # Softmax output (2) per score, and with attention dropout its mask (1) and the dropout output (2).
     per_score = 2 + 3 * (model.attention_dropout > 0)
-    scores = 0 if (flash_attention or recompute == "selective") else per_score * nq * s * s * cp * b
+    keys = AttentionMask.of(model).keys_per_query(s * cp)  # each local query against the whole sequence
+    scores = 0 if (flash_attention or recompute == "selective") else per_score * nq * s * keys * b
     routed = moe_mlp_activation_bytes(model, s * b, tp, sp) if moe else 0.0
     return replicated / sp + (split + scores) / tp + routed
 
@@ -340,12 +280,12 @@ def state_bytes(params: int, layout: Layout, precision: str, experts: int = 0, f
     staging allowed for, `unit` the weights of the gathered unit(s) (a layer). engine/planner/sharding.py gives
     the parts kept between steps exactly as the engine lays them out (shard padding included) and the
     staging and gathering the engine can hold (`rank_transient_bytes`)."""
-    strategy = layout.strategy
-    n, ne = (layout.shard_group, layout.expert_shard_group) if strategy != "no_shard" else (1, 1)
+    sharding = layout.sharding
+    n, ne = (layout.shard_group, layout.expert_shard_group) if sharding.optimizer else (1, 1)
     mine, everything = params / n + experts / ne, params + experts
-    master = MASTER_BYTES if (precision != "fp32" or strategy != "no_shard") else 0
-    weights = (mine + unit if strategy == "optim_grads_params" else everything) * PARAM_BYTES[precision]
-    grads = (mine + bucket if strategy in ("optim_grads", "optim_grads_params") else everything) * GRAD_BYTES
+    master = MASTER_BYTES if (precision != "fp32" or sharding.optimizer) else 0
+    weights = (mine + unit if sharding.params else everything) * PARAM_BYTES[precision]
+    grads = (mine + bucket if sharding.grads else everything) * GRAD_BYTES
     return weights + 4 * frozen, grads, mine * (ADAM_MOMENT_BYTES + master)
 
 
@@ -380,22 +320,20 @@ def in_flight_bytes(layout: Layout, rank: int, num_microbatches: int, per_chunk:
     """Activation bytes rank `rank` holds at its peak: the schedule's in-flight chunk count x per_chunk; for a
     zero-bubble schedule the largest A·per_chunk + W·store_chunk over its order for these `costs` (A chunks
     between F and B, W between B and W)."""
-    if layout.schedule not in SPLIT_BACKWARD or layout.pp == 1:
-        return peak_in_flight(layout.pp, layout.vpp, rank, num_microbatches) * per_chunk
-    return max(a * per_chunk + w * store_chunk for a, w in zb_in_flight(layout.schedule, layout.pp, rank,
-                                                                          num_microbatches, costs))
+    if not layout.schedule.split_backward:
+        return peak_in_flight(layout.schedule, rank, num_microbatches) * per_chunk
+    return max(a * per_chunk + w * store_chunk for a, w in zb_in_flight(layout.schedule, rank, num_microbatches,
+                                                                          costs))
 
 
 @functools.lru_cache(maxsize=4096)
-def zb_in_flight(schedule: str, pp: int, rank: int, num_microbatches: int, costs: Costs = UNIT) -> tuple:
+def zb_in_flight(schedule: PipelineSchedule, rank: int, num_microbatches: int, costs: Costs = UNIT) -> tuple:
     """The (A, W) pairs a zero-bubble order (the one built for `costs`) reaches that no other pair dominates: A
     chunk-microbatches with F done and B not, W with B done and W not. The order is replayed for at most 3 pp
     microbatches: past the warm-up its counts repeat (the schedule caps them: engine.pipeline.zero_bubble)."""
-    from engine.pipeline.schedules import schedule_order
-    vpp = 2 if schedule == "zb-v" else 1
     a = w = 0
     seen = set()
-    for kind, _, _ in schedule_order(pp, vpp, rank, min(num_microbatches, 3 * pp), schedule, costs):
+    for kind, _, _ in schedule_order(schedule, rank, min(num_microbatches, 3 * schedule.pp), costs):
         a, w = a + (kind == "F") - (kind == "B"), w + (kind == "B") - (kind == "W")
         seen.add((a, w))
     return tuple(sorted(p for p in seen if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in seen)))
@@ -434,7 +372,7 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
         # Ranks alike in layers and ends hold the same state; without a zero-bubble schedule the first of them
         # holds the most activations (in-flight counts fall with the rank), so it stands for the others.
         cls = (chunks, n_moe[r], r == first, r == last)
-        if cls in classes and layout.schedule not in SPLIT_BACKWARD:
+        if cls in classes and not layout.schedule.split_backward:
             continue
         if cls not in classes:
             classes[cls] = rank_state_bytes(model, layout, precision, r, bucket_numel, splits[r]), \

@@ -8,7 +8,7 @@ constants of engine/planner/step_time.py marked "fitted" were fitted on the case
 the held-out ones never entered a fit.
 
 FLOP conventions: every source here counts attention over the full s x s score matrix, as
-engine/planner/flops.py does (Narayanan eq. 3; llm-foundry's `attn_flops_per_seq`; torchtitan's
+engine/flops.py does (Narayanan eq. 3; llm-foundry's `attn_flops_per_seq`; torchtitan's
 12·l·h·s per token), except Llama 3, which does not state its count: the full-s² count is assumed.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from engine.config import ModelConfig
-from engine.planner.flops import GPU_PRESETS
-from engine.planner.memory import Layout
+from engine.flops import GPU_PRESETS
+from engine.layout import Layout
 from engine.planner.step_time import Estimate, Software, estimate
 
 # Megatron-LM of 2021-22 (Narayanan, Korthikanti): unfused softmax attention, fp16 with 2-byte gradient
@@ -28,7 +28,7 @@ OLD_MEGATRON = Software(flash_attention=False, overlap_grad_reduce=False, precis
 # reduction (Composer's DEFAULT mixed precision), tp = pp = 1, and the Triton flash-attention kernel of
 # 2023, slower than the GPU's default (FLASH_ATTENTION_EFFICIENCY): its 0.35 of peak is fitted on the
 # held-in long-sequence runs (3B at 16K, 1B at 64K tokens).
-LLM_FOUNDRY = Software(fsdp=True, overlap_param_gather=True, attention_efficiency=0.35)
+LLM_FOUNDRY = Software(overlap_param_gather=True, attention_efficiency=0.35)  # its cases shard optim_grads_params
 # Meta's Llama 3 stack (Dubey et al. 2024, sec. 3.3.2): sharded optimizer and gradients with parameters
 # gathered once per step and overlapped, flash attention; CP gathers K/V with all-gather.
 LLAMA3 = Software(overlap_param_gather=True, cp_comm_type="all_gather")

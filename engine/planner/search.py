@@ -9,8 +9,8 @@ import math
 from typing import Iterator, Optional
 
 from engine.config import SHARDING_STRATEGIES, ModelConfig
-from engine.planner.flops import GPUSpec
-from engine.planner.memory import Layout
+from engine.flops import GPUSpec
+from engine.layout import SCHEDULE_KINDS, Layout, Sharding
 from engine.planner.step_time import Software, estimate
 
 # Search limits: micro batch sizes tried (powers of two up to this), virtual stages per rank, and the
@@ -23,7 +23,7 @@ LONG_SEQUENCE = 16384
 # Pipeline schedules searched unless asked otherwise: the engine's defaults (1f1b, interleaved with vpp > 1).
 # The zero-bubble ones are priced by simulating their order (engine.pipeline.schedules.bubble_time), some
 # tens of milliseconds a layout: tools/find_parallelism.py searches them with --pipeline-schedule all.
-DEFAULT_SCHEDULES = ("1f1b", "interleaved")
+DEFAULT_SCHEDULES = tuple(name for name, kind in SCHEDULE_KINDS.items() if not kind.split_backward)
 
 
 def _divisors(n: int) -> list:
@@ -78,22 +78,24 @@ def _options(layout_args: tuple, tp: int, dp: int, seq: int, cp: int, ep: int = 
         sps = (True,) if seq % (tp * cp) == 0 else ()
     for recompute in ("none", "selective", "full"):
         for sp in sps:
-            for strategy in (strategies if dp * cp > 1 else ("no_shard",)):
-                yield Layout(tp, pp, dp, vpp, mb, recompute, sp, strategy != "no_shard", split[0] if split else None,
-                             split[1] if split else None, cp, ep, strategy, schedule)
+            for strategy in (strategies if dp * cp > 1 else (Sharding().strategy,)):
+                yield Layout(tp, pp, dp, vpp, mb, recompute, sp, first_stage_layers=split[0] if split else None,
+                             last_stage_layers=split[1] if split else None, cp=cp, ep=ep, sharding_strategy=strategy,
+                             pipeline_schedule=schedule)
 
 
 def schedules_for(num_layers: int, pp: int, vpp: int, split: Optional[tuple], allowed: tuple) -> list:
-    """(vpp, schedule) pairs the engine runs for this split: 1f1b and zb-h1 with one chunk per rank, interleaved
-    with vpp > 1, zb-v with its two chunks when 2 pp divides the layers evenly; pp 1: no schedule."""
+    """(vpp, schedule) pairs the engine runs for this split: with vpp > 1 the schedules taking --vpp's chunks
+    (interleaved); with vpp 1 those running one chunk per rank (1f1b, zb-h1) and those with a fixed number k > 1
+    of equal chunks (zb-v: 2) when k pp divides the layers evenly; pp 1: no schedule."""
     if pp == 1:
         return [(1, None)]
+    kinds = [(name, SCHEDULE_KINDS[name]) for name in allowed]
     if vpp > 1:
-        return [(vpp, "interleaved")] if "interleaved" in allowed else []
-    out = [(1, s) for s in ("1f1b", "zb-h1") if s in allowed]
-    if "zb-v" in allowed and split is None and num_layers % (2 * pp) == 0:
-        out.append((2, "zb-v"))
-    return out
+        return [(vpp, name) for name, kind in kinds if kind.chunks is None]
+    out = [(1, name) for name, kind in kinds if kind.chunks == 1]
+    return out + [(kind.chunks, name) for name, kind in kinds if (kind.chunks or 1) > 1 and split is None
+                  and num_layers % (kind.chunks * pp) == 0]
 
 
 def candidate_layouts(model: ModelConfig, num_gpus: int, gpus_per_node: int, global_batch: int,

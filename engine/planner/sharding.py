@@ -41,20 +41,17 @@ from collections import Counter
 from typing import NamedTuple, Optional
 
 from engine.config import ModelConfig
+from engine.layout import Layout
 from engine.optim.grad_buffer import DEFAULT_BUCKET_NUMEL, SHARD_ALIGN
-from engine.pipeline.schedules import SPLIT_BACKWARD
 from engine.planner.memory import ADAM_MOMENT_BYTES as MOMENTS
 from engine.planner.memory import (
     GRAD_BYTES,
     MASTER_BYTES,
     PARAM_BYTES,
-    Layout,
     end_ranks,
     param_split_per_rank,
     stage_layer_ids,
 )
-
-SHARDED_GRADS = ("optim_grads", "optim_grads_params")
 
 
 def _model_key(model: ModelConfig, tp: int, ep: int) -> tuple:
@@ -198,7 +195,7 @@ def rank_chunks(model: ModelConfig, layout: Layout, rank: int, experts: bool = F
     """The ChunkLayout of each chunk of pipeline rank `rank`'s dense (or expert) grad buffer, in the buffer's
     order (the last chunk first)."""
     moe = set(model.moe_layers()) if model.num_experts else set()
-    sharded = layout.strategy != "no_shard"
+    sharded = layout.sharding.optimizer
     n = (layout.expert_shard_group if experts else layout.shard_group) if sharded else 1
     pad = SHARD_ALIGN * n if sharded else 1
     key = _model_key(model, layout.tp, layout.ep)
@@ -209,7 +206,7 @@ def rank_chunks(model: ModelConfig, layout: Layout, rank: int, experts: bool = F
         pre = rank == first and c == 0
         post = rank == last and c == len(chunks) - 1
         out.append(_chunk_layout(key, model, tuple(i in moe for i in chunks[c]), pre, post, layout.pp, experts,
-                                 bucket_numel or DEFAULT_BUCKET_NUMEL, pad, layout.strategy == "optim_grads_params"))
+                                 bucket_numel or DEFAULT_BUCKET_NUMEL, pad, layout.sharding.params))
     return out
 
 
@@ -233,21 +230,21 @@ def rank_state_bytes(model: ModelConfig, layout: Layout, precision: str, rank: i
     """(weights, gradients, optimizer state) bytes data-parallel rank 0 of pipeline rank `rank` keeps between
     steps: Optimizer.memory_bytes() exactly (Adam's scalar step counts left out), weights plus the fp32 frozen
     MoE expert bias. `split`: the rank's param_split_per_rank entry, when the caller has it."""
-    strategy = layout.strategy
+    sharding = layout.sharding
     weights = grads = optimizer = 0
-    master = MASTER_BYTES if (precision != "fp32" or strategy != "no_shard") else 0
+    master = MASTER_BYTES if (precision != "fp32" or sharding.optimizer) else 0
     dense, experts, frozen = split or param_split_per_rank(model, layout)[rank]
     for n, chunks in _buffers(model, layout, rank, bucket_numel):
         buckets = [b for chunk in chunks for b in chunk.buckets]
         total = sum(p for _, p in buckets)
-        if strategy == "no_shard":
+        if not sharding.optimizer:
             grads += total * GRAD_BYTES
             optimizer += total * (MOMENTS + master)
             continue
         optimizer += sum(min(u, p // n) for u, p in buckets) * (MOMENTS + master)
-        grads += (total // n if strategy in SHARDED_GRADS else total) * GRAD_BYTES
+        grads += (total // n if sharding.grads else total) * GRAD_BYTES
         weights += total // n * PARAM_BYTES[precision]
-    if strategy != "optim_grads_params":
+    if not sharding.params:
         weights = (dense + experts) * PARAM_BYTES[precision]
     return weights + 4 * frozen, grads, optimizer
 
@@ -333,15 +330,15 @@ def rank_transient_bytes(model: ModelConfig, layout: Layout, precision: str, ran
     """(staging, gathered) bytes pipeline rank `rank` holds at most on top of rank_state_bytes: ZeRO-2/3's fp32
     gradient staging (the dense and expert buffers' peaks added), and full-size weights in the training dtype:
     ZeRO-3's gathered units (two with `overlap_param_gather`), ZeRO-1/2's all-gather target of the step."""
-    strategy = layout.strategy
-    if strategy == "no_shard":
+    sharding = layout.sharding
+    if not sharding.optimizer:
         return 0, 0
     buffers = _buffers(model, layout, rank, bucket_numel)
     staging = 0
-    if strategy in SHARDED_GRADS:
-        split = layout.schedule in SPLIT_BACKWARD
+    if sharding.grads:
+        split = layout.schedule.split_backward
         staging = sum(_staging(chunks, overlap_grad_reduce and n > 1, split) for n, chunks in buffers)
-    if strategy == "optim_grads_params":
+    if sharding.params:
         gathered = _gathered(buffers, overlap_param_gather)
     else:
         gathered = max([p for _, chunks in buffers for c in chunks for _, p in c.buckets] or [0])
@@ -357,11 +354,8 @@ def dp_bytes_per_step(params: float, layout: Layout, precision: str, num_microba
         return dict(grad_reduce=0.0, param_gather=0.0)
     ring = (n - 1) / n
     g, w, m = grad_bytes * params, PARAM_BYTES[precision] * params, num_microbatches
-    strategy = layout.strategy
-    if strategy == "no_shard":
+    sharding = layout.sharding
+    if not sharding.optimizer:
         return dict(grad_reduce=2 * ring * g, param_gather=0.0)
-    if strategy == "optim":
-        return dict(grad_reduce=ring * g, param_gather=ring * w)
-    if strategy == "optim_grads":
-        return dict(grad_reduce=m * ring * g, param_gather=ring * w)
-    return dict(grad_reduce=m * ring * g, param_gather=2 * m * ring * w)
+    grad_reduce = (m if sharding.grads else 1) * ring * g
+    return dict(grad_reduce=grad_reduce, param_gather=(2 * m if sharding.params else 1) * ring * w)

@@ -6,9 +6,9 @@ One training iteration on a pipeline is modelled as (Narayanan et al. 2021, sec.
 
 with m microbatches per pipeline, T_stage the forward+backward time of one microbatch on the slowest
 pipeline rank, and (p - 1)/v the pipeline bubble of 1F1B (v = 1) or the interleaved schedule; the
-zero-bubble schedules (Software.pipeline_schedule zb-h1, zb-v) take theirs from the schedule simulator
+zero-bubble schedules (Layout.pipeline_schedule zb-h1, zb-v) take theirs from the schedule simulator
 (engine.pipeline.schedules.bubble_time): the order the engine runs, built for the model's FLOPs split of the
-backward into input and weight gradients (engine.planner.flops.split_backward_costs), replayed at the stage's times.
+backward into input and weight gradients (engine.flops.split_backward_costs), replayed at the stage's times.
 T_stage sums, per layer: the matrix multiplies at a fraction of peak that grows with the per-GPU
 matrix sizes (and differs by GPU generation), the attention core, memory-bound element-wise work, the
 tensor-parallel collectives over NVLink (less the share a TP-overlapping engine hides), and with
@@ -31,18 +31,19 @@ through each GPU's own NIC. Expert gradients reduce over their dp/ep x cp replic
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Optional
 
+from engine.attention_mask import AttentionMask
 from engine.config import ModelConfig
-from engine.pipeline.schedules import SPLIT_BACKWARD, bubble_time
-from engine.pipeline.zero_bubble import Costs
-from engine.planner.flops import GPUSpec, flops_per_iteration, split_backward_costs
+from engine.flops import Costs
+from engine.flops import GPUSpec, flops_per_iteration, split_backward_costs
+from engine.layout import Layout
+from engine.pipeline.schedules import bubble_time
 from engine.planner.memory import (
     GIB,
     GRAD_BYTES,
     PARAM_BYTES,
-    Layout,
     Memory,
     end_ranks,
     layer_activation_bytes,
@@ -108,9 +109,7 @@ class Software:
     """Engine features that change the cost but not the layout.
 
     tp_comm_overlap: fraction of the tensor-parallel collectives hidden behind GEMMs (Megatron-Core's
-    --tp-comm-overlap; this engine does not overlap them: 0). fsdp: parameters are sharded too and
-    gathered for every microbatch's forward and backward (PyTorch FSDP FULL_SHARD), overlapped with
-    compute. attention_efficiency: the flash-attention kernel's throughput as a fraction of peak when
+    --tp-comm-overlap; this engine does not overlap them: 0). attention_efficiency: the flash-attention kernel's throughput as a fraction of peak when
     it differs from the GPU's default (FLASH_ATTENTION_EFFICIENCY), e.g. an older kernel.
     """
     flash_attention: bool = True
@@ -119,10 +118,8 @@ class Software:
     precision: str = "bf16"
     grad_reduce_bytes: int = GRAD_BYTES   # fp32 main gradients; fp16 runs of 2021 reduced 2-byte grads
     tp_comm_overlap: float = 0.0
-    fsdp: bool = False
     cp_comm_type: str = "p2p"             # p2p: K/V ring overlapped with attention; all_gather: gathered first
     attention_efficiency: Optional[float] = None
-    pipeline_schedule: Optional[str] = None  # --pipeline-schedule; zb-v needs layout.vpp 2 (its V)
 
 
 @dataclass
@@ -139,7 +136,6 @@ class Estimate:
 
     def to_dict(self) -> dict:
         d = asdict(self.layout)
-        d.update(sharding_strategy=self.layout.strategy, pipeline_schedule=self.layout.schedule)
         d.update(
             memory_gb_per_gpu=round(self.memory.total / GIB, 2),
             allocated_gb=round(self.memory.allocated / GIB, 2),
@@ -238,13 +234,14 @@ def _attention_seconds(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpe
     each rank computes 1/cp of the (load-balanced) score blocks."""
     b, t, cp = layout.micro_batch_size, layout.tp, layout.cp
     d, heads = model.head_dim(), model.num_attention_heads / t
+    keys = AttentionMask.of(model).keys_per_query(seq)
     if sw.flash_attention:
         eff = sw.attention_efficiency or FLASH_ATTENTION_EFFICIENCY.get(gpu.name, FLASH_ATTENTION_DEFAULT)
-        fwd = 4 * b * seq * seq * heads * d / cp / (gpu.peak_tflops * 1e12 * eff)
+        fwd = 4 * b * seq * keys * heads * d / cp / (gpu.peak_tflops * 1e12 * eff)
         return fwd, FLASH_BACKWARD_RATIO * fwd
     s_local = seq / cp
-    per_head = gemm_seconds(s_local, seq, d, gpu) + gemm_seconds(s_local, d, seq, gpu)
-    softmax = UNFUSED_SCORE_TRAFFIC * heads * b * s_local * seq / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
+    per_head = gemm_seconds(s_local, keys, d, gpu) + gemm_seconds(s_local, d, keys, gpu)
+    softmax = UNFUSED_SCORE_TRAFFIC * heads * b * s_local * keys / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
     fwd = b * heads * per_head + softmax
     return fwd, 2 * fwd
 
@@ -345,19 +342,18 @@ def _stage_times(model: ModelConfig, layout: Layout, c: _Costs) -> tuple:
     return times, bwd
 
 
-def _bubble(layout: Layout, schedule: Optional[str], m: int, t_stage: float, t_backward: float,
-            costs: Costs) -> float:
+def _bubble(layout: Layout, m: int, t_stage: float, t_backward: float, costs: Costs) -> float:
     """Idle pipeline seconds per step: (p - 1)/v stage times for 1F1B and interleaving; for a zero-bubble
     schedule the simulated bubble of the order the engine runs (built for the model's FLOPs split, `costs`),
     replayed with the stage's backward seconds split into B and W in the proportion of those costs."""
-    if schedule not in SPLIT_BACKWARD or layout.pp == 1:
+    if not layout.schedule.split_backward:
         return (layout.pp - 1) / layout.vpp * t_stage
     # Simulated in units of the forward time, B and W at two significant digits of it (the simulations are
     # cached: a search meets few distinct ratios).
     t_forward = t_stage - t_backward
     weight = t_backward * costs.weight_grad / (costs.input_grad + costs.weight_grad)
     b, w = (float(f"{x / t_forward:.2g}") for x in (t_backward - weight, weight))
-    return t_forward * bubble_time(schedule, layout.pp, layout.vpp, m, 1.0, b, w, costs)
+    return t_forward * bubble_time(layout.schedule, m, 1.0, b, w, costs)
 
 
 def _data_parallel_seconds(params: int, layout: Layout, gpu: GPUSpec, sw: Software, link: _Link,
@@ -368,18 +364,18 @@ def _data_parallel_seconds(params: int, layout: Layout, gpu: GPUSpec, sw: Softwa
     groups = [(params, layout.shard_group, link)]
     if experts:
         groups.append((experts, layout.expert_shard_group, expert_link or link))
-    strategy = "optim_grads_params" if sw.fsdp else layout.strategy
+    sharding = layout.sharding
     grad = sum(_all_reduce(sw.grad_reduce_bytes * p, n, lk) for p, n, lk in groups)
     gather = 0.0
-    if strategy != "no_shard":
+    if sharding.optimizer:
         grad /= 2  # reduce-scatter only
         gather = sum(_all_reduce(PARAM_BYTES[sw.precision] * p, n, lk) for p, n, lk in groups) / 2
     sharded = sum(p / n for p, n, _ in groups)
     hbm = gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY
-    if strategy == "optim_grads_params":  # gathered for every microbatch's forward and backward, grads scattered
+    if sharding.params:  # gathered for every microbatch's forward and backward, grads scattered
         per_micro = (2 * gather + grad) * (1 - FSDP_HIDDEN_FRACTION)
         return dict(dp_comm=m * per_micro, optimizer=OPTIMIZER_STEP_BYTES * sharded / hbm)
-    if strategy == "optim_grads":
+    if sharding.grads:
         # A reduce-scatter per microbatch, started in its backward and running beside the microbatches after it:
         # exposed is what the step's compute from the first backward on cannot cover, at least the last bucket.
         hidden = (m - 1) * (micro[0] + micro[1]) + micro[1] if sw.overlap_grad_reduce else 0.0
@@ -388,15 +384,13 @@ def _data_parallel_seconds(params: int, layout: Layout, gpu: GPUSpec, sw: Softwa
         grad = max(grad - micro[1], LAST_BUCKET_FRACTION * grad)
     if sw.overlap_param_gather:
         gather = max(gather - micro[0], LAST_BUCKET_FRACTION * gather)
-    opt_params = sharded if strategy != "no_shard" else params + experts
+    opt_params = sharded if sharding.optimizer else params + experts
     return dict(dp_comm=grad + gather, optimizer=OPTIMIZER_STEP_BYTES * opt_params / hbm)
 
 
 def estimate(model: ModelConfig, layout: Layout, gpu: GPUSpec, global_batch: int, seq: int,
              gpus_per_node: int = 8, software: Software = Software()) -> Estimate:
     """Memory and step time of one layout (which must be valid: see candidate_layouts)."""
-    if layout.pipeline_schedule is None and software.pipeline_schedule is not None:
-        layout = replace(layout, pipeline_schedule=software.pipeline_schedule)
     m = global_batch // (layout.dp * layout.micro_batch_size)
     links = _links(layout, gpu, gpus_per_node, software.cp_comm_type == "all_gather")
     c = _costs(model, layout, seq, gpu, software, links)
@@ -404,7 +398,7 @@ def estimate(model: ModelConfig, layout: Layout, gpu: GPUSpec, global_batch: int
     slowest = max(range(layout.pp), key=lambda r: stage_times[r])
     t_stage = stage_times[slowest]
     compute = m * t_stage
-    bubble = _bubble(layout, layout.schedule, m, t_stage, stage_bwd[slowest],
+    bubble = _bubble(layout, m, t_stage, stage_bwd[slowest],
                      split_backward_costs(model, seq, layout.recompute))
     params, experts, _ = param_split_per_rank(model, layout)[slowest]
     micro = (t_stage - stage_bwd[slowest], stage_bwd[slowest])

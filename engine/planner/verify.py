@@ -5,31 +5,25 @@ device (shapes only, no memory, no process group) and their distinct parameters 
 """
 from __future__ import annotations
 
+import dataclasses
+
 from engine.config import Config
+from engine.layout import Layout
 from engine.parallel.topology import ParallelContext
 from engine.pipeline.partition import build_model_chunks
-from engine.planner.memory import Layout, params_per_rank
+from engine.planner.memory import params_per_rank
 
 
 def meta_params_per_rank(cfg: Config, layout: Layout) -> list:
     """Parameters held by each pipeline rank (tensor- and expert-parallel rank 0) of the model built on meta."""
-    par = cfg.parallel
-    saved = (par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
-    par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers = \
-        layout.first_stage_layers, layout.last_stage_layers
-    try:
-        counts = []
-        for r in range(layout.pp):
-            # Expert ranks are carved from dp: dp = ep is the smallest grid holding them; every ep rank holds
-            # the same number of experts (E/ep), so ep rank 0 stands for all.
-            ctx = ParallelContext.virtual(tp=layout.tp, pp=layout.pp, dp=layout.ep, vpp=layout.vpp, pp_rank=r,
-                                          sequence_parallel=layout.sequence_parallel, ep=layout.ep)
-            chunks = build_model_chunks(cfg, ctx, device="meta")
-            unique = {id(p): p.numel() for chunk in chunks for p in chunk.parameters()}
-            counts.append(sum(unique.values()))
-        return counts
-    finally:
-        par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers = saved
+    # Expert ranks are carved from dp: dp = ep is the smallest grid holding them; every ep rank holds the same
+    # number of experts (E/ep), so ep rank 0 stands for all. Parameters do not depend on cp.
+    grid = dataclasses.replace(layout, dp=layout.ep, cp=1)
+    counts = []
+    for r in range(layout.pp):
+        chunks = build_model_chunks(cfg, ParallelContext.virtual(layout=grid, pp_rank=r), device="meta")
+        counts.append(sum({id(p): p.numel() for chunk in chunks for p in chunk.parameters()}.values()))
+    return counts
 
 
 def verify(cfg: Config, layout: Layout) -> tuple:

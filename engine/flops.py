@@ -23,10 +23,22 @@ not all of them; dense layers count as above. Token dropping (a capacity factor)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
+from engine.attention_mask import AttentionMask
 from engine.config import ModelConfig
-from engine.pipeline.zero_bubble import Costs
+
+
+class Costs(NamedTuple):
+    """Time of one stage's forward, input-gradient backward (B) and weight-gradient backward (W) of one
+    microbatch, in any unit (only their ratios matter): what a zero-bubble order is built for
+    (engine.pipeline.zero_bubble)."""
+    forward: float = 1.0
+    input_grad: float = 1.0
+    weight_grad: float = 1.0
+
+
+UNIT = Costs()
 
 
 @dataclass(frozen=True)
@@ -114,7 +126,8 @@ def _layer_flops(model: ModelConfig, s: int) -> dict:
     """Forward FLOPs of all transformer layers for one sequence: their matrix multiplies and attention cores."""
     l, n_moe = model.num_layers, len(model.moe_layers())
     matmul = (l - n_moe) * layer_matmul_params(model) + (n_moe * layer_matmul_params(model, moe=True) if n_moe else 0)
-    attention = 4 * s * s * model.num_attention_heads * model.head_dim() * l  # full s², see module doc
+    keys = AttentionMask.of(model).keys_per_query(s)  # s: the full s x s, see module doc
+    attention = 4 * s * keys * model.num_attention_heads * model.head_dim() * l
     return {"linear": 2 * s * matmul, "attention": attention}
 
 
