@@ -5,7 +5,7 @@ its sliding window, where set, bounds the imported --seq-length.
 from __future__ import annotations
 
 from engine.checkpoint.hf import llama, moe
-from engine.checkpoint.hf.adapter import Rule, Adapter, same
+from engine.checkpoint.hf.adapter import Adapter, Rule, same
 from engine.checkpoint.hf.transforms import WHOLE
 
 SHAPE = llama.SHAPE | {"disable_bias_linear": True}

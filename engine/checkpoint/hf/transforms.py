@@ -15,6 +15,8 @@ from engine.config import ConfigError
 
 
 class Transform:
+    """One HF tensor's relation to ours; subclasses say how it goes each way."""
+
     def out(self, t: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
