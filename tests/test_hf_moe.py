@@ -1,4 +1,4 @@
-"""MoE models to and from Hugging Face `transformers` (engine/checkpoint/hf_moe.py).
+"""MoE models to and from Hugging Face `transformers` (engine/checkpoint/hf/mixtral.py, qwen2_moe.py).
 
 A tiny engine MoE model (one rank, fp32, weights nudged away from their init) is saved as a checkpoint,
 exported with tools/merge_ckpt.py --format hf and loaded with AutoModelForCausalLM: Mixtral-shaped models

@@ -1,0 +1,38 @@
+"""The one registry of Hugging Face families, and which family a model is in each direction.
+
+A family is one module, engine/checkpoint/hf/<model_type>.py defining ADAPTER, and its entry in FAMILIES.
+Export takes the first family, in FAMILIES' order, whose adapter fits the model; import the one whose
+adapter lists config.json's model_type among its `imports`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from engine.checkpoint.hf import gpt2, llama, mixtral, moe, qwen2, qwen2_moe
+from engine.config import ConfigError
+
+FAMILIES = {a.model_type: a for a in (llama.ADAPTER, qwen2.ADAPTER, gpt2.ADAPTER, mixtral.ADAPTER, qwen2_moe.ADAPTER)}
+ARCHITECTURES = {key: a for key, a in FAMILIES.items() if not a.moe}
+MOE_ARCHITECTURES = {key: a for key, a in FAMILIES.items() if a.moe}
+
+
+def export_family(m) -> str:
+    """The FAMILIES key of the family that computes ModelConfig `m` exactly; else one ConfigError line."""
+    for key, adapter in FAMILIES.items():
+        if adapter.fits(m):
+            return key
+    if m.num_experts:
+        raise moe.refusal(m)
+    raise ConfigError("--format hf: the model is neither Llama-shaped (RMSNorm, rope, swiglu; Qwen2 with "
+                      "--add-qkv-bias --disable-bias-linear) nor GPT-2-shaped (LayerNorm, learned positions, GELU, "
+                      "biases, tied embeddings, MHA); use --format native")
+
+
+def imported_types() -> list:
+    """Every config.json model_type some family imports."""
+    return [t for adapter in FAMILIES.values() for t in adapter.imports]
+
+
+def import_family(model_type: Optional[str]) -> Optional[str]:
+    """The FAMILIES key a config.json of `model_type` imports as (None: none does)."""
+    return next((key for key, adapter in FAMILIES.items() if model_type in adapter.imports), None)

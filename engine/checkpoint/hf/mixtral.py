@@ -1,0 +1,36 @@
+"""MixtralForCausalLM: Llama attention, every layer MoE, no shared expert, no biases. `block_sparse_moe.gate` is
+the router, `block_sparse_moe.experts.{e}.w1 / w3 / w2` expert e's gate / up / down projections. Imported too;
+its sliding window, where set, bounds the imported --seq-length.
+"""
+from __future__ import annotations
+
+from engine.checkpoint.hf import llama, moe
+from engine.checkpoint.hf.adapter import Adapter, Rule, same
+from engine.checkpoint.hf.transforms import WHOLE
+
+SHAPE = llama.SHAPE | {"disable_bias_linear": True}
+RULES = tuple(r for r in llama.RULES if r.key != "intermediate_size") + (
+    Rule("intermediate_size", lambda m: m.resolved_moe_ffn_hidden_size(), lambda v: {"ffn_hidden_size": v}),
+    same("num_local_experts", "num_experts"), same("num_experts_per_tok", "moe_router_topk"),
+    Rule("router_jitter_noise", lambda m: 0.0, lambda v: {}),  # noise on training inputs only: not kept
+    Rule("sliding_window", lambda m: None, lambda v: {}),  # imported as the Adapter's window
+)
+
+
+def block(m, src: str, dst: str) -> list:
+    hf, ours = dst + "block_sparse_moe.", src + "mlp."
+    return [(hf + "gate.weight", ours + "router.weight", WHOLE)] + moe.experts(m, hf + "experts.", ours + "experts.",
+                                                                                ("w1", "w3", "w2"))
+
+
+def _fits(m) -> bool:
+    return (bool(m.num_experts) and not m.moe_shared_expert_intermediate_size and moe.router_refusal(m) is None
+            and not moe.dense_layers(m) and not m.add_qkv_bias)
+
+
+ADAPTER = Adapter(
+    "MixtralForCausalLM", "mixtral", SHAPE, RULES,
+    {"tie_word_embeddings": False, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "rope_theta": 1e6,
+     "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 14336},
+    lambda m: moe.plan(m, block), _fits,
+    imports=("mixtral",), window=lambda hf: hf.get("sliding_window"), prepare=llama.rope_parameters, moe=True)
