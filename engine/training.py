@@ -25,12 +25,12 @@ from engine.data import BatchSampler, BatchSizeSchedule, build_datasets, make_ba
 from engine.metrics import MetricsWriter, peak_tflops, perplexity, save_report, train_record
 from engine.optim import build_optimizer
 from engine.optim.schedule import lr_at_sample
-from engine.phase import Phase
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
 from engine.pipeline.trace import PipelineTrace
-from engine.preemption import PreemptionHandler
-from engine.profiling import StepProfiler
+from engine.run.phase import Phase
+from engine.run.preemption import PreemptionHandler
+from engine.run.profiling import StepProfiler
 from engine.stability import ROLLBACK, FaultDrill, SpikeGuard
 from engine.stepping import Stepper
 

@@ -21,7 +21,7 @@ from engine.optim import build_optimizer
 from engine.parallel.layers import tp_slice
 from engine.parallel.topology import ParallelContext, context_for
 from engine.pipeline.partition import build_model_chunks
-from engine.preemption import PreemptionHandler
+from engine.run.preemption import PreemptionHandler
 from harness import run_ranks
 
 VOCAB = 100  # padded to 108, 120 or 144 for tp 1, 2, 4 (multiples of 12 * tp)

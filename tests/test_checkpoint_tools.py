@@ -17,7 +17,7 @@ from engine.config import Config
 from engine.optim import build_optimizer
 from engine.parallel.topology import ParallelContext
 from engine.pipeline.partition import build_model_chunks
-from engine.preemption import PreemptionHandler
+from engine.run.preemption import PreemptionHandler
 from harness import peak_rss_growth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -200,7 +200,7 @@ def test_table_names_no_config_field_and_the_notes_come_once_per_kind():
 
 def test_exit_interval_stops_at_the_first_multiple_with_megatron_meaning():
     from engine.cli import parse_config
-    from engine.preemption import PreemptionHandler
+    from engine.run.preemption import PreemptionHandler
     cfg = parse_config(["--config", "configs/gpt-tiny.yaml", "--mock-data", "--exit-interval", "3"])
     handler = PreemptionHandler(signals=(), exit_interval=cfg.checkpoint.exit_interval)
     assert [handler.should_stop(i) for i in (1, 2)] == [False, False] and handler.reason is None

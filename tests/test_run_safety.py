@@ -14,8 +14,8 @@ import uuid
 import pytest
 
 from engine.checkpoint import files, latest_iteration
-from engine.checkpoint.lock import LOCK_FILE, STALE_AFTER_S, RunLock
 from engine.config import ConfigError
+from engine.run.lock import LOCK_FILE, STALE_AFTER_S, RunLock
 from harness import run_ranks
 from test_trainer import TAG, TINY, job_processes, last_train_records, launch, read_records, worker_pid
 
