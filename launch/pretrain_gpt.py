@@ -23,7 +23,8 @@ import traceback
 import warnings
 
 from engine.cli import parse_config
-from engine.config import ConfigError, resolve
+from engine.config import ConfigError
+from engine.resolve import resolve
 from engine.validation import validate
 
 _WAIT_FOR_RANK0_S = 30.0
