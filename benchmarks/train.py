@@ -24,7 +24,8 @@ import sys
 import time
 
 from engine.cli import parse_config
-from engine.config import ConfigError, resolve
+from engine.config import ConfigError
+from engine.resolve import resolve
 from engine.validation import validate
 
 
@@ -87,7 +88,7 @@ class PlainLoop:
     def __init__(self, cfg, ctx, trainer, device):
         import torch
 
-        from engine.config import model_dtype
+        from engine.precision import model_dtype
         from engine.model import GPTModel
         self.cfg, self.trainer, self.device = cfg, trainer, device
         self.autocast = model_dtype(cfg) if model_dtype(cfg) != torch.float32 else None
@@ -133,8 +134,8 @@ def run(own, cfg) -> dict:
     import torch.distributed as dist
 
     from engine import flops
-    from engine.config import model_dtype
     from engine.layout import Layout
+    from engine.precision import model_dtype
     from engine.metrics import peak_tflops
     from engine.parallel.topology import context_for
     from engine.training import Trainer

@@ -3,8 +3,9 @@
 `parse_config(argv)` reads the flags (and the YAML file `--config` names; command-line flags override it),
 settles `--mock-data` against `--data-path` and `--train-iters` against `--train-samples`, and returns the
 Config with the notices the launcher prints once. Every config field is a flag (`--no-FLAG` switches a
-boolean off); Megatron-LM's flags that are no field are translated by engine/megatron_flags.py. The schema,
-the checks stay in engine/validation.py and the resolution in engine/config.py.
+boolean off); Megatron-LM's flags that are no field are translated by engine/megatron_flags.py. The schema
+stays in engine/config.py (its flags in engine/flags.py), the checks in engine/validation.py and the
+resolution in engine/resolve.py.
 """
 from __future__ import annotations
 
@@ -14,17 +15,9 @@ import difflib
 import os
 from typing import Any, Optional
 
-from engine.config import (
-    _FIELDS,
-    FIELD_SECTION,
-    SECTIONS,
-    Config,
-    ConfigError,
-    _all_fields,
-    _default_of,
-    _field_type,
-    flag_of,
-)
+from engine import megatron_flags
+from engine.config import SECTIONS, Config, ConfigError
+from engine.flags import FIELD_SECTION, FIELDS, all_fields, default_of, field_type, flag_of
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -71,9 +64,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The launcher's flags. A mistake raises ConfigError (one line); `--help` prints the usage and exits 0."""
-    from engine import megatron_flags  # it imports engine.config
     yaml_only = {flag_of(f.name): f"{flag_of(f.name)}: {f.name} has no command-line form; set it in the --config "
-                                  "YAML file" for _, f in _all_fields() if f.metadata["yaml_only"]}
+                                  "YAML file" for _, f in all_fields() if f.metadata["yaml_only"]}
     p = OneLineParser(
         prog="pretrain_gpt.py",
         description="Ternion: pretrain GPT/Llama models with tensor, pipeline and data parallelism. "
@@ -89,15 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
             if m["yaml_only"]:
                 continue
             names = [flag_of(f.name), *m["aliases"]]
-            kw: dict[str, Any] = dict(dest=f.name, help=f"{m['help']} (default: {_default_of(f)})")
+            kw: dict[str, Any] = dict(dest=f.name, help=f"{m['help']} (default: {default_of(f)})")
             if m["action"] == "append":
                 kw["action"] = "append"
-            elif _field_type(f) is bool and f.name.startswith("no_"):
+            elif field_type(f) is bool and f.name.startswith("no_"):
                 # --no-load-optim keeps its Megatron-LM name; its opposite switches it off.
                 kw["action"] = "store_true"
                 group.add_argument(flag_of(f.name[3:]), dest=f.name, action="store_false",
                                    help=f"switch off {flag_of(f.name)} (e.g. set in the YAML file)")
-            elif _field_type(f) is bool:
+            elif field_type(f) is bool:
                 kw["action"] = argparse.BooleanOptionalAction
             else:
                 kw["type"] = m["type"] or _scalar_type(f)
@@ -111,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _scalar_type(f):
-    t = _field_type(f)
+    t = field_type(f)
     return t if t in (int, float) else str
 
 
@@ -142,12 +134,12 @@ def _load_yaml(path: str) -> dict:
 
 def _coerce(name: str, value):
     """Bring a YAML value to the field's type, or say which key is wrong."""
-    f = _FIELDS[name]
+    f = FIELDS[name]
     if value is None or f.metadata["yaml_only"]:
         return value  # a structured value is checked where it is used (data_phases: engine/data/build.py)
     if f.metadata["choices"] and value not in f.metadata["choices"]:
         raise ConfigError(f"{flag_of(name)}: {value!r} is not one of {', '.join(f.metadata['choices'])}")
-    t = _field_type(f)
+    t = field_type(f)
     try:
         if t is bool:
             if not isinstance(value, bool):
@@ -168,7 +160,6 @@ def _coerce(name: str, value):
 
 def parse_config(argv: Optional[list] = None) -> Config:
     """Flags (and the YAML they name) -> Config. Raises ConfigError, bad syntax and unknown flags included."""
-    from engine import megatron_flags  # it imports engine.config
     ns = vars(build_parser().parse_args(argv))
     values = {}
     cfg_file = ns.pop("config", None)

@@ -1,30 +1,33 @@
-"""Typed run configuration: dataclasses per concern, Megatron-LM flag names, resolution.
+"""Typed run configuration: dataclasses per concern with Megatron-LM flag names. A description only: it opens
+no file and imports nothing else of the engine.
 
 Every field of every section is a command-line flag named after it (`num_layers` -> `--num-layers`);
-YAML keys are the same names with `-` or `_`. engine/cli.py reads the command line and YAML files into
-a `Config` (flags given on the command line override the file). engine/validation.py holds every check
-that can be made before any process group exists; each failure is one `ConfigError` (raised by `_err`,
-here) naming the flag, the value and the fix.
+YAML keys are the same names with `-` or `_`. engine/flags.py reads the flags off these sections and
+engine/cli.py reads the command line and YAML files into a `Config` (flags given on the command line
+override the file). engine/validation.py holds every check that can be made before any process group
+exists; each failure is one `ConfigError` (raised by `_err`, here) naming the flag, the value and the fix.
+What the flags leave to be derived (the vocabulary from the tokenizer, the global batch size from the
+world) is filled in by engine/resolve.py.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
-import functools
-import math
-import os
-import typing
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional
 
 
 class ConfigError(ValueError):
     """A user mistake in flags or files; the launcher prints it as one line and exits 2."""
 
 
+def _err(flag: str, value, fix: str):
+    raise ConfigError(f"{flag} {value}: {fix}")
+
+
 def moe_layer_pattern(freq, num_layers: int) -> list:
     """--moe-layer-freq as one 0/1 per layer: an integer N (layers 0, N, 2N, ... are MoE) or Megatron-LM's list
     expression of 0s and 1s, e.g. '[0]*3+[1]*29' or '[0,1,1,1]' (lists, integers, + and * only)."""
-    import ast
     text = str(freq).strip()
     if text.isdigit():
         n = int(text)
@@ -51,8 +54,7 @@ def moe_layer_pattern(freq, num_layers: int) -> list:
     return pattern
 
 
-FAULT_KINDS = ("nan", "spike")  # --inject-fault drills (engine.stability.FaultDrill)
-# --tokenizer-type, with Megatron-LM's names (engine.data.tokenizer: what each reads)
+# --tokenizer-type, with Megatron-LM's names (engine.data.tokenizer_spec.TYPES: what each reads)
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 
 
@@ -159,7 +161,7 @@ class ModelConfig:
     def padded_vocab_size(self, tp: int = 1) -> int:
         """The vocabulary as the embedding and output layer hold it at tensor-parallel size `tp`."""
         if self.vocab_size is None:
-            raise ValueError("the vocabulary size is not resolved yet: call engine.config.resolve(cfg, world_size)")
+            raise ValueError("the vocabulary size is not resolved yet: call engine.resolve.resolve(cfg, world_size)")
         return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
 
 
@@ -346,157 +348,6 @@ class Config:
     def dp(self, world_size: int) -> int:
         """Data-parallel size: the model replicas of tp x cp x pp ranks in the world."""
         return world_size // (self.tp * self.cp * self.pp)
-
-
-def _all_fields():
-    """(section name, dataclass field) for every flag."""
-    for section, cls in SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            yield section, f
-
-
-def flag_of(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-FIELD_SECTION = {f.name: section for section, f in _all_fields()}
-_FIELDS = {f.name: f for _, f in _all_fields()}
-# Annotations are strings here (`from __future__ import annotations`); resolve them once.
-_HINTS = {name: hint for cls in SECTIONS.values() for name, hint in typing.get_type_hints(cls).items()}
-
-
-def _field_type(f) -> type:
-    """The field's type without Optional: bool, int, float, str or list."""
-    t = _HINTS[f.name]
-    if typing.get_origin(t) is Union:
-        t = next(a for a in typing.get_args(t) if a is not type(None))
-    return typing.get_origin(t) or t
-
-
-def _default_of(f):
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
-
-
-
-def _err(flag: str, value, fix: str):
-    raise ConfigError(f"{flag} {value}: {fix}")
-
-
-def data_prefixes(data_path: list) -> list:
-    """`[W1] P1 [W2 P2 ...]` -> [(weight, prefix)]; a single prefix gets weight 1."""
-    if len(data_path) == 1:
-        return [(1.0, data_path[0])]
-    if len(data_path) % 2:
-        _err("--data-path", " ".join(data_path), "give either one prefix or pairs of WEIGHT PREFIX")
-    pairs = []
-    for w, p in zip(data_path[0::2], data_path[1::2]):
-        try:
-            weight = float(w)
-        except ValueError:
-            _err("--data-path", w, "expected a weight (a number) before each prefix")
-        if not math.isfinite(weight) or weight < 0:
-            _err("--data-path", w, "each blend weight must be a finite non-negative number (e.g. 0.7)")
-        pairs.append((weight, p))
-    if sum(weight for weight, _ in pairs) <= 0:
-        _err("--data-path", " ".join(data_path), "the blend weights sum to 0; give at least one source a positive "
-                                                 "weight")
-    return pairs
-
-
-def parse_faults(specs: list) -> dict:
-    """["nan@20", "spike@40"] -> {20: "nan", 40: "spike"}. Raises ConfigError naming a bad spec."""
-    faults: dict = {}
-    for spec in specs or []:
-        kind, _, it = str(spec).partition("@")
-        if kind not in FAULT_KINDS or not it.isdigit() or int(it) < 1:
-            raise ConfigError(f"--inject-fault {spec}: use nan@ITER or spike@ITER (ITER a positive integer)")
-        if int(it) in faults:
-            raise ConfigError(f"--inject-fault {spec}: iteration {it} already has a fault; use one per iteration")
-        faults[int(it)] = kind
-    return faults
-
-
-DEFAULT_VOCAB_SIZE = 256  # --mock-data without --vocab-size
-
-
-def resolve(cfg: Config, world_size: int) -> Config:
-    """Fill in, once, what the flags leave to be derived, so that no other module derives it again.
-
-    The vocabulary size becomes the tokenizer's when a tokenizer reads real data, else --vocab-size, else
-    256 (mock data); the global batch size defaults to micro batch x dp; --train-samples sets --train-iters
-    as Megatron-LM counts them. (The LR lengths in samples follow from these in engine.optim.schedule, at
-    each step, so a schedule taken from a checkpoint on resume applies.) Idempotent; returns `cfg`.
-    """
-    m, tr = cfg.model, cfg.training
-    if cfg.data.tokenizer_type == "NullTokenizer" and cfg.given_vocab_size is None:
-        cfg.given_vocab_size = m.vocab_size  # its end-of-document id is added once (data_vocab_size)
-    m.vocab_size = data_vocab_size(cfg)
-    if tr.global_batch_size is None:
-        tr.global_batch_size = tr.micro_batch_size * cfg.dp(world_size)
-    if tr.train_samples is not None:
-        tr.train_iters = _iterations_for_samples(tr)
-    return cfg
-
-
-def _iterations_for_samples(tr: TrainingConfig) -> int:
-    """--train-samples as iterations, Megatron-LM's update_train_iters: whole global batches (a last partial
-    one is dropped); under ramp-up the ramp's steps (see engine.data.rampup), then whole final batches."""
-    if not tr.rampup_batch_size:
-        return tr.train_samples // tr.global_batch_size
-    from engine.data.rampup import BatchSizeSchedule  # engine.data imports torch: only ramped sample runs need it
-    return BatchSizeSchedule.from_config(tr).iterations_for(tr.train_samples)
-
-
-def data_vocab_size(cfg: Config) -> int:
-    """The vocabulary a run trains with: the tokenizer's when one reads real data (a NullTokenizer's: --vocab-size
-    plus its end-of-document id, as in Megatron-LM), else --vocab-size, else 256."""
-    spec = None if cfg.data.mock_data else tokenizer_of(cfg)
-    if spec is not None:
-        return _tokenizer_vocab(spec, _mtimes(spec))  # a file that is not what the type needs: one ConfigError line
-    return cfg.model.vocab_size or DEFAULT_VOCAB_SIZE
-
-
-def tokenizer_of(cfg: Config):
-    """The run's tokenizer flags as an engine.data.tokenizer.TokenizerSpec (None when they name none); a
-    combination that cannot work, or a missing file, is one ConfigError line. Opens no file."""
-    d = cfg.data
-    if not (d.tokenizer_type or d.tokenizer_model or d.vocab_file or d.merge_file):
-        return None
-    from engine.data.tokenizer import tokenizer_spec  # a leaf module (sentencepiece); only runs on real text need it
-    given = cfg.given_vocab_size if cfg.given_vocab_size is not None else cfg.model.vocab_size
-    return tokenizer_spec(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, given)
-
-
-def _mtimes(spec) -> tuple:
-    paths = (spec.model, spec.vocab_file, spec.merge_file)
-    return tuple(os.path.getmtime(p) if p and os.path.exists(p) else None for p in paths)
-
-
-@functools.lru_cache(maxsize=8)
-def _tokenizer_vocab(spec, mtimes: tuple) -> int:
-    """Opened once per process for validate and each resolve (a transformers tokenizer takes seconds to load)."""
-    return spec.vocab_size()
-
-
-def vocab_source(cfg: Config) -> str:
-    """Which flag set the vocabulary size, for messages about token ids."""
-    d, vocab = cfg.data, cfg.model.vocab_size
-    spec = None if d.mock_data else tokenizer_of(cfg)
-    if spec is not None:
-        return spec.source + (f" and its end-of-document id {spec.null_vocab}" if spec.null_vocab is not None else "")
-    if vocab is None:
-        return f"{DEFAULT_VOCAB_SIZE}, the default without --tokenizer-model or --vocab-size"
-    return f"--vocab-size {vocab}"
-
-
-def precision_name(cfg: Config) -> str:
-    return "bf16" if cfg.training.bf16 else "fp16" if cfg.training.fp16 else "fp32"
-
-
-def model_dtype(cfg: Config):
-    """The torch dtype of parameters and activations (torch is imported here only: tools read configs without it)."""
-    import torch
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision_name(cfg)]
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:

@@ -13,7 +13,7 @@ are the config's own; the rest are in `FLAGS`, each of one kind:
 - REFUSED: a concept Ternion does not have. The flag stays unknown to the parser, which answers it with one
   line: what it is, that Ternion does not do it, what to use instead.
 
-engine/config.py hooks this in with `add_flags` (the parser), `refusals` (the parser's lines for refused
+engine/cli.py hooks this in with `add_flags` (the parser), `refusals` (the parser's lines for refused
 flags) and `translate` (after parsing: Megatron values -> config values, and the notes the launcher prints
 once from rank 0). Spellings of values that differ (`--lr-decay-style WSD`, `--attention-backend fused`)
 are settled in `translate` as well.
@@ -24,7 +24,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from engine.config import _FIELDS, ConfigError, _default_of, flag_of
+from engine.config import ConfigError
+from engine.flags import FIELDS, default_of, flag_of
 
 MEANING, IMPLEMENTATION, ALREADY, NOT_DONE, REFUSED = "meaning", "implementation", "already", "not done", "refused"
 DEST = "megatron:"  # argparse dest prefix: never a config field name
@@ -42,7 +43,7 @@ class Flag:
 
 def _get(values: dict, name: str):
     """A config value as it will be: given (flag or YAML), else the field's default."""
-    return values[name] if name in values else _default_of(_FIELDS[name])
+    return values[name] if name in values else default_of(FIELDS[name])
 
 
 # ---------------------------------------------------------------- MEANING: what each flag sets

@@ -14,11 +14,11 @@ from typing import Optional
 
 import torch
 
-from engine.config import model_dtype, precision_name
 from engine.metrics import arguments_path
 from engine.parallel import comm
 from engine.parallel.layers import spec_of
 from engine.planner.memory import GIB, memory_per_gpu
+from engine.precision import model_dtype, precision_name
 from kernels import dispatch
 
 
@@ -53,7 +53,7 @@ def banner(cfg, ctx, chunks, device, layout: str) -> str:
     Collective (the per-stage parameter count is gathered from every rank): every rank calls it.
     """
     per_stage = stage_parameters(chunks, ctx)
-    tr, gbs = cfg.training, cfg.training.global_batch_size  # cfg is resolved (engine.config.resolve)
+    tr, gbs = cfg.training, cfg.training.global_batch_size  # cfg is resolved (engine.resolve.resolve)
     accum = gbs // (tr.micro_batch_size * ctx.dp_size)
     # Attention as the layers resolved it: for the run's dropout and parameter dtype.
     kernels = dispatch.kernel_report(torch.device(device), cfg.model.attention_backend, cfg.model.attention_dropout,
@@ -87,7 +87,7 @@ ARGUMENTS_END = "-------------------- end of arguments ---------------------"
 
 
 def resolved_arguments(cfg) -> dict:
-    """Every flag's value after resolution (engine.config.resolve), by its name with underscores, sorted.
+    """Every flag's value after resolution (engine.resolve.resolve), by its name with underscores, sorted.
 
     These are exactly the keys a --config file takes, so the saved copy (`report_arguments`) runs again as
     `--config FILE` (JSON is YAML). A vocabulary the resolution grew (NullTokenizer's end-of-document id)

@@ -27,8 +27,7 @@ from typing import Optional
 
 import torch
 
-from engine.config import parse_faults
-from engine.validation import check_spike_window
+from engine.validation import check_spike_window, parse_faults
 
 OK, SKIP, SPIKE, ROLLBACK = "ok", "skip", "spike", "rollback"
 MIN_HISTORY = 10  # accepted losses needed before a mean and std mean anything

@@ -19,8 +19,6 @@ from typing import Optional
 import torch
 
 from engine.checkpoint import Checkpointer
-from engine.checkpoint.resume import check_resumed
-from engine.config import model_dtype, resolve
 from engine.data import BatchSampler, BatchSizeSchedule, build_datasets, make_batch
 from engine.metrics import MetricsWriter, peak_tflops, perplexity, save_report, train_record
 from engine.optim import build_optimizer
@@ -28,6 +26,8 @@ from engine.optim.schedule import lr_at_sample
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
 from engine.pipeline.trace import PipelineTrace
+from engine.precision import model_dtype
+from engine.resolve import check_resumed, resolve
 from engine.run.phase import Phase
 from engine.run.preemption import PreemptionHandler
 from engine.run.profiling import StepProfiler

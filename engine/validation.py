@@ -2,8 +2,9 @@
 
 `validate(cfg, world_size)` runs them in order; each failure is one `ConfigError` naming the flag, the
 value and the fix (engine.config's `_err`). Rules that library code enforces again on its own path are the
-public `check_*` functions (the topology, the pipeline and the planner call them), so each rule has one
-message.
+public `check_*` functions (the topology, the pipeline and the planner call them) and `parse_faults` (the
+fault drills read it), so each rule has one message. The checks of files (the data, the tokenizer's) read
+them through engine/data.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Optional
 from engine.config import (
     CheckpointConfig,
     Config,
+    ConfigError,
     LoggingConfig,
     ModelConfig,
     OptimizerConfig,
@@ -20,16 +22,14 @@ from engine.config import (
     StabilityConfig,
     TrainingConfig,
     _err,
-    data_prefixes,
-    data_vocab_size,
-    flag_of,
-    parse_faults,
-    tokenizer_of,
-    vocab_source,
 )
+from engine.data.build import check_data, data_prefixes
+from engine.data.tokenizer_spec import data_vocab_size, tokenizer_of, vocab_source
+from engine.flags import flag_of
 from engine.layout import PipelineSchedule, Sharding
 
 TP_FLAG, PP_FLAG, CP_FLAG = "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"
+FAULT_KINDS = ("nan", "spike")  # --inject-fault drills
 
 
 def validate(cfg: Config, world_size: int) -> None:
@@ -333,8 +333,7 @@ def _check_files(cfg: Config) -> None:
         _err("--data-path", "(none)", "give --data-path PREFIX or use --mock-data")
     if d.eod_mask_loss and d.mock_data:
         _err("--eod-mask-loss", "with --mock-data", "synthetic tokens have no end-of-document token; drop one of them")
-    if d.data_path and not d.mock_data:
-        from engine.data.build import check_data  # opens each index (numpy only): empty data, ids past the vocabulary
+    if d.data_path and not d.mock_data:  # opens each index: empty data, ids past the vocabulary
         check_data(d.data_path, data_vocab_size(cfg), vocab_source(cfg))
     ck = cfg.checkpoint  # Megatron-LM's --save X --load X: the first run of the job makes X
     first_of_job = ck.save and os.path.abspath(ck.load or "") == os.path.abspath(ck.save)
@@ -359,6 +358,20 @@ def _check_checkpoint(ck: CheckpointConfig) -> None:
 def _check_stability(st: StabilityConfig) -> None:
     check_spike_window(st.spike_window)
     parse_faults(st.inject_fault)
+
+
+def parse_faults(specs: list) -> dict:
+    """["nan@20", "spike@40"] -> {20: "nan", 40: "spike"}: the --inject-fault drills (engine.stability.FaultDrill).
+    Raises ConfigError naming a bad spec."""
+    faults: dict = {}
+    for spec in specs or []:
+        kind, _, it = str(spec).partition("@")
+        if kind not in FAULT_KINDS or not it.isdigit() or int(it) < 1:
+            raise ConfigError(f"--inject-fault {spec}: use nan@ITER or spike@ITER (ITER a positive integer)")
+        if int(it) in faults:
+            raise ConfigError(f"--inject-fault {spec}: iteration {it} already has a fault; use one per iteration")
+        faults[int(it)] = kind
+    return faults
 
 
 def _divisors(n: int) -> str:

@@ -15,7 +15,8 @@ import sys
 import warnings
 
 from engine.cli import parse_config
-from engine.config import ConfigError, resolve
+from engine.config import ConfigError
+from engine.resolve import resolve
 from engine.run.guard import Guard, fail, restart_store
 from engine.validation import validate
 

@@ -3,7 +3,8 @@
 Sequence parallelism is decided by the parallel context (no test of the flag in the model or the
 layers); no engine function is over 60 lines; the training loop stays small and imports neither the
 planner nor the start-up report; scripts use the installed package (no sys.path editing); the README's
-design table names every engine package. Static reads only: well under a second.
+design table names every engine package; the configuration imports no other engine module. Static reads
+only: well under a second.
 """
 import ast
 import glob
@@ -66,3 +67,15 @@ def test_the_readme_design_table_names_every_engine_package():
     assert packages, "no engine packages found"
     missing = [p for p in packages if f"`{p}/`" not in readme]
     assert not missing, missing
+
+
+def test_the_configuration_imports_nothing_else_of_the_engine():
+    """engine/config.py is the ground floor, a description that opens no file: resolving it against the tokenizer
+    and the world is engine/resolve.py's (config.py and engine/data/tokenizer.py once imported each other)."""
+    imported = set()
+    for node in ast.walk(ast.parse(_source("engine/config.py"))):  # function-local imports included
+        if isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+        elif isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+    assert not {m for m in imported if m.split(".")[0] in ("engine", "kernels")}, imported

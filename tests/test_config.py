@@ -4,6 +4,8 @@ import pytest
 from engine import cli, config, validation
 from engine.cli import build_parser, parse_config
 from engine.config import ConfigError
+from engine.data.build import data_prefixes
+from engine.flags import FIELD_SECTION, all_fields, field_type, flag_of
 from engine.validation import validate
 
 
@@ -174,11 +176,11 @@ def test_model_split_check_names_the_flags_it_is_given():
 
 
 def test_yaml_only_fields_have_no_flag_and_pass_through_from_yaml(tmp_path):
-    yaml_only = [f.name for _, f in config._all_fields() if f.metadata["yaml_only"]]
+    yaml_only = [f.name for _, f in all_fields() if f.metadata["yaml_only"]]
     assert yaml_only == ["data_phases"]
     flags = {s for a in build_parser()._actions for s in a.option_strings}
     assert "--data-phases" not in flags
-    assert {config.flag_of(f.name) for _, f in config._all_fields() if not f.metadata["yaml_only"]} <= flags
+    assert {flag_of(f.name) for _, f in all_fields() if not f.metadata["yaml_only"]} <= flags
     with pytest.raises(ConfigError, match="^--data-phases: data_phases has no command-line form; set it in the "
                                           "--config YAML file"):
         parse_config(["--data-phases", "x"])
@@ -215,13 +217,13 @@ def test_unknown_flags_and_bad_values_are_one_line_naming_the_nearest_flag():
 
 
 def test_every_boolean_switches_off_from_the_command_line(tmp_path):
-    bools = [f.name for _, f in config._all_fields() if config._field_type(f) is bool]
+    bools = [f.name for _, f in all_fields() if field_type(f) is bool]
     assert "mock_data" in bools and "sequence_parallel" in bools
     path = write(tmp_path, "".join(f"{name}: true\n" for name in bools))
-    assert all(getattr(getattr(parse_config(["--config", path]), config.FIELD_SECTION[n]), n) for n in bools)
+    assert all(getattr(getattr(parse_config(["--config", path]), FIELD_SECTION[n]), n) for n in bools)
     off = [("--load-optim" if n == "no_load_optim" else "--no-" + n.replace("_", "-")) for n in bools]
     cfg = parse_config(["--config", path, *off])
-    assert not any(getattr(getattr(cfg, config.FIELD_SECTION[n]), n) for n in bools)
+    assert not any(getattr(getattr(cfg, FIELD_SECTION[n]), n) for n in bools)
     assert parse_config(["--no-load-optim"]).checkpoint.no_load_optim  # the Megatron-LM name still works
 
 
@@ -249,7 +251,7 @@ def test_data_path_overrides_a_config_files_mock_data_with_a_notice(tmp_path):
 ])
 def test_bad_blend_weights_are_one_line_naming_the_weight(data_path, needle):
     with pytest.raises(ConfigError) as info:
-        config.data_prefixes(data_path)
+        data_prefixes(data_path)
     assert str(info.value).startswith(needle) and "\n" not in str(info.value)
 
 

@@ -129,7 +129,7 @@ def test_blend_phases_switch_at_their_sample_and_continue_each_source():
 def make_cfg(**data):
     cfg = Config()
     cfg.model.seq_length = 16
-    cfg.training.seed, cfg.training.global_batch_size = 3, 8  # as engine.config.resolve leaves it
+    cfg.training.seed, cfg.training.global_batch_size = 3, 8  # as engine.resolve.resolve leaves it
     for k, v in data.items():
         setattr(cfg.data, k, v)
     return cfg

@@ -245,7 +245,7 @@ def _tp2_pp2(rank, world, cases, finetune):
     `want`; then the trainer runs the command line `finetune` in this process group, as the launcher would."""
     import torch.distributed as dist
 
-    from engine.config import resolve
+    from engine.resolve import resolve
     from engine.training import Trainer
     errors = []
     for cfg_dict, ckpt, x, want in cases:

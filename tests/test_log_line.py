@@ -18,9 +18,10 @@ from types import SimpleNamespace
 import pytest
 
 from engine.cli import parse_config
-from engine.config import Config, resolve
+from engine.config import Config
 from engine.metrics import LogInterval, MetricsWriter, arguments_path, format_log_line, save_report
 from engine.report import ARGUMENTS_END, ARGUMENTS_RULE, report_arguments, resolved_arguments
+from engine.resolve import resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAMP = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +\d+/ +\d+ \| ")

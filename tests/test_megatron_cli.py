@@ -25,7 +25,8 @@ from test_launcher import ERROR, launch, our_lines
 
 from engine import megatron_flags
 from engine.cli import build_parser, parse_config
-from engine.config import ConfigError, resolve
+from engine.config import ConfigError
+from engine.resolve import resolve
 from engine.validation import validate
 
 KNOWN = {s for a in build_parser()._actions for s in a.option_strings}
@@ -185,7 +186,7 @@ def test_values_megatron_refuses_or_ternion_cannot_honour_end_in_one_line(args, 
 
 
 def test_table_names_no_config_field_and_the_notes_come_once_per_kind():
-    from engine.config import FIELD_SECTION, flag_of
+    from engine.flags import FIELD_SECTION, flag_of
     fields = {flag_of(name) for name in FIELD_SECTION}
     assert not {f.name for f in megatron_flags.FLAGS} & fields  # one source for each flag
     cfg = parse_config(["--mock-data", "--use-flash-attn", "--transformer-impl", "transformer_engine",

@@ -3,10 +3,11 @@ import math
 
 import pytest
 
-from engine.config import Config, OptimizerConfig, TrainingConfig, resolve
+from engine.config import Config, OptimizerConfig, TrainingConfig
 from engine.data import BatchSampler, BatchSizeSchedule
 from engine.optim import LossScaler, lr_at
 from engine.optim.schedule import lr_at_sample
+from engine.resolve import resolve
 
 
 def _opt(**kw):

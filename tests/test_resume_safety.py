@@ -5,11 +5,12 @@ import os
 import pytest
 
 from engine.checkpoint import load_checkpoint, save_checkpoint
-from engine.checkpoint.resume import ResumePoint, check_resumed, resume_point
+from engine.checkpoint.resume import ResumePoint, resume_point
 from engine.config import CheckpointConfig, Config, ConfigError
 from engine.optim import build_optimizer
 from engine.parallel.topology import ParallelContext
 from engine.pipeline.partition import build_model_chunks
+from engine.resolve import check_resumed
 from harness import run_ranks
 
 

@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
-from engine.config import ConfigError, StabilityConfig, parse_faults
+from engine.config import ConfigError, StabilityConfig
 from engine.stability import MIN_HISTORY, ROLLBACK, SKIP, SPIKE, FaultDrill, SpikeGuard, corrupt_batch, poison_loss
+from engine.validation import parse_faults
 
 
 def noisy_losses(n, base=3.0, amplitude=0.02):

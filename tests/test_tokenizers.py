@@ -16,10 +16,11 @@ import pytest
 from demo_corpus import stdlib_sources
 
 from engine.cli import parse_config
-from engine.config import ConfigError, resolve
+from engine.config import ConfigError
 from engine.data import IndexedDataset
-from engine.data.tokenizer import tokenizer_spec
+from engine.data.tokenizer_spec import tokenizer_spec
 from engine.data.tokenizer_training import train_sentencepiece
+from engine.resolve import resolve
 from engine.validation import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -228,3 +229,14 @@ def test_null_tokenizer_vocabulary_resolves_once(runs):
                         "--tokenizer-type", "NullTokenizer", "--vocab-size", str(n)])
     validate(cfg, 1)
     assert resolve(resolve(cfg, 1), 1).model.vocab_size == n + 1  # the launcher and the trainer both resolve
+
+
+def test_every_tokenizer_type_is_one_registry_entry():
+    """--tokenizer-type's choices (engine.config, which opens no file) and the registry that checks and opens each
+    type (engine.data.tokenizer_spec) name the same types, in the same order."""
+    from engine.config import TOKENIZER_TYPES
+    from engine.data.tokenizer_spec import TYPES as REGISTRY
+    assert tuple(REGISTRY) == TOKENIZER_TYPES == TYPES
+    null = tokenizer_spec("NullTokenizer", vocab_size=7)  # the one type that opens no file
+    assert (null.build().kind, null.vocab_size(), null.source) == ("NullTokenizer", 8, "--tokenizer-type NullTokenizer "
+                                                                                       "--vocab-size 7")

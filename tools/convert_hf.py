@@ -21,7 +21,8 @@ import sys
 
 from engine.checkpoint.hf import import_hf
 from engine.cli import OneLineParser
-from engine.config import TOKENIZER_TYPES, ConfigError, flag_of
+from engine.config import TOKENIZER_TYPES, ConfigError
+from engine.flags import flag_of
 
 CONFIG_FILE = "model.yaml"
 FOUND_FIRST = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")  # the order they are looked for

@@ -25,7 +25,7 @@ import torch
 
 from engine.cli import OneLineParser
 from engine.config import TOKENIZER_TYPES, Config, ConfigError
-from engine.data.tokenizer import run_tokenizer_spec
+from engine.data.tokenizer_spec import run_tokenizer_spec
 from engine.model import GPTModel
 from engine.parallel.topology import ParallelContext
 

@@ -19,7 +19,7 @@ import sys
 from engine.cli import OneLineParser
 from engine.config import TOKENIZER_TYPES, ConfigError
 from engine.data.preprocess import Options, check_inputs, preprocess
-from engine.data.tokenizer import tokenizer_spec
+from engine.data.tokenizer_spec import tokenizer_spec
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -12,11 +12,8 @@
 iteration 0 with a fresh optimizer and data position (`ResumePoint.start`). It never applies to the run's own
 `--save`, so a restarted fine-tuning job resumes where it stopped.
 
-After the load, `check_resumed` refuses what would silently go wrong: a `--train-iters` at or below the
-checkpoint's iteration, and an LR schedule that differs from the one the checkpoint was trained with
-(unless `--override-opt-param-scheduler` keeps this run's or `--use-checkpoint-opt-param-scheduler`
-takes the checkpoint's, Megatron-LM's two flags). A checkpoint at iteration 0 has taken no step under its
-schedule, so it is not compared.
+Whether the run may continue from what was loaded (iterations left, the LR schedule) is checked against the
+config by engine.resolve.check_resumed.
 """
 from __future__ import annotations
 
@@ -30,11 +27,6 @@ from engine.config import ConfigError
 from engine.parallel.comm import all_gather_object
 
 _ITER_FOLDER = re.compile(r"^iter_(\d{7})$")
-
-# The settings that shape the LR curve, as (config field, flag). The decay length defaults to --train-iters.
-SCHEDULE_FIELDS = tuple((name, "--" + name.replace("_", "-")) for name in (
-    "lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_wsd_decay_iters", "lr_wsd_decay_style",
-    "lr_warmup_fraction", "lr_warmup_init", "lr_warmup_samples", "lr_decay_samples", "lr_wsd_decay_samples"))
 
 
 @dataclass(frozen=True)
@@ -93,64 +85,3 @@ def resume_point(ck, latest: Callable, rank: int = 0) -> Optional[ResumePoint]:
     if isinstance(decision, str):
         raise ConfigError(decision)
     return decision
-
-
-def _decay_iters(optim: dict, train_iters) -> Optional[int]:
-    return optim.get("lr_decay_iters") or train_iters
-
-
-def schedule_differences(saved_cfg: dict, cfg) -> list:
-    """(flag, checkpoint's value, this run's) for every LR-schedule setting that changed."""
-    saved_optim, run_optim = saved_cfg.get("optim") or {}, cfg.optim
-    out = [(flag, saved_optim[name], getattr(run_optim, name)) for name, flag in SCHEDULE_FIELDS
-           if name in saved_optim and saved_optim[name] != getattr(run_optim, name)]
-    if run_optim.lr_decay_style != "constant":
-        saved_len = _decay_iters(saved_optim, (saved_cfg.get("training") or {}).get("train_iters"))
-        run_len = run_optim.lr_decay_iters or cfg.training.train_iters
-        if saved_len is not None and saved_len != run_len:
-            out.append(("--lr-decay-iters (default --train-iters)", saved_len, run_len))
-    return out
-
-
-def adopt_schedule(saved_cfg: dict, cfg) -> None:
-    """Take the checkpoint's LR schedule (--use-checkpoint-opt-param-scheduler)."""
-    saved_optim = saved_cfg.get("optim") or {}
-    for name, _ in SCHEDULE_FIELDS:
-        if name in saved_optim:
-            setattr(cfg.optim, name, saved_optim[name])
-    cfg.optim.lr_decay_iters = _decay_iters(saved_optim, (saved_cfg.get("training") or {}).get("train_iters"))
-
-
-def check_resumed(cfg, directory: str, iteration: int, saved_cfg: dict, log=print,
-                  finetune: Optional[str] = None) -> None:
-    """After a load: the run must have iterations left and the LR schedule the checkpoint expects.
-    `finetune`: the checkpoint whose weights alone were taken (ResumePoint.start), said in one line."""
-    ck, train_iters = cfg.checkpoint, cfg.training.train_iters
-    if train_iters < iteration:
-        raise ConfigError(f"--train-iters {train_iters}: the checkpoint in {directory} is already at iteration "
-                          f"{iteration}; raise --train-iters above {iteration} to train further")
-    if train_iters == iteration:
-        log(f"the checkpoint in {directory} is at iteration {iteration} = --train-iters: nothing left to train; "
-            "raise --train-iters to continue")
-    if finetune:
-        log(f"--finetune: model weights from {finetune}; starting at iteration 0 with a fresh optimizer and data "
-            "position")
-    saved_tokenizer = (saved_cfg.get("data") or {}).get("tokenizer_model")
-    if saved_tokenizer and cfg.data.tokenizer_model and \
-            os.path.abspath(saved_tokenizer) != os.path.abspath(cfg.data.tokenizer_model):
-        log(f"note: the checkpoint was trained with --tokenizer-model {saved_tokenizer}; this run uses "
-            f"{cfg.data.tokenizer_model} (same vocabulary size, or loading would have failed): make sure it is the "
-            "same tokenizer")
-    changed = schedule_differences(saved_cfg, cfg) if iteration > 0 else []
-    if not changed:
-        return
-    listing = ", ".join(f"{flag} {old} -> {new}" for flag, old, new in changed)
-    if ck.use_checkpoint_opt_param_scheduler:
-        adopt_schedule(saved_cfg, cfg)
-        log(f"LR schedule taken from the checkpoint (--use-checkpoint-opt-param-scheduler): {listing} undone")
-    elif ck.override_opt_param_scheduler:
-        log(f"LR schedule changed on resume (--override-opt-param-scheduler): {listing}")
-    else:
-        raise ConfigError(f"the LR schedule differs from the checkpoint's in {directory} ({listing}); resume with "
-                          "the same settings, or pass --override-opt-param-scheduler to use this run's or "
-                          "--use-checkpoint-opt-param-scheduler to keep the checkpoint's")

@@ -1,7 +1,7 @@
 """The data pipeline: tokenizer, Megatron's indexed datasets, packed GPT samples, blends, mock data, the
 batch-size schedule and the sampler.
 
-A run resolves its config (engine.config.resolve), builds its splits with `build_datasets`, and draws
+A run resolves its config (engine.resolve.resolve), builds its splits with `build_datasets`, and draws
 each iteration's samples from a `BatchSampler` over a `BatchSizeSchedule` (--global-batch-size, or the
 --rampup-batch-size ramp): `next(sampler)` gives this data-parallel rank's microbatches of the next
 global batch as lists of sample indices, `make_batch` turns one into tensors, and `sampler.state_dict()`

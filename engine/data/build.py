@@ -15,12 +15,13 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from engine.config import Config, ConfigError, data_prefixes, vocab_source
+from engine.config import Config, ConfigError, _err
 from engine.data.blend import BlendedDataset, blend_indices, blend_sizes
 from engine.data.gpt_dataset import GPTDataset, cached_arrays, split_ranges
 from engine.data.indexed_dataset import IndexedDataset
 from engine.data.mock import MockGPTDataset
 from engine.data.rampup import BatchSizeSchedule
+from engine.data.tokenizer_spec import tokenizer_of, vocab_source
 
 SPLITS = ("train", "valid", "test")
 # A train split read more often than this gets a warning. Repeating data for up to about 4 epochs costs
@@ -33,7 +34,7 @@ def build_datasets(cfg: Config, train_samples: int, valid_samples: int, test_sam
                    log: Optional[Callable[[str], None]] = None) -> tuple:
     """(train, valid, test): datasets whose `ds[i]` is an np.int64 array of seq_length + 1 tokens.
 
-    A split asked for 0 samples is None. `cfg` is resolved (engine.config.resolve): its vocabulary size
+    A split asked for 0 samples is None. `cfg` is resolved (engine.resolve.resolve): its vocabulary size
     sizes mock data and bounds the token ids, and its batch-size schedule places the `data_phases`
     switches. The data summary goes to `log` (default: print on rank 0).
     """
@@ -81,13 +82,33 @@ def build_datasets(cfg: Config, train_samples: int, valid_samples: int, test_sam
 
 def end_of_document(cfg: Config) -> int:
     """The id that ends each document in the run's data (its tokenizer's), for --eod-mask-loss."""
-    from engine.config import tokenizer_of
     spec = tokenizer_of(cfg)
     eod = spec.build().eod if spec is not None else None
     if eod is None:
         raise ConfigError("--eod-mask-loss: the run names no tokenizer with an end-of-document token; give the "
                           "--tokenizer-model (or --tokenizer-type) the data was made with, or drop --eod-mask-loss")
     return eod
+
+
+def data_prefixes(data_path: list) -> list:
+    """`[W1] P1 [W2 P2 ...]` -> [(weight, prefix)]; a single prefix gets weight 1."""
+    if len(data_path) == 1:
+        return [(1.0, data_path[0])]
+    if len(data_path) % 2:
+        _err("--data-path", " ".join(data_path), "give either one prefix or pairs of WEIGHT PREFIX")
+    pairs = []
+    for w, p in zip(data_path[0::2], data_path[1::2]):
+        try:
+            weight = float(w)
+        except ValueError:
+            _err("--data-path", w, "expected a weight (a number) before each prefix")
+        if not math.isfinite(weight) or weight < 0:
+            _err("--data-path", w, "each blend weight must be a finite non-negative number (e.g. 0.7)")
+        pairs.append((weight, p))
+    if sum(weight for weight, _ in pairs) <= 0:
+        _err("--data-path", " ".join(data_path), "the blend weights sum to 0; give at least one source a positive "
+                                                 "weight")
+    return pairs
 
 
 def check_data(data_path: list, vocab_size: Optional[int], vocab_from: str = "") -> list:

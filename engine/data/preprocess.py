@@ -11,7 +11,7 @@ Input files ending in .jsonl or .json hold one JSON object per line (the texts u
 any other file is plain text with one document per line. `check_inputs` refuses, before any work, an
 input whose first record lacks a key (both tools call it); a progress bar with an ETA follows the input
 bytes read.
-The tokenizer is any `--tokenizer-type` (engine.data.tokenizer.TokenizerSpec, rebuilt in every worker); a
+The tokenizer is any `--tokenizer-type` (engine.data.tokenizer_spec.TokenizerSpec, rebuilt in every worker); a
 document it cannot encode (a NullTokenizer's text that is not integer ids) is dropped and counted.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 from engine.data.indexed_dataset import IndexedDatasetWriter, token_dtype
-from engine.data.tokenizer import TokenizerSpec, tokenizer_spec
+from engine.data.tokenizer_spec import TokenizerSpec, tokenizer_spec
 
 # Work is handed to workers in chunks of at most this many lines or bytes: large enough to amortise
 # the inter-process traffic, small enough to keep every worker busy until the end.

@@ -26,9 +26,9 @@ class BatchSizeSchedule:
 
     @classmethod
     def from_config(cls, training) -> "BatchSizeSchedule":
-        """From a resolved TrainingConfig (engine.config.resolve fills --global-batch-size)."""
+        """From a resolved TrainingConfig (engine.resolve.resolve fills --global-batch-size)."""
         if training.global_batch_size is None:
-            raise ValueError("the global batch size is not resolved yet: call engine.config.resolve(cfg, world_size)")
+            raise ValueError("the global batch size is not resolved yet: call engine.resolve.resolve(cfg, world_size)")
         if not training.rampup_batch_size:
             return cls.fixed(training.global_batch_size)
         return cls(*training.rampup_batch_size, training.global_batch_size)

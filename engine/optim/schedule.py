@@ -24,6 +24,18 @@ The trainer's position is the samples consumed under batch-size ramp-up, else it
 from __future__ import annotations
 
 import math
+from typing import Optional
+
+# The OptimizerConfig fields that shape the LR curve, all but lr_decay_iters, whose default is --train-iters and
+# which is read through `decay_iters`. A resumed run is checked on both (engine.resolve.check_resumed).
+SCHEDULE_FIELDS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_wsd_decay_iters", "lr_wsd_decay_style",
+                   "lr_warmup_fraction", "lr_warmup_init", "lr_warmup_samples", "lr_decay_samples",
+                   "lr_wsd_decay_samples")
+
+
+def decay_iters(lr_decay_iters: Optional[int], train_iters: Optional[int]) -> Optional[int]:
+    """The iterations the LR decays over: --lr-decay-iters, default --train-iters."""
+    return lr_decay_iters or train_iters
 
 
 def lr_at(iteration: float, opt, train_iters: int) -> float:
@@ -45,7 +57,7 @@ def _lengths(opt, train_iters: int, train_samples, per_iteration: int) -> tuple:
     """(warm-up, decay, WSD anneal) lengths in the schedule's unit, as Megatron-LM's get_optimizer_param_scheduler
     derives them; the anneal is None when not set."""
     if train_samples is None:
-        decay = (opt.lr_decay_iters or train_iters) * per_iteration
+        decay = decay_iters(opt.lr_decay_iters, train_iters) * per_iteration
         wsd = None if opt.lr_wsd_decay_iters is None else opt.lr_wsd_decay_iters * per_iteration
         warmup = opt.lr_warmup_iters * per_iteration
     else:

@@ -13,6 +13,7 @@ from engine.checkpoint.hf.io import WEIGHTS
 from engine.checkpoint.merged import full_unpadded, unpadded
 from engine.checkpoint.reader import CheckpointReader
 from engine.config import Config, ConfigError
+from engine.data.tokenizer_spec import run_tokenizer_spec
 
 
 def export_tokenizer(cfg: Config, ckpt_dir: str, out_dir: str) -> dict:
@@ -20,7 +21,6 @@ def export_tokenizer(cfg: Config, ckpt_dir: str, out_dir: str) -> dict:
     checkpoint) so that AutoTokenizer.from_pretrained(out_dir) encodes text to the ids it trained on; return its
     bos/eos/pad ids for config.json ({} when the run had none, e.g. mock data). `cfg.model.vocab_size` is the
     checkpoint's. A tokenizer that is gone or does not fit the model is one ConfigError line."""
-    from engine.data.tokenizer import run_tokenizer_spec
     vocab, near = cfg.model.vocab_size, [ckpt_dir, os.path.dirname(os.path.abspath(ckpt_dir))]
     try:
         spec = run_tokenizer_spec(cfg.to_dict()["data"], vocab, near=near)

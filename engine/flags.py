@@ -1,0 +1,42 @@
+"""Every config field as a command-line flag: its name, its section, its type and its default, read off the typed
+sections of engine/config.py so that no list of flags is kept by hand.
+
+engine/cli.py builds the parser and reads YAML keys with these; engine/megatron_flags.py and the messages of
+engine/validation.py name flags with `flag_of`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Union
+
+from engine.config import SECTIONS
+
+
+def all_fields():
+    """(section name, dataclass field) for every flag."""
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            yield section, f
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+FIELD_SECTION = {f.name: section for section, f in all_fields()}
+FIELDS = {f.name: f for _, f in all_fields()}
+# Annotations are strings in engine/config.py (`from __future__ import annotations`); resolve them once.
+_HINTS = {name: hint for cls in SECTIONS.values() for name, hint in typing.get_type_hints(cls).items()}
+
+
+def field_type(f) -> type:
+    """The field's type without Optional: bool, int, float, str or list."""
+    t = _HINTS[f.name]
+    if typing.get_origin(t) is Union:
+        t = next(a for a in typing.get_args(t) if a is not type(None))
+    return typing.get_origin(t) or t
+
+
+def default_of(f):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
