@@ -37,6 +37,7 @@ import torch
 
 from benchmarks.spawn import spawn_rows
 from engine.config import Config, ModelConfig
+from engine.layout import Sharding
 from engine.optim import build_optimizer
 from engine.parallel import comm
 from engine.parallel.topology import build_context
@@ -96,11 +97,15 @@ def _measure(rank: int, strategy: str, prefetch: bool) -> dict:
 
 def formulas(strategy: str, P: int, Pb: int) -> dict:
     """Per-rank bytes (weights, gradients) and bytes sent per step, by the formulas of the docstring."""
-    f = (DP - 1) / DP
-    weights = 2 * Pb // DP if strategy == "optim_grads_params" else 2 * P
-    grads = 4 * Pb // DP if strategy in ("optim_grads", "optim_grads_params") else 4 * Pb
-    sent = {"no_shard": 2 * f * 4 * Pb, "optim": f * 4 * Pb + f * 2 * Pb, "optim_grads": M * f * 4 * Pb + f * 2 * Pb,
-            "optim_grads_params": M * (2 * f * 2 * Pb + f * 4 * Pb)}[strategy]
+    f, sharding = (DP - 1) / DP, Sharding(strategy)
+    weights = 2 * Pb // DP if sharding.params else 2 * P
+    grads = 4 * Pb // DP if sharding.grads else 4 * Pb
+    if not sharding.optimizer:
+        sent = 2 * f * 4 * Pb
+    elif sharding.params:
+        sent = M * (2 * f * 2 * Pb + f * 4 * Pb)
+    else:
+        sent = (M if sharding.grads else 1) * f * 4 * Pb + f * 2 * Pb
     return dict(params=weights, grads=grads, sent=sent)
 
 
@@ -123,11 +128,11 @@ def summary(rows: list) -> list:
         P, Pb, unit = case[0]["P"], case[0]["Pb"], case[0]["unit"]
         want = formulas(strategy, P, Pb)
         # Adam also keeps a 4-byte step count per tensor it updates
-        optim_bound = (12 * P if strategy == "no_shard" else 12 * Pb // DP) + max(r["steps"] for r in case)
+        optim_bound = (12 * Pb // DP if Sharding(strategy).optimizer else 12 * P) + max(r["steps"] for r in case)
         held = (2 if prefetch else 1) * unit
         ok = (top["params"] == want["params"] and top["grads"] == want["grads"] and top["optimizer"] <= optim_bound
               and abs(top["sent"] - want["sent"]) < 1 and top["gathered"] <= held
-              and (strategy not in ("optim_grads", "optim_grads_params") or top["staging"] < 4 * Pb))
+              and (not Sharding(strategy).grads or top["staging"] < 4 * Pb))
         base = base or top["seconds"]
         table.append(dict(strategy=strategy + (" +prefetch" if prefetch else ""), P=P, Pb=Pb, **top,
                           optim_bound=optim_bound, unit_bound=held, want=want, time_ratio=top["seconds"] / base,

@@ -4,7 +4,7 @@
 settles `--mock-data` against `--data-path` and `--train-iters` against `--train-samples`, and returns the
 Config with the notices the launcher prints once. Every config field is a flag (`--no-FLAG` switches a
 boolean off); Megatron-LM's flags that are no field are translated by engine/megatron_flags.py. The schema
-stays in engine/config.py (its flags in engine/flags.py), the checks in engine/validation.py and the
+stays in engine/config/ (its flags in engine/flags.py), the checks in engine/validation.py and the
 resolution in engine/resolve.py.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Every config field as a command-line flag: its name, its section, its type and its default, read off the typed
-sections of engine/config.py so that no list of flags is kept by hand.
+sections of engine/config/ so that no list of flags is kept by hand.
 
 engine/cli.py builds the parser and reads YAML keys with these; engine/megatron_flags.py and the messages of
 engine/validation.py name flags with `flag_of`.
@@ -26,7 +26,7 @@ def flag_of(name: str) -> str:
 
 FIELD_SECTION = {f.name: section for section, f in all_fields()}
 FIELDS = {f.name: f for _, f in all_fields()}
-# Annotations are strings in engine/config.py (`from __future__ import annotations`); resolve them once.
+# Annotations are strings in engine/config/ (`from __future__ import annotations`); resolve them once.
 _HINTS = {name: hint for cls in SECTIONS.values() for name, hint in typing.get_type_hints(cls).items()}
 
 

@@ -24,8 +24,10 @@ from engine.checkpoint import files, rng
 from engine.checkpoint.layout import local_tensors
 from engine.checkpoint.reader import CheckpointReader
 from engine.config import ConfigError
+from engine.model import GPTModel
 from engine.parallel.comm import all_gather_object
 from engine.parallel.layers import spec_of
+from engine.parallel.topology import ParallelContext
 
 
 def latest_iteration(save_dir: str) -> Optional[int]:
@@ -125,8 +127,6 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
 
 def _model_names(model_cfg) -> set:
     """The global names of every tensor the model of `model_cfg` has, whatever the layout (a meta-device build)."""
-    from engine.model import GPTModel
-    from engine.parallel.topology import ParallelContext
     model = GPTModel(model_cfg, ParallelContext.virtual(), device="meta")
     return {spec_of(p).copy_of or name for name, p in model.named_parameters()}
 

@@ -6,7 +6,7 @@ file that is missing); `TokenizerSpec.build` opens the files. `TYPES` is the one
 engine/data/tokenizer.py that opens it, so a new type is a class there and an entry here.
 
 The run's vocabulary (`data_vocab_size`, `vocab_source`) is the tokenizer's when one reads real data: it is read
-here, below engine/resolve.py, so that engine/config.py stays a description that opens no file.
+here, below engine/resolve.py, so that engine/config/ stays a description that opens no file.
 """
 from __future__ import annotations
 

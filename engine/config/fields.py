@@ -1,0 +1,31 @@
+"""The vocabulary of the configuration: its error, how a field is declared, and the names some flags choose
+from (what each name means is the module that reads it: engine/layout.py for schedules and strategies)."""
+from __future__ import annotations
+
+from dataclasses import field
+
+
+class ConfigError(ValueError):
+    """A user mistake in flags or files; the launcher prints it as one line and exits 2."""
+
+
+def _err(flag: str, value, fix: str):
+    raise ConfigError(f"{flag} {value}: {fix}")
+
+
+# --tokenizer-type, with Megatron-LM's names (engine.data.tokenizer_spec.TYPES: what each reads)
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+
+
+# The names --pipeline-schedule and --data-parallel-sharding-strategy take; what each means is engine/layout.py's.
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def _f(default, help, *, aliases=(), choices=None, nargs=None, action=None, type=None, yaml_only=False):
+    """A config field. `yaml_only`: a structured value (e.g. a list of mappings) with no command-line form."""
+    meta = dict(help=help, aliases=aliases, choices=choices, nargs=nargs, action=action, type=type,
+                yaml_only=yaml_only)
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)

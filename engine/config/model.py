@@ -1,0 +1,136 @@
+"""The model's section: what the decoder is (engine/model.py builds it), with the sizes derived from it."""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from typing import Optional
+
+from engine.config.fields import _err, _f
+
+
+def moe_layer_pattern(freq, num_layers: int) -> list:
+    """--moe-layer-freq as one 0/1 per layer: an integer N (layers 0, N, 2N, ... are MoE) or Megatron-LM's list
+    expression of 0s and 1s, e.g. '[0]*3+[1]*29' or '[0,1,1,1]' (lists, integers, + and * only)."""
+    text = str(freq).strip()
+    if text.isdigit():
+        n = int(text)
+        if n < 1:
+            _err("--moe-layer-freq", freq, "must be at least 1, or a list of 0/1 per layer like '[0]*1+[1]*3'")
+        return [int(i % n == 0) for i in range(num_layers)]
+
+    def value(node):
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            a, b = value(node.left), value(node.right)
+            return a + b if isinstance(node.op, ast.Add) else a * b
+        raise ValueError(text)
+    try:
+        pattern = value(ast.parse(text.strip("()"), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        pattern = None
+    if not isinstance(pattern, list) or len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
+        _err("--moe-layer-freq", freq, f"give N or a list of {num_layers} 0/1 values (one per layer), "
+                                       f"e.g. '[0]*1+[1]*{num_layers - 1}'")
+    return pattern
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = _f(2, "number of transformer layers")
+    hidden_size: int = _f(64, "model width")
+    ffn_hidden_size: Optional[int] = _f(None, "MLP width (default 4*hidden, or 8/3*hidden rounded to 64 with --swiglu)")
+    num_attention_heads: int = _f(4, "attention heads")
+    num_query_groups: Optional[int] = _f(None, "key/value heads for grouped-query attention (default: heads, i.e. MHA)")
+    kv_channels: Optional[int] = _f(None, "per-head dimension (default hidden/heads)")
+    seq_length: int = _f(64, "tokens per sample")
+    max_position_embeddings: Optional[int] = _f(None, "learned position table size (default seq-length)")
+    vocab_size: Optional[int] = _f(None, "vocabulary size (default: from the tokenizer, or 256 with --mock-data)")
+    make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this times tp")
+    normalization: str = _f("LayerNorm", "normalization layer", choices=("LayerNorm", "RMSNorm"))
+    norm_epsilon: float = _f(1e-5, "epsilon of the normalization layers")
+    position_embedding_type: str = _f("learned_absolute", "position encoding", choices=("learned_absolute", "rope"))
+    rotary_base: float = _f(10000.0, "RoPE base frequency")
+    use_rope_scaling: bool = _f(False, "Llama 3.x RoPE frequency scaling (HF rope_type llama3)")
+    rope_scaling_factor: float = _f(8.0, "with --use-rope-scaling: divide the low frequencies by this")
+    rope_scaling_low_freq_factor: float = _f(1.0, "with --use-rope-scaling: wavelengths above original/this are "
+                                                  "divided by the factor (HF low_freq_factor)")
+    rope_scaling_high_freq_factor: float = _f(4.0, "with --use-rope-scaling: wavelengths below original/this are "
+                                                   "kept (HF high_freq_factor); those between are blended")
+    rope_scaling_original_max_position_embeddings: int = _f(8192, "with --use-rope-scaling: the context length "
+                                                                  "the model was pretrained with")
+    swiglu: bool = _f(False, "SwiGLU MLP instead of GELU")
+    openai_gelu: bool = _f(False, "tanh approximation of GELU (HF gelu_new) instead of the exact erf form")
+    untie_embeddings_and_output_weights: bool = _f(False, "separate output layer instead of the tied embedding")
+    disable_bias_linear: bool = _f(False, "no biases in linear layers")
+    add_qkv_bias: bool = _f(False, "a bias in the QKV projection even with --disable-bias-linear (Qwen2)")
+    hidden_dropout: float = _f(0.0, "dropout on the residual branches")
+    attention_dropout: float = _f(0.0, "dropout on attention probabilities")
+    init_method_std: float = _f(0.02, "std of the normal weight init; output projections use std/sqrt(2*layers)")
+    attention_backend: str = _f("auto", "attention implementation (auto picks the fastest available; Megatron-LM's "
+                                "fused and unfused are read as auto and local)",
+                                choices=("auto", "flash", "triton", "sdpa", "local", "fused", "unfused"))
+    recompute_granularity: Optional[str] = _f(None, "activation recomputation", choices=("full", "selective"))
+    recompute_num_layers: Optional[int] = _f(None, "with full recomputation: layers per stage recomputed (default all)")
+    # Mixture of experts (engine/moe): Megatron-LM's flags
+    num_experts: Optional[int] = _f(None, "routed experts per MoE layer (default: no MoE layers)")
+    moe_layer_freq: str = _f("1", "which layers are MoE: N (every Nth, from layer 0) or a 0/1 list per layer, "
+                                  "e.g. '[0]*1+[1]*3' (dense first layer)")
+    moe_ffn_hidden_size: Optional[int] = _f(None, "width of each routed expert (default --ffn-hidden-size)")
+    moe_shared_expert_intermediate_size: Optional[int] = _f(None, "width of the shared expert every token "
+                                                                  "also goes through (DeepSeek style; default none)")
+    moe_router_topk: int = _f(2, "experts each token is routed to")
+    moe_router_score_function: str = _f("softmax", "router scores: softmax over the top-k logits (Mixtral), or "
+                                                   "sigmoid normalised over the top-k (DeepSeek-V3)",
+                                        choices=("softmax", "sigmoid"))
+    moe_router_topk_scaling_factor: Optional[float] = _f(None, "multiply the top-k routing weights by this")
+    moe_router_load_balancing_type: str = _f("aux_loss", "auxiliary balancing loss over the batch, per sequence, "
+                                                         "or none", choices=("aux_loss", "seq_aux_loss", "none"))
+    moe_aux_loss_coeff: float = _f(0.0, "weight of the load-balancing loss (0: none)")
+    moe_z_loss_coeff: Optional[float] = _f(None, "weight of the router z-loss (mean squared logsumexp of logits)")
+    moe_router_enable_expert_bias: bool = _f(False, "aux-loss-free balancing: a per-expert bias added to the scores "
+                                                    "for choosing experts only, moved towards balance every step")
+    moe_router_bias_update_rate: float = _f(1e-3, "step of the expert-bias update (sign of the load error)")
+    moe_expert_capacity_factor: Optional[float] = _f(None, "tokens an expert takes, as a multiple of an even "
+                                                           "share; the rest are dropped (default: dropless)")
+    moe_token_drop_policy: str = _f("probs", "over capacity, drop the tokens with the lowest routing weight "
+                                             "(probs) or the latest in the batch (position)",
+                                    choices=("probs", "position"))
+    moe_router_dtype: Optional[str] = _f(None, "dtype of the router's computation (default: fp32 always here)",
+                                         choices=("fp32", "fp64"))
+
+    def moe_layers(self) -> list:
+        """Global ids of the MoE layers (empty without --num-experts)."""
+        if not self.num_experts:
+            return []
+        return [i for i, moe in enumerate(moe_layer_pattern(self.moe_layer_freq, self.num_layers)) if moe]
+
+    def resolved_moe_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.resolved_ffn_hidden_size()
+
+    def resolved_ffn_hidden_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.swiglu:
+            return 64 * ((int(8 * self.hidden_size / 3) + 63) // 64)
+        return 4 * self.hidden_size
+
+    def resolved_query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """The vocabulary as the embedding and output layer hold it at tensor-parallel size `tp`."""
+        if self.vocab_size is None:
+            raise ValueError("the vocabulary size is not resolved yet: call engine.resolve.resolve(cfg, world_size)")
+        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
+
+
+def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
+    """The vocabulary padded up to a multiple of --make-vocab-size-divisible-by x tp (Megatron's rule)."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple

@@ -1,0 +1,145 @@
+"""The run's sections besides the model: parallel layout, training, optimizer, data, checkpoints, logging and
+stability, each field a flag of Megatron-LM's name."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from engine.config.fields import PIPELINE_SCHEDULES, SHARDING_STRATEGIES, TOKENIZER_TYPES, _f
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = _f(1, "tensor-parallel size", aliases=("--tp",))
+    pipeline_model_parallel_size: int = _f(1, "pipeline-parallel size", aliases=("--pp",))
+    virtual_pipeline_model_parallel_size: Optional[int] = _f(None, "model chunks per pipeline rank (interleaved 1F1B)", aliases=("--vpp",))
+    sequence_parallel: bool = _f(False, "split norms and dropout over the sequence within the TP group")
+    pipeline_schedule: Optional[str] = _f(None, "pipeline schedule (default: 1f1b, interleaved with --vpp); zb-h1 and "
+                                                "zb-v split each backward into input- and weight-gradient parts",
+                                          choices=PIPELINE_SCHEDULES)
+    context_parallel_size: int = _f(1, "context-parallel size: each sequence split over this many ranks "
+                                       "(load-balanced causal chunks, ring attention)", aliases=("--cp",))
+    cp_comm_type: str = _f("p2p", "how attention sees the other CP ranks' keys and values: p2p passes them round "
+                                  "a ring, overlapped with attention; all_gather (Megatron-LM: allgather) gathers "
+                                  "them once", choices=("p2p", "all_gather", "allgather"))
+    use_distributed_optimizer: bool = _f(False, "shard fp32 master weights and Adam state over dp (ZeRO-1); the "
+                                                "same as --data-parallel-sharding-strategy optim")
+    data_parallel_sharding_strategy: Optional[str] = _f(
+        None, "what is sharded over dp (Megatron-FSDP's names): no_shard, optim (ZeRO-1, the distributed optimizer), "
+              "optim_grads (ZeRO-2: gradients too, reduce-scattered per microbatch), optim_grads_params (ZeRO-3: "
+              "weights too, gathered per layer for forward and backward); default: optim with "
+              "--use-distributed-optimizer, else no_shard", choices=SHARDING_STRATEGIES)
+    overlap_grad_reduce: bool = _f(False, "start each gradient bucket's reduction as soon as backward fills it")
+    overlap_param_gather: bool = _f(False, "optim_grads_params: gather the next layer's weights while this one "
+                                           "computes (two layers' weights held instead of one)")
+    gpus_per_node: Optional[int] = _f(None, "ranks per node (default: LOCAL_WORLD_SIZE); a TP group may not span nodes")
+    expert_model_parallel_size: int = _f(1, "expert-parallel size: the experts of each MoE layer split over this "
+                                            "many data-parallel ranks, tokens exchanged all-to-all", aliases=("--ep",))
+    decoder_first_pipeline_num_layers: Optional[int] = _f(None, "layers on the first pipeline stage (uneven split)")
+    decoder_last_pipeline_num_layers: Optional[int] = _f(None, "layers on the last pipeline stage (uneven split)")
+    distributed_timeout_minutes: float = _f(10.0, "a collective stuck longer than this ends the job")
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = _f(1, "samples per microbatch per data-parallel rank")
+    global_batch_size: Optional[int] = _f(None, "samples per iteration over all dp ranks (default micro*dp)")
+    rampup_batch_size: Optional[list] = _f(None, "batch ramp-up: START INCREMENT SAMPLES", nargs=3, type=int)
+    train_iters: int = _f(100, "iterations to train")
+    train_samples: Optional[int] = _f(None, "samples to train instead of --train-iters (Megatron-LM's sample-based "
+                                            "run: the iterations are derived, the LR schedule counts samples)")
+    bf16: bool = _f(False, "bf16 parameters and compute, fp32 master weights")
+    fp16: bool = _f(False, "fp16 parameters and compute with loss scaling")
+    loss_scale: Optional[float] = _f(None, "static loss scale for fp16 (default: dynamic)")
+    initial_loss_scale: float = _f(2.0 ** 16, "first dynamic loss scale for fp16")
+    hysteresis: int = _f(1, "fp16: overflowing steps before the dynamic scale halves (Megatron-LM's default is 2)")
+    seed: int = _f(1234, "random seed for weights, data order and dropout")
+    device: str = _f("auto", "auto: cuda+nccl when GPUs are visible, else cpu+gloo", choices=("auto", "cuda", "cpu"))
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = _f(3e-4, "peak learning rate")
+    min_lr: float = _f(0.0, "learning rate at the end of decay")
+    lr_decay_style: str = _f("cosine", "decay after warm-up (WSD: Megatron-LM's spelling of wsd)",
+                             choices=("constant", "linear", "cosine", "inverse-square-root", "wsd", "WSD"))
+    lr_warmup_iters: int = _f(0, "linear warm-up iterations")
+    lr_decay_iters: Optional[int] = _f(None, "iterations over which the LR decays (default train-iters)")
+    lr_wsd_decay_iters: Optional[int] = _f(None, "with wsd: length of the final decay phase")
+    lr_wsd_decay_style: str = _f("exponential", "with wsd: shape of the final decay",
+                                 choices=("exponential", "linear", "cosine", "minus_sqrt"))
+    lr_warmup_fraction: Optional[float] = _f(None, "warm-up length as this fraction of the decay length (instead of "
+                                                   "--lr-warmup-iters/--lr-warmup-samples)")
+    lr_warmup_init: float = _f(0.0, "learning rate at the start of the warm-up")
+    lr_warmup_samples: int = _f(0, "with --train-samples: linear warm-up samples")
+    lr_decay_samples: Optional[int] = _f(None, "with --train-samples: samples over which the LR decays (default "
+                                               "train-samples)")
+    lr_wsd_decay_samples: Optional[int] = _f(None, "with --train-samples and wsd: samples of the final decay phase")
+    weight_decay: float = _f(0.01, "AdamW weight decay, matrices only")
+    adam_beta1: float = _f(0.9, "Adam beta1")
+    adam_beta2: float = _f(0.999, "Adam beta2")
+    adam_eps: float = _f(1e-8, "Adam epsilon")
+    clip_grad: float = _f(1.0, "clip the global gradient L2 norm to this (0: off)")
+    z_loss_weight: float = _f(0.0, "weight of the log-sum-exp auxiliary loss on the logits")
+
+
+@dataclass
+class DataConfig:
+    data_path: Optional[list] = _f(None, "[W1] PREFIX1 [W2 PREFIX2 ...]: indexed datasets and blend weights", nargs="+")
+    split: str = _f("969,30,1", "train,valid,test proportions of the documents")
+    tokenizer_model: Optional[str] = _f(None, "SentencePiece .model file, a tokenizer.json, or a transformers tokenizer "
+                                              "directory")
+    tokenizer_type: Optional[str] = _f(None, "how text becomes ids (default: implied by the files given, "
+                                             "SentencePieceTokenizer for a .model file)", choices=TOKENIZER_TYPES)
+    vocab_file: Optional[str] = _f(None, "GPT2BPETokenizer: GPT-2's vocab.json")
+    merge_file: Optional[str] = _f(None, "GPT2BPETokenizer: GPT-2's merges.txt")
+    eod_mask_loss: bool = _f(False, "no loss on the token that follows an end-of-document token (Megatron-LM's)")
+    mock_data: bool = _f(False, "synthetic tokens that depend only on --seed and the sample index (a config "
+                                "file's mock_data gives way to --data-path)")
+    data_phases: Optional[list] = _f(None, "blend phases: a list of {start_iter, weights}", yaml_only=True)
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = _f(None, "checkpoint directory to write")
+    load: Optional[str] = _f(None, "checkpoint directory to resume from (default --save)")
+    save_interval: Optional[int] = _f(None, "save every N iterations")
+    async_save: bool = _f(False, "write checkpoints in the background")
+    keep_last: Optional[int] = _f(None, "keep only the newest N checkpoints")
+    keep_every: Optional[int] = _f(None, "also keep every checkpoint whose iteration is a multiple of N")
+    ckpt_fallback: bool = _f(False, "if the newest checkpoint is damaged, load the newest complete one")
+    no_load_optim: bool = _f(False, "load model weights only")
+    finetune: bool = _f(False, "take only the model weights from --load: iteration 0, a fresh optimizer and data "
+                               "position, no LR-schedule check (a restart resumes --save as usual)")
+    pretrained_checkpoint: Optional[str] = _f(None, "checkpoint whose model weights start the run when --load and "
+                                                    "--save hold none (as with --finetune)")
+    override_opt_param_scheduler: bool = _f(False, "on resume, keep this run's LR schedule where the checkpoint's "
+                                            "differs", aliases=("--override-opt_param-scheduler",))
+    use_checkpoint_opt_param_scheduler: bool = _f(False, "on resume, take the LR schedule the checkpoint was "
+                                                  "trained with", aliases=("--use-checkpoint-opt_param-scheduler",))
+    exit_duration_in_mins: Optional[float] = _f(None, "save and exit after this many minutes")
+    exit_interval: Optional[int] = _f(None, "save and exit after the first iteration that is a multiple of N")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = _f(1, "iterations between console lines")
+    eval_interval: Optional[int] = _f(None, "iterations between evaluations")
+    eval_iters: int = _f(10, "validation batches per evaluation")
+    tensorboard_dir: Optional[str] = _f(None, "TensorBoard event directory")
+    metrics_file: Optional[str] = _f(None, "JSON-lines metrics (default <tensorboard-dir>/metrics.jsonl or <save>/metrics.jsonl)")
+    peak_tflops: Optional[float] = _f(None, "device peak TFLOP/s for MFU (default from the device table)")
+    pipeline_trace: Optional[str] = _f(None, "write each rank's forward/backward events to this file")
+    profile: bool = _f(False, "record a torch.profiler trace")
+    profile_step_start: int = _f(10, "first profiled iteration")
+    profile_step_end: int = _f(12, "last profiled iteration")
+
+
+@dataclass
+class StabilityConfig:
+    spike_window: int = _f(50, "iterations in the rolling loss window")
+    spike_threshold: float = _f(6.0, "a loss above mean + K std of the window is a spike")
+    spike_rollback_after: int = _f(0, "roll back after N spikes within the window (0: never)")
+    spike_lr_factor: float = _f(0.5, "LR multiplier after a rollback")
+    spike_lr_steps: int = _f(100, "iterations the lowered LR lasts")
+    inject_fault: list = _f([], "KIND@ITER with KIND nan or spike (repeatable; for drills and tests)", action="append")
