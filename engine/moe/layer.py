@@ -10,10 +10,12 @@ recomputed layer included, its first no-grad pass not) adds its routing statisti
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from engine.moe.dispatch import dispatch_combine
+from engine.moe.token_dispatch import dispatch_combine
 from engine.moe.experts import Experts
 from engine.moe.router import Router
 
@@ -24,6 +26,27 @@ def set_aux_loss_scale(scale: float) -> None:
     """What the balancing loss's gradient is multiplied by: the LM loss's 1/microbatches x loss scale."""
     global _aux_loss_scale
     _aux_loss_scale = float(scale)
+
+
+@dataclass
+class RoutingStats:
+    """What an MoE layer routed since the step began, for engine.moe.stats: per expert, the whole microbatches'
+    token counts; the balancing and z losses and the assignments dropped, summed over microbatches."""
+    counts: torch.Tensor  # [E] float64
+    aux: float = 0.0
+    z: float = 0.0
+    dropped: int = 0
+    microbatches: int = 0
+
+    def add(self, routing) -> None:
+        self.counts += routing.counts.detach().to(torch.float64).cpu()
+        self.aux += routing.aux_value
+        self.z += routing.z_value
+        self.dropped += routing.dropped
+        self.microbatches += 1
+
+    def totals(self) -> list:
+        return [self.aux, self.z, self.dropped, self.microbatches]
 
 
 class _AuxLossGradient(torch.autograd.Function):
@@ -48,9 +71,7 @@ class MoELayer(nn.Module):
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        E = self.cfg.num_experts
-        self.stats = {"counts": torch.zeros(E, dtype=torch.float64), "aux": 0.0, "z": 0.0, "dropped": 0,
-                      "microbatches": 0}
+        self.stats = RoutingStats(torch.zeros(self.cfg.num_experts, dtype=torch.float64))
 
     def _token_keys(self, positions: torch.Tensor, b: int) -> torch.Tensor:
         """[s_local * b, 2]: each local token's (sample, position) in the microbatch, s-major like x; `positions`
@@ -67,11 +88,6 @@ class MoELayer(nn.Module):
         if routing.aux_loss is not None and torch.is_grad_enabled():
             out = _AuxLossGradient.apply(out, routing.aux_loss)
         if self.training and torch.is_grad_enabled():
-            st = self.stats
-            st["counts"] += routing.counts.detach().to(torch.float64).cpu()
-            st["aux"] += routing.aux_value
-            st["z"] += routing.z_value
-            st["dropped"] += routing.dropped
-            st["microbatches"] += 1
+            self.stats.add(routing)
         out = out.view(s_local, b, h)
         return out if self.shared is None else out + self.shared(x)

@@ -42,9 +42,8 @@ class MoEStats:
         for layer_id, block in self.blocks:
             st = block.stats
             if contributes:
-                table[self.row[layer_id], :E] = st["counts"].to(self.device)
-                table[self.row[layer_id], E:] = torch.tensor([st["aux"], st["z"], st["dropped"], st["microbatches"]],
-                                                             dtype=torch.float64)
+                table[self.row[layer_id], :E] = st.counts.to(self.device)
+                table[self.row[layer_id], E:] = torch.tensor(st.totals(), dtype=torch.float64)
             block.reset_stats()
         if ctx.world_size > 1:
             comm.all_reduce(table)
