@@ -88,8 +88,8 @@ class PlainLoop:
     def __init__(self, cfg, ctx, trainer, device):
         import torch
 
-        from engine.precision import model_dtype
         from engine.model import GPTModel
+        from engine.precision import model_dtype
         self.cfg, self.trainer, self.device = cfg, trainer, device
         self.autocast = model_dtype(cfg) if model_dtype(cfg) != torch.float32 else None
         self.model = GPTModel(cfg.model, ctx, vocab_size=cfg.model.vocab_size, z_loss_weight=cfg.optim.z_loss_weight,
@@ -107,8 +107,8 @@ class PlainLoop:
         import torch
 
         from engine.data import make_batch
+        from engine.loss import mean_loss
         from engine.optim import lr_at
-        from engine.pipeline.loss import mean_loss
         cfg, tr = self.cfg, self.cfg.training
         gbs, mbs = tr.global_batch_size, tr.micro_batch_size
         first = iteration * gbs
@@ -135,9 +135,9 @@ def run(own, cfg) -> dict:
 
     from engine import flops
     from engine.layout import Layout
-    from engine.precision import model_dtype
     from engine.metrics import peak_tflops
     from engine.parallel.topology import context_for
+    from engine.precision import model_dtype
     from engine.training import Trainer
 
     use_cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())

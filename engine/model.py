@@ -12,7 +12,7 @@ the embedding on the first chunk (`pre_process`) and final norm, output layer an
 (`post_process`).
 
 `forward(tokens=..., labels=...)` returns the loss of every token ([b, s], the z-loss included); how
-those make a microbatch's loss is engine.pipeline.loss's rule. Without labels it returns this rank's
+those make a microbatch's loss is engine.loss's rule. Without labels it returns this rank's
 vocabulary slice of the logits ([b, s, V/tp]); a middle stage maps `hidden` to `hidden`.
 """
 from __future__ import annotations

@@ -75,7 +75,7 @@ def sgd_reference(model, batches, steps: int, lr: float = SGD_LR) -> tuple:
     microbatch's loss is divided by their number, as the pipeline runner does."""
     import torch
 
-    from engine.pipeline.loss import mean_loss
+    from engine.loss import mean_loss
     opt, curve, first = torch.optim.SGD(model.parameters(), lr=lr), [], {}
     for step in range(steps):
         opt.zero_grad()

@@ -35,6 +35,7 @@ from typing import Optional
 
 import torch
 
+from engine.loss import replica_divisor
 from engine.optim.param_shard import forward_order
 from engine.parallel import comm
 from engine.parallel.layers import spec_of
@@ -204,11 +205,9 @@ class GradBuffer:
         return self.replica_rank * size, (self.replica_rank + 1) * size
 
     def _average(self, grads: torch.Tensor) -> None:
-        # The loss is already averaged over microbatches; average over dp too. CP ranks' parts add up (each
-        # rank's loss is its positions' share of the mean), so they are summed, not averaged; so are the
-        # parts an expert's owner got from the other ranks of its EP group (already inside its gradient).
-        if self.ctx.dp_size > 1:
-            grads.div_(self.ctx.dp_size)
+        divisor = replica_divisor(self.ctx)  # engine.loss: the one normalisation rule
+        if divisor > 1:
+            grads.div_(divisor)
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True

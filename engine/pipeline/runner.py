@@ -19,10 +19,10 @@ import torch
 
 from engine.flops import split_backward_costs
 from engine.flops import UNIT, Costs
+from engine.loss import microbatch_loss, step_loss, token_count
 from engine.moe.layer import set_aux_loss_scale
 from engine.parallel import comm, weight_grad_store
 from engine.parallel.context_split import shard_batch
-from engine.pipeline.loss import microbatch_loss, step_loss, token_count
 from engine.pipeline.p2p import StageLink, backward_through, exchange_plan, messages
 from engine.pipeline.schedules import check_schedule, schedule_steps
 
@@ -55,7 +55,7 @@ class PipelineRunner:
         `microbatches`: dicts (tokens, labels, loss_mask) of whole sequences; every rank gets the same list and
         cuts it here, once, to its positions (engine.parallel.context_split.shard_batch); only the first stage
         reads tokens and only the last labels. Losses fed to backward are divided by the number of
-        microbatches (engine.pipeline.loss); `scale_loss` (fp16 loss scaling, fault drills) applies after that,
+        microbatches (engine.loss); `scale_loss` (fp16 loss scaling, fault drills) applies after that,
         and to the MoE balancing losses' gradients alike.
         """
         ctx, m, schedule = self.ctx, len(microbatches), self.schedule
@@ -133,7 +133,7 @@ class PipelineRunner:
 
     def _share_loss(self, losses: list) -> float:
         """The step's loss from the loss's rank to every rank: the shares summed over CP ranks and dp replicas
-        (engine.pipeline.loss.step_loss)."""
+        (engine.loss.step_loss)."""
         ctx = self.ctx
         value = step_loss(losses, ctx.dp_size, self.device).reshape(1).clone()
         if ctx.pp_size > 1:

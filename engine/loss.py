@@ -5,8 +5,8 @@ engine/model.py). A microbatch's loss is the sum of those over its unmasked toke
 tokens of the whole microbatch (`token_count`, counted before the sequence is cut for context parallelism),
 so the CP ranks' shares add up to the microbatch's mean (`microbatch_loss`). Each microbatch's backward is
 scaled by 1 / microbatches (engine.pipeline.runner), so a step's gradient is that of the mean over
-microbatches; the data-parallel replicas' gradients are then averaged (engine.optim.grad_buffer), as are the
-losses they report (`step_loss`). This is Megatron-LM's rule without --calculate-per-token-loss: every
+microbatches; the data-parallel replicas' gradients are then averaged and the CP ranks' summed
+(`replica_divisor`, applied by engine.optim.grad_buffer), as are the losses they report (`step_loss`). This is Megatron-LM's rule without --calculate-per-token-loss: every
 microbatch weighs the same whatever its count of unmasked tokens.
 """
 from __future__ import annotations
@@ -35,6 +35,12 @@ def mean_loss(per_token: torch.Tensor, loss_mask: Optional[torch.Tensor] = None)
     """A whole microbatch's loss on one rank (no context parallelism): the token mean of `microbatch_loss`."""
     labels = {"labels": per_token} if loss_mask is None else {"labels": per_token, "loss_mask": loss_mask}
     return microbatch_loss(per_token, loss_mask, token_count(labels))
+
+
+def replica_divisor(ctx) -> int:
+    """What the sum of a gradient over its replicas is divided by: dp. The CP ranks' parts add up (each rank's
+    loss is its positions' share of the mean), and so do the parts of an expert's gradient its EP group sent."""
+    return ctx.dp_size
 
 
 def step_loss(losses: list, dp: int, device) -> torch.Tensor:
