@@ -1,2 +1,3 @@
-"""Pipeline parallelism: which layers each stage holds (`partition`), the schedules as per-rank orders
-(`schedules`), the point-to-point plan (`p2p`), their execution (`runner`) and the trace (`trace`)."""
+"""Pipeline parallelism: this rank's model chunks (`partition`), the schedules as per-rank orders (`schedules`,
+`zero_bubble`, replayed at given costs by `replay`), the point-to-point plan (`p2p`), their execution with the
+microbatch cut at the door (`runner`) and the trace (`trace`). Where stages sit is the layout's (engine.layout)."""
