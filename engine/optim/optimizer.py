@@ -66,19 +66,12 @@ def param_names(model_chunks: list) -> dict:
     return names
 
 
-def _check_agrees(cfg, ctx):
-    from engine.layout import Sharding
-    mine = Sharding.of(cfg.parallel.data_parallel_sharding_strategy, cfg.parallel.use_distributed_optimizer)
-    assert mine == ctx.layout.sharding, (mine, ctx.layout.sharding)
-
-
 class Optimizer:
     def __init__(self, cfg, model_chunks: list, ctx, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
         """What is sharded over the replicas is the context's layout's (ctx.layout.sharding)."""
         par, opt = cfg.parallel, cfg.optim
         self.ctx = ctx
         sharding = ctx.layout.sharding
-        _check_agrees(cfg, ctx)  # TEMPORARY(refactor)
         self.distributed = sharding.optimizer
         self.clip_grad = opt.clip_grad
         self.scaler = LossScaler.from_config(cfg.training)
