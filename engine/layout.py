@@ -22,22 +22,22 @@ from typing import Optional
 
 from engine.config import PIPELINE_SCHEDULES, SHARDING_STRATEGIES
 
+
 @dataclass(frozen=True)
 class ScheduleKind:
     """What a --pipeline-schedule name means; every rule about schedules reads these, never the names."""
     chunks: Optional[int]   # model chunks per rank it runs: fixed, or None for --vpp's (at least 2)
     split_backward: bool    # backward as an input-gradient pass (B) and a deferred weight-gradient pass (W)
     v_shape: bool           # chunk 0 down the ranks, chunk 1 back up (rank r: stages r and 2pp - 1 - r)
-    uneven: bool            # takes --decoder-first/last-pipeline-num-layers
     shape: str              # how its chunks sit, for messages
     instead: str            # what to use when its chunk count does not fit, for messages
 
 
 SCHEDULE_KINDS = {
-    "1f1b": ScheduleKind(1, False, False, True, "one chunk per rank", "interleaved"),
-    "interleaved": ScheduleKind(None, False, False, False, "round-robin", "1f1b"),
-    "zb-h1": ScheduleKind(1, True, False, True, "one chunk per rank", "zb-v (two chunks per rank in a V)"),
-    "zb-v": ScheduleKind(2, True, True, False, "a V", "zb-h1"),
+    "1f1b": ScheduleKind(1, False, False, "one chunk per rank", "interleaved"),
+    "interleaved": ScheduleKind(None, False, False, "round-robin", "1f1b"),
+    "zb-h1": ScheduleKind(1, True, False, "one chunk per rank", "zb-v (two chunks per rank in a V)"),
+    "zb-v": ScheduleKind(2, True, True, "a V", "zb-h1"),
 }
 assert tuple(SCHEDULE_KINDS) == PIPELINE_SCHEDULES
 
