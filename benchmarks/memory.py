@@ -42,7 +42,7 @@ from engine.config import ModelConfig
 from engine.model import GPTModel
 from engine.parallel import context_split
 from engine.parallel.topology import build_context
-from engine.planner.memory import layer_activation_bytes
+from engine.planner.activations import layer_activation_bytes
 
 CASES = [(tp, sp, rc) for tp, sp in ((1, False), (2, False), (2, True)) for rc in ("none", "selective", "full")]
 SEQ, MICRO = 64, 2

@@ -33,7 +33,8 @@ from engine.cli import OneLineParser, parse_config
 from engine.config import PIPELINE_SCHEDULES, SHARDING_STRATEGIES, ConfigError
 from engine.flops import GPU_PRESETS, activated_params, flops_per_iteration
 from engine.layout import Layout, Sharding
-from engine.planner.memory import GIB, params_per_rank
+from engine.planner.memory import GIB
+from engine.planner.params import params_per_rank
 from engine.planner.search import DEFAULT_SCHEDULES, chinchilla_optimal, rank_layouts
 from engine.planner.step_time import Software, estimate
 from engine.precision import precision_name
