@@ -4,7 +4,7 @@ Every trainable parameter gets `p.main_grad`, a view into one flat fp32 tensor (
 parameter's dtype). A post-accumulate-grad hook adds each microbatch's `p.grad` into it and frees
 `p.grad`, so bf16/fp16 gradients are accumulated in fp32. Parameters are laid out in reverse forward order
 (param_shard.forward_order), roughly the order backward produces them, and cut into buckets of about
-`bucket_numel` elements.
+`bucket_numel` elements (engine.optim.buckets: the rule the planner replays too).
 
 The schedule never says which microbatch is the last one, so the buffer counts: `start_step(n)` zeroes
 the grads and expects n gradients per parameter; when every parameter of a bucket has had its n-th,

@@ -4,8 +4,9 @@ transient full-size buffers each strategy adds, and the bytes each strategy send
 Exact bytes: engine/optim/grad_buffer.py is replayed on the parameter list a rank builds, in the order forward
 first uses them (engine.optim.param_shard.forward_order): per chunk the word embedding, the learned positions,
 every layer's norm1, QKV, projection, norm2 and MLP or MoE block, the final norm, and the output layer when it
-is not the tied embedding. The buffer walks each chunk's trainable parameters in reverse,
-cuts a bucket once it holds bucket_numel elements, at the end of every chunk (a bucket never spans two chunks),
+is not the tied embedding (engine/planner/params.py's inventory). The buffer walks each chunk's trainable
+parameters in reverse and, by the rule both share (engine.optim.buckets.cut_buckets), cuts a bucket once it
+holds bucket_numel elements, at the end of every chunk (a bucket never spans two chunks),
 around the tied embedding (a bucket of its own when pp > 1) and, under optim_grads_params, wherever the gathered
 unit changes, ignoring bucket_numel (param_shard.py's units: the embedding = word and position embeddings, each
 layer, the head = final norm and output weight, the tied word embedding at pp 1 counting as the head's);
