@@ -20,7 +20,7 @@ the attention output and its log-sum-exp instead of the s x s scores), for one m
 
 Selective recomputation drops the log-sum-exp (the core attention is replayed from Q, K, V); full
 recomputation keeps only the layer input [s', b, h] and the RoPE angles. Dropout is off, so no masks.
-Beside each case the planner's activation term (engine/planner/memory.py, the published formula in
+Beside each case the planner's activation term (engine/planner/activations.py, the published formula in
 2-byte units with dropout masks, scaled here to fp32) is printed for the same shapes.
 
 On a CUDA machine (`--device cuda`: one process per GPU, the tp 2 cases need two) the same cases also
@@ -42,7 +42,7 @@ from engine.config import ModelConfig
 from engine.model import GPTModel
 from engine.parallel import context_split
 from engine.parallel.topology import build_context
-from engine.planner.memory import layer_activation_bytes
+from engine.planner.activations import layer_activation_bytes
 
 CASES = [(tp, sp, rc) for tp, sp in ((1, False), (2, False), (2, True)) for rc in ("none", "selective", "full")]
 SEQ, MICRO = 64, 2
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     print(f"saved-for-backward bytes per layer: Llama-shaped fp32 layer h={cfg.hidden_size} "
           f"heads={cfg.num_attention_heads} kv-groups={cfg.num_query_groups} ffn={cfg.ffn_hidden_size} (SwiGLU), "
           f"s={SEQ} b={MICRO}; "
-          f"planner = engine/planner/memory.py's term (bf16 formula) x2")
+          f"planner = engine/planner/activations.py's term (bf16 formula) x2")
     print(table(rows, args.breakdown))
     worst = max(r["measured"] / r["expected"] for r in rows)
     print(f"worst measured/expected: {worst:.3f} (target <= {TARGET})")

@@ -86,22 +86,35 @@ def detect_gpu(device_name: str) -> Optional[GPUSpec]:
     return None
 
 
-def _mlp_matmul_params(model: ModelConfig, ffn: int) -> int:
-    """Weights of an MLP of width `ffn`: fc1 (gate and up with SwiGLU) and fc2."""
-    return (3 if model.swiglu else 2) * model.hidden_size * ffn
+def attention_matrices(model: ModelConfig) -> tuple:
+    """(rows, columns) of an attention block's two weight matrices, whole (no tp split): the fused QKV
+    (column-parallel in the engine) and the output projection (row-parallel). The planner's parameter
+    inventory (engine/planner/params.py) builds its tensors from these, so a layer's shapes are written once."""
+    h, d = model.hidden_size, model.head_dim()
+    nq, nkv = model.num_attention_heads, model.resolved_query_groups()
+    return ((nq + 2 * nkv) * d, h), (h, nq * d)
+
+
+def mlp_matrices(model: ModelConfig, ffn: int) -> tuple:
+    """(rows, columns) of an MLP's two weight matrices of width `ffn`, whole: fc1 (gate and up stacked with
+    SwiGLU; column-parallel) and fc2 (row-parallel)."""
+    h = model.hidden_size
+    return ((2 if model.swiglu else 1) * ffn, h), (h, ffn)
+
+
+def _elements(matrices: tuple) -> int:
+    return sum(rows * cols for rows, cols in matrices)
 
 
 def layer_matmul_params(model: ModelConfig, moe: bool = False) -> int:
     """Weights one token multiplies by in one layer: QKV, attention output and the MLP (fc1, fc2); in an MoE
     layer (`moe`) the MLP is its top-k routed experts, the shared expert and the router instead."""
-    h, d = model.hidden_size, model.head_dim()
-    nq, nkv = model.num_attention_heads, model.resolved_query_groups()
-    attention = h * (nq + 2 * nkv) * d + nq * d * h
+    attention = _elements(attention_matrices(model))
     if not moe:
-        return attention + _mlp_matmul_params(model, model.resolved_ffn_hidden_size())
-    routed = model.moe_router_topk * _mlp_matmul_params(model, model.resolved_moe_ffn_hidden_size())
-    shared = _mlp_matmul_params(model, model.moe_shared_expert_intermediate_size or 0)
-    return attention + routed + shared + h * model.num_experts
+        return attention + _elements(mlp_matrices(model, model.resolved_ffn_hidden_size()))
+    routed = model.moe_router_topk * _elements(mlp_matrices(model, model.resolved_moe_ffn_hidden_size()))
+    shared = _elements(mlp_matrices(model, model.moe_shared_expert_intermediate_size or 0))
+    return attention + routed + shared + model.hidden_size * model.num_experts
 
 
 def activated_params(model: ModelConfig) -> int:
@@ -141,13 +154,11 @@ def split_backward_costs(model: ModelConfig, seq_length: int, recompute: Optiona
     backward (twice its forward) is in B, and so is recomputation: the whole forward again with "full", the
     attention core with "selective". Embedding and loss are left out (a stage's costs are a layer's times its
     layer count)."""
-    h, d = model.hidden_size, model.head_dim()
-    attention_weights = h * (model.num_attention_heads + 2 * model.resolved_query_groups()) * d \
-        + model.num_attention_heads * d * h
     n_moe = len(model.moe_layers())
-    shared = _mlp_matmul_params(model, model.moe_shared_expert_intermediate_size or 0)
-    dense = _mlp_matmul_params(model, model.resolved_ffn_hidden_size())
-    deferred = model.num_layers * attention_weights + n_moe * shared + (model.num_layers - n_moe) * dense
+    shared = _elements(mlp_matrices(model, model.moe_shared_expert_intermediate_size or 0))
+    dense = _elements(mlp_matrices(model, model.resolved_ffn_hidden_size()))
+    attention = _elements(attention_matrices(model))
+    deferred = model.num_layers * attention + n_moe * shared + (model.num_layers - n_moe) * dense
     f = _layer_flops(model, seq_length)
     forward = f["linear"] + f["attention"]
     weight = 2 * seq_length * deferred

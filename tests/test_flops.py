@@ -90,7 +90,7 @@ def _per_token_matmul_flops(m):
 def test_mixtral_8x7b_flops_count_12_9b_activated_of_46_7b_parameters():
     """Jiang et al. 2024 (arXiv:2401.04088): 46.7B parameters, 12.9B used per token (top 2 of 8 experts)."""
     from engine.layout import Layout
-    from engine.planner.memory import params_per_rank
+    from engine.planner.params import params_per_rank
     m = _config("mixtral-8x7b.yaml")
     assert sum(params_per_rank(m, Layout())) == pytest.approx(46.7e9, rel=0.005)
     assert activated_params(m) == pytest.approx(12.9e9, rel=0.005)
@@ -110,7 +110,7 @@ def test_deepseek_v3_like_totals_are_deepseek_v3s_less_the_mla_difference():
     config swaps MLA (per layer: q down 7168x1536, q up 1536x128x192, kv down 7168x(512+64), kv up 512x128x256,
     output 128x128x7168, two norms) for GQA (56 heads of 128, 8 groups); everything else is DeepSeek-V3's."""
     from engine.layout import Layout
-    from engine.planner.memory import params_per_rank
+    from engine.planner.params import params_per_rank
     m = _config("deepseek-v3-like.yaml")
     assert m.moe_layers() == list(range(3, 61))
     mla = 7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256 + 128 * 128 * 7168

@@ -167,7 +167,7 @@ def test_the_tokenizer_beside_the_weights_is_recorded(tmp_path):
 
 def test_planner_counts_the_qkv_bias():
     from engine.layout import Layout
-    from engine.planner.memory import params_per_rank
+    from engine.planner.params import params_per_rank
     from engine.planner.verify import meta_params_per_rank
     cfg = parse_config(["--mock-data", "--vocab-size", "256", "--normalization", "RMSNorm", "--swiglu",
                         "--position-embedding-type", "rope", "--disable-bias-linear", "--add-qkv-bias",

@@ -31,9 +31,10 @@ from engine.cli import parse_config
 from engine.flops import GPU_PRESETS
 from engine.layout import Layout
 from engine.planner import published
+from engine.planner.links import group_links as _links
 from engine.planner.memory import memory_per_gpu
 from engine.planner.published import PUBLISHED
-from engine.planner.step_time import Software, _links, estimate
+from engine.planner.step_time import Software, estimate
 from planner_common import ROOT, run_cli
 
 

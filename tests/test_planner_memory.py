@@ -14,16 +14,12 @@ import torch
 from engine.cli import parse_config
 from engine.layout import Layout, PipelineSchedule
 from engine.pipeline.schedules import peak_in_flight
-from engine.planner.memory import (
-    layer_activation_bytes,
-    memory_per_gpu,
-    param_split_per_rank,
-    params_per_rank,
-    stage_layer_ids,
-    state_bytes,
-)
+from engine.planner.activations import layer_activation_bytes
+from engine.planner.memory import memory_per_gpu, state_bytes
+from engine.planner.params import param_split_per_rank, params_per_rank
 from engine.planner.published import gpt
 from engine.planner.search import uneven_split
+from engine.planner.stages import stage_layer_ids
 from engine.planner.verify import meta_params_per_rank
 from engine.validation import validate
 from planner_common import CONFIGS, ROOT
@@ -361,7 +357,7 @@ def test_exact_bytes_of_llama3_8b_are_the_zero_formula_plus_shard_padding(strate
     """The exact per-rank bytes of Llama 3 8B at dp 8 are the formula's, give or take each bucket's padding (less
     than 64 x 8 elements a bucket), plus ZeRO-2/3's gradient staging and ZeRO-3's gathered unit (sharding.py's
     transient allowances) in the formula's `bucket` and `unit`."""
-    from engine.planner.memory import params_per_rank
+    from engine.planner.params import params_per_rank
     from engine.planner.sharding import rank_buckets, rank_state_bytes, rank_transient_bytes
     cfg = parse_config(["--config", os.path.join(ROOT, "configs", "llama3-8b.yaml")])
     lay = Layout(dp=8, sharding_strategy=strategy)
@@ -381,7 +377,7 @@ def test_zero_bubble_peaks_follow_the_schedules_order():
     1F1B activations plus W stores; every rank's peak is the largest A x activations + W x stores over its own order
     (recounted here), and it does not change past 3 pp microbatches."""
     from engine.pipeline.schedules import schedule_order
-    from engine.planner.memory import in_flight_bytes, w_store_bytes, zb_in_flight
+    from engine.planner.activations import in_flight_bytes, w_store_bytes, zb_in_flight
     m = gpt(8, 1024, 16, seq=1024)
     act, store = layer_activation_bytes(m, 1024, 1), w_store_bytes(m, 1024, 1)
     assert 0 < store < act

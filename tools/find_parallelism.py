@@ -15,9 +15,10 @@ strategy is tried (in the one-layout mode too) and the table's "sharding" column
 --vpp) unless --pipeline-schedule fixes one; --pipeline-schedule all also searches zb-h1 and zb-v.
 
 The memory model is engine/planner/memory.py, the time model engine/planner/step_time.py (constants and
-sources documented there, checked against published runs in engine/planner/published.py), the search
-engine/planner/search.py (context parallelism is tried for sequences of 16K tokens and more; for a mixture of
-experts, expert parallelism over the sizes dividing dp and the experts, and FLOPs count activated parameters);
+sources documented there and in layer_time.py and links.py, checked against published runs in
+engine/planner/published.py), the search engine/planner/search.py (context parallelism is tried for sequences
+of 16K tokens and more; for a mixture of experts, expert parallelism over the sizes dividing dp and the
+experts, and FLOPs count activated parameters);
 --verify builds every pipeline stage on the meta device and checks the analytic parameter counts.
 Exit codes: 0 when a layout fits in memory, 1 when none does (the table or JSON is still printed, then
 one line on stderr), 2 for a mistake on the command line.
@@ -33,7 +34,8 @@ from engine.cli import OneLineParser, parse_config
 from engine.config import PIPELINE_SCHEDULES, SHARDING_STRATEGIES, ConfigError
 from engine.flops import GPU_PRESETS, activated_params, flops_per_iteration
 from engine.layout import Layout, Sharding
-from engine.planner.memory import GIB, params_per_rank
+from engine.planner.memory import GIB
+from engine.planner.params import params_per_rank
 from engine.planner.search import DEFAULT_SCHEDULES, chinchilla_optimal, rank_layouts
 from engine.planner.step_time import Software, estimate
 from engine.precision import precision_name

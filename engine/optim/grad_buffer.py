@@ -4,7 +4,7 @@ Every trainable parameter gets `p.main_grad`, a view into one flat fp32 tensor (
 parameter's dtype). A post-accumulate-grad hook adds each microbatch's `p.grad` into it and frees
 `p.grad`, so bf16/fp16 gradients are accumulated in fp32. Parameters are laid out in reverse forward order
 (param_shard.forward_order), roughly the order backward produces them, and cut into buckets of about
-`bucket_numel` elements.
+`bucket_numel` elements (engine.optim.buckets: the rule the planner replays too).
 
 The schedule never says which microbatch is the last one, so the buffer counts: `start_step(n)` zeroes
 the grads and expects n gradients per parameter; when every parameter of a bucket has had its n-th,
@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from engine.loss import replica_divisor
+from engine.optim.buckets import cut_buckets
 from engine.optim.param_shard import forward_order
 from engine.parallel import comm
 from engine.parallel.layers import spec_of
@@ -111,39 +112,39 @@ class GradBuffer:
             p.register_post_accumulate_grad_hook(self._hook(i))
 
     def _layout(self, model_chunks: list, bucket_numel: int, pad: int, unit_of: dict) -> None:
-        seen, current, current_numel, end = set(), [], 0, 0
-
-        def close():
-            nonlocal current, current_numel, end
-            if not current:
-                return
-            start, first = end, len(self.params)
-            for p in current:
+        """Lay this buffer's parameters out in buckets (engine.optim.buckets.cut_buckets), each padded to `pad`."""
+        params = self._own_params(model_chunks)
+        # A bucket never spans two model chunks, two dtypes or (ZeRO-3) two gathered units.
+        items = [(p.numel(), spec_of(p).tied, (c, p.dtype, unit_of.get(id(p)))) for c, p in params]
+        bucket_of, sizes = cut_buckets(items, None if unit_of else bucket_numel)
+        members = [[] for _ in sizes]
+        for (_, p), b in zip(params, bucket_of):
+            members[b].append(p)
+        end = 0
+        for b, group in enumerate(members):
+            bucket = Bucket(b, group, end, end + -(-sizes[b] // pad) * pad)
+            bucket.first = len(self.params)
+            for p in group:
                 self._index[id(p)] = len(self.params)
                 self.params.append(p)
                 self.offsets.append(end)
-                self._bucket_of.append(len(self.buckets))
+                self._bucket_of.append(b)
                 end += p.numel()
-            end = start + -(-(end - start) // pad) * pad
-            self.buckets.append(Bucket(len(self.buckets), current, start, end))
-            self.buckets[-1].first = first
-            current, current_numel = [], 0
+            self.buckets.append(bucket)
+            end = bucket.end
 
-        # Reverse forward order approximates the order in which backward completes gradients (the output
-        # weight's first: its bucket can be reduced, or its ZeRO-2 round staged and freed, early).
-        for chunk in reversed(model_chunks):
-            for p in reversed(forward_order(chunk)):
+    def _own_params(self, model_chunks: list) -> list:
+        """(chunk index, parameter) of the trainable parameters this buffer holds, each once, in reverse forward
+        order: roughly the order backward completes their gradients (the output weight's first, so its bucket
+        can be reduced, or its ZeRO-2 round staged and freed, early)."""
+        seen, out = set(), []
+        for c in reversed(range(len(model_chunks))):
+            for p in reversed(forward_order(model_chunks[c])):
                 if not p.requires_grad or id(p) in seen or (spec_of(p).ep_axis is not None) != self.experts:
                     continue
                 seen.add(id(p))
-                alone = spec_of(p).tied
-                if current and (alone or p.dtype != current[0].dtype or unit_of.get(id(p)) != unit_of.get(id(current[0]))):
-                    close()
-                current.append(p)
-                current_numel += p.numel()
-                if alone or (current_numel >= bucket_numel and not unit_of):
-                    close()
-            close()  # a bucket never spans two model chunks
+                out.append((c, p))
+        return out
 
     def _flat(self, p, tensor: torch.Tensor) -> torch.Tensor:
         """p's elements within `tensor`, a bucket-sized tensor of p's bucket."""

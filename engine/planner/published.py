@@ -4,8 +4,8 @@ Every case gives what its source published: the model's shape, the GPU and how m
 batch, the sequence length, the recomputation and the achieved TFLOP/s per GPU (hardware FLOPs, with
 the recomputed forward, for Narayanan et al.; model FLOPs, i.e. reported MFU x the dense bf16 peak, for
 the others). What a source left out (micro batch, virtual stages) is the planner's best choice. The
-constants of engine/planner/step_time.py marked "fitted" were fitted on the cases with held_out False;
-the held-out ones never entered a fit.
+constants of engine/planner/layer_time.py and step_time.py marked "fitted" were fitted on the cases with
+held_out False; the held-out ones never entered a fit.
 
 FLOP conventions: every source here counts attention over the full s x s score matrix, as
 engine/flops.py does (Narayanan eq. 3; llm-foundry's `attn_flops_per_seq`; torchtitan's

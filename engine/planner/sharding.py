@@ -4,8 +4,9 @@ transient full-size buffers each strategy adds, and the bytes each strategy send
 Exact bytes: engine/optim/grad_buffer.py is replayed on the parameter list a rank builds, in the order forward
 first uses them (engine.optim.param_shard.forward_order): per chunk the word embedding, the learned positions,
 every layer's norm1, QKV, projection, norm2 and MLP or MoE block, the final norm, and the output layer when it
-is not the tied embedding. The buffer walks each chunk's trainable parameters in reverse,
-cuts a bucket once it holds bucket_numel elements, at the end of every chunk (a bucket never spans two chunks),
+is not the tied embedding (engine/planner/params.py's inventory). The buffer walks each chunk's trainable
+parameters in reverse and, by the rule both share (engine.optim.buckets.cut_buckets), cuts a bucket once it
+holds bucket_numel elements, at the end of every chunk (a bucket never spans two chunks),
 around the tied embedding (a bucket of its own when pp > 1) and, under optim_grads_params, wherever the gathered
 unit changes, ignoring bucket_numel (param_shard.py's units: the embedding = word and position embeddings, each
 layer, the head = final norm and output weight, the tied word embedding at pp 1 counting as the head's);
@@ -42,16 +43,11 @@ from typing import NamedTuple, Optional
 
 from engine.config import ModelConfig
 from engine.layout import Layout
+from engine.optim.buckets import cut_buckets
 from engine.optim.grad_buffer import DEFAULT_BUCKET_NUMEL, SHARD_ALIGN
-from engine.planner.memory import ADAM_MOMENT_BYTES as MOMENTS
-from engine.planner.memory import (
-    GRAD_BYTES,
-    MASTER_BYTES,
-    PARAM_BYTES,
-    end_ranks,
-    param_split_per_rank,
-    stage_layer_ids,
-)
+from engine.planner.params import ADAM_MOMENT_BYTES as MOMENTS
+from engine.planner.params import GRAD_BYTES, MASTER_BYTES, PARAM_BYTES, chunk_tensors, param_split_per_rank
+from engine.planner.stages import end_ranks, stage_layer_ids
 
 
 def _model_key(model: ModelConfig, tp: int, ep: int) -> tuple:
@@ -62,47 +58,6 @@ def _model_key(model: ModelConfig, tp: int, ep: int) -> tuple:
             model.max_position_embeddings or model.seq_length, model.untie_embeddings_and_output_weights,
             model.num_experts, model.num_experts and model.resolved_moe_ffn_hidden_size(),
             model.moe_shared_expert_intermediate_size, model.moe_router_topk, tp, ep)
-
-
-def _linear(rows: int, cols: int, bias: bool, tp: int, split_rows: bool) -> list:
-    """A column-parallel (rows split) or row-parallel (cols split, bias whole) linear: weight, bias."""
-    out = [rows * cols // tp]
-    if bias:
-        out.append(rows // tp if split_rows else rows)
-    return out
-
-
-def _mlp(model: ModelConfig, ffn: int, tp: int) -> list:
-    bias, h = not model.disable_bias_linear, model.hidden_size
-    return _linear((2 if model.swiglu else 1) * ffn, h, bias, tp, True) + _linear(h, ffn, bias, tp, False)
-
-
-def _norm(model: ModelConfig) -> list:
-    """A norm's (numel, tag): weight and, for LayerNorm, bias."""
-    h = model.hidden_size
-    return [(h, "norm_w")] + ([(h, "norm_b")] if model.normalization == "LayerNorm" else [])
-
-
-def _layer_params(model: ModelConfig, tp: int, ep: int, moe: bool) -> tuple:
-    """(numel, expert, tag) of one layer's trainable parameters in engine/model.py's order."""
-    h, d = model.hidden_size, model.head_dim()
-    nq, nkv, bias = model.num_attention_heads, model.resolved_query_groups(), not model.disable_bias_linear
-    linears = _linear((nq + 2 * nkv) * d, h, bias or model.add_qkv_bias, tp, True) + \
-        _linear(h, nq * d, bias, tp, False)
-    out = [(n, False, t) for n, t in _norm(model)] + [(n, False, None) for n in linears] + \
-        [(n, False, t) for n, t in _norm(model)]
-    if not moe:
-        return tuple(out + [(n, False, None) for n in _mlp(model, model.resolved_ffn_hidden_size(), tp)])
-    E, f = model.num_experts, model.resolved_moe_ffn_hidden_size()
-    out += [(E * h, False, None), (E // ep * h * (2 if model.swiglu else 1) * f, True, None),
-            (E // ep * f * h, True, None)]
-    shared = model.moe_shared_expert_intermediate_size
-    return tuple(out + ([(n, False, None) for n in _mlp(model, shared, tp)] if shared else []))
-
-
-def layer_param_sizes(model: ModelConfig, tp: int, ep: int, moe: bool) -> tuple:
-    """(numel, expert) of one layer's trainable parameters in engine/model.py's order."""
-    return tuple((n, e) for n, e, _ in _layer_params(model, tp, ep, moe))
 
 
 class ChunkLayout(NamedTuple):
@@ -127,25 +82,11 @@ def _chunk_layout(key: tuple, model: ModelConfig, *args) -> ChunkLayout:
 
 def _chunk_params(model: ModelConfig, tp: int, ep: int, kinds: tuple, pre: bool, post: bool, pp: int,
                   experts: bool) -> list:
-    """(numel, alone, unit, tag) of one chunk's parameters of one buffer in forward order (engine.optim.
-    param_shard.forward_order: word embedding, learned positions, layers, final norm, output layer). `unit`:
-    the gathered unit the grad buffer files it under (the last holding it: the tied word embedding at pp 1
-    is the head's output weight too); `tag` marks what backward reaches out of the layout's order
-    (`_arrival`)."""
-    h, vocab = model.hidden_size, model.padded_vocab_size(tp)
-    tied = not model.untie_embeddings_and_output_weights
-    params = []
-    if pre and not experts:
-        params.append((vocab * h // tp, tied and pp > 1, "head" if tied and post else "embedding", "word"))
-    if pre and not experts and model.position_embedding_type == "learned_absolute":
-        params.append(((model.max_position_embeddings or model.seq_length) * h, False, "embedding", "position"))
-    for i, moe in enumerate(kinds):
-        params += [(n, False, i, tag) for n, e, tag in _layer_params(model, tp, ep, moe) if e == experts]
-    if post and not experts:
-        params += [(n, False, "head", tag) for n, tag in _norm(model)]
-    if post and not experts and (not tied or not pre):
-        params.append((vocab * h // tp, tied and pp > 1, "head", "output"))
-    return params
+    """(numel, alone, unit, tag) of one chunk's trainable parameters of one buffer (dense or expert) in forward
+    order (engine.planner.params.chunk_tensors): `alone`, the tied embedding's bucket of its own; `tag` marks
+    what backward reaches out of the layout's order (`_arrival`)."""
+    return [(t.numel, t.tied, unit, t.tag) for unit, t in chunk_tensors(model, tp, ep, kinds, pre, post, pp)
+            if t.trained and t.expert == experts]
 
 
 def _arrival(tags: list) -> list:
@@ -166,18 +107,8 @@ def _fill(model: ModelConfig, tp: int, ep: int, kinds: tuple, pre: bool, post: b
     """One chunk's buckets (grad_buffer.GradBuffer._layout). `kinds`: the chunk's layers, True for an MoE layer;
     `by_unit`: optim_grads_params (cut where the unit changes, never at bucket_numel)."""
     layout = list(reversed(_chunk_params(model, tp, ep, kinds, pre, post, pp, experts)))
-    buckets, bucket_of, used, unit = [], [], 0, None
-    for numel, alone, u, _ in layout:
-        if used and (alone or (by_unit and u != unit)):
-            buckets.append(used)
-            used = 0
-        bucket_of.append(len(buckets))
-        used, unit = used + numel, u
-        if alone or (used >= bucket_numel and not by_unit):
-            buckets.append(used)
-            used = 0
-    if used:
-        buckets.append(used)
+    bucket_of, buckets = cut_buckets([(numel, alone, u if by_unit else None) for numel, alone, u, _ in layout],
+                                     None if by_unit else bucket_numel)
     units: dict = {}
     for (_, _, u, tag), b in zip(layout, bucket_of):
         for name in (u, "embedding") if tag == "word" else (u,):

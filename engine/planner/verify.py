@@ -11,7 +11,7 @@ from engine.config import Config
 from engine.layout import Layout
 from engine.parallel.topology import ParallelContext
 from engine.pipeline.partition import build_model_chunks
-from engine.planner.memory import params_per_rank
+from engine.planner.params import params_per_rank
 
 
 def meta_params_per_rank(cfg: Config, layout: Layout) -> list:

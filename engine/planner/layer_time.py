@@ -1,0 +1,184 @@
+"""Seconds of one layer, the embedding and the output layer for one microbatch on one GPU: the per-layer half
+of the step-time model (engine/planner/step_time.py puts the stages, the bubble and data parallelism around it).
+
+A layer sums: the matrix multiplies at a fraction of peak that grows with the per-GPU matrix sizes (and
+differs by GPU generation), the attention core, memory-bound element-wise work, the tensor-parallel
+collectives over NVLink (less the share a TP-overlapping engine hides), and with context parallelism the part
+of the K/V exchange the attention does not hide; beside the layers, the pipeline point-to-point sends, the
+embedding and the output layer. Under cp every rank holds s/cp tokens of each sequence. Every constant is
+named below with where it comes from; the ones marked "fitted" were fitted to the held-in published runs of
+engine/planner/published.py (listed with their errors in tests/test_planner_calibration.py). Compute is
+costed at the tensor-core (bf16) peak whatever the precision; fp32 changes only the bytes.
+
+Mixture of experts: an MoE layer replaces the MLP GEMMs by its router (fp32), its shared expert (a
+tensor-parallel MLP) and its routed experts. Routing is taken as balanced: of the k x T assignments each
+of the ep ranks of an EP group makes (T tokens per rank: s/(cp·tp) x b under sequence parallelism), every
+expert gets k·T·ep/E rows, so a rank runs E/ep GEMMs of that many rows (smaller GEMMs lose efficiency
+through GEMM_HALF_DIM). Dispatch and combine are one all-to-all each of k·T·h activations per rank
+forward, the same again backward, not overlapped (the engine does not); the EP group is ep ranks at
+stride tp·cp, over NVLink when the tp·cp·ep ranks fit in a node, else the part leaving the node goes
+through each GPU's own NIC.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.attention_mask import AttentionMask
+from engine.config import ModelConfig
+from engine.flops import GPUSpec, attention_matrices, mlp_matrices
+from engine.layout import Layout
+from engine.planner.activations import layer_activation_bytes
+from engine.planner.links import Link, Links, all_reduce, all_to_all
+from engine.planner.software import Software
+
+# Fraction of the dense peak the layer GEMMs of a training step reach, large-shape limit. A100: fitted
+# (0.74; it folds in launch gaps and small kernels the model does not list) on Narayanan et al. 2021's
+# Table 1. H100: fitted (0.66) on the held-in H100 runs of engine/planner/published.py (llm-foundry, Llama 3
+# 405B on 8,192 GPUs); H200 has the same GH100 compute. B200: the A100 fit scaled by the ratio of
+# cuBLAS large-shape bf16 efficiencies (~70% of peak vs ~85%); no published B200 run is checked.
+GEMM_EFFICIENCY = {"a100-40g": 0.74, "a100-80g": 0.74, "h100-sxm": 0.66, "h100-pcie": 0.66,
+                   "h200": 0.66, "b200": 0.61}
+GEMM_EFFICIENCY_DEFAULT = 0.65
+# Each GEMM dimension x costs a factor x/(x + GEMM_HALF_DIM): small dimensions leave tensor cores
+# idle (tile quantisation, wave effects). Fitted.
+GEMM_HALF_DIM = 64.0
+# Flash attention's attention-core throughput as a fraction of the dense peak, in the FLOPs this planner
+# counts (the full s x s scores: a causal kernel skips half of them, so these can exceed what the
+# kernel's own counter reports), and its backward-to-forward time ratio (5 matmuls vs 2).
+# A100: FlashAttention-2 paper (Dao 2023), 50-73% of peak forward. H100: fitted (see below).
+FLASH_ATTENTION_EFFICIENCY = {"a100-40g": 0.5, "a100-80g": 0.5, "h100-sxm": 0.5, "h100-pcie": 0.5,
+                              "h200": 0.5, "b200": 0.5}
+FLASH_ATTENTION_DEFAULT = 0.5
+FLASH_BACKWARD_RATIO = 2.5
+# Unfused attention (Megatron-LM 2021-22): scaled-masked softmax reads and writes the scores, then
+# dropout reads them and writes output and a 1-byte mask: 2+2+2+2+1 bytes per score forward.
+UNFUSED_SCORE_TRAFFIC = 9
+# Element-wise work (norms, bias, activation, dropout, residual adds, rotary) moves about twice the
+# bytes it stores for backward (each saved tensor is written once and read once); backward twice that.
+# (2 was also the best of 1-3 when fitting the two constants above.)
+ELEMENTWISE_TRAFFIC = 2.0
+# Bytes moved per logit by the loss, forward and backward: the max/sum-exp pass and the gradient pass
+# read the 2-byte logits, the gradient is written, the output GEMMs' epilogues and fp32 temporaries.
+CROSS_ENTROPY_TRAFFIC = 20
+HBM_EFFICIENCY = 0.8          # achievable fraction of HBM bandwidth for streaming kernels (STREAM-like)
+# The MoE router runs in fp32 (engine/moe/router.py) on CUDA cores, not tensor cores: their fp32 peak is
+# 1/16 (A100: 19.5 of 312 TFLOP/s) to 1/15 (H100 SXM: 67 of 989) of the dense bf16 peak (NVIDIA data sheets).
+FP32_SLOWDOWN = 15.0
+
+
+def gemm_seconds(m: float, n: float, k: float, gpu: GPUSpec) -> float:
+    eff = GEMM_EFFICIENCY.get(gpu.name, GEMM_EFFICIENCY_DEFAULT)
+    for x in (m, n, k):
+        eff *= x / (x + GEMM_HALF_DIM)
+    return 2 * m * n * k / (gpu.peak_tflops * 1e12 * eff)
+
+
+def _attention_seconds(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: Software) -> tuple:
+    """(forward, backward) seconds of one layer's attention core for one microbatch on one GPU. Under cp
+    each rank computes 1/cp of the (load-balanced) score blocks."""
+    b, t, cp = layout.micro_batch_size, layout.tp, layout.cp
+    d, heads = model.head_dim(), model.num_attention_heads / t
+    keys = AttentionMask.of(model).keys_per_query(seq)
+    if sw.flash_attention:
+        eff = sw.attention_efficiency or FLASH_ATTENTION_EFFICIENCY.get(gpu.name, FLASH_ATTENTION_DEFAULT)
+        fwd = 4 * b * seq * keys * heads * d / cp / (gpu.peak_tflops * 1e12 * eff)
+        return fwd, FLASH_BACKWARD_RATIO * fwd
+    s_local = seq / cp
+    per_head = gemm_seconds(s_local, keys, d, gpu) + gemm_seconds(s_local, d, keys, gpu)
+    softmax = UNFUSED_SCORE_TRAFFIC * heads * b * s_local * keys / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
+    fwd = b * heads * per_head + softmax
+    return fwd, 2 * fwd
+
+
+def _cp_comm(model: ModelConfig, layout: Layout, seq: int, sw: Software, link: Link, attn: tuple) -> float:
+    """Exposed seconds of the K/V exchange of one layer, forward and backward. Forward: every rank sends
+    cp - 1 blocks of K and V ((s/cp) b (groups/tp) d elements each); backward sends K/V again plus their
+    gradients (2x). The ring overlaps each step's transfer with the attention of the block in hand;
+    all_gather gathers K/V before attention (Llama 3's choice), so nothing hides it."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0
+    block = 2 * (seq / cp) * layout.micro_batch_size * model.resolved_query_groups() / layout.tp * model.head_dim()
+    fwd = (cp - 1) * (link.seconds(2 * block) - link.latency) + (cp - 1) * link.latency
+    bwd = 2 * fwd
+    if sw.cp_comm_type == "all_gather":
+        return fwd + bwd
+    return max(0.0, fwd - attn[0]) + max(0.0, bwd - attn[1])
+
+
+@dataclass
+class LayerCosts:
+    """Per-microbatch seconds for one layer, the embedding and the output layer, on one GPU."""
+    layer_fwd: float
+    layer_bwd: float
+    layer_recompute: float
+    embed: float
+    head: float
+    p2p: float
+    cp_comm: float      # exposed K/V ring (or all-gather) time per layer, forward + backward
+    moe_fwd: float = 0.0        # an MoE layer's forward, backward and recomputed seconds (all-to-all included)
+    moe_bwd: float = 0.0
+    moe_recompute: float = 0.0
+    moe_a2a: float = 0.0        # of which all-to-all, forward + backward
+
+
+def layer_costs(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: Software,
+                links: Links) -> LayerCosts:
+    """The seconds of a dense layer and (with experts) an MoE layer, the embedding, the output layer and a
+    pipeline send, for one microbatch on one GPU."""
+    t, h = layout.tp, model.hidden_size
+    tokens = layout.micro_batch_size * seq / layout.cp  # this rank's share of the microbatch
+    (qkv_rows, qkv_cols), (proj_rows, proj_cols) = attention_matrices(model)  # QKV split by rows, proj by columns
+    attn_gemm = gemm_seconds(tokens, qkv_rows / t, qkv_cols, gpu) + gemm_seconds(tokens, proj_rows, proj_cols / t, gpu)
+    gemm = attn_gemm + _mlp_gemm(model, tokens, model.resolved_ffn_hidden_size() / t, gpu)
+    attn_fwd, attn_bwd = _attention_seconds(model, layout, seq, gpu, sw)
+    stored = layer_activation_bytes(model, seq, layout.micro_batch_size, t, layout.sequence_parallel, "none",
+                                    flash_attention=True, cp=layout.cp)
+    elementwise = ELEMENTWISE_TRAFFIC * stored / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
+    tp_comm = 2 * all_reduce(2 * tokens * h, t, links.tp) * (1 - sw.tp_comm_overlap)
+    fwd = gemm + attn_fwd + elementwise + tp_comm
+    bwd = 2 * gemm + attn_bwd + 2 * elementwise + tp_comm
+    recompute = {"full": fwd, "selective": attn_fwd}.get(layout.recompute, 0.0)
+    vocab = model.padded_vocab_size(t)
+    logits_traffic = CROSS_ENTROPY_TRAFFIC * tokens * vocab / t / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
+    head = 3 * gemm_seconds(tokens, vocab / t, h, gpu) + logits_traffic + 2 * all_reduce(2 * tokens * h, t, links.tp)
+    embed = 2 * all_reduce(2 * tokens * h, t, links.tp)
+    # Megatron's scatter-gather optimisation (or sequence parallelism) sends 1/t of the activations.
+    p2p = links.pp.seconds(2 * tokens * h / t) if layout.pp > 1 else 0.0
+    cp_comm = _cp_comm(model, layout, seq, sw, links.cp, (attn_fwd, attn_bwd))
+    moe = _moe_layer(model, layout, seq, gpu, sw, links, (attn_gemm, attn_fwd, attn_bwd)) if model.num_experts else ()
+    return LayerCosts(fwd, bwd, recompute, embed, head, p2p, cp_comm, *moe)
+
+
+def _mlp_gemm(model: ModelConfig, rows: float, ffn: float, gpu: GPUSpec) -> float:
+    """Forward seconds of an MLP of width ffn (this rank's share) over `rows` tokens: fc1 and fc2."""
+    if rows == 0 or ffn == 0:
+        return 0.0
+    (fc1_rows, fc1_cols), (fc2_rows, fc2_cols) = mlp_matrices(model, ffn)
+    return gemm_seconds(rows, fc1_rows, fc1_cols, gpu) + gemm_seconds(rows, fc2_rows, fc2_cols, gpu)
+
+
+def _moe_layer(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: Software, links: Links,
+               attn: tuple) -> tuple:
+    """(forward, backward, recomputed, all-to-all) seconds of one MoE layer for one microbatch on one GPU.
+    attn: the layer's attention GEMMs and its attention core forward and backward (as in a dense layer)."""
+    attn_gemm, attn_fwd, attn_bwd = attn
+    t, h, E, k, ep = layout.tp, model.hidden_size, model.num_experts, model.moe_router_topk, layout.ep
+    tokens = layout.micro_batch_size * seq / layout.cp
+    routed = tokens / (t if layout.sequence_parallel else 1)  # each tp rank routes its own tokens under SP
+    rows = k * routed * ep / E  # per expert, balanced routing over the EP group
+    experts = E / ep * _mlp_gemm(model, rows, model.resolved_moe_ffn_hidden_size(), gpu)
+    shared = _mlp_gemm(model, tokens, (model.moe_shared_expert_intermediate_size or 0) / t, gpu)
+    router = FP32_SLOWDOWN * gemm_seconds(routed, E, h, gpu)
+    gemm = attn_gemm + experts + shared + router
+    stored = layer_activation_bytes(model, seq, layout.micro_batch_size, t, layout.sequence_parallel, "none",
+                                    flash_attention=True, cp=layout.cp, moe=True)
+    elementwise = ELEMENTWISE_TRAFFIC * stored / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
+    # The attention's TP collectives, and the shared expert's; the routed experts need none (tokens stay put).
+    n_tp = 1 + bool(model.moe_shared_expert_intermediate_size)
+    tp_comm = n_tp * all_reduce(2 * tokens * h, t, links.tp) * (1 - sw.tp_comm_overlap)
+    a2a = 2 * all_to_all(2 * k * routed * h, ep, links)  # dispatch and combine, bf16 activations
+    fwd = gemm + attn_fwd + elementwise + tp_comm + a2a
+    bwd = 2 * gemm + attn_bwd + 2 * elementwise + tp_comm + a2a
+    recompute = {"full": fwd, "selective": attn_fwd}.get(layout.recompute, 0.0)
+    return fwd, bwd, recompute, 2 * a2a

@@ -1,0 +1,26 @@
+"""The engine features a step's cost depends on beside the layout, as one value the time model reads."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from engine.planner.params import GRAD_BYTES
+
+
+@dataclass(frozen=True)
+class Software:
+    """Engine features that change the cost but not the layout.
+
+    tp_comm_overlap: fraction of the tensor-parallel collectives hidden behind GEMMs (Megatron-Core's
+    --tp-comm-overlap; this engine does not overlap them: 0). attention_efficiency: the flash-attention
+    kernel's throughput as a fraction of peak when it differs from the GPU's default
+    (layer_time.FLASH_ATTENTION_EFFICIENCY), e.g. an older kernel.
+    """
+    flash_attention: bool = True
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
+    precision: str = "bf16"
+    grad_reduce_bytes: int = GRAD_BYTES   # fp32 main gradients; fp16 runs of 2021 reduced 2-byte grads
+    tp_comm_overlap: float = 0.0
+    cp_comm_type: str = "p2p"             # p2p: K/V ring overlapped with attention; all_gather: gathered first
+    attention_efficiency: Optional[float] = None
