@@ -42,7 +42,7 @@ from planner_common import ROOT, run_cli
 
 # Every case the step-time model is checked against, as engine.planner.published.case_table() prints it
 # (a test keeps the two equal). TFLOP/s per GPU: "hw" with the recomputed forward, "model" without
-# (reported MFU x the dense peak). "fit": the fitted constants of engine/planner/step_time.py (and the
+# (reported MFU x the dense peak). "fit": the fitted constants of engine/planner/layer_time.py (and the
 # llm-foundry attention efficiency) were fitted on these; "held out": never used for fitting.
 CASE_TABLE = """\
 case                              GPU        GPUs tp  pp cp   dp  mb batch    seq recompute TFLOP/s of    use      src
