@@ -6,6 +6,7 @@ pairs every HF tensor name with our tensor's name and one of these.
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Optional
 
@@ -14,15 +15,16 @@ import torch
 from engine.config import ConfigError
 
 
-class Transform:
+class Transform(abc.ABC):
     """One HF tensor's relation to ours; subclasses say how it goes each way."""
 
+    @abc.abstractmethod
     def out(self, t: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The HF tensor made from ours."""
 
+    @abc.abstractmethod
     def into(self, full: torch.Tensor, t: torch.Tensor) -> None:
         """Put the HF tensor `t` where `out` took it from in our (unpadded) tensor `full`."""
-        raise NotImplementedError
 
     def out_shape(self, shape: tuple) -> tuple:
         return tuple(self.out(torch.empty(shape, device="meta")).shape)
