@@ -5,7 +5,7 @@ are the config's own; the rest are in `FLAGS`, each of one kind:
 
 - MEANING: accepted with Megatron-LM's meaning; `apply` turns it into Ternion config values (e.g.
   `--recompute-activations` is `--recompute-granularity selective`), or refuses a value Ternion cannot honour.
-- IMPLEMENTATION: it only picks one of Megatron-LM's implementations (kernels, checkpoint format, backend);
+- IMPLEMENTATION: it only picks one of Megatron-LM's implementations (kernels, checkpoint format);
   accepted, and all of them are named in one `note:` line.
 - ALREADY: asks for what Ternion always does; accepted, named in one `note:` line.
 - NOT_DONE: logging or housekeeping Ternion does not do; training is the same, so accepted and named in one
@@ -156,7 +156,6 @@ FLAGS = (
     Flag("--no-persist-layer-norm", IMPLEMENTATION, _FUSION),
     Flag("--no-gradient-accumulation-fusion", IMPLEMENTATION, _FUSION),
     Flag("--cross-entropy-loss-fusion", IMPLEMENTATION, _FUSION),
-    Flag("--distributed-backend", IMPLEMENTATION, "nccl on GPUs, gloo on CPU", str, ("nccl", "gloo")),
     Flag("--ckpt-format", IMPLEMENTATION, _CKPT, str, ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor", "zarr")),
     Flag("--use-dist-ckpt", IMPLEMENTATION, _CKPT),
     Flag("--auto-detect-ckpt-format", IMPLEMENTATION, "one format"),

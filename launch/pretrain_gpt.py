@@ -17,6 +17,7 @@ import warnings
 from engine.cli import parse_config
 from engine.config import ConfigError
 from engine.resolve import resolve
+from engine.run.device import device_and_backend, gpu_index
 from engine.run.guard import Guard, fail, restart_store
 from engine.validation import validate
 
@@ -26,17 +27,19 @@ def _env_int(name: str, default: int) -> int:
 
 
 def _pick_device(cfg, world: int) -> tuple:
-    """(device, backend): cuda + nccl when asked for or visible, else cpu + gloo with OMP_NUM_THREADS threads
-    where the user set it, this process's share of the cores otherwise."""
+    """(device, backend) from --device and --distributed-backend (engine/run/device.py): on CUDA this rank's GPU,
+    its own under nccl, shared under gloo; on the CPU OMP_NUM_THREADS threads where the user set it, this
+    process's share of the cores otherwise."""
     import torch
-    if cfg.training.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu or auto")
-    if cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available()):
-        torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
-        return f"cuda:{torch.cuda.current_device()}", "nccl"
+    device_type, backend = device_and_backend(cfg.training.device, cfg.parallel.distributed_backend,
+                                               torch.cuda.is_available())
+    local_world = _env_int("LOCAL_WORLD_SIZE", world)
+    if device_type == "cuda":
+        torch.cuda.set_device(gpu_index(backend, _env_int("LOCAL_RANK", 0), local_world, torch.cuda.device_count()))
+        return f"cuda:{torch.cuda.current_device()}", backend
     if not os.environ.get("OMP_NUM_THREADS"):  # the user's setting wins; torch has already applied it
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(_env_int("LOCAL_WORLD_SIZE", world), 1)))
-    return "cpu", "gloo"
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_world, 1)))
+    return "cpu", backend
 
 
 def _configure(argv, world: int) -> tuple:

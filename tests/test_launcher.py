@@ -52,6 +52,9 @@ def test_direct_launch_mistakes_exit_2_with_their_own_line(tmp_path):
         # a run flag checked by engine.validation.validate reaches the user the same way
         (["--config", "configs/gpt-tiny.yaml", "--mock-data", "--distributed-timeout-minutes", "0"],
          "--distributed-timeout-minutes 0"),
+        # nccl needs CUDA: a CPU run that names it ends before any process group
+        (["--config", "configs/gpt-tiny.yaml", "--mock-data", "--device", "cpu", "--distributed-backend", "nccl"],
+         "--distributed-backend nccl: NCCL runs on CUDA devices only"),
     ]
     for args, needle in cases:
         proc, elapsed = launch(args)

@@ -38,6 +38,9 @@ class ParallelConfig:
     decoder_first_pipeline_num_layers: Optional[int] = _f(None, "layers on the first pipeline stage (uneven split)")
     decoder_last_pipeline_num_layers: Optional[int] = _f(None, "layers on the last pipeline stage (uneven split)")
     distributed_timeout_minutes: float = _f(10.0, "a collective stuck longer than this ends the job")
+    distributed_backend: Optional[str] = _f(None, "torch.distributed backend (default: nccl on CUDA, gloo on the "
+                                                  "CPU); gloo on CUDA lets the ranks of a node share GPUs, e.g. 2-4 "
+                                                  "ranks on one GPU", choices=("nccl", "gloo"))
 
 
 @dataclass
@@ -54,7 +57,8 @@ class TrainingConfig:
     initial_loss_scale: float = _f(2.0 ** 16, "first dynamic loss scale for fp16")
     hysteresis: int = _f(1, "fp16: overflowing steps before the dynamic scale halves (Megatron-LM's default is 2)")
     seed: int = _f(1234, "random seed for weights, data order and dropout")
-    device: str = _f("auto", "auto: cuda+nccl when GPUs are visible, else cpu+gloo", choices=("auto", "cuda", "cpu"))
+    device: str = _f("auto", "auto: cuda when GPUs are visible, else cpu (nccl and gloo by default; see "
+                                 "--distributed-backend)", choices=("auto", "cuda", "cpu"))
 
 
 @dataclass

@@ -18,6 +18,27 @@ the standard ring algorithms. With n ranks in the group:
 A group of one rank sends nothing (recorded with 0). Calls are recorded when they are started, async or
 not; object collectives and barriers (control traffic, outside the training step) are not counted.
 Outside `counting()` the only cost is one module-level None check per call.
+
+gloo on CUDA tensors (`--distributed-backend gloo` on GPUs, several ranks sharing one): torch's ProcessGroupGloo
+(torch/csrc/distributed/c10d/ProcessGroupGloo.cpp and ProcessGroupGlooCuda.cpp as read on pytorch's main branch;
+the GPU machines here run torch 2.11) runs its collectives in host memory. Most have a CUDA variant that copies
+the tensors to pinned host buffers on a side stream, runs there and copies back, the returned work's wait()
+ordering the copy back before later work on the caller's stream. Point-to-point has none: send and recv hand
+the tensor's data pointer to the TCP transport, which reads and writes host memory only, and nothing checks the
+device. So, per operation of this module:
+    all_reduce                 carried (AsyncAllreduceCUDAWork)
+    broadcast                  carried (AsyncBroadcastCUDAWork)
+    all_gather_into            carried (all_gather_into_tensor -> _allgather_base -> allgather's CUDA work)
+    reduce_scatter_into        carried (reduce_scatter_tensor: a clone all-reduced as above, this rank's
+                               slice kept: n times a reduce-scatter's traffic)
+    all_to_all_single          carried (AsyncAlltoallCUDAWork, uneven splits too)
+    send_op / recv_op          NOT carried: staged here through host memory (`host_send_op`, `host_recv_op`)
+    barrier                    no tensor
+    all_gather_object          objects travel as CPU tensors under gloo (torch's object-collective device)
+`stages(backend, device_type, op)` is that table as a function; nccl and CPU tensors never stage. A staged
+send copies the tensor to the host when the op is made; a staged receive lands in a host buffer, and the
+work `batch_isend_irecv` returns for it copies the buffer into the tensor in wait(). Copies move bytes, so
+a staged transfer delivers bitwise what an unstaged one would.
 """
 from __future__ import annotations
 
@@ -176,25 +197,82 @@ def barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
+# Whether gloo carries CUDA tensors, per operation of this module (the table in the module docstring).
+GLOO_CARRIES_CUDA = {"all_reduce": True, "broadcast": True, "all_gather": True, "reduce_scatter": True,
+                     "all_to_all": True, "send": False, "recv": False}
+
+
+def stages(backend: Optional[str], device_type: str, op: str) -> bool:
+    """Whether `op` on a tensor of `device_type` goes through host memory under `backend`: only what gloo
+    cannot carry on CUDA tensors does."""
+    return backend == "gloo" and device_type == "cuda" and not GLOO_CARRIES_CUDA[op]
+
+
+def _stages(op: str, t: torch.Tensor, group) -> bool:
+    return t.device.type != "cpu" and stages(dist.get_backend(group), t.device.type, op)
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t)
+
+
+class _HostRecv(dist.P2POp):
+    """A receive into a host buffer (`tensor`) meant for `target`, a tensor the backend cannot write."""
+    target: torch.Tensor
+
+
+class _CopyBack:
+    """The work of a `_HostRecv`: wait() waits for the host buffer, then copies it into the target."""
+
+    def __init__(self, work, p2p: _HostRecv):
+        self.work, self.p2p = work, p2p
+
+    def wait(self) -> bool:
+        self.work.wait()
+        self.p2p.target.copy_(self.p2p.tensor)
+        return True
+
+
+def host_send_op(t: torch.Tensor, peer: int, group=None):
+    """`send_op` staged through host memory: what leaves is a host copy of `t`, made now."""
+    return dist.P2POp(dist.isend, _host_copy(t.detach()), peer, group)
+
+
+def host_recv_op(t: torch.Tensor, peer: int, group=None):
+    """`recv_op` staged through host memory: the message lands in a host buffer, copied into `t` when the
+    work `batch_isend_irecv` returns for it is waited for."""
+    p2p = _HostRecv(dist.irecv, torch.empty(t.shape, dtype=t.dtype), peer, group)
+    p2p.target = t
+    return p2p
+
+
 def send_op(t: torch.Tensor, peer: int, group=None):
-    """A send of `t` to global rank `peer`, for `batch_isend_irecv`."""
+    """A send of `t` to global rank `peer`, for `batch_isend_irecv` (staged where the backend needs it)."""
+    if _stages("send", t, group):
+        return host_send_op(t, peer, group)
     return dist.P2POp(dist.isend, t.contiguous(), peer, group)
 
 
 def recv_op(t: torch.Tensor, peer: int, group=None):
-    """A receive from global rank `peer` into `t`, for `batch_isend_irecv`."""
+    """A receive from global rank `peer` into `t`, for `batch_isend_irecv` (staged where the backend needs it)."""
+    if _stages("recv", t, group):
+        return host_recv_op(t, peer, group)
     return dist.P2POp(dist.irecv, t, peer, group)
 
 
 def batch_isend_irecv(ops: list) -> list:
     """Post sends and receives (all on one group) as one batch; returns the work handles to wait on.
 
-    nccl runs the batch as one group call (one handle for all); gloo posts each op on its own."""
+    nccl runs the batch as one group call (one handle for all); gloo posts each op on its own, so a staged
+    receive (gloo only) has its own work, which copies its buffer back when waited for."""
     if _counter is not None:
         world = dist.group.WORLD  # a P2POp made with group None holds the default group itself
         for p2p in ops:
             _record("send" if p2p.op is dist.isend else "recv", p2p.tensor, None if p2p.group is world else p2p.group)
-    return dist.batch_isend_irecv(ops)
+    works = dist.batch_isend_irecv(ops)
+    if not any(isinstance(p2p, _HostRecv) for p2p in ops):
+        return works
+    return [_CopyBack(w, p2p) if isinstance(p2p, _HostRecv) else w for w, p2p in zip(works, ops, strict=True)]
 
 
 def new_group(ranks: list, backend: Optional[str] = None, timeout=None):

@@ -2,6 +2,6 @@
 
 Stop signals, the time limit and the orphan watch (`preemption`); every rank's heartbeat, to name the rank
 that stopped (`liveness`); the name of the work in progress (`phase`); the profiler window (`profiling`);
-one writer per `--save` (`lock`); and how the launcher ends a failed rank and gives back what it holds
-(`guard`). Import the modules directly.
+one writer per `--save` (`lock`); the device and backend a rank runs on (`device`); and how the launcher ends
+a failed rank and gives back what it holds (`guard`). Import the modules directly.
 """
