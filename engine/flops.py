@@ -11,6 +11,8 @@ Causal-attention convention: attention scores and attention-times-values are cou
 s×s matrix (4·b·s²·h forward FLOPs per layer), not half of it for the causal mask. This is the
 convention of the published numbers the layout planner is checked against (Megatron papers, PaLM's
 MFU appendix); the trainer's MFU log line and the planner both use this module, so they agree.
+A sliding-window layer counts each query against the L + 1 keys of its window instead of s
+(engine/attention_mask.py states the convention; Megatron-LM's own count ignores windows).
 
 Mixture of experts: a token goes through its top-k routed experts, the shared expert and the router
 (2·h·E) of an MoE layer, so its FLOPs count the *activated* parameters (Mixtral 8x7B: ~12.9B of 46.7B),
@@ -139,8 +141,8 @@ def _layer_flops(model: ModelConfig, s: int) -> dict:
     """Forward FLOPs of all transformer layers for one sequence: their matrix multiplies and attention cores."""
     l, n_moe = model.num_layers, len(model.moe_layers())
     matmul = (l - n_moe) * layer_matmul_params(model) + (n_moe * layer_matmul_params(model, moe=True) if n_moe else 0)
-    keys = AttentionMask.of(model).keys_per_query(s)  # s: the full s x s, see module doc
-    attention = 4 * s * keys * model.num_attention_heads * model.head_dim() * l
+    keys = sum(AttentionMask.of(model, i).keys_per_query(s) for i in range(l))  # s each without a window
+    attention = 4 * s * keys * model.num_attention_heads * model.head_dim()
     return {"linear": 2 * s * matmul, "attention": attention}
 
 

@@ -2,7 +2,9 @@
 
 One class covers GPT-2/3 (LayerNorm, learned positions, exact or tanh GELU, biases, tied embeddings) and
 Llama 2/3 (RMSNorm, rotary positions with optional Llama 3.1 scaling, SwiGLU, grouped-query attention, no
-biases, untied output); Mistral is Llama-shaped and Qwen2 adds a bias to the QKV projection only.
+biases, untied output); Mistral is Llama-shaped and Qwen2 adds a bias to the QKV projection only. Each
+layer's attention mask (causal, with the sliding window where --window-size gives that layer one) is its
+engine.attention_mask value.
 Activations are [s, b, h] between layers, or this rank's slice of the sequence where the parallel context
 splits it (sequence parallelism: the context decides, the model asks it). The model sees whatever positions
 of each sequence it is given (`positions`: the pipeline runner cuts a microbatch for context parallelism
@@ -62,7 +64,7 @@ def llama3_scaled(inv: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx, out_std, device, dtype):
+    def __init__(self, cfg: ModelConfig, ctx, out_std, device, dtype, layer: int):
         super().__init__()
         self.ctx, self.cfg = ctx, cfg
         self.heads, self.groups, self.head_dim = cfg.num_attention_heads, cfg.resolved_query_groups(), cfg.head_dim()
@@ -76,7 +78,7 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(self.heads * self.head_dim, cfg.hidden_size, ctx, bias=bias, std=out_std,
                                       device=device, dtype=dtype)
         self.selective = cfg.recompute_granularity == "selective"
-        self.mask = AttentionMask.of(cfg)
+        self.mask = AttentionMask.of(cfg, layer)
         # The backend is resolved once, for the device and dtype the layer is built on (a model built on the
         # meta device only describes shapes and never runs).
         device = torch.device(device) if device is not None else torch.get_default_device()
@@ -135,12 +137,12 @@ def moe_block(cfg: ModelConfig, ctx, out_std, device, dtype) -> MoELayer:
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx, device, dtype, moe: bool = False):
+    def __init__(self, cfg: ModelConfig, ctx, device, dtype, layer: int, moe: bool = False):
         super().__init__()
         self.ctx, self.dropout = ctx, cfg.hidden_dropout
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         self.norm1 = Norm(cfg.hidden_size, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype)
-        self.attention = Attention(cfg, ctx, out_std, device, dtype)
+        self.attention = Attention(cfg, ctx, out_std, device, dtype, layer)
         self.norm2 = Norm(cfg.hidden_size, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype)
         self.mlp = moe_block(cfg, ctx, out_std, device, dtype) if moe else MLP(cfg, ctx, out_std, device, dtype)
 
@@ -184,7 +186,7 @@ class GPTModel(nn.Module):
                 self.position = make_param((cfg.max_position_embeddings or cfg.seq_length, h), None, ctx,
                                            ("normal", std), device, dtype, sp_partial_grad=True)
         moe = set(cfg.moe_layers())
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, device, dtype, moe=i in moe)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, device, dtype, i, moe=i in moe)
                                      for i in self.layer_ids})
         if post_process:
             self.final_norm = Norm(h, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype)

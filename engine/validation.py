@@ -22,6 +22,8 @@ from engine.config import (
     StabilityConfig,
     TrainingConfig,
     _err,
+    window_layer_pattern,
+    window_size_pair,
 )
 from engine.data.build import check_data, data_prefixes
 from engine.data.tokenizer_spec import data_vocab_size, tokenizer_of, vocab_source
@@ -181,6 +183,10 @@ def _check_model(m: ModelConfig) -> None:
     if m.attention_backend == "triton" and m.attention_dropout > 0:
         _err("--attention-backend", "triton", "the Triton flash kernel has no dropout; use --attention-dropout 0 "
                                               "or --attention-backend sdpa")
+    if window_size_pair(m.window_size) is None and m.window_attn_skip_freq is not None:
+        _err("--window-attn-skip-freq", m.window_attn_skip_freq, "picks the layers without --window-size, which is "
+                                                                 "not given; add --window-size L,0 or drop it")
+    window_layer_pattern(m.window_attn_skip_freq, m.num_layers)  # one line where it does not parse
     if m.openai_gelu and m.swiglu:
         _err("--openai-gelu", "with --swiglu", "the GELU form applies to the GELU MLP only; drop one of them")
     if m.use_rope_scaling:

@@ -129,42 +129,57 @@ def resolve_attention_backend(name: str, device, dropout_p: float = 0.0, dtype: 
     return "sdpa"
 
 
-def _sdpa(q, k, v, causal, dropout_p, softmax_scale):
+def _sdpa(q, k, v, causal, dropout_p, softmax_scale, window=None):
+    """torch's scaled_dot_product_attention. A window goes in as a boolean mask built from positions: the fused
+    kernels that take one (memory-efficient on CUDA, the CPU flash kernel) read the mask but skip no block,
+    the price of this path, which runs where the block-skipping kernels cannot (fp32, attention dropout).
+    flex_attention would skip blocks but needs torch.compile (dynamo: seconds per process, and a graph per
+    mask), and torch's varlen_attn (window_size) is flash-attention: CUDA, half precision, no dropout."""
     group = q.shape[2] // k.shape[2]
+    mask = None
+    if window is not None:
+        positions = torch.arange(q.shape[1], device=q.device)
+        mask, causal = reference.visible(positions, positions, causal, window), False
     # SDPA wants [b, heads, s, d]; grouped-query heads are handled by enable_gqa (torch >= 2.5).
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                          dropout_p=dropout_p, is_causal=causal, scale=softmax_scale,
                                          enable_gqa=group > 1)
     return out.transpose(1, 2)
 
 
-def _flash(q, k, v, causal, dropout_p, softmax_scale):
+def _flash(q, k, v, causal, dropout_p, softmax_scale, window=None):
+    """The flash-attn package; its window_size=(left, right) counts keys as --window-size does, -1 unbounded."""
     from flash_attn import flash_attn_func
-    return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal)
+    return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                           window_size=(-1, -1) if window is None else (window, 0 if causal else -1))
 
 
-def _triton_flash(q, k, v, causal, dropout_p, softmax_scale):
-    return _triton_module("flash_triton").flash_attention(q, k, v, causal, softmax_scale)
+def _triton_flash(q, k, v, causal, dropout_p, softmax_scale, window=None):
+    return _triton_module("flash_triton").flash_attention(q, k, v, causal, softmax_scale, window)
 
 
 _ATTENTION = {"flash": _flash, "triton": _triton_flash, "sdpa": _sdpa, "local": reference.attention}
 
 
 def attention_fn(backend: str):
-    """The implementation of a resolved backend (not "auto"): f(q, k, v, causal, dropout_p, softmax_scale).
+    """The implementation of a resolved backend (not "auto"): f(q, k, v, causal, dropout_p, softmax_scale, window),
+    `window` the keys a query sees before it (None: all).
 
     A layer resolves its backend once (`resolve_attention_backend`) and keeps the function."""
     return _ATTENTION[backend]
 
 
-def _triton_block_forward(q, k, v, causal, softmax_scale=None, dropout_p=0.0, seed=None):
+def _triton_block_forward(q, k, v, causal, softmax_scale=None, dropout_p=0.0, seed=None, window=None, q_offset=0,
+                          k_offset=0):
     assert dropout_p == 0.0, "the Triton flash kernel has no dropout (validation refuses the combination)"
-    return _triton_module("flash_triton").forward(q, k, v, causal, softmax_scale)
+    return _triton_module("flash_triton").forward(q, k, v, causal, softmax_scale, window, q_offset, k_offset)
 
 
-def _triton_block_backward(do, q, k, v, out, lse, causal, softmax_scale=None, dropout_p=0.0, seed=None):
+def _triton_block_backward(do, q, k, v, out, lse, causal, softmax_scale=None, dropout_p=0.0, seed=None, window=None,
+                           q_offset=0, k_offset=0):
     do, out, lse = (t.contiguous() for t in (do, out, lse))  # slices of the merged whole
-    return _triton_module("flash_triton").backward(do, q, k, v, out, lse, causal, softmax_scale)
+    return _triton_module("flash_triton").backward(do, q, k, v, out, lse, causal, softmax_scale, window, q_offset,
+                                                   k_offset)
 
 
 def attention_block_backend(backend: str, device) -> str:
@@ -180,18 +195,20 @@ _BLOCKS = {"triton": (_triton_block_forward, _triton_block_backward),
 
 
 def attention_block_fns(block_backend: str) -> tuple:
-    """(forward, backward) of one attention block: forward(q, k, v, causal, scale, dropout_p, seed) -> (out,
-    lse [b, nq, sq] fp32); backward(do, q, k, v, out, lse, causal, scale, dropout_p, seed) -> (dq, dk, dv),
-    given the merged `out` and `lse` of the whole row (kernels.reference documents both)."""
+    """(forward, backward) of one attention block: forward(q, k, v, causal, scale, dropout_p, seed, window,
+    q_offset, k_offset) -> (out, lse [b, nq, sq] fp32); backward(do, q, k, v, out, lse, causal, scale,
+    dropout_p, seed, window, q_offset, k_offset) -> (dq, dk, dv), given the merged `out` and `lse` of the
+    whole row; the offsets are the positions of the block's first query and key (kernels.reference documents
+    both)."""
     return _BLOCKS[block_backend]
 
 
-def attention(q, k, v, causal=True, dropout_p=0.0, backend="auto", softmax_scale=None):
+def attention(q, k, v, causal=True, dropout_p=0.0, backend="auto", softmax_scale=None, window=None):
     """q [b, s, nq, d], k and v [b, s, nkv, d] (query head j uses kv head j // (nq // nkv)) -> [b, s, nq, d].
 
     Resolves `backend` on every call: for tests and benchmarks; the model resolves once per layer."""
     chosen = resolve_attention_backend(backend, q.device, dropout_p, q.dtype)
-    return attention_fn(chosen)(q, k, v, causal, dropout_p, softmax_scale)
+    return attention_fn(chosen)(q, k, v, causal, dropout_p, softmax_scale, window)
 
 
 def kernel_report(device, attention_backend: str = "auto", dropout_p: float = 0.0,

@@ -137,47 +137,55 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _SwiGLU.apply(gate, up)
 
 
-def attention(q, k, v, causal=True, dropout_p=0.0, softmax_scale=None):
-    """Materialised-scores attention in fp32. q [b, s, nq, d]; k, v [b, s, nkv, d]; returns [b, s, nq, d]."""
-    b, s, nq, d = q.shape
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: Optional[int]) -> Optional[torch.Tensor]:
+    """Which keys each query sees, [sq, sk] bool, from their absolute positions: the rule of
+    engine/attention_mask.py (j <= i when causal; i - j <= window when a window is set). None: every key."""
+    if not causal and window is None:
+        return None
+    distance = q_pos[:, None] - k_pos[None, :]
+    keep = distance >= 0 if causal else torch.ones_like(distance, dtype=torch.bool)
+    return keep & (distance <= window) if window is not None else keep
+
+
+def _positions(n: int, offset: int, device) -> torch.Tensor:
+    return torch.arange(offset, offset + n, device=device)
+
+
+def _scores(q, k, causal: bool, scale: float, window: Optional[int] = None, q_offset: int = 0,
+            k_offset: int = 0) -> torch.Tensor:
+    """Scaled scores [b, nkv, group, sq, sk] in fp32 (or wider), -inf where the mask hides the key."""
+    b, sq, nq, d = q.shape
     nkv = k.shape[2]
-    group = nq // nkv
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    # Query head j reads kv head j // group: view the query heads as [nkv, group].
-    qf = q.float().view(b, s, nkv, group, d)
-    scores = torch.einsum("bqhgd,bkhd->bhgqk", qf, k.float()) * scale
-    if causal:
-        keep = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    probs = scores.softmax(dim=-1)
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", _wide(q).reshape(b, sq, nkv, nq // nkv, d), _wide(k)) * scale
+    keep = visible(_positions(sq, q_offset, q.device), _positions(k.shape[1], k_offset, q.device), causal, window)
+    return scores if keep is None else scores.masked_fill(~keep, float("-inf"))
+
+
+def _scale(q, softmax_scale: Optional[float]) -> float:
+    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
+def attention(q, k, v, causal=True, dropout_p=0.0, softmax_scale=None, window=None):
+    """Materialised-scores attention in fp32. q [b, s, nq, d]; k, v [b, s, nkv, d]; returns [b, s, nq, d].
+    `window`: each query sees the keys at most this many positions before it (None: all)."""
+    b, s, nq, d = q.shape
+    # Query head j reads kv head j // group: the scores view the query heads as [nkv, group].
+    probs = _scores(q.float(), k.float(), causal, _scale(q, softmax_scale), window).softmax(dim=-1)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
     out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v.float())
     return out.reshape(b, s, nq, d).to(q.dtype)
 
 
-def attention_lse(q, k, causal=True, softmax_scale=None) -> torch.Tensor:
+def attention_lse(q, k, causal=True, softmax_scale=None, window=None) -> torch.Tensor:
     """Natural-log log-sum-exp of the scaled scores, [b, nq, s] fp32 (what the flash kernel saves)."""
     b, s, nq, d = q.shape
-    nkv = k.shape[2]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    qf = q.float().view(b, s, nkv, nq // nkv, d)
-    scores = torch.einsum("bqhgd,bkhd->bhgqk", qf, k.float()) * scale
-    if causal:
-        keep = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    return scores.logsumexp(dim=-1).reshape(b, nq, s)
+    return _scores(q.float(), k.float(), causal, _scale(q, softmax_scale), window).logsumexp(dim=-1).reshape(b, nq, s)
 
 
-def _block_scores(q, k, causal: bool, scale: float) -> torch.Tensor:
-    """Scaled scores [b, nkv, group, sq, sk] in fp32 (or wider), -inf above the diagonal when causal."""
-    b, sq, nq, d = q.shape
-    nkv = k.shape[2]
-    scores = torch.einsum("bqhgd,bkhd->bhgqk", _wide(q).reshape(b, sq, nkv, nq // nkv, d), _wide(k)) * scale
-    if causal:  # a diagonal block: query i sees keys 0..i of the same chunk
-        keep = torch.ones(sq, k.shape[1], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    return scores
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with 0 for rows that see no key (-inf), so that exp(scores - lse) is 0 there, not nan."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
 def _block_dropout(shape, dropout_p: float, seed: int, device) -> torch.Tensor:
@@ -189,18 +197,19 @@ def _block_dropout(shape, dropout_p: float, seed: int, device) -> torch.Tensor:
 
 
 def attention_block_forward(q, k, v, causal: bool, softmax_scale: Optional[float] = None, dropout_p: float = 0.0,
-                            seed: Optional[int] = None) -> tuple:
+                            seed: Optional[int] = None, window: Optional[int] = None, q_offset: int = 0,
+                            k_offset: int = 0) -> tuple:
     """One block of blockwise (ring) attention: (out [b, sq, nq, d], lse [b, nq, sq]), both fp32 (or wider).
 
-    `out` is normalised by this block's own log-sum-exp and kept wide: blocks are merged by
-    their lse, and the caller casts the merged result. `causal`: the block is on the diagonal (queries and
-    keys from the same positions); off-diagonal blocks are full. Dropout uses a generator seeded by `seed`.
+    `out` is normalised by this block's own log-sum-exp and kept wide: blocks are merged by their lse, and the
+    caller casts the merged result. The mask is decided from positions: the queries are at q_offset.., the
+    keys at k_offset.. (`causal` and `window` as in `attention`); a row that sees no key of the block gets
+    out 0 and lse -inf. Dropout uses a generator seeded by `seed`.
     """
     b, sq, nq, d = q.shape
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    scores = _block_scores(q, k, causal, scale)
+    scores = _scores(q, k, causal, _scale(q, softmax_scale), window, q_offset, k_offset)
     lse = scores.logsumexp(dim=-1)
-    probs = (scores - lse[..., None]).exp()
+    probs = (scores - _finite(lse)[..., None]).exp()
     if dropout_p > 0.0:
         probs = probs * _block_dropout(probs.shape, dropout_p, seed, q.device)
     out = torch.einsum("bhgqk,bkhd->bqhgd", probs, _wide(v)).reshape(b, sq, nq, d)
@@ -208,14 +217,16 @@ def attention_block_forward(q, k, v, causal: bool, softmax_scale: Optional[float
 
 
 def attention_block_backward(do, q, k, v, out, lse, causal: bool, softmax_scale: Optional[float] = None,
-                             dropout_p: float = 0.0, seed: Optional[int] = None) -> tuple:
+                             dropout_p: float = 0.0, seed: Optional[int] = None, window: Optional[int] = None,
+                             q_offset: int = 0, k_offset: int = 0) -> tuple:
     """(dq, dk, dv) of one block, in fp32 (or wider), given the merged output `out` and its `lse`: with the
     whole row's lse the block's probabilities are final, so the blocks' gradients simply add up."""
     b, sq, nq, d = q.shape
     nkv = k.shape[2]
     group = nq // nkv
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    probs = (_block_scores(q, k, causal, scale) - lse.reshape(b, nkv, group, sq)[..., None].to(_wide(q).dtype)).exp()
+    scale = _scale(q, softmax_scale)
+    lse = _finite(lse.reshape(b, nkv, group, sq)[..., None].to(_wide(q).dtype))
+    probs = (_scores(q, k, causal, scale, window, q_offset, k_offset) - lse).exp()
     dof = _wide(do).reshape(b, sq, nkv, group, d)
     delta = (dof * _wide(out).reshape(b, sq, nkv, group, d)).sum(-1).permute(0, 2, 3, 1)  # [b, nkv, group, sq]
     dprobs = torch.einsum("bqhgd,bkhd->bhgqk", dof, _wide(v))

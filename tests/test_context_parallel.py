@@ -49,18 +49,21 @@ def test_load_balanced_chunks_cover_the_sequence_once():
 
 @pytest.mark.parametrize("cp", [2, 3, 4, 8])
 def test_ring_plan_computes_every_causal_block_once_with_equal_work(cp):
-    seen, work = {}, []
+    seen, work, c = {}, [], 4
     for r in range(cp):
         assert ring_order(cp, r)[0] == r and sorted(ring_order(cp, r)) == list(range(cp))
-        cost = 0.0
+        assert [owner for _, owner, _ in ring_attention.plan(cp, r, c, AttentionMask())] == ring_order(cp, r)
+        cost = 0
         for step, owner in enumerate(ring_order(cp, r)):
-            blocks = blocks_between(cp, r, owner)
+            blocks = blocks_between(cp, r, owner, c, AttentionMask())
             for b in blocks:
                 pair = (context_split.chunk_ids(cp, r)[b.q], context_split.chunk_ids(cp, owner)[b.k])
-                assert pair not in seen
-                seen[pair] = b.causal
-                cost += 0.5 if b.causal else 1.0
-            assert sum(0.5 if b.causal else 1.0 for b in blocks) == 2.0, (cp, r, step)  # every step alike
+                assert pair not in seen and (b.queries[0], b.keys[0]) == (pair[0] * c, pair[1] * c)
+                seen[pair] = b.pairs == c * (c + 1) // 2  # the diagonal: its lower triangle
+                assert b.pairs == c * c or seen[pair]
+                cost += b.pairs
+            # every step alike: two diagonals and a full block at step 0, two full blocks after
+            assert sum(b.pairs for b in blocks) == (2 * c * c if step else c * (c + 1) + c * c), (cp, r, step)
         work.append(cost)
     want = {(q, k): q == k for q in range(2 * cp) for k in range(q + 1)}
     assert seen == want

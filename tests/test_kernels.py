@@ -32,7 +32,7 @@ if not CUDA:
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
         _interp._patch_lang_tensor = _patch_lang_tensor
-    for _name in ("norm_triton", "rope_triton", "swiglu_triton", "ce_triton", "flash_triton"):
+    for _name in ("norm_triton", "rope_triton", "swiglu_triton", "ce_triton", "flash_triton_jit", "flash_triton"):
         if f"kernels.{_name}" in sys.modules:
             importlib.reload(sys.modules[f"kernels.{_name}"])
 

@@ -34,6 +34,8 @@ def _signature(fn, dtype, constexprs):
             sig[name] = "constexpr"
         elif name == "TARGET":
             sig[name] = "*i64"
+        elif name == "VISITS":
+            sig[name] = "*i32"
         elif name in FP32_POINTERS:
             sig[name] = "*fp32"
         elif name.isupper() and name not in SIZES:
@@ -80,8 +82,9 @@ def compile_all():
         fwd, dkdv, dq = flash_triton._configs(d, torch.bfloat16, True)
         for kernel, (bm, bn, warps, stages) in ((flash_triton._attn_fwd, fwd), (flash_triton._attn_bwd_dkdv, dkdv),
                                                 (flash_triton._attn_bwd_dq, dq)):
-            _compile(kernel, dt, dict(CAUSAL=True, D=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, PRECISION="tf32"),
-                     warps, stages)
+            for windowed in (False, True):  # causal, and causal with a sliding window
+                _compile(kernel, dt, dict(CAUSAL=True, WINDOWED=windowed, COUNT=False, D=d, BLOCK_M=bm, BLOCK_N=bn,
+                                          BLOCK_D=d, PRECISION="tf32"), warps, stages)
         _compile(flash_triton._attn_bwd_delta, dt, dict(D=d, BLOCK_M=flash_triton.DELTA_BLOCK, BLOCK_D=d), 4, 3)
 
 

@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from engine.config.fields import PIPELINE_SCHEDULES, SHARDING_STRATEGIES, TOKENIZER_TYPES, ConfigError, _err
-from engine.config.model import ModelConfig, moe_layer_pattern, padded_vocab_size
+from engine.config.model import (
+    ModelConfig,
+    moe_layer_pattern,
+    padded_vocab_size,
+    window_layer_pattern,
+    window_size_pair,
+)
 from engine.config.sections import (
     CheckpointConfig,
     DataConfig,
@@ -78,4 +84,5 @@ class Config:
 
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig",
            "ParallelConfig", "PIPELINE_SCHEDULES", "SECTIONS", "SHARDING_STRATEGIES", "StabilityConfig",
-           "TOKENIZER_TYPES", "TrainingConfig", "_err", "moe_layer_pattern", "padded_vocab_size"]
+           "TOKENIZER_TYPES", "TrainingConfig", "_err", "moe_layer_pattern", "padded_vocab_size", "window_layer_pattern",
+           "window_size_pair"]

@@ -8,15 +8,10 @@ from typing import Optional
 from engine.config.fields import _err, _f
 
 
-def moe_layer_pattern(freq, num_layers: int) -> list:
-    """--moe-layer-freq as one 0/1 per layer: an integer N (layers 0, N, 2N, ... are MoE) or Megatron-LM's list
-    expression of 0s and 1s, e.g. '[0]*3+[1]*29' or '[0,1,1,1]' (lists, integers, + and * only)."""
+def _layer_list(flag: str, freq, num_layers: int, example: str) -> list:
+    """Megatron-LM's per-layer list expression of 0s and 1s (lists, integers, + and * only), e.g. '[0]*3+[1]*29'
+    or '([1]*3+[0])*2', as one 0/1 per layer; anything else is one line naming `flag`."""
     text = str(freq).strip()
-    if text.isdigit():
-        n = int(text)
-        if n < 1:
-            _err("--moe-layer-freq", freq, "must be at least 1, or a list of 0/1 per layer like '[0]*1+[1]*3'")
-        return [int(i % n == 0) for i in range(num_layers)]
 
     def value(node):
         if isinstance(node, ast.List):
@@ -28,13 +23,64 @@ def moe_layer_pattern(freq, num_layers: int) -> list:
             return a + b if isinstance(node.op, ast.Add) else a * b
         raise ValueError(text)
     try:
-        pattern = value(ast.parse(text.strip("()"), mode="eval").body)
+        pattern = value(ast.parse(text, mode="eval").body)
     except (SyntaxError, ValueError, TypeError):
         pattern = None
     if not isinstance(pattern, list) or len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
-        _err("--moe-layer-freq", freq, f"give N or a list of {num_layers} 0/1 values (one per layer), "
-                                       f"e.g. '[0]*1+[1]*{num_layers - 1}'")
+        _err(flag, freq, f"give N or a list of {num_layers} 0/1 values (one per layer), e.g. '{example}'")
     return pattern
+
+
+def _every_nth(flag: str, freq, example: str) -> Optional[int]:
+    """N of a frequency flag given as an integer (or its digits), None when it is a list expression."""
+    text = str(freq).strip()
+    if not text.lstrip("-").isdigit():
+        return None
+    if int(text) < 1:
+        _err(flag, freq, f"must be at least 1, or a list of 0/1 per layer like '{example}'")
+    return int(text)
+
+
+def moe_layer_pattern(freq, num_layers: int) -> list:
+    """--moe-layer-freq as one 0/1 per layer: an integer N (layers 0, N, 2N, ... are MoE) or Megatron-LM's list
+    expression of 0s and 1s, e.g. '[0]*3+[1]*29' or '[0,1,1,1]'."""
+    example = f"[0]*1+[1]*{num_layers - 1}"
+    n = _every_nth("--moe-layer-freq", freq, example)
+    if n is not None:
+        return [int(i % n == 0) for i in range(num_layers)]
+    return _layer_list("--moe-layer-freq", freq, num_layers, example)
+
+
+def window_size_pair(value) -> Optional[tuple]:
+    """--window-size as Megatron-LM's (left, right) pair: a query at position i sees the keys at i - left .. i +
+    right (the query's own position is not counted in either), -1 meaning no bound on that side. Given as
+    'L,R', '(L,R)' or a YAML list; None when not given."""
+    if value is None:
+        return None
+    parts = value if isinstance(value, (list, tuple)) else str(value).strip().strip("()[]").split(",")
+    try:
+        left, right = (int(str(p).strip()) for p in parts)
+    except ValueError:
+        left = right = None
+    if left is None or left < -1:
+        _err("--window-size", value, "give L,R with L >= 0 keys before each query (or -1: no bound), e.g. 4095,0")
+    if right != 0:
+        _err("--window-size", value, f"this decoder is causal: a query sees no later key, so the right side must be "
+                                     f"0 (use {left},0)")
+    return left, right
+
+
+def window_layer_pattern(freq, num_layers: int) -> list:
+    """--window-attn-skip-freq as one 0/1 per layer, 1 where the layer has the window (Megatron-Core's
+    is_layer_window_attention): None, every layer; an integer N, all but every Nth layer counting from 1
+    (layers N-1, 2N-1, ... from 0 get full attention); a list expression, 1 for window and 0 for full."""
+    if freq is None:
+        return [1] * num_layers
+    example = f"[1]*{num_layers - 1}+[0]"
+    n = _every_nth("--window-attn-skip-freq", freq, example)
+    if n is not None:
+        return [int((i + 1) % n != 0) for i in range(num_layers)]
+    return _layer_list("--window-attn-skip-freq", freq, num_layers, example)
 
 
 @dataclass
@@ -69,6 +115,11 @@ class ModelConfig:
     hidden_dropout: float = _f(0.0, "dropout on the residual branches")
     attention_dropout: float = _f(0.0, "dropout on attention probabilities")
     init_method_std: float = _f(0.02, "std of the normal weight init; output projections use std/sqrt(2*layers)")
+    window_size: Optional[str] = _f(None, "sliding-window attention 'L,0': each query sees itself and the L keys "
+                                          "before it (transformers' sliding_window W is W-1,0; -1: no bound)")
+    window_attn_skip_freq: Optional[str] = _f(None, "with --window-size, the layers with full attention instead: N "
+                                                    "(every Nth layer counting from 1) or a 0/1 list per layer, 1 for "
+                                                    "window, e.g. '[1,1,0]*4' (default: the window on every layer)")
     attention_backend: str = _f("auto", "attention implementation (auto picks the fastest available; Megatron-LM's "
                                 "fused and unfused are read as auto and local)",
                                 choices=("auto", "flash", "triton", "sdpa", "local", "fused", "unfused"))
@@ -106,6 +157,14 @@ class ModelConfig:
         if not self.num_experts:
             return []
         return [i for i, moe in enumerate(moe_layer_pattern(self.moe_layer_freq, self.num_layers)) if moe]
+
+    def attention_window(self, layer: int) -> Optional[int]:
+        """L of layer `layer`'s sliding window (a query sees keys at most L positions before it), or None where the
+        layer attends to every earlier position (no --window-size, an unbounded -1, or a skipped layer)."""
+        pair = window_size_pair(self.window_size)
+        if pair is None or pair[0] < 0:
+            return None
+        return pair[0] if window_layer_pattern(self.window_attn_skip_freq, self.num_layers)[layer] else None
 
     def resolved_moe_ffn_hidden_size(self) -> int:
         return self.moe_ffn_hidden_size or self.resolved_ffn_hidden_size()

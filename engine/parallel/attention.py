@@ -19,7 +19,7 @@ class LocalAttention:
         self.kernel = dispatch.attention_fn(backend)
 
     def __call__(self, q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
-        return self.kernel(q, k, v, mask.causal, dropout_p, None)
+        return self.kernel(q, k, v, mask.causal, dropout_p, None, mask.window)
 
 
 def attention_for(ctx, backend: str, device):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 
-from engine.attention_mask import AttentionMask
+from engine.attention_mask import mean_keys_per_query
 from engine.config import ModelConfig
 from engine.flops import UNIT, Costs
 from engine.layout import Layout, PipelineSchedule
@@ -58,7 +58,7 @@ def layer_activation_bytes(model: ModelConfig, seq_length: int, micro_batch: int
     split = 2 * s * b * (nq * d + nkv * d) + 2 * s * b * nkv * d + 2 * s * b * nq * d + mlp
     # Softmax output (2) per score, and with attention dropout its mask (1) and the dropout output (2).
     per_score = 2 + 3 * (model.attention_dropout > 0)
-    keys = AttentionMask.of(model).keys_per_query(s * cp)  # each local query against the whole sequence
+    keys = mean_keys_per_query(model, s * cp)  # each local query against the whole sequence (or window)
     scores = 0 if (flash_attention or recompute == "selective") else per_score * nq * s * keys * b
     routed = moe_mlp_activation_bytes(model, s * b, tp, sp) if moe else 0.0
     return replicated / sp + (split + scores) / tp + routed

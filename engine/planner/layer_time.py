@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.attention_mask import AttentionMask
+from engine.attention_mask import mean_keys_per_query
 from engine.config import ModelConfig
 from engine.flops import GPUSpec, attention_matrices, mlp_matrices
 from engine.layout import Layout
@@ -78,7 +78,7 @@ def _attention_seconds(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpe
     each rank computes 1/cp of the (load-balanced) score blocks."""
     b, t, cp = layout.micro_batch_size, layout.tp, layout.cp
     d, heads = model.head_dim(), model.num_attention_heads / t
-    keys = AttentionMask.of(model).keys_per_query(seq)
+    keys = mean_keys_per_query(model, seq)  # the layers' average: windowed layers count their window
     if sw.flash_attention:
         eff = sw.attention_efficiency or FLASH_ATTENTION_EFFICIENCY.get(gpu.name, FLASH_ATTENTION_DEFAULT)
         fwd = 4 * b * seq * keys * heads * d / cp / (gpu.peak_tflops * 1e12 * eff)
