@@ -3,9 +3,9 @@
     python tools/convert_hf.py --hf DIR --out SAVE_DIR [--seq-length N] [--tokenizer-type TYPE]
 
 DIR is what `save_pretrained` writes: config.json and model.safetensors, or shards listed in
-model.safetensors.index.json. Llama (Llama 3 RoPE scaling included), Mistral and Mixtral (without a
-sliding window shorter than --seq-length), Qwen2 (QKV biases) and GPT-2 are read, one tensor at a time, so memory stays
-near the largest tensor. SAVE_DIR gets the checkpoint, which loads at any tp/pp layout, and `model.yaml`,
+model.safetensors.index.json. Llama (Llama 3 RoPE scaling included), Mistral and Mixtral (their sliding
+window as --window-size), Qwen2 (QKV biases, its windowed layers as --window-attn-skip-freq) and GPT-2 are
+read, one tensor at a time, so memory stays near the largest tensor. SAVE_DIR gets the checkpoint, which loads at any tp/pp layout, and `model.yaml`,
 a --config file with the model's flags and its tokenizer (as far as this build's flags can name it);
 the flags are also printed. Continue pretraining from it with a fresh optimizer at iteration 0:
 
@@ -35,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf", required=True, help="folder written by save_pretrained (config.json + safetensors)")
     p.add_argument("--out", required=True, help="checkpoint directory to create (use it as --load)")
     p.add_argument("--seq-length", type=int, help="the run's --seq-length (default: the model's positions, at most "
-                                                   "4096 and its sliding window)")
+                                                   "4096)")
     p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES,
                    help="the tokenizer to record (default: found in --hf: tokenizer.model, tokenizer.json, or "
                         "vocab.json + merges.txt)")

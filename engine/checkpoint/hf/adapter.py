@@ -41,10 +41,6 @@ def has_shape(m, shape: dict) -> bool:
     return all(facts[k] == v for k, v in shape.items())
 
 
-def _no_window(hf: dict) -> None:
-    return None
-
-
 def _as_written(values: dict) -> dict:
     return values
 
@@ -60,6 +56,6 @@ class Adapter:
     plan: Callable      # ModelConfig -> [(HF name, our name, Transform)]: the table both directions read
     fits: Callable      # ModelConfig -> whether the family computes the model exactly (export picks it)
     imports: tuple = ()                # the config.json model_types read as this family; none: export only
-    window: Callable = _no_window      # config.json -> the attention window it sets (None: the whole sequence)
+    windows: bool = False              # its rules carry a sliding window (export picks no other for a windowed model)
     prepare: Callable = _as_written    # config.json values (defaults filled in) -> as the rules read them
     moe: bool = False                  # listed in MOE_ARCHITECTURES rather than ARCHITECTURES

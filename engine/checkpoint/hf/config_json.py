@@ -40,26 +40,17 @@ def model_fields(hf: dict) -> tuple:
     return kind, fields
 
 
-def sliding_window(hf: dict) -> Optional[int]:
-    """The attention window of an imported config.json (None: full causal attention)."""
-    kind = import_family(hf.get("model_type"))
-    return FAMILIES[kind].window(hf) if kind else None
-
-
 def imported_config(hf: dict, seq_length: Optional[int] = None) -> tuple:
     """(FAMILIES key, run Config, the ModelConfig fields set) of a transformers config.json, at `seq_length`
-    (default: the model's positions, at most DEFAULT_SEQ_LENGTH and its attention window)."""
+    (default: the model's positions, at most DEFAULT_SEQ_LENGTH)."""
     arch, fields = model_fields(hf)
     cfg = Config()
     for name, value in fields.items():
         setattr(cfg.model, name, value)
-    m, window = cfg.model, sliding_window(hf)
+    m = cfg.model
     if seq_length is not None and seq_length < 1:
         raise ConfigError(f"--seq-length {seq_length}: must be at least 1")
-    m.seq_length = seq_length or min(n for n in (m.max_position_embeddings, window, DEFAULT_SEQ_LENGTH) if n)
-    if window and window < m.seq_length:
-        raise ConfigError(f"--seq-length {m.seq_length}: {hf.get('model_type')} attends to a sliding window of "
-                          f"{window} tokens and Ternion to the whole sequence; use --seq-length {window} or less")
+    m.seq_length = seq_length or min(n for n in (m.max_position_embeddings, DEFAULT_SEQ_LENGTH) if n)
     if m.position_embedding_type == "learned_absolute" and m.seq_length > m.max_position_embeddings:
         raise ConfigError(f"--seq-length {m.seq_length}: the model has {m.max_position_embeddings} learned positions "
                           "(n_positions); use at most that")

@@ -8,19 +8,25 @@ from __future__ import annotations
 
 from typing import Optional
 
-from engine.checkpoint.hf import gpt2, llama, mixtral, moe, qwen2, qwen2_moe
+from engine.checkpoint.hf import gpt2, llama, mistral, mixtral, moe, qwen2, qwen2_moe
 from engine.config import ConfigError
 
-FAMILIES = {a.model_type: a for a in (llama.ADAPTER, qwen2.ADAPTER, gpt2.ADAPTER, mixtral.ADAPTER, qwen2_moe.ADAPTER)}
+FAMILIES = {a.model_type: a for a in (llama.ADAPTER, mistral.ADAPTER, qwen2.ADAPTER, gpt2.ADAPTER, mixtral.ADAPTER,
+                                       qwen2_moe.ADAPTER)}
 ARCHITECTURES = {key: a for key, a in FAMILIES.items() if not a.moe}
 MOE_ARCHITECTURES = {key: a for key, a in FAMILIES.items() if a.moe}
 
 
 def export_family(m) -> str:
     """The FAMILIES key of the family that computes ModelConfig `m` exactly; else one ConfigError line."""
+    windowed = any(m.attention_window(i) is not None for i in range(m.num_layers))
     for key, adapter in FAMILIES.items():
-        if adapter.fits(m):
+        if adapter.fits(m) and (adapter.windows or not windowed):
             return key
+    shaped = next((adapter.name for adapter in FAMILIES.values() if adapter.fits(m)), None)
+    if shaped:
+        raise ConfigError(f"--format hf: the model has a sliding window (--window-size {m.window_size}), which "
+                          f"{shaped} cannot express here; use --format native")
     if m.num_experts:
         raise moe.refusal(m)
     raise ConfigError("--format hf: the model is neither Llama-shaped (RMSNorm, rope, swiglu; Qwen2 with "

@@ -1,8 +1,9 @@
 """LlamaForCausalLM: RMSNorm, rotary positions (optionally Llama 3.1's scaling), SwiGLU, grouped-query attention.
 
-Mistral imports as Llama (the same tensors; its sliding window bounds --seq-length). The projections are
-Linear weights [out, in]: q/k/v/o and gate/up/down. The rules, layer pieces and plan here are the base the
-other Llama-shaped families (qwen2, mixtral, qwen2_moe) build on.
+The projections are Linear weights [out, in]: q/k/v/o and gate/up/down. The rules, layer pieces and plan here
+are the base the other Llama-shaped families (mistral, qwen2, mixtral, qwen2_moe) build on, among them the
+sliding window as transformers writes it: `sliding_window` W counts the query itself, so it is --window-size
+W-1,0.
 """
 from __future__ import annotations
 
@@ -108,8 +109,30 @@ def plan(m, layer=None) -> list:
     return entries
 
 
-def _window(hf: dict):
-    return hf.get("sliding_window") if hf.get("model_type") == "mistral" else None
+def windows(m) -> list:
+    """The window (--window-size's L) of each of the model's layers, None where a layer attends to all before it."""
+    return [m.attention_window(i) for i in range(m.num_layers)]
+
+
+def sliding_window_out(m):
+    """config.json sliding_window (W = L + 1) of a model whose windowed layers share one L; None: no window."""
+    return next((left + 1 for left in windows(m) if left is not None), None)
+
+
+def sliding_window_into(v) -> dict:
+    return {"window_size": f"{v - 1},0"} if v else {}
+
+
+def every_layer_window(name: str) -> Rule:
+    """`sliding_window` of a family that applies it to every layer (Mistral, Mixtral): a model with full
+    attention on some layers and the window on others is one line."""
+    def out(m):
+        if len(set(windows(m))) > 1:
+            raise ConfigError(f"--format hf: {name} applies its sliding window to every layer, and this model has "
+                              f"full attention on some (--window-attn-skip-freq {m.window_attn_skip_freq}); use "
+                              "--format native")
+        return sliding_window_out(m)
+    return Rule("sliding_window", out, sliding_window_into)
 
 
 ADAPTER = Adapter(
@@ -119,4 +142,4 @@ ADAPTER = Adapter(
     {"attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "rms_norm_eps": 1e-6,
      "max_position_embeddings": 2048},
     plan, lambda m: not m.num_experts and has_shape(m, SHAPE),
-    imports=("llama", "mistral"), window=_window, prepare=rope_parameters)
+    imports=("llama",), prepare=rope_parameters)

@@ -1,6 +1,6 @@
 """MixtralForCausalLM: Llama attention, every layer MoE, no shared expert, no biases. `block_sparse_moe.gate` is
-the router, `block_sparse_moe.experts.{e}.w1 / w3 / w2` expert e's gate / up / down projections. Imported too;
-its sliding window, where set, bounds the imported --seq-length.
+the router, `block_sparse_moe.experts.{e}.w1 / w3 / w2` expert e's gate / up / down projections. Imported too,
+with its sliding window (on every layer, where set).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ RULES = tuple(r for r in llama.RULES if r.key != "intermediate_size") + (
     Rule("intermediate_size", lambda m: m.resolved_moe_ffn_hidden_size(), lambda v: {"ffn_hidden_size": v}),
     same("num_local_experts", "num_experts"), same("num_experts_per_tok", "moe_router_topk"),
     Rule("router_jitter_noise", lambda m: 0.0, lambda v: {}),  # noise on training inputs only: not kept
-    Rule("sliding_window", lambda m: None, lambda v: {}),  # imported as the Adapter's window
+    llama.every_layer_window("MixtralForCausalLM"),
 )
 
 
@@ -33,4 +33,4 @@ ADAPTER = Adapter(
     {"tie_word_embeddings": False, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "rope_theta": 1e6,
      "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 14336},
     lambda m: moe.plan(m, block), _fits,
-    imports=("mixtral",), window=lambda hf: hf.get("sliding_window"), prepare=llama.rope_parameters, moe=True)
+    imports=("mixtral",), windows=True, prepare=llama.rope_parameters, moe=True)
