@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 from engine.checkpoint.hf import import_hf
@@ -65,7 +66,7 @@ def command_line(values: dict) -> str:
         if value is True:
             parts.append(flag_of(name))
         elif value is not False:
-            parts.append(f"{flag_of(name)} {value}")
+            parts.append(f"{flag_of(name)} {shlex.quote(str(value))}")  # '[0,1]' is a shell glob unquoted
     return " ".join(parts)
 
 
