@@ -81,7 +81,9 @@ def counting() -> Iterator[dict]:
 
 
 def _visits(device) -> torch.Tensor:
-    return torch.zeros(1, dtype=torch.int32, device=device)
+    """The counter a launch adds its visits to (never written outside counting(): no memset then)."""
+    return torch.zeros(1, dtype=torch.int32, device=device) if _counts is not None else \
+        torch.empty(1, dtype=torch.int32, device=device)
 
 
 def _counted(kernel: str, visits: torch.Tensor) -> None:
