@@ -2,7 +2,7 @@
 PYTHON ?= python3
 STAMP := .cache/deps-installed
 
-.PHONY: deps demo test test-fast clean
+.PHONY: deps demo test test-fast gpu-check clean
 
 # Torch is never replaced when one is importable (a GPU machine keeps its CUDA build); a machine
 # without one gets the CPU build 2.13.0, never the multi-GB CUDA wheels. Triton is pinned to the
@@ -25,6 +25,11 @@ test: deps
 # Skips the cases marked slow; for quick iteration only (CI runs `make test`).
 test-fast: deps
 	$(PYTHON) -m pytest -q -m "not slow" tests
+
+# The prepared GPU check (issue 31): installs nothing, since a lent GPU machine reaches no registry; needs torch
+# (CUDA build), triton and transformers. GPU_CHECK_ARGS passes options, e.g. "--quick" or "--device cpu --dry-run".
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf .cache runs demo_out build *.egg-info

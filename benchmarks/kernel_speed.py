@@ -127,7 +127,8 @@ def _attention_case(b, s, nq, nkv, d, dtype, device):
     return impls, {"sdpa": [qt, kt, vt], "default": [q, k, v]}, flops, 2.5 * flops, {"shape": [b, s, nq, nkv, d]}
 
 
-def _cases(device, dtype, quick=False):
+def cases(device, dtype, quick=False):
+    """Name -> case builder at training sizes on CUDA (unless `quick`), tiny ones elsewhere."""
     if device == "cuda" and not quick:
         return {
             "rms_norm": lambda: _norm_case("rms_norm", 16384, 8192, dtype, device),
@@ -219,8 +220,8 @@ def run(ops, reps, dtype_name, quick=False):
         notes.append("Triton kernels need CUDA and triton: timing the PyTorch references against eager only")
     if not cuda:
         notes.append("torch.compile is skipped on CPU (its C++ build would dominate a smoke run)")
-    cases = _cases(device, dtype, quick)
-    rows = [row for name in ops or list(cases) if name in cases for row in measure_case(name, cases[name], device, reps)]
+    todo = cases(device, dtype, quick)
+    rows = [row for name in ops or list(todo) if name in todo for row in measure_case(name, todo[name], device, reps)]
     name = torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)"
     return {"device": name, "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,
             "triton": _version("triton"), "flash_attn": _version("flash_attn"), "notes": notes, "results": rows}
@@ -284,7 +285,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny shapes on any device (a smoke run)")
     args = parser.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
-    known = set(_cases("cuda", torch.float32)) | set(_cases("cpu", torch.float32))
+    known = set(cases("cuda", torch.float32)) | set(cases("cpu", torch.float32))
     unknown = [o for o in ops if o not in known]
     if unknown or args.reps < 1:
         what = f"unknown kernel(s) {','.join(unknown)}; choose from {','.join(sorted(known))}" if unknown \

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 OUT_OF_TIME = "out of time budget"
 NEEDS_CUDA = "skipped: needs CUDA"
@@ -95,13 +94,7 @@ class Record:
 
 
 def _plain(value):
-    """JSON for what json does not know (dataclasses, numpy and torch scalars)."""
-    if hasattr(value, "__dataclass_fields__"):
-        return asdict(value)
+    """JSON for what json does not know: numpy and torch scalars as numbers, anything else as its text."""
     if hasattr(value, "item"):
         return value.item()
     return str(value)
-
-
-def stderr_line(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)

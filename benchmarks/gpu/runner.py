@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
 import tempfile
 import time
 import traceback
@@ -77,11 +78,10 @@ def run_one(section: Section, opts: Options, earlier: dict, path: str, budget: f
     child.join(budget + GRACE)
     killed = child.is_alive()
     if killed:
-        child.terminate()
+        _end_group(child.pid, signal.SIGTERM)
         child.join(5)
-        if child.is_alive():
-            child.kill()
-            child.join()
+    _end_group(child.pid, signal.SIGKILL)  # also what it started and left behind (pytest, workers, compilers)
+    child.join()
     result = _read(path)
     result.update(seconds=round(time.time() - start, 1), budget_s=round(budget, 1))
     result["status"] = _status(result, killed, child.exitcode, budget)
@@ -90,7 +90,16 @@ def run_one(section: Section, opts: Options, earlier: dict, path: str, budget: f
     return result
 
 
+def _end_group(pid: int, sig) -> None:
+    """Signal the section's process group: the section and every process it started."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def _child(section: Section, opts: Options, earlier: dict, path: str, deadline: float) -> None:
+    os.setpgid(0, 0)  # its own process group, so that ending it ends its subprocesses too (not a new session)
     record = Record(section.name, path, opts, deadline)
     try:
         section.run(opts, record, earlier)
