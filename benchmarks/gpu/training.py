@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from benchmarks.gpu import models
 from benchmarks.gpu.bench import MICROBATCHES, Bench, release
 from benchmarks.gpu.context import NEEDS_CUDA
 from benchmarks.train import process_group
@@ -63,9 +64,16 @@ def train(opts, record, family: str, matmul) -> None:
 
 
 def fit(opts, record, family: str):
-    """The Bench at the largest micro batch of the list that fits, or None (recorded why)."""
+    """The Bench at the largest micro batch of the list that fits, or None (recorded why). A micro batch the
+    planner says cannot fit is not tried (each try builds three models: seconds of the lease), except the last."""
     sizes = opts.pick(*MICRO[family])
+    card = torch.cuda.get_device_properties(0).total_memory if opts.cuda else None
     for micro in sizes:
+        need = resident_bytes(family, micro)
+        if card and need > card and micro != sizes[-1]:
+            record.note(f"{family}: micro batch {micro} not tried: the planner puts the three loops at "
+                        f"{need / 2**30:.0f} GiB, the card has {card / 2**30:.0f}")
+            continue
         try:
             bench = Bench(family, "tiny" if opts.dry_run else "full", micro, "cuda:0" if opts.cuda else "cpu")
             record.figure(f"{family}_micro_batch", micro, "sequences",
@@ -76,6 +84,17 @@ def fit(opts, record, family: str):
         release(opts.cuda)  # outside the except: its traceback no longer holds the failed try's tensors
     record.skip(f"{family} training", f"out of memory at every micro batch of {sizes}")
     return None
+
+
+def resident_bytes(family: str, micro: int) -> float:
+    """The planner's bytes for the three loops at once: the engine's state, the plain and transformers loops'
+    fp32 weights and AdamW state, and the largest one step adds (activations, logits, fp32 gradients)."""
+    cfg = models.config(family, "full", micro, MICROBATCHES, 1, bf16=True)
+    m = cfg.model
+    engine = memory_per_gpu(m, Layout.from_config(cfg, 1), m.seq_length, MICROBATCHES, "bf16")
+    plain = memory_per_gpu(m, Layout(micro_batch_size=micro), m.seq_length, MICROBATCHES, "fp32")
+    kept = engine.weights + engine.grads + engine.optimizer + 2 * (plain.weights + plain.optimizer)
+    return kept + max(engine.activations + engine.logits, plain.activations + plain.logits + plain.grads)
 
 
 def report(opts, record, bench, phase: str, matmul, backend: str = "") -> None:
