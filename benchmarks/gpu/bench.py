@@ -23,25 +23,30 @@ MAX_ITERS = 64     # the engine's schedule and mock data are sized for this many
 
 
 class Bench:
+    """The engine, plain and transformers loops of one model at one micro batch, with their timings."""
+
     def __init__(self, family: str, size: str, micro_batch: int, device: str):
         self.family, self.device, self.cuda = family, device, device.startswith("cuda")
         self.cfg = models.config(family, size, micro_batch, MICROBATCHES, MAX_ITERS, bf16=self.cuda)
         self.round = 0
         self.loops, self.persistent = {}, {}
         self.times, self.losses, self.peaks, self.errors = {}, {}, {}, {}
-        self.ctx, trainer = engine_trainer(self.cfg, device)
+        base = self._allocated()
+        self.ctx, trainer = engine_trainer(self.cfg, device)  # the engine's model and optimizer: its bytes
         try:
-            self._add(loops.EngineLoop(trainer))
-            plain = self._add(loops.TorchLoop(self.cfg, self.ctx, trainer, device))
-            self._add(loops.TransformersLoop(self.cfg, self.ctx, trainer, device, plain.model))
+            self._add(lambda: loops.EngineLoop(trainer), base)
+            plain = self._add(lambda: loops.TorchLoop(self.cfg, self.ctx, trainer, device))
+            self._add(lambda: loops.TransformersLoop(self.cfg, self.ctx, trainer, device, plain.model))
         except BaseException:
             self.close()  # an out-of-memory here is answered with a smaller micro batch: free this one first
             raise
         self.round = 1
 
-    def _add(self, loop):
-        """Build-and-first-step of one loop (round 0), metering what it keeps allocated."""
-        base = self._allocated()
+    def _add(self, make, base=None):
+        """Build (`make()`) and first step (round 0) of one loop, metering what it keeps allocated from `base`
+        (default: now, before the build)."""
+        base = self._allocated() if base is None else base
+        loop = make()
         self.loops[loop.name] = loop
         self.losses[loop.name] = [loop.step(0)]
         self._sync()
@@ -59,6 +64,8 @@ class Bench:
         """`count` rounds, every live loop one step each, in rotating order; timed into `phase` if measured."""
         for _ in range(count):
             names = list(self.loops)
+            if not names:
+                return
             k = self.round % len(names)
             for name in names[k:] + names[:k]:
                 self._timed_step(name, phase, measured)
@@ -81,7 +88,7 @@ class Bench:
             return
         seconds = time.perf_counter() - start
         self.times.setdefault(key if measured else (name, phase + ":warm-up"), []).append(seconds)
-        if self.cuda:
+        if self.cuda and measured:  # steady state: not the compiling or first steps
             self.peaks[key] = max(self.peaks.get(key, 0), torch.cuda.max_memory_allocated() - base)
 
     def drop(self, name: str) -> None:

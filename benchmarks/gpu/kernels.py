@@ -46,6 +46,7 @@ def rate(row: dict) -> tuple:
 
 
 def run(opts, record, earlier) -> None:
+    """Each case if its likely cost fits what is left; every implementation's row recorded as it comes."""
     reps = opts.pick(20, 10, 2)
     for name, case in todo(opts).items():
         if not record.has_time(name, 15.0 if opts.cuda else 1.0):  # a torch.compile of one case: ~5-15 s

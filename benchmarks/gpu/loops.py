@@ -93,7 +93,15 @@ def load_engine_weights(model, source, plan, vocab_size: int) -> None:
                            f"missing {sorted(left)[:5]}")
 
 
+RECOMPILE_LIMIT = 64  # the engine's layer class serves both models and both precisions: more than dynamo's 8 guards
+
+
 def compile_layers(loop, backend: str) -> None:
-    """Compile each transformer layer of `loop` in place."""
+    """Compile each transformer layer of `loop` in place. Past dynamo's recompile limit a layer would silently
+    run eager and its row would not be a compiled one, so the limit is raised first."""
+    import torch._dynamo
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # renamed in torch 2.7
+    setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
     for layer in loop.layers():
         layer.compile(backend=backend)

@@ -15,6 +15,7 @@ PLANNER_ANCHOR = "planner within 10% of measured (goal, engine rows)"
 
 
 def run(opts, record, earlier) -> None:
+    """The planner rows come from the training section's record (its models are gone by now)."""
     for row in earlier.get("training", {}).get("tables", {}).get("training", []):
         ratio = row.get("planner_over_measured")
         record.row("planner", {k: row.get(k) for k in ("family", "loop", "mode", "micro_batch", "peak_gib",

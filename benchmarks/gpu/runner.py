@@ -70,6 +70,7 @@ def run_sections(sections, opts: Options, total_s: float) -> dict:
 
 
 def run_one(section: Section, opts: Options, earlier: dict, path: str, budget: float) -> dict:
+    """Fork, wait for the deadline plus GRACE, end the section's whole process group, read its record."""
     say(opts, f"section {section.name}: starting, budget {budget:.0f} s")
     start = time.time()
     child = multiprocessing.get_context("fork").Process(target=_child, args=(section, opts, earlier, path,

@@ -40,6 +40,8 @@ def run(opts, record, earlier) -> None:
 
 
 def train(opts, record, family: str, matmul) -> None:
+    """Eager rows first and recorded at once, then the compiled ones if time allows: a kill during the
+    (long, unpredictable) compilation keeps the eager figures."""
     bench = fit(opts, record, family)
     if bench is None:
         return
@@ -47,7 +49,7 @@ def train(opts, record, family: str, matmul) -> None:
         warm, iters = opts.pick((2, 5), (1, 4), (1, 2))
         bench.rounds(warm, False, "eager")
         bench.rounds(iters, True, "eager")
-        report(opts, record, bench, "eager", matmul)
+        report(record, bench, "eager", matmul)
         if record.has_time(f"{family} torch.compile", opts.pick(*COMPILE_NEED[family])):
             backend = "inductor" if opts.cuda else "eager"  # on CPU only dynamo's capture runs: no C++ build
             for name in list(bench.loops):
@@ -58,7 +60,7 @@ def train(opts, record, family: str, matmul) -> None:
                     bench.drop(name)
             bench.rounds(warm, False, "compile")
             bench.rounds(iters, True, "compile")
-            report(opts, record, bench, "compile", matmul, backend)
+            report(record, bench, "compile", matmul, backend)
     finally:
         bench.close()
 
@@ -97,7 +99,7 @@ def resident_bytes(family: str, micro: int) -> float:
     return kept + max(engine.activations + engine.logits, plain.activations + plain.logits + plain.grads)
 
 
-def report(opts, record, bench, phase: str, matmul, backend: str = "") -> None:
+def report(record, bench, phase: str, matmul, backend: str = "") -> None:
     for name in ("engine", "plain", "transformers"):
         row = {"model": FAMILIES[bench.family], "family": bench.family, "loop": name, "mode": phase,
                "compile_backend": backend, **shape(bench), **bench.summary(name, phase),
