@@ -11,7 +11,12 @@ KERNEL_IMPLS = ("triton", "triton-inplace", "compile", "eager", "sdpa-flash", "s
 
 def _t(header: list, rows: list) -> list:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return out + ["| " + " | ".join("" if c is None else str(c) for c in row) + " |" for row in rows]
+    return out + ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+
+
+def _cell(value) -> str:
+    """A table cell: an error text's pipes and line breaks would otherwise break the table."""
+    return "" if value is None else str(value).replace("|", "\\|").replace("\n", " ")
 
 
 def _n(x, digits: int = 3) -> str:
