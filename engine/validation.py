@@ -8,6 +8,7 @@ them through engine/data.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Optional
 
@@ -318,6 +319,9 @@ def _check_logging(lg: LoggingConfig) -> None:
     if lg.profile and not 1 <= lg.profile_step_start <= lg.profile_step_end:
         _err("--profile-step-start", lg.profile_step_start,
              f"must be at least 1 and at most --profile-step-end {lg.profile_step_end}")
+    if lg.wandb_project and importlib.util.find_spec("wandb") is None:
+        _err("--wandb-project", lg.wandb_project, "the wandb package is not installed here: pip install wandb, or drop "
+                                                  "the flag (--tensorboard-dir and --metrics-file keep the same scalars)")
 
 
 def _check_files(cfg: Config) -> None:
