@@ -26,5 +26,6 @@ def layer(m, src: str, dst: str) -> list:
 ADAPTER = Adapter(
     "Olmo2ForCausalLM", "olmo2", SHAPE, RULES,
     {"tie_word_embeddings": False, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "attention_bias": False},
-    lambda m: llama.plan(m, lambda i, src, dst: layer(m, src, dst)), lambda m: not m.num_experts and has_shape(m, SHAPE),
+    lambda m: llama.plan(m, lambda i, src, dst: layer(m, src, dst)),
+    lambda m: not m.num_experts and has_shape(m, SHAPE),
     imports=("olmo2",), prepare=llama.rope_parameters)
