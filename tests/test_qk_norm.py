@@ -8,7 +8,8 @@ weight's gradient equal transformers' (1e-5 of their scale).
 Against one rank: a two-layer model at tp 2 (x dp 2, with and without sequence parallelism) for each form,
 LayerNorm and RMSNorm per head, and pre and post placement: loss and every parameter's gradient, as the grad
 buffer leaves them (the per-head weights' partial gradients summed over tp), gathered, equal tp 1's (1e-5).
-Budget: about 5 s (one shared pool of 4 ranks).
+And the bytes a layer keeps for backward with QK-norm, measured, against the planner's count.
+Budget: about 6 s (one shared pool of 4 ranks).
 """
 import dataclasses
 
@@ -110,6 +111,25 @@ def test_the_flags_and_their_mistakes():
                  ["--qk-layernorm", "--qk-layernorm-scope", "projection"]):
         with pytest.raises(ConfigError, match="--qk-layernorm-scope projection: is RMSNorm over the whole q and k"):
             validate(parse_config(["--mock-data", *argv]), 1)
+
+
+def test_what_it_keeps_for_backward_and_the_planner_counts():
+    """QK-norm keeps its inputs q and k and 1/rms (per token and head, or per token for the whole projection),
+    nothing more (no normalised copy, no view pinning the fused QKV output); post placement keeps as much as
+    pre. The planner counts the inputs (2-byte units, x 2 here in fp32)."""
+    from benchmarks.memory import MICRO, SEQ as S, llama_config, measure
+    from engine.planner.activations import layer_activation_bytes
+    base = llama_config("none")
+    q_k = S * MICRO * (base.num_attention_heads + base.resolved_query_groups())
+    for changes, rstd in ((dict(qk_layernorm=True), q_k * 4), (dict(qk_layernorm=True, qk_layernorm_scope="projection",
+                                                                    norm_placement="post"), S * MICRO * 2 * 4)):
+        cfg = dataclasses.replace(base, **changes)
+        grown = measure(cfg, ParallelContext.virtual(), torch.device("cpu"))[0] - \
+            measure(base, ParallelContext.virtual(), torch.device("cpu"))[0]
+        assert grown == q_k * base.head_dim() * 4 + rstd, changes
+        planned = layer_activation_bytes(cfg, S, MICRO, flash_attention=True) - \
+            layer_activation_bytes(base, S, MICRO, flash_attention=True)
+        assert 2 * planned == q_k * base.head_dim() * 4
 
 
 # ---------------------------------------------------------------- tp 2 against one rank
