@@ -8,7 +8,7 @@ computes); logits equal transformers' (fp32, 1e-5) at tp 1 and at tp 2 x pp 2 (s
 HF -> Ternion -> HF gives identical tensors; each trains 10 steps at tp 2 x pp 2 from the converted weights
 with --finetune (first-step loss equal to transformers' on the same batch), exports back, and the export's
 logits equal Ternion's for the trained weights; Qwen3's tokenizer, beside its weights, goes through the run to
-the export and encodes the same. Budget on two cores: about 30 s (one 4-rank pool run).
+the export and encodes the same. Budget on two cores: about 10 s with the pool of 4 ranks started (one run).
 """
 import json
 import os

@@ -9,7 +9,7 @@ Against one rank: a two-layer model at tp 2 (x dp 2, with and without sequence p
 LayerNorm and RMSNorm per head, and pre and post placement: loss and every parameter's gradient, as the grad
 buffer leaves them (the per-head weights' partial gradients summed over tp), gathered, equal tp 1's (1e-5).
 And the bytes a layer keeps for backward with QK-norm, measured, against the planner's count.
-Budget: about 6 s (one shared pool of 4 ranks).
+Budget: about 12 s alone, most of it starting the pool of 4 ranks (shared with the other tests).
 """
 import dataclasses
 
@@ -20,7 +20,7 @@ from engine.checkpoint.hf.transforms import QKV
 from engine.cli import parse_config
 from engine.config import ConfigError, ModelConfig
 from engine.model import GPTModel
-from engine.parallel.layers import local_slice, spec_of
+from engine.parallel.layers import init_weights, local_slice, spec_of
 from engine.parallel.topology import ParallelContext, build_context
 from engine.validation import validate
 from harness import full_grad, grad_buffer, run_ranks
@@ -111,6 +111,19 @@ def test_the_flags_and_their_mistakes():
                  ["--qk-layernorm", "--qk-layernorm-scope", "projection"]):
         with pytest.raises(ConfigError, match="--qk-layernorm-scope projection: is RMSNorm over the whole q and k"):
             validate(parse_config(["--mock-data", *argv]), 1)
+
+
+@pytest.mark.parametrize("scope", ["head", "projection"])
+def test_in_bf16_the_norms_compute_in_fp32_and_return_bf16(scope):
+    from engine.parallel.qk_norm import QKNorm
+    m, g = _model_cfg(qk_layernorm_scope=scope), torch.Generator().manual_seed(4)
+    q, k = torch.randn(SEQ, BATCH, 4, 16, generator=g) * 3, torch.randn(SEQ, BATCH, 2, 16, generator=g) * 3
+    norms = [QKNorm(m, ParallelContext.virtual(), dtype=dtype) for dtype in (torch.float32, torch.bfloat16)]
+    for norm in norms:
+        init_weights(norm, ParallelContext.virtual(), seed=1)
+    want, got = norms[0](q, k), norms[1](q.bfloat16(), k.bfloat16())
+    for a, b in zip(got, want):
+        assert a.dtype == torch.bfloat16 and (a.float() - b).abs().max().item() < 2e-2 * b.abs().max().item()
 
 
 def test_what_it_keeps_for_backward_and_the_planner_counts():

@@ -41,8 +41,8 @@ class _ProjectionRMSNorm(torch.autograd.Function):
         rstd = torch.rsqrt(squares / squares.new_tensor(sizes) + eps)
         ctx.save_for_backward(q, k, wq, wk, rstd)
         ctx.sizes, ctx.group = sizes, group
-        return tuple((x * rstd[..., i, None, None] * w.float().view(x.shape[-2:])).to(x.dtype)
-                     for i, (x, w) in enumerate(zip(xs, (wq, wk))))
+        return tuple((x * rstd[..., i, None, None] * w.float().view(x.shape[-2:])).to(t.dtype)
+                     for i, (x, w, t) in enumerate(zip(xs, (wq, wk), (q, k))))
 
     @staticmethod
     def backward(ctx, dq, dk):
@@ -50,14 +50,12 @@ class _ProjectionRMSNorm(torch.autograd.Function):
         xs, dys, ws = (q.float(), k.float()), (dq.float(), dk.float()), (wq, wk)
         gs = [dy * w.float().view(x.shape[-2:]) for x, dy, w in zip(xs, dys, ws)]
         dots = _summed(torch.stack([(g * x).sum((-2, -1)) for g, x in zip(gs, xs)], -1), ctx.group)
-        grads = []
-        for i, (x, dy, g, w) in enumerate(zip(xs, dys, gs, ws)):
-            r = rstd[..., i, None, None]
-            dx = r * (g - x * r.pow(2) * (dots[..., i, None, None] / ctx.sizes[i]))
-            dw = (dy * x * r).reshape(-1, w.numel()).sum(0).to(w.dtype)
-            grads.append((dx, dw))
-        (dq_, dwq), (dk_, dwk) = grads
-        return dq_.to(q.dtype), dk_.to(k.dtype), dwq, dwk, None, None, None
+        dxs, dws = [], []
+        for i, (x, dy, g, w, t) in enumerate(zip(xs, dys, gs, ws, (q, k))):
+            r = rstd[..., i, None, None]  # y = x r w with r = (sum(x^2) / N + eps)^-1/2, the sum over all of x
+            dxs.append((r * (g - x * r.pow(2) * (dots[..., i, None, None] / ctx.sizes[i]))).to(t.dtype))
+            dws.append((dy * x * r).reshape(-1, w.numel()).sum(0).to(w.dtype))
+        return (*dxs, *dws, None, None, None)
 
 
 class _Weight(nn.Module):
