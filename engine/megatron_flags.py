@@ -216,8 +216,6 @@ FLAGS = (
     Flag("--no-save-optim", NOT_DONE, "the optimizer state is saved"),
     Flag("--tiktoken-pattern", NOT_DONE, "Megatron-LM's TikTokenizer only", str),
     # concepts Ternion does not have
-    Flag("--qk-layernorm", REFUSED, "normalizing queries and keys per head (QK-norm) is not in Ternion's model; drop "
-                                    "it (for loss spikes see --z-loss-weight and --spike-rollback-after)"),
     Flag("--squared-relu", REFUSED, "the squared-ReLU MLP is not implemented; use the GELU MLP (default) or --swiglu"),
     Flag("--rotary-interleaved", REFUSED, "interleaved rotary pairs (GPT-J style) are not implemented: RoPE rotates "
                                           "the two halves of each head (Llama style); drop it"),

@@ -184,6 +184,9 @@ def _check_model(m: ModelConfig) -> None:
                                               "or --attention-backend sdpa")
     if m.openai_gelu and m.swiglu:
         _err("--openai-gelu", "with --swiglu", "the GELU form applies to the GELU MLP only; drop one of them")
+    if m.qk_layernorm_scope == "projection" and not (m.qk_layernorm and m.normalization == "RMSNorm"):
+        _err("--qk-layernorm-scope", "projection", "is RMSNorm over the whole q and k projections (OLMo-2): add "
+                                                   "--qk-layernorm and --normalization RMSNorm")
     if m.use_rope_scaling:
         _check_rope_scaling(m)
 
