@@ -2,7 +2,7 @@
 PYTHON ?= python3
 STAMP := .cache/deps-installed
 
-.PHONY: deps demo test test-fast clean
+.PHONY: deps demo test test-fast test-triton gpu-check clean
 
 # Torch is never replaced when one is importable (a GPU machine keeps its CUDA build); a machine
 # without one gets the CPU build 2.13.0, never the multi-GB CUDA wheels. Triton is pinned to the
@@ -25,6 +25,20 @@ test: deps
 # Skips the cases marked slow; for quick iteration only (CI runs `make test`).
 test-fast: deps
 	$(PYTHON) -m pytest -q -m "not slow" tests
+
+# The kernels in Triton's interpreter under the oldest and the newest Triton setup.py allows (3.6 is torch 2.11's,
+# 3.9 the newest); each wheel is fetched once into .cache and put first on the path.
+TRITON_VERSIONS := 3.6.0 3.9.0
+test-triton: deps
+	@for v in $(TRITON_VERSIONS); do \
+		[ -d .cache/triton-$$v ] || $(PYTHON) -m pip install -q --no-deps --target .cache/triton-$$v triton==$$v || exit 1; \
+		echo "triton $$v:"; PYTHONPATH=.cache/triton-$$v:. $(PYTHON) -m pytest -q tests/test_kernels.py || exit 1; \
+	done
+
+# The prepared GPU check (issue 31): installs nothing, since a lent GPU machine reaches no registry; needs torch
+# (CUDA build), triton and transformers. GPU_CHECK_ARGS passes options, e.g. "--quick" or "--device cpu --dry-run".
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf .cache runs demo_out build *.egg-info

@@ -26,8 +26,8 @@ from kernels import dispatch, reference
 EPS = 1e-5
 
 
-def _timer(fn, reps: int, cuda: bool) -> float:
-    """Median milliseconds of fn() after warm-up."""
+def median_ms(fn, reps: int, cuda: bool) -> float:
+    """Median milliseconds of fn() after warm-up (device events on CUDA, so queued work is not mistaken for done)."""
     for _ in range(3):
         fn()
     times = []
@@ -127,7 +127,8 @@ def _attention_case(b, s, nq, nkv, d, dtype, device):
     return impls, {"sdpa": [qt, kt, vt], "default": [q, k, v]}, flops, 2.5 * flops, {"shape": [b, s, nq, nkv, d]}
 
 
-def _cases(device, dtype, quick=False):
+def cases(device, dtype, quick=False):
+    """Name -> case builder at training sizes on CUDA (unless `quick`), tiny ones elsewhere."""
     if device == "cuda" and not quick:
         return {
             "rms_norm": lambda: _norm_case("rms_norm", 16384, 8192, dtype, device),
@@ -167,8 +168,8 @@ def _measure(name, impl, fn, leaves, fwd_work, bwd_work, reps, cuda):
     if cuda:
         torch.cuda.synchronize()
         row["peak_extra_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
-    row["fwd_ms"] = _timer(fn, reps, cuda)
-    row["bwd_ms"] = _timer(lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True), reps, cuda)
+    row["fwd_ms"] = median_ms(fn, reps, cuda)
+    row["bwd_ms"] = median_ms(lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True), reps, cuda)
     unit, scale = ("tflops", 1e-12) if name.startswith("attention") else ("gbps", 1e-9)
     row[f"fwd_{unit}"] = round(fwd_work * scale / (row["fwd_ms"] * 1e-3), 2)
     row[f"bwd_{unit}"] = round(bwd_work * scale / (row["bwd_ms"] * 1e-3), 2)
@@ -177,36 +178,50 @@ def _measure(name, impl, fn, leaves, fwd_work, bwd_work, reps, cuda):
     return row
 
 
+def attention_grid(device, dtype, seqs=(2048, 4096, 8192), dims=(64, 128), tokens=16384, hidden=2048) -> dict:
+    """Causal attention at the FlashAttention papers' benchmark shapes: batch x seq = `tokens`, heads x head dim
+    = `hidden`, as many key/value heads as query heads, so the published TFLOP/s are comparable."""
+    return {f"attention_d{d}_s{s}": (lambda s=s, d=d: _attention_case(tokens // s, s, hidden // d, hidden // d, d,
+                                                                       dtype, device))
+            for d in dims for s in seqs}
+
+
+def measure_case(name, case, device, reps) -> list:
+    """Rows of every implementation of one case on `device` (`case()` builds them): the Triton kernel where CUDA
+    and triton are present, torch.compile of the eager function on CUDA, then the rest; a failing one is a row
+    with its error."""
+    cuda = device == "cuda"
+    impls, leaves, fwd_work, bwd_work, meta = case()
+    if cuda:
+        impls.pop("reference")
+        if "eager" in impls and not name.startswith("attention"):
+            impls = {"compile": torch.compile(impls["eager"]), **impls}
+    if not (cuda and dispatch.triton_available()):
+        impls.pop("triton", None)
+        impls.pop("triton-inplace", None)
+    rows = []
+    for impl, fn in impls.items():
+        own = leaves if isinstance(leaves, list) else leaves["sdpa" if impl.startswith("sdpa") else "default"]
+        try:
+            rows.append({**_measure(name, impl, fn, own, fwd_work, bwd_work, reps, cuda), **meta})
+        except Exception as exc:  # one backend failing (unsupported shape, compile error) must not stop the rest
+            rows.append({"kernel": name, "impl": impl, "error": f"{type(exc).__name__}: {exc}"[:200]})
+    if cuda:
+        torch.cuda.empty_cache()
+    return rows
+
+
 def run(ops, reps, dtype_name, quick=False):
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = getattr(torch, dtype_name) if cuda else torch.float32
-    triton_on = cuda and dispatch.triton_available()
-    rows, notes = [], []
-    if not triton_on:
+    notes = []
+    if not (cuda and dispatch.triton_available()):
         notes.append("Triton kernels need CUDA and triton: timing the PyTorch references against eager only")
     if not cuda:
         notes.append("torch.compile is skipped on CPU (its C++ build would dominate a smoke run)")
-    cases = _cases(device, dtype, quick)
-    for name in ops or list(cases):
-        if name not in cases:
-            continue
-        impls, leaves, fwd_work, bwd_work, meta = cases[name]()
-        if cuda:
-            impls.pop("reference")
-            if "eager" in impls and not name.startswith("attention"):
-                impls = {"compile": torch.compile(impls["eager"]), **impls}
-        if not triton_on:
-            impls.pop("triton", None)
-            impls.pop("triton-inplace", None)
-        for impl, fn in impls.items():
-            own = leaves if isinstance(leaves, list) else leaves["sdpa" if impl.startswith("sdpa") else "default"]
-            try:
-                rows.append({**_measure(name, impl, fn, own, fwd_work, bwd_work, reps, cuda), **meta})
-            except Exception as exc:  # one backend failing (unsupported shape, compile error) must not stop the rest
-                rows.append({"kernel": name, "impl": impl, "error": f"{type(exc).__name__}: {exc}"[:200]})
-        if cuda:
-            torch.cuda.empty_cache()
+    todo = cases(device, dtype, quick)
+    rows = [row for name in ops or list(todo) if name in todo for row in measure_case(name, todo[name], device, reps)]
     name = torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)"
     return {"device": name, "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,
             "triton": _version("triton"), "flash_attn": _version("flash_attn"), "notes": notes, "results": rows}
@@ -270,7 +285,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny shapes on any device (a smoke run)")
     args = parser.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
-    known = set(_cases("cuda", torch.float32)) | set(_cases("cpu", torch.float32))
+    known = set(cases("cuda", torch.float32)) | set(cases("cpu", torch.float32))
     unknown = [o for o in ops if o not in known]
     if unknown or args.reps < 1:
         what = f"unknown kernel(s) {','.join(unknown)}; choose from {','.join(sorted(known))}" if unknown \

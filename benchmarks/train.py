@@ -16,6 +16,7 @@ they agree to rounding, which shows both loops do the same work.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -29,7 +30,8 @@ from engine.resolve import resolve
 from engine.validation import validate
 
 
-def _parse(argv):
+def parse(argv):
+    """(own options, validated one-device Config) from the command line; ConfigError on bad input."""
     p = argparse.ArgumentParser(prog="benchmarks/train.py", add_help=False)
     p.add_argument("--iters", type=int, default=20, help="measured iterations per loop")
     p.add_argument("--warmup", type=int, default=3, help="iterations run first and not measured")
@@ -88,12 +90,10 @@ class PlainLoop:
     def __init__(self, cfg, ctx, trainer, device):
         import torch
 
-        from engine.model import GPTModel
         from engine.precision import model_dtype
         self.cfg, self.trainer, self.device = cfg, trainer, device
         self.autocast = model_dtype(cfg) if model_dtype(cfg) != torch.float32 else None
-        self.model = GPTModel(cfg.model, ctx, vocab_size=cfg.model.vocab_size, z_loss_weight=cfg.optim.z_loss_weight,
-                              seed=cfg.training.seed, device=device, dtype=torch.float32)
+        self.model = self.build_model(ctx)
         self.model.train()
         params = [p for p in self.model.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
@@ -103,21 +103,39 @@ class PlainLoop:
                                      betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2), eps=cfg.optim.adam_eps, **fast)
         self.params = params
 
+    def build_model(self, ctx):
+        """The fp32 model this loop trains (a subclass trains another implementation of the same one)."""
+        import torch
+
+        from engine.model import GPTModel
+        cfg = self.cfg
+        return GPTModel(cfg.model, ctx, vocab_size=cfg.model.vocab_size, z_loss_weight=cfg.optim.z_loss_weight,
+                        seed=cfg.training.seed, device=self.device, dtype=torch.float32)
+
+    def loss(self, batch):
+        """One microbatch's mean token loss."""
+        from engine.loss import mean_loss
+        return mean_loss(self.model(tokens=batch["tokens"], labels=batch["labels"]), batch["loss_mask"])
+
+    def batches(self, iteration: int) -> list:
+        """The microbatches of `iteration`: the samples the engine's sampler hands out at that step."""
+        from engine.data import make_batch
+        tr = self.cfg.training
+        gbs, mbs = tr.global_batch_size, tr.micro_batch_size
+        first = iteration * gbs
+        return [make_batch(self.trainer.train_ds, list(range(i, i + mbs)), device=self.device)
+                for i in range(first, first + gbs, mbs)]
+
     def step(self, iteration: int) -> float:
         import torch
 
-        from engine.data import make_batch
-        from engine.loss import mean_loss
         from engine.optim import lr_at
         cfg, tr = self.cfg, self.cfg.training
-        gbs, mbs = tr.global_batch_size, tr.micro_batch_size
-        first = iteration * gbs
-        batches = [make_batch(self.trainer.train_ds, list(range(i, i + mbs)), device=self.device)
-                   for i in range(first, first + gbs, mbs)]
+        batches = self.batches(iteration)
         total = 0.0
         for batch in batches:
             with torch.autocast(torch.device(self.device).type, dtype=self.autocast, enabled=self.autocast is not None):
-                loss = mean_loss(self.model(tokens=batch["tokens"], labels=batch["labels"]), batch["loss_mask"])
+                loss = self.loss(batch)
             (loss / len(batches)).backward()
             total += loss.item()
         if cfg.optim.clip_grad:
@@ -129,22 +147,42 @@ class PlainLoop:
         return total / len(batches)
 
 
+@contextlib.contextmanager
+def process_group(use_cuda: bool):
+    """A process group of one on this machine (the engine's collectives need one even at world size 1)."""
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def engine_trainer(cfg, device) -> tuple:
+    """(context, started Trainer) of a one-device run of `cfg`, inside `process_group`."""
+    import torch
+
+    from engine.layout import Layout
+    from engine.parallel.topology import context_for
+    from engine.training import Trainer
+    ctx = context_for(Layout.from_config(cfg, 1), 0, seed=cfg.training.seed, device_type=torch.device(device).type)
+    trainer = Trainer(cfg, ctx, device, log=lambda _msg: None)
+    trainer.start()
+    return ctx, trainer
+
+
 def run(own, cfg) -> dict:
     import torch
-    import torch.distributed as dist
 
     from engine import flops
-    from engine.layout import Layout
     from engine.metrics import peak_tflops
-    from engine.parallel.topology import context_for
     from engine.precision import model_dtype
-    from engine.training import Trainer
 
     use_cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
     if cfg.training.device == "cuda" and not use_cuda:
         raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu or auto")
     device = "cuda:0" if use_cuda else "cpu"
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     dtype = model_dtype(cfg)
     peak = peak_tflops(cfg, torch.device(device))
     peak_source = "--peak-tflops" if cfg.logging.peak_tflops else "device preset"
@@ -152,12 +190,8 @@ def run(own, cfg) -> dict:
     if measured:  # measured before and after the loops, the best kept: the machine may be busy meanwhile
         peak = measured_matmul_tflops(device, dtype)
         peak_source = f"measured {str(dtype).replace('torch.', '')} 1024^3 matmul on this machine"
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=0, world_size=1)
-    try:
-        ctx = context_for(Layout.from_config(cfg, 1), 0, seed=cfg.training.seed,
-                          device_type="cuda" if use_cuda else "cpu")
-        trainer = Trainer(cfg, ctx, device, log=lambda _msg: None)
-        trainer.start()
+    with process_group(use_cuda):
+        ctx, trainer = engine_trainer(cfg, device)
         plain = PlainLoop(cfg, ctx, trainer, device)
         sync = torch.cuda.synchronize if use_cuda else (lambda: None)
         times = {"engine": [], "plain": []}
@@ -178,8 +212,6 @@ def run(own, cfg) -> dict:
                     times[name].append(time.perf_counter() - t0)
                 losses[name].append(loss)
         ctx.destroy()
-    finally:
-        dist.destroy_process_group()
 
     if measured:
         peak = max(peak, measured_matmul_tflops(device, dtype))
@@ -214,7 +246,7 @@ def table(r: dict) -> str:
 
 def main(argv=None) -> int:
     try:
-        own, cfg = _parse(argv)
+        own, cfg = parse(argv)
         result = run(own, cfg)
     except ConfigError as e:
         print(f"benchmarks/train.py: error: {e}", file=sys.stderr)

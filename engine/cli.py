@@ -29,6 +29,7 @@ class OneLineParser(argparse.ArgumentParser):
 
     def __init__(self, *args, raise_errors: bool = False, script: Optional[str] = None,
                  elsewhere: Optional[dict] = None, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # `--seq-len 32` is a mistake to name, not --seq-length
         super().__init__(*args, **kwargs)
         self.raise_errors, self.elsewhere = raise_errors, elsewhere or {}
         self.script = script or self.prog

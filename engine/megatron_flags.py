@@ -115,6 +115,12 @@ def _tensorboard_log_interval(value, _):
     return None
 
 
+def _expert_tensor_parallel(value, _):
+    if value != 1:
+        raise ConfigError(f"--expert-tensor-parallel-size {value}: experts are not split over tp here (each tp rank "
+                          "routes its own tokens under --sequence-parallel); use 1 or drop it")
+
+
 def _meaning(name, text, apply, value_type=None, choices=()):
     return Flag(name, MEANING, text, value_type, choices, apply)
 
@@ -124,7 +130,6 @@ _FP8 = "FP8 training (Transformer Engine) is not supported; use --bf16"
 _PER_SPLIT = "separate datasets per split are not supported; give --data-path and --split (e.g. --split 949,50,1)"
 _DECOUPLED = ("a separate LR for the embedding and output layers is not supported: one --lr/--min-lr schedule drives "
               "every parameter; drop it")
-_WANDB = "Weights & Biases logging is not built in; use --tensorboard-dir (wandb sync uploads it) or --metrics-file"
 FLAGS = (
     # accepted with Megatron-LM's meaning
     _meaning("--group-query-attention", "grouped-query attention; --num-query-groups defaults to 1 with it",
@@ -211,8 +216,6 @@ FLAGS = (
     Flag("--no-save-optim", NOT_DONE, "the optimizer state is saved"),
     Flag("--tiktoken-pattern", NOT_DONE, "Megatron-LM's TikTokenizer only", str),
     # concepts Ternion does not have
-    Flag("--qk-layernorm", REFUSED, "normalizing queries and keys per head (QK-norm) is not in Ternion's model; drop "
-                                    "it (for loss spikes see --z-loss-weight and --spike-rollback-after)"),
     Flag("--squared-relu", REFUSED, "the squared-ReLU MLP is not implemented; use the GELU MLP (default) or --swiglu"),
     Flag("--rotary-interleaved", REFUSED, "interleaved rotary pairs (GPT-J style) are not implemented: RoPE rotates "
                                           "the two halves of each head (Llama style); drop it"),
@@ -227,8 +230,8 @@ FLAGS = (
                                            "that saved it (its metrics.args.json is a --config file holding all)"),
     Flag("--hierarchical-context-parallel-sizes", REFUSED, "context parallelism is one ring (or one all-gather) "
                                                            "over --context-parallel-size ranks; drop it"),
-    Flag("--expert-tensor-parallel-size", REFUSED, "experts are not split over tp (each tp rank routes its own "
-                                                   "tokens under --sequence-parallel); drop it"),
+    _meaning("--expert-tensor-parallel-size", "1: experts are not split over tp (what Ternion does)",
+             _expert_tensor_parallel, int),
     Flag("--moe-router-pre-softmax", REFUSED, "the softmax router takes the top-k of the softmax and renormalises "
                                               "them (Mixtral); un-renormalised pre-softmax weights are not implemented"),
     Flag("--moe-router-num-groups", REFUSED, "group-limited (device-limited) routing is not implemented; drop it"),
@@ -238,8 +241,6 @@ FLAGS = (
                                                         "and the grouped GEMM takes uneven groups; drop it"),
     Flag("--decoupled-lr", REFUSED, _DECOUPLED),
     Flag("--decoupled-min-lr", REFUSED, _DECOUPLED),
-    *(Flag(name, REFUSED, _WANDB) for name in ("--wandb-project", "--wandb-exp-name", "--wandb-save-dir",
-                                               "--wandb-entity")),
 )
 BY_NAME = {f.name: f for f in FLAGS}
 _NOTE_HEADS = {IMPLEMENTATION: "Megatron-LM implementation choices, nothing to choose here (Ternion has one of each)",

@@ -106,6 +106,15 @@ def _clean(value):
     return value
 
 
+def _wandb_run(cfg):
+    """A Weights & Biases run logging the TensorBoard scalars under the same tags (Megatron-LM's --wandb-* flags);
+    validation has checked that the package is there."""
+    import wandb  # optional: only runs that ask for it need it
+    lg = cfg.logging
+    return wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name, dir=lg.wandb_save_dir, entity=lg.wandb_entity,
+                      config=cfg.to_dict(), resume="allow")
+
+
 class MetricsWriter:
     """`log_train(record)`, `log_valid(iteration, loss)`, `log_event(iteration, kind, **info)`, `close()`.
 
@@ -118,6 +127,7 @@ class MetricsWriter:
         self.path = metrics_path(cfg) if rank == 0 else None
         self.file = None
         self.tb = None
+        self.wandb = _wandb_run(cfg) if rank == 0 and cfg.logging.wandb_project else None
         if self.path:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             self.file = open(self.path, "a", buffering=1)  # line-buffered: a crash loses at most a line
@@ -132,8 +142,11 @@ class MetricsWriter:
 
     def _scalar(self, tag: str, value, step: int) -> None:
         value = _clean(value)
-        if self.tb and isinstance(value, (int, float)) and not isinstance(value, bool):
-            self.tb.add_scalar(tag, value, step)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if self.tb:
+                self.tb.add_scalar(tag, value, step)
+            if self.wandb:
+                self.wandb.log({tag: value}, step=step)
 
     def log_train(self, record: dict) -> Optional[str]:
         """Write the iteration's record as it is (per iteration); return the console line if one is due."""
@@ -163,6 +176,9 @@ class MetricsWriter:
         if self.tb:
             self.tb.close()
             self.tb = None
+        if self.wandb:
+            self.wandb.finish()
+            self.wandb = None
 
 
 def _si(x: float, digits: int = 3) -> str:

@@ -2,9 +2,10 @@
 
 One class covers GPT-2/3 (LayerNorm, learned positions, exact or tanh GELU, biases, tied embeddings) and
 Llama 2/3 (RMSNorm, rotary positions with optional Llama 3.1 scaling, SwiGLU, grouped-query attention, no
-biases, untied output); Mistral is Llama-shaped and Qwen2 adds a bias to the QKV projection only. Each
-layer's attention mask (causal, with the sliding window where --window-size gives that layer one) is its
-engine.attention_mask value.
+biases, untied output); Mistral is Llama-shaped and Qwen2 adds a bias to the QKV projection only; Qwen3
+normalises q and k per head (QK-norm), and OLMo-2 over the whole projection, with its norms on each sublayer's
+output rather than its input. Each layer's attention mask (causal, with the sliding window where --window-size
+gives that layer one) is its engine.attention_mask value.
 Activations are [s, b, h] between layers, or this rank's slice of the sequence where the parallel context
 splits it (sequence parallelism: the context decides, the model asks it). The model sees whatever positions
 of each sequence it is given (`positions`: the pipeline runner cuts a microbatch for context parallelism
@@ -33,6 +34,7 @@ from engine.moe.layer import MoELayer
 from engine.parallel import mappings
 from engine.parallel.attention import attention_for
 from engine.parallel.cross_entropy import vocab_parallel_cross_entropy
+from engine.parallel.qk_norm import QKNorm
 from engine.parallel.layers import (
     ColumnParallelLinear,
     Norm,
@@ -75,6 +77,7 @@ class Attention(nn.Module):
         self.qkv = ColumnParallelLinear(cfg.hidden_size, self.groups * (per_group + 2) * self.head_dim, ctx,
                                         bias=bias or cfg.add_qkv_bias, std=cfg.init_method_std, device=device,
                                         dtype=dtype)
+        self.qk_norm = QKNorm(cfg, ctx, device, dtype) if cfg.qk_layernorm else None
         self.proj = RowParallelLinear(self.heads * self.head_dim, cfg.hidden_size, ctx, bias=bias, std=out_std,
                                       device=device, dtype=dtype)
         self.selective = cfg.recompute_granularity == "selective"
@@ -100,6 +103,8 @@ class Attention(nn.Module):
         qkv = qkv.view(s, b, self.groups // self.ctx.tp_size, per_group + 2, self.head_dim)
         q = qkv[..., :per_group, :].reshape(s, b, -1, self.head_dim)
         k, v = qkv[..., per_group, :], qkv[..., per_group + 1, :]
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(q, k)
         if freqs is not None:
             q, k = dispatch.apply_rope(q, freqs), dispatch.apply_rope(k, freqs)
         # Attention keeps q, k and v for backward: each gets storage of its own (RoPE's output or a copy),
@@ -137,14 +142,20 @@ def moe_block(cfg: ModelConfig, ctx, out_std, device, dtype) -> MoELayer:
 
 
 class TransformerLayer(nn.Module):
+    """Attention then MLP, each a residual branch with its norm: norm1 the attention's, norm2 the MLP's, on the
+    branch's input (--norm-placement pre) or on its output (post, OLMo-2: x + norm(f(x))). `layer`: its global id."""
+
     def __init__(self, cfg: ModelConfig, ctx, device, dtype, layer: int, moe: bool = False):
         super().__init__()
-        self.ctx, self.dropout = ctx, cfg.hidden_dropout
+        self.ctx, self.dropout, self.post_norm = ctx, cfg.hidden_dropout, cfg.norm_placement == "post"
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-        self.norm1 = Norm(cfg.hidden_size, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype)
-        self.attention = Attention(cfg, ctx, out_std, device, dtype, layer)
-        self.norm2 = Norm(cfg.hidden_size, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype)
-        self.mlp = moe_block(cfg, ctx, out_std, device, dtype) if moe else MLP(cfg, ctx, out_std, device, dtype)
+        parts = {"norm1": Norm(cfg.hidden_size, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype),
+                 "attention": Attention(cfg, ctx, out_std, device, dtype, layer),
+                 "norm2": Norm(cfg.hidden_size, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype),
+                 "mlp": moe_block(cfg, ctx, out_std, device, dtype) if moe else MLP(cfg, ctx, out_std, device, dtype)}
+        # Registered in the order forward uses them, the order the grad buffer lays parameters out in.
+        for name in ("attention", "norm1", "mlp", "norm2") if self.post_norm else parts:
+            setattr(self, name, parts[name])
 
     def _drop(self, x):
         if not self.training or self.dropout == 0.0:
@@ -153,6 +164,9 @@ class TransformerLayer(nn.Module):
             return F.dropout(x, self.dropout, training=True)
 
     def forward(self, x, freqs, positions):
+        if self.post_norm:
+            x = x + self._drop(self.norm1(self.attention(x, freqs)))
+            return x + self._drop(self.norm2(self.mlp(x, positions)))
         # The residual add before the MLP's norm is fused with it: one pass over the activations.
         h, x = self.norm2.add(self._drop(self.attention(self.norm1(x), freqs)), x)
         return x + self._drop(self.mlp(h, positions))

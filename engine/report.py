@@ -47,6 +47,27 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2 ** 20:.2f} MiB"
 
 
+def _schedule_and_sharding(layout) -> str:
+    """What runs the pipeline and what the replicas shard, named as the flags name them."""
+    out = ""
+    if layout.pp > 1:
+        out += f", pipeline schedule {layout.pipeline_schedule} ({layout.vpp} model chunk{'s' * (layout.vpp > 1)} " \
+               "per rank)"
+    if layout.shard_group > 1:
+        out += f", data-parallel sharding {layout.sharding_strategy}"
+    return out
+
+
+def _memory_line(mem, precision: str, cuda: bool) -> str:
+    """The planner's estimate; a CPU process has no CUDA context to reserve for."""
+    parts = (f"{_size(mem.allocated)} allocated (weights {_size(mem.weights)}, grads {_size(mem.grads)}, optimizer "
+             f"{_size(mem.optimizer)}, activations {_size(mem.activations)}, logits {_size(mem.logits)})")
+    if cuda:
+        return (f"memory per GPU (estimate, busiest stage {mem.rank}, {precision}): {_size(mem.total)} = {parts} "
+                "+ allocator slack and the CUDA-context reserve")
+    return f"memory per process (estimate, busiest stage {mem.rank}, {precision}): {parts}"
+
+
 def banner(cfg, ctx, chunks, device, layout: str) -> str:
     """Start-up summary (rank 0 prints it): layout, parameters per stage, batch arithmetic, memory, kernels.
 
@@ -66,16 +87,13 @@ def banner(cfg, ctx, chunks, device, layout: str) -> str:
     cp = f" x cp {ctx.cp_size} ({ctx.cp_comm_type})" if ctx.cp_size > 1 else ""
     ep = f" (ep {ctx.ep_size}: {cfg.model.num_experts // ctx.ep_size} of {cfg.model.num_experts} experts per rank)" \
         if cfg.model.num_experts else ""
-    lines = [f"Ternion: world {ctx.world_size} = tp {ctx.tp_size}{cp} x pp {ctx.pp_size} x dp {ctx.dp_size}{ep}"
-             f"{f' (vpp {ctx.vpp_size})' if ctx.vpp_size > 1 else ''}, sequence parallel {ctx.sequence_parallel}",
+    lines = [f"Ternion: world {ctx.world_size} = tp {ctx.tp_size}{cp} x pp {ctx.pp_size} x dp {ctx.dp_size}{ep}, "
+             f"sequence parallel {ctx.sequence_parallel}{_schedule_and_sharding(ctx.layout)}",
              layout,
              f"parameters: {sum(per_stage):,} in total; per pipeline stage: {stages}",
              f"batch: micro {tr.micro_batch_size} x dp {ctx.dp_size} x accumulation {accum} = global "
              f"{gbs}{ramp}; {gbs * cfg.model.seq_length:,} tokens per iteration",
-             f"memory per GPU (estimate, busiest stage {mem.rank}, {precision_name(cfg)}): {_size(mem.total)} = "
-             f"{_size(mem.allocated)} allocated (weights {_size(mem.weights)}, grads {_size(mem.grads)}, optimizer "
-             f"{_size(mem.optimizer)}, activations {_size(mem.activations)}, logits {_size(mem.logits)}) "
-             f"+ allocator slack and the CUDA-context reserve",
+             _memory_line(mem, precision_name(cfg), torch.device(device).type == "cuda"),
              f"kernels: {json.dumps(kernels)}",
              f"device: {device}" + (f", {torch.get_num_threads()} CPU threads per process"
                                    if torch.device(device).type == "cpu" else "")]

@@ -99,7 +99,8 @@ class Trainer:
         check_resumed(self.cfg, point.directory, self.iteration, extra["config"], self.log, extra.get("finetune"))
         if "guard" in extra:
             self.guard.load_state_dict(extra["guard"])
-        self.log(f"resumed from {point.directory} at iteration {self.iteration} ({self.consumed} samples consumed)")
+        moved = f", resharded from {extra['saved_layout']} (fresh RNG streams)" if "saved_layout" in extra else ""
+        self.log(f"resumed from {point.directory} at iteration {self.iteration} ({self.consumed} samples consumed){moved}")
         return True
 
     def save(self) -> None:

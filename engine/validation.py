@@ -8,6 +8,7 @@ them through engine/data.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Optional
 
@@ -189,6 +190,9 @@ def _check_model(m: ModelConfig) -> None:
     window_layer_pattern(m.window_attn_skip_freq, m.num_layers)  # one line where it does not parse
     if m.openai_gelu and m.swiglu:
         _err("--openai-gelu", "with --swiglu", "the GELU form applies to the GELU MLP only; drop one of them")
+    if m.qk_layernorm_scope == "projection" and not (m.qk_layernorm and m.normalization == "RMSNorm"):
+        _err("--qk-layernorm-scope", "projection", "is RMSNorm over the whole q and k projections (OLMo-2): add "
+                                                   "--qk-layernorm and --normalization RMSNorm")
     if m.use_rope_scaling:
         _check_rope_scaling(m)
 
@@ -324,6 +328,9 @@ def _check_logging(lg: LoggingConfig) -> None:
     if lg.profile and not 1 <= lg.profile_step_start <= lg.profile_step_end:
         _err("--profile-step-start", lg.profile_step_start,
              f"must be at least 1 and at most --profile-step-end {lg.profile_step_end}")
+    if lg.wandb_project and importlib.util.find_spec("wandb") is None:
+        _err("--wandb-project", lg.wandb_project, "the wandb package is not installed here: pip install wandb, or drop "
+                                                  "the flag (--tensorboard-dir and --metrics-file keep the same scalars)")
 
 
 def _check_files(cfg: Config) -> None:

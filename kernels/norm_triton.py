@@ -52,16 +52,19 @@ def _norm_bwd(X, W, DY, DSUM, DX, DW_PART, DB_PART, MEAN, RSTD, stride_x, stride
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
     db = tl.zeros((BLOCK,), dtype=tl.float32)
     for i in range(rows_per_program):
-        # The last stripe may run past M: its extra rows load as zeros and contribute nothing.
+        # The last stripe may run past M: its extra rows load x and dy as zeros and contribute nothing; their
+        # statistics are read from the last row. (Triton 3.9's interpreter takes neither a scalar mask nor a
+        # block mask and-ed with a scalar, so the row test is made a block first.)
         row = pid.to(tl.int64) * rows_per_program + i
-        row_mask = mask & (row < M)
+        row_mask = mask & (cols.to(tl.int64) * 0 + row < M)
+        stat_row = tl.minimum(row, M - 1)
         x = tl.load(X + row * stride_x + cols, mask=row_mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + row * stride_dy + cols, mask=row_mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row, mask=row < M, other=0.0)
+        rstd = tl.load(RSTD + stat_row)
         if IS_RMS:
             xhat = x * rstd
         else:
-            xhat = tl.where(row_mask, (x - tl.load(MEAN + row, mask=row < M, other=0.0)) * rstd, 0.0)
+            xhat = tl.where(row_mask, (x - tl.load(MEAN + stat_row)) * rstd, 0.0)
         wdy = w * dy
         dw += dy * xhat
         # d/dx of w * xhat: rstd * (w*dy - xhat * mean(w*dy*xhat) [- mean(w*dy) for LayerNorm]).

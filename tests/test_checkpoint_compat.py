@@ -30,11 +30,14 @@ def test_the_typed_metadata_reads_and_writes_the_old_json_unchanged():
     assert reader.check_files(reader.meta.files) is None
 
 
-@pytest.mark.parametrize("layout,tolerance", [
-    (["--tp", "1", "--pp", "2", "--use-distributed-optimizer"], 0.0),
-    (["--tp", "2", "--pp", "1"], 1e-5),
+# The continuation was recorded on the machine that saved the fixture: another CPU's BLAS rounds fp32 differently
+# (4.8e-7 apart seen on another Xeon), so the same layout is held to 1e-6 relative, not bitwise; two runs on one
+# machine are compared bitwise by tests/test_checkpoint_resume.py.
+@pytest.mark.parametrize("layout,tolerance,relative", [
+    (["--tp", "1", "--pp", "2", "--use-distributed-optimizer"], 1e-6, True),
+    (["--tp", "2", "--pp", "1"], 1e-5, False),
 ], ids=["as-saved", "resharded-tp2"])
-def test_checkpoint_of_the_previous_commit_resumes_its_loss_curve(tmp_path, layout, tolerance):
+def test_checkpoint_of_the_previous_commit_resumes_its_loss_curve(tmp_path, layout, tolerance, relative):
     with open(os.path.join(FIXTURE, "continuation.json")) as fh:
         want = {int(i): loss for i, loss in json.load(fh)["lm_loss"].items()}
     load = tmp_path / "load"
@@ -45,5 +48,5 @@ def test_checkpoint_of_the_previous_commit_resumes_its_loss_curve(tmp_path, layo
     assert f"resumed from {load} at iteration 2" in output
     got = {i: r["lm_loss"] for i, r in last_train_records(read_records(metrics)).items()}
     assert sorted(got) == sorted(want)
-    worst = max(abs(got[i] - want[i]) for i in want)
+    worst = max(abs(got[i] - want[i]) / (abs(want[i]) if relative else 1.0) for i in want)
     assert worst <= tolerance, (worst, got, want)

@@ -45,6 +45,8 @@ def test_resume_at_another_layout_continues_the_loss_curve(uninterrupted, tmp_pa
                                       "--metrics-file", metrics], 8, timeout=180)
     assert code == 0, output[-8000:]
     assert f"resumed from {load} at iteration {SAVED_AT}" in output
+    # a resume under another layout says so (and that its RNG streams are fresh); the same layout's does not
+    assert ("resharded from tp 2 x pp 2 x dp 2 (fresh RNG streams)" in output) == ((tp, pp) != (2, 2)), output[-3000:]
     got, want = _losses(metrics), _losses(str(uninterrupted / "metrics.jsonl"))
     assert sorted(got) == list(range(SAVED_AT + 1, 15))
     worst = max(abs(got[i] - want[i]) for i in got)

@@ -214,6 +214,9 @@ def test_unknown_flags_and_bad_values_are_one_line_naming_the_nearest_flag():
         parse_config(["--tp", "x"])
     with pytest.raises(ConfigError, match="^unexpected argument '2'"):
         parse_config(["--lr", "1", "2"])
+    # a prefix of a flag is not taken for it (argparse would set --seq-length from --seq-len without a word)
+    with pytest.raises(ConfigError, match=r"^unknown flag --seq-len; did you mean --seq-length\?"):
+        parse_config(["--mock-data", "--seq-len", "32"])
 
 
 def test_every_boolean_switches_off_from_the_command_line(tmp_path):

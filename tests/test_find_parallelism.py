@@ -79,7 +79,7 @@ def test_layouts_that_do_not_fit_are_marked_and_the_exit_code_says_none_fits(cap
 
 
 def test_an_unknown_flag_names_the_nearest_one(capsys):
-    assert run_cli("--config", os.path.join(ROOT, "configs", "llama3-8b.yaml"), "--num-gpu", "8", "--jsn") == 2
+    assert run_cli("--config", os.path.join(ROOT, "configs", "llama3-8b.yaml"), "--num-gpus", "8", "--jsn") == 2
     assert capsys.readouterr().err == ("find_parallelism.py: error: unknown flag --jsn; did you mean --json? "
                                        "(python tools/find_parallelism.py --help lists them)\n")
 

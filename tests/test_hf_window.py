@@ -1,6 +1,6 @@
-"""Hugging Face models with sliding windows: Mistral, Qwen2 (windows on the layers from max_window_layers on) and
-Mixtral import their window as --window-size W-1,0 (transformers' sliding_window W counts the query itself)
-and --window-attn-skip-freq, and export it back.
+"""Hugging Face models with sliding windows: Mistral, Mixtral and Qwen3-MoE (every layer), Qwen2 and Qwen3 (the
+layers from max_window_layers on, or as layer_types says) import their window as --window-size W-1,0
+(transformers' sliding_window W counts the query itself) and --window-attn-skip-freq, and export it back.
 
 Tiny transformers models with random weights at SEQ 32, past their windows so the window matters: logits
 equal transformers' (fp32, 1e-5) and differ without the window; merge_ckpt --format hf writes the window's
@@ -77,8 +77,11 @@ def _llama_shaped(**fields) -> Config:
 
 def test_window_keys_read_back_what_they_write():
     """transformers' W is our W-1 both ways; a Qwen2 layer_types list is read as the 0/1 skip list."""
-    for arch, fields, skip in (("mistral", {}, None), ("mixtral", {"num_experts": 4, "moe_router_topk": 2}, None),
-                               ("qwen2", {"add_qkv_bias": True, "window_attn_skip_freq": "[0,0,1,1]"}, "[0,0,1,1]")):
+    moe = {"num_experts": 4, "moe_router_topk": 2}
+    for arch, fields, skip in (("mistral", {}, None), ("mixtral", moe, None),
+                               ("qwen2", {"add_qkv_bias": True, "window_attn_skip_freq": "[0,0,1,1]"}, "[0,0,1,1]"),
+                               ("qwen3", {"qk_layernorm": True, "window_attn_skip_freq": "[0,1,1,1]"}, "[0,1,1,1]"),
+                               ("qwen3_moe", {"qk_layernorm": True} | moe, None)):
         cfg = _llama_shaped(window_size="15,0", **fields)
         assert export_family(cfg.model) == arch
         written = hf_config(arch, cfg)

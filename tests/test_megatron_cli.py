@@ -157,6 +157,7 @@ def test_accepted_flags_set_megatrons_meaning():
     assert vpp.parallel.virtual_pipeline_model_parallel_size == 2
     samples = _cfg("--train-samples", "100", "--global-batch-size", "8", "--lr-warmup-fraction", "0.1")
     assert samples.training.train_iters == 12  # whole global batches, as Megatron-LM counts them
+    _cfg("--expert-tensor-parallel-size", "1")  # experts not split over tp: what Ternion does
 
 
 @pytest.mark.parametrize("args, line", [
@@ -178,6 +179,7 @@ def test_accepted_flags_set_megatrons_meaning():
     (["--train-samples", "3", "--global-batch-size", "4"], "--train-samples 3: is less than one global batch (4)"),
     (["--lr-warmup-init", "1.0"], "--lr-warmup-init 1.0: must be between 0 and --lr"),
     (["--rampup-batch-size", "0", "4", "40"], "--rampup-batch-size 0 4 40: START and INCR must be at least 1"),
+    (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2: experts are not split over tp here"),
 ])
 def test_values_megatron_refuses_or_ternion_cannot_honour_end_in_one_line(args, line):
     with pytest.raises(ConfigError) as info:

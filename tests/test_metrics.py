@@ -119,3 +119,37 @@ def test_format_log_line(tmp_path):
     assert "ETA: 1:01:40" in format_log_line({**rec, "eta_s": 3700.0})
     bare = format_log_line({"iteration": 7, "lm_loss": float("nan"), "mfu": None})
     assert bare == "iteration        7 | lm loss: nan"
+
+
+def test_wandb_logs_the_same_scalars_when_asked(tmp_path, monkeypatch):
+    """Megatron-LM's --wandb-project: the TensorBoard scalars under the same tags, one run, finished on close
+    (a stand-in module records the calls; the wandb package is optional and not installed here)."""
+    import sys
+    import types
+    calls = []
+    run = types.SimpleNamespace(log=lambda values, step: calls.append((step, values)),
+                                finish=lambda: calls.append("finished"))
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: calls.append(kw) or run))
+    cfg = make_cfg(tmp_path, tb=False)
+    cfg.logging.wandb_project, cfg.logging.wandb_exp_name = "ternion-test", "tiny"
+    writer = MetricsWriter(cfg, rank=0)
+    writer.log_train(train_record(cfg, 3, 2.5))
+    writer.log_valid(3, 2.0)
+    writer.close()
+    assert calls[0]["project"] == "ternion-test" and calls[0]["name"] == "tiny" and calls[-1] == "finished"
+    logged = {tag: (step, value) for step, values in calls[1:-1] for tag, value in values.items()}
+    assert logged["lm-loss"] == (3, 2.5) and logged["valid/lm-loss"] == (3, 2.0)
+    assert {"lm-loss", "lr", "grad-norm", "tokens-per-sec", "mfu", "valid/ppl"} <= set(logged)
+    assert MetricsWriter(cfg, rank=1).wandb is None  # rank 0 alone logs
+
+
+def test_wandb_without_the_package_is_one_line(tmp_path, monkeypatch):
+    import importlib.util
+
+    from engine.config import ConfigError
+    from engine.validation import validate
+    cfg = make_cfg(tmp_path, tb=False)
+    cfg.data.mock_data, cfg.logging.wandb_project = True, "p"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else object())
+    with pytest.raises(ConfigError, match="^--wandb-project p: the wandb package is not installed here"):
+        validate(cfg, 1)

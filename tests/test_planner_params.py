@@ -21,7 +21,13 @@ from planner_common import ROOT
 GPT2 = dict(num_layers=4)  # LayerNorm, learned positions, biases, tied embedding
 MOE = dict(moe_layer_freq="2", moe_router_enable_expert_bias=True, untie_embeddings_and_output_weights=True,
            disable_bias_linear=True, add_qkv_bias=True)
+QK_HEAD = dict(num_layers=4, qk_layernorm=True)  # per-head QK-norm with LayerNorm: weights and biases
+OLMO2 = dict(num_layers=4, normalization="RMSNorm", qk_layernorm=True, qk_layernorm_scope="projection",
+             norm_placement="post")
 CASES = [
+    ("gpt2-125m", QK_HEAD, Layout(tp=2, pp=2)),
+    ("gpt2-125m", OLMO2, Layout(tp=2, pp=2)),
+    ("moe-tiny", dict(OLMO2, num_layers=2, moe_layer_freq="[0,1]"), Layout(tp=2, pp=1, dp=2, ep=2)),
     ("gpt2-125m", GPT2, Layout(tp=2, pp=2)),
     ("gpt2-125m", GPT2, Layout(tp=1, pp=1)),
     ("gpt2-125m", GPT2, Layout(pp=2, pipeline_schedule="zb-v")),

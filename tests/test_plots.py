@@ -150,6 +150,9 @@ def test_plot_pipeline_draws_one_traced_iteration(tmp_path, capsys):
     assert it == 2 and picked == second
     assert plot_pipeline.select_iteration(slow_first + second, 1)[0] == slow_first
     assert plot_pipeline.select_iteration(simulate(2, 4), None)[1] is None
+    # a resumed run appends its events: an iteration both runs traced is drawn from the later one
+    again = [{**e, "run": 2.0, "end": e["end"] + 1.0} for e in second]
+    assert plot_pipeline.select_iteration([{**e, "run": 1.0} for e in second] + again, None) == (again, 2)
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps(e) + "\n" for e in slow_first + second))
     assert plot_pipeline.main([str(trace), "--out", str(tmp_path / "p.png")]) == 0

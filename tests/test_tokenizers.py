@@ -161,6 +161,8 @@ def test_preprocess_train_generate_and_export_round_trip(runs, kind, tmp_path, c
     with open(out / "config.json") as fh:
         config = json.load(fh)
     assert config["eos_token_id"] == hf.eos_token_id == built.eod  # generate() stops at the end of a document
+    from transformers import GenerationConfig
+    assert GenerationConfig.from_pretrained(str(out)).eos_token_id == built.eod  # generation_config.json
     assert all(config[k] is not None and 0 <= config[k] < config["vocab_size"]
                for k in ("bos_token_id", "eos_token_id", "pad_token_id"))
     assert config["model_type"] == ("gpt2" if kind == "GPT2BPETokenizer" else "llama")

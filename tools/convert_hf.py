@@ -4,10 +4,11 @@
 
 DIR is what `save_pretrained` writes: config.json and model.safetensors, or shards listed in
 model.safetensors.index.json. Llama (Llama 3 RoPE scaling included), Mistral and Mixtral (their sliding
-window as --window-size), Qwen2 (QKV biases, its windowed layers as --window-attn-skip-freq) and GPT-2 are
-read, one tensor at a time, so memory stays near the largest tensor. SAVE_DIR gets the checkpoint, which loads at any tp/pp layout, and `model.yaml`,
-a --config file with the model's flags and its tokenizer (as far as this build's flags can name it);
-the flags are also printed. Continue pretraining from it with a fresh optimizer at iteration 0:
+window as --window-size), Qwen2 (QKV biases, its windowed layers as --window-attn-skip-freq), Qwen3 and
+Qwen3-MoE (per-head QK-norm), OLMo-2 (QK-norm over the whole projection, norms after the sublayers) and GPT-2
+are read, one tensor at a time, so memory stays near the largest tensor. SAVE_DIR gets the checkpoint, which
+loads at any tp/pp layout, and `model.yaml`, a --config file with the model's flags and its tokenizer (as far
+as this build's flags can name it); the flags are also printed. Continue pretraining from it with a fresh optimizer at iteration 0:
 
     torchrun ... launch/pretrain_gpt.py --config SAVE_DIR/model.yaml --load SAVE_DIR --finetune --save RUN ...
 
@@ -31,8 +32,9 @@ FOUND_FIRST = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokeniz
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = OneLineParser(prog="convert_hf.py", script="tools/convert_hf.py",
-                      description="Convert a transformers Llama, Mistral, Mixtral, Qwen2 or GPT-2 folder into a "
-                                  "Ternion checkpoint (iteration 0) plus a --config file of its flags.")
+                      description="Convert a transformers Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, OLMo-2 "
+                                  "or GPT-2 folder into a Ternion checkpoint (iteration 0) plus a --config file of "
+                                  "its flags.")
     p.add_argument("--hf", required=True, help="folder written by save_pretrained (config.json + safetensors)")
     p.add_argument("--out", required=True, help="checkpoint directory to create (use it as --load)")
     p.add_argument("--seq-length", type=int, help="the run's --seq-length (default: the model's positions, at most "

@@ -1,4 +1,4 @@
-"""Sample a continuation of a prompt from a trained model, on one process.
+"""Sample a continuation of a prompt from a trained model, on one process; prints the prompt and its continuation.
 
     python tools/generate.py --load DIR_OR_MERGED --prompt TEXT [--max-new-tokens N] [--top-k K]
                              [--temperature T] [--seed S] [--tokenizer-model FILE] [--device cpu|cuda]
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
                    gen, stop_token=tok.eod)
     # Decode prompt and continuation together so the first new word keeps its leading space.
     head, full = tok.decode(prompt), tok.decode(prompt + new)
-    print(full[len(head):] if full.startswith(head) else tok.decode(new))
+    print(full if full.startswith(head) else head + tok.decode(new))
     return 0
 
 

@@ -5,8 +5,9 @@
 
 native: DIR/model.safetensors (every tensor whole, vocabulary padding removed) and DIR/config.json;
 engine.checkpoint.load_merged loads it into a model of any layout.
-hf: a folder transformers loads with from_pretrained (LlamaForCausalLM, Qwen2ForCausalLM or
-GPT2LMHeadModel; MoE models as MixtralForCausalLM or Qwen2MoeForCausalLM, or refused in one line).
+hf: a folder transformers loads with from_pretrained (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+Olmo2ForCausalLM or GPT2LMHeadModel; MoE models as MixtralForCausalLM, Qwen2MoeForCausalLM or
+Qwen3MoeForCausalLM, or refused in one line).
 --target-tp/--target-pp: DIR becomes a checkpoint directory for that layout (dp 1), optimizer included.
 Tensors are streamed one at a time, so memory stays near the largest tensor, not the model.
 """

@@ -76,7 +76,8 @@ def load_events(files: list) -> list:
 def select_iteration(events: list, iteration) -> tuple:
     """(events of one iteration, its number) when events carry "iteration"; else (all events, None).
 
-    The default is the last traced iteration: the first one includes warm-up and start-up waits.
+    The default is the last traced iteration: the first one includes warm-up and start-up waits. An iteration
+    traced by two runs (a resumed run appends to the files) is drawn from the later run.
     """
     traced = sorted({e["iteration"] for e in events if "iteration" in e})
     if not traced:
@@ -87,7 +88,9 @@ def select_iteration(events: list, iteration) -> tuple:
     if pick not in traced:
         raise UsageError(f"--iteration {iteration}: not in the trace; traced iterations: "
                          f"{', '.join(map(str, traced))}")
-    return [e for e in events if e.get("iteration") == pick], pick
+    chosen = [e for e in events if e.get("iteration") == pick]
+    latest = max(e.get("run", 0.0) for e in chosen)
+    return [e for e in chosen if e.get("run", 0.0) == latest], pick
 
 
 def busy_time(intervals: list) -> float:

@@ -198,6 +198,9 @@ def _load(reader: CheckpointReader, tensors: list, optimizer, ranges: dict, ctx)
     extra = dict(reader.meta.extra_state)
     extra.setdefault("iteration", reader.iteration)
     extra["config"] = reader.meta.config or {}
+    if not same:  # what the resume line says: where the state came from (its RNG streams are not taken)
+        extra["saved_layout"] = " x ".join(f"{k} {v}" for k, v in zip(("tp", "cp", "pp", "vpp", "dp", "ep"), (
+            layout.tp, layout.cp, layout.pp, layout.vpp, layout.dp, layout.ep)) if v > 1 or k in ("tp", "pp", "dp"))
     return extra
 
 

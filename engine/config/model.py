@@ -107,6 +107,14 @@ class ModelConfig:
                                                    "kept (HF high_freq_factor); those between are blended")
     rope_scaling_original_max_position_embeddings: int = _f(8192, "with --use-rope-scaling: the context length "
                                                                   "the model was pretrained with")
+    qk_layernorm: bool = _f(False, "normalize queries and keys (QK-norm) after the QKV projection, before RoPE, "
+                                   "with --normalization and --norm-epsilon (Qwen3, OLMo-2)")
+    qk_layernorm_scope: str = _f("head", "with --qk-layernorm: over each head's channels (Qwen3, Megatron-LM's "
+                                         "--qk-layernorm) or over the whole q and the whole k projection (OLMo-2; "
+                                         "RMSNorm only)", choices=("head", "projection"))
+    norm_placement: str = _f("pre", "where a layer's two norms sit: on each sublayer's input (pre: GPT-2, Llama) or "
+                                    "on its output before the residual add, x + norm(f(x)) (post: OLMo-2; not the "
+                                    "original Transformer's norm(x + f(x)))", choices=("pre", "post"))
     swiglu: bool = _f(False, "SwiGLU MLP instead of GELU")
     openai_gelu: bool = _f(False, "tanh approximation of GELU (HF gelu_new) instead of the exact erf form")
     untie_embeddings_and_output_weights: bool = _f(False, "separate output layer instead of the tied embedding")

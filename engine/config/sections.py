@@ -137,6 +137,11 @@ class LoggingConfig:
     profile: bool = _f(False, "record a torch.profiler trace")
     profile_step_start: int = _f(10, "first profiled iteration")
     profile_step_end: int = _f(12, "last profiled iteration")
+    wandb_project: Optional[str] = _f(None, "also log the scalars to this Weights & Biases project (needs the "
+                                            "wandb package; rank 0 logs)")
+    wandb_exp_name: Optional[str] = _f(None, "the Weights & Biases run's name")
+    wandb_save_dir: Optional[str] = _f(None, "where wandb keeps its local files")
+    wandb_entity: Optional[str] = _f(None, "the Weights & Biases team or user")
 
 
 @dataclass

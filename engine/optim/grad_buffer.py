@@ -277,8 +277,9 @@ class GradBuffer:
                 b.work = None
         self._num_microbatches = None
         ctx = self.ctx
-        if ctx.seq_split > 1:
-            self._sum_over([p for p in self.params if spec_of(p).sp_partial_grad], ctx.tp_group)
+        if ctx.tp_size > 1:  # one all-reduce for the replicated parameters whose gradients each TP rank has in part
+            self._sum_over([p for p in self.params if spec_of(p).tp_partial_grad
+                            or (spec_of(p).sp_partial_grad and ctx.seq_split > 1)], ctx.tp_group)
         tied = [p for p in self.params if spec_of(p).tied]
         if len(tied) == 2:  # ZB-V's V puts the embedding and the loss (with its copy) on one rank
             self._sum_local(*tied)

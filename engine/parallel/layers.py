@@ -35,6 +35,8 @@ class ParamSpec:
     copy_of: Optional[str] = None       # the last stage's copy of this parameter: stored and counted there once
     sp_partial_grad: bool = False       # replicated, but each TP rank's gradient covers only its sequence slice
                                         # under sequence parallelism: summed over TP by the gradient code
+    tp_partial_grad: bool = False       # replicated, but each TP rank's gradient covers only its own heads (the
+                                        # per-head QK-norm): summed over TP by the gradient code whenever tp > 1
     ep_axis: Optional[int] = None       # experts: the axis (of global expert ids) split over the EP group;
                                         # reduced over the experts' replicas (edp x cp), not dp x cp
 
@@ -163,13 +165,15 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class Norm(nn.Module):
-    """LayerNorm or RMSNorm over the last dim; replicated over TP (partial grads under sequence parallelism)."""
+    """LayerNorm or RMSNorm over the last dim; replicated over TP (partial grads under sequence parallelism, or,
+    `per_head`, wherever TP splits the heads it normalises)."""
 
-    def __init__(self, hidden, ctx, kind="LayerNorm", eps=1e-5, device=None, dtype=None):
+    def __init__(self, hidden, ctx, kind="LayerNorm", eps=1e-5, device=None, dtype=None, per_head=False):
         super().__init__()
         self.kind, self.eps = kind, eps
-        self.weight = make_param((hidden,), None, ctx, ("ones",), device, dtype, sp_partial_grad=True)
-        self.bias = make_param((hidden,), None, ctx, ("zeros",), device, dtype, sp_partial_grad=True) \
+        partial = {"tp_partial_grad": True} if per_head else {"sp_partial_grad": True}
+        self.weight = make_param((hidden,), None, ctx, ("ones",), device, dtype, **partial)
+        self.bias = make_param((hidden,), None, ctx, ("zeros",), device, dtype, **partial) \
             if kind == "LayerNorm" else None
 
     def forward(self, x):

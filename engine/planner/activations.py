@@ -56,6 +56,8 @@ def layer_activation_bytes(model: ModelConfig, seq_length: int, micro_batch: int
     # hidden activations (GELU: fc1 output and GELU output; SwiGLU: gate+up output and their product).
     mlp = (6 if model.swiglu else 4) * ffn * s * b if not moe else 0
     split = 2 * s * b * (nq * d + nkv * d) + 2 * s * b * nkv * d + 2 * s * b * nq * d + mlp
+    if model.qk_layernorm:  # QK-norm's inputs (its outputs are the Q and K above); its 1/rms not counted
+        split += 2 * s * b * (nq * d + nkv * d)
     # Softmax output (2) per score, and with attention dropout its mask (1) and the dropout output (2).
     per_score = 2 + 3 * (model.attention_dropout > 0)
     keys = mean_keys_per_query(model, s * cp)  # each local query against the whole sequence (or window)

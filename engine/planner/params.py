@@ -6,7 +6,10 @@ holds it: the embedding [V_pad, h] split over tp (and learned positions [max_pos
 norms (replicated), fused QKV and fc1 column-parallel (rows and bias split), attention output and fc2
 row-parallel (columns split, bias whole); a final norm and the output layer [V_pad, h] on the last stage (when
 the embedding is tied and pp > 1, the last stage holds its own copy of the embedding). The matrices' whole
-shapes come from engine/flops.py, which counts the FLOPs of the same matrices.
+shapes come from engine/flops.py, which counts the FLOPs of the same matrices. With --qk-layernorm the
+attention also holds q's and k's norms (engine/parallel/qk_norm.py): per head, two replicated norms of
+head_dim; over the whole projection, weights of heads x head_dim and groups x head_dim split over tp. With
+--norm-placement post each norm follows its sublayer, in the order as in forward.
 
 Mixture of experts (engine/moe, engine/model.py `moe_block`): an MoE layer keeps the norms and attention of a
 dense one; its router [E, h] is replicated (and an fp32 expert bias [E], not trained), its routed experts fc1
@@ -63,10 +66,21 @@ def _mlp(model: ModelConfig, ffn: int, tp: int) -> list:
     return _linear(fc1, tp, True, bias) + _linear(fc2, tp, False, bias)
 
 
-def _norm(model: ModelConfig) -> list:
-    """A norm's weight and, for LayerNorm, bias (replicated)."""
-    h = model.hidden_size
+def _norm(model: ModelConfig, size: int = 0) -> list:
+    """A norm's weight and, for LayerNorm, bias (replicated), over `size` channels (default the hidden size)."""
+    h = size or model.hidden_size
     return [Tensor(h, "norm_w")] + ([Tensor(h, "norm_b")] if model.normalization == "LayerNorm" else [])
+
+
+def _qk_norm(model: ModelConfig, tp: int) -> list:
+    """q's and k's norms (--qk-layernorm): per head, two norms of head_dim; over the whole projection, the
+    RMSNorm weights of q's and of k's rows, split over tp like them."""
+    if not model.qk_layernorm:
+        return []
+    d = model.head_dim()
+    if model.qk_layernorm_scope == "head":
+        return _norm(model, d) + _norm(model, d)
+    return [Tensor(n * d // tp, "norm_w") for n in (model.num_attention_heads, model.resolved_query_groups())]
 
 
 def _moe_block(model: ModelConfig, tp: int, ep: int) -> list:
@@ -82,12 +96,16 @@ def _moe_block(model: ModelConfig, tp: int, ep: int) -> list:
 
 
 def layer_tensors(model: ModelConfig, tp: int, ep: int = 1, moe: bool = False) -> list:
-    """One transformer layer's tensors on one (tp, ep) rank, in engine/model.py's order: norm1, QKV, output
-    projection, norm2, then the MLP or (`moe`) the MoE block."""
+    """One transformer layer's tensors on one (tp, ep) rank, in engine/model.py's order: norm1, QKV (its q and k
+    norms), output projection, norm2, then the MLP or (`moe`) the MoE block; each norm after its sublayer
+    under --norm-placement post."""
     qkv, proj = attention_matrices(model)
     bias = not model.disable_bias_linear
-    attention = _linear(qkv, tp, True, bias or model.add_qkv_bias) + _linear(proj, tp, False, bias)
+    attention = (_linear(qkv, tp, True, bias or model.add_qkv_bias) + _qk_norm(model, tp)
+                 + _linear(proj, tp, False, bias))
     mlp = _moe_block(model, tp, ep) if moe else _mlp(model, model.resolved_ffn_hidden_size(), tp)
+    if model.norm_placement == "post":
+        return attention + _norm(model) + mlp + _norm(model)
     return _norm(model) + attention + _norm(model) + mlp
 
 

@@ -34,11 +34,16 @@ def only(key: str, value, why: str) -> Rule:
     return Rule(key, lambda m: value, into)
 
 
+# Layer features a family has only where its shape names them: one that does not computes models without them.
+PLAIN_LAYER = {"qk_layernorm": False, "norm_placement": "pre"}
+
+
 def has_shape(m, shape: dict) -> bool:
-    """Whether ModelConfig `m` has every field of `shape`. QKV biases count only without the other linear
-    biases: with those, a family's own bias keys (Llama's attention_bias) cover q, k and v too."""
+    """Whether ModelConfig `m` has every field of `shape` (and of PLAIN_LAYER where `shape` does not say). QKV
+    biases count only without the other linear biases: with those, a family's own bias keys (Llama's
+    attention_bias) cover q, k and v too."""
     facts = dataclasses.asdict(m) | {"add_qkv_bias": m.add_qkv_bias and m.disable_bias_linear}
-    return all(facts[k] == v for k, v in shape.items())
+    return all(facts[k] == v for k, v in (PLAIN_LAYER | shape).items())
 
 
 def _as_written(values: dict) -> dict:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-from engine.checkpoint.hf import gpt2, llama, mistral, mixtral, moe, qwen2, qwen2_moe
+from engine.checkpoint.hf import gpt2, llama, mistral, mixtral, moe, olmo2, qwen2, qwen2_moe, qwen3, qwen3_moe
 from engine.config import ConfigError
 
 FAMILIES = {a.model_type: a for a in (llama.ADAPTER, mistral.ADAPTER, qwen2.ADAPTER, gpt2.ADAPTER, mixtral.ADAPTER,
-                                       qwen2_moe.ADAPTER)}
+                                      qwen2_moe.ADAPTER, qwen3.ADAPTER, qwen3_moe.ADAPTER, olmo2.ADAPTER)}
 ARCHITECTURES = {key: a for key, a in FAMILIES.items() if not a.moe}
 MOE_ARCHITECTURES = {key: a for key, a in FAMILIES.items() if a.moe}
 
@@ -30,8 +30,9 @@ def export_family(m) -> str:
     if m.num_experts:
         raise moe.refusal(m)
     raise ConfigError("--format hf: the model is neither Llama-shaped (RMSNorm, rope, swiglu; Qwen2 with "
-                      "--add-qkv-bias --disable-bias-linear) nor GPT-2-shaped (LayerNorm, learned positions, GELU, "
-                      "biases, tied embeddings, MHA); use --format native")
+                      "--add-qkv-bias --disable-bias-linear; Qwen3 with --qk-layernorm and no biases; OLMo-2 with "
+                      "--qk-layernorm-scope projection --norm-placement post and no biases) nor GPT-2-shaped "
+                      "(LayerNorm, learned positions, GELU, biases, tied embeddings, MHA); use --format native")
 
 
 def imported_types() -> list:

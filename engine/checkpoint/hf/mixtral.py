@@ -5,7 +5,7 @@ with its sliding window (on every layer, where set).
 from __future__ import annotations
 
 from engine.checkpoint.hf import llama, moe
-from engine.checkpoint.hf.adapter import Adapter, Rule, same
+from engine.checkpoint.hf.adapter import Adapter, Rule, has_shape, same
 from engine.checkpoint.hf.transforms import WHOLE
 
 SHAPE = llama.SHAPE | {"disable_bias_linear": True}
@@ -25,7 +25,7 @@ def block(m, src: str, dst: str) -> list:
 
 def _fits(m) -> bool:
     return (bool(m.num_experts) and not m.moe_shared_expert_intermediate_size and moe.router_refusal(m) is None
-            and not moe.dense_layers(m) and not m.add_qkv_bias)
+            and not moe.dense_layers(m) and has_shape(m, SHAPE))
 
 
 ADAPTER = Adapter(

@@ -8,9 +8,9 @@ ordinary SwiGLU MLP) added with no gate. The HF families store each expert as Li
 (transformers 5 fuses them into `experts.gate_up_proj` when it loads and splits them back when it saves,
 so the per-expert names are what save_pretrained writes, the Hub checkpoints' layout).
 
-Qwen3MoeForCausalLM is never a fit: it normalises q and k per head (QK-norm), which Ternion lacks. Anything
-else no family computes (sigmoid scores, an expert bias, capacity dropping, a top-k scaling factor, dense
-layers without a shared expert, ...) is refused by `refusal` with one line naming why.
+Qwen3MoeForCausalLM has per-head QK-norm (--qk-layernorm) and no shared expert. Anything no family computes
+(sigmoid scores, an expert bias, capacity dropping, a top-k scaling factor, dense layers without a shared
+expert or QK-norm, ...) is refused by `refusal` with one line naming why.
 """
 from __future__ import annotations
 
@@ -26,13 +26,14 @@ def dense_layers(m) -> list:
 
 
 def router_refusal(m) -> Optional[str]:
-    """Why neither Mixtral nor Qwen2-MoE computes this MoE model's layers and router exactly (None: both can)."""
+    """Why no HF MoE family (Mixtral, Qwen2-MoE, Qwen3-MoE) computes this MoE model's layers and router exactly
+    (None: each can, given its attention and experts)."""
     llama_shaped = m.normalization == "RMSNorm" and m.position_embedding_type == "rope" and m.swiglu
     if not (llama_shaped and m.disable_bias_linear):
         return "the MoE model is not Llama-shaped (RMSNorm, rope, SwiGLU experts, --disable-bias-linear)"
     if m.moe_router_score_function != "softmax":
         return (f"the router scores with {m.moe_router_score_function} (--moe-router-score-function); "
-                "both HF families use softmax")
+                "the HF families use softmax")
     if m.moe_router_enable_expert_bias:
         return "the router adds an expert bias to its choice (--moe-router-enable-expert-bias)"
     if m.moe_expert_capacity_factor is not None:
@@ -46,14 +47,18 @@ def router_refusal(m) -> Optional[str]:
 
 def refusal(m) -> ConfigError:
     """The one line saying why no MoE family fits the MoE model `m`."""
-    why = router_refusal(m)
-    if why is None and dense_layers(m):
-        why = (f"layers {dense_layers(m)} are dense and there is no shared expert (Mixtral has every layer MoE, "
-               "Qwen2-MoE a shared expert, Qwen3-MoE QK-norm, which Ternion lacks)")
-    elif why is None:
-        why = "QKV biases without a shared expert (Mixtral has no biases)"
-    return ConfigError(f"--format hf: {why}; transformers' Mixtral and Qwen2-MoE cannot express it exactly, use "
-                       "--format native")
+    shared, qk = m.moe_shared_expert_intermediate_size, m.qk_layernorm
+    whys = ((m.norm_placement != "pre", "the norms follow the sublayers (--norm-placement post; OLMo-2 is dense)"),
+            (qk and m.qk_layernorm_scope != "head", "QK-norm over the whole projection (--qk-layernorm-scope "
+                                                    "projection; Qwen3-MoE normalises per head)"),
+            (qk and bool(shared), "QK-norm with a shared expert (Qwen3-MoE has no shared expert)"),
+            (qk, "QKV biases with QK-norm (Qwen3-MoE has none)"),
+            (bool(dense_layers(m)), f"layers {dense_layers(m)} are dense and there is no shared expert (Mixtral has "
+                                    "every layer MoE, Qwen2-MoE a shared expert, Qwen3-MoE QK-norm: --qk-layernorm)"),
+            (True, "QKV biases without a shared expert (Mixtral has no biases)"))
+    why = router_refusal(m) or next(text for holds, text in whys if holds)
+    return ConfigError(f"--format hf: {why}; transformers' Mixtral, Qwen2-MoE and Qwen3-MoE cannot express it "
+                       "exactly, use --format native")
 
 
 def experts(m, hf: str, ours: str, names: tuple) -> list:

@@ -10,7 +10,7 @@ gates (and mostly norm_topk_prob false), which Ternion cannot express.
 from __future__ import annotations
 
 from engine.checkpoint.hf import llama, moe
-from engine.checkpoint.hf.adapter import Adapter, Rule, only, same
+from engine.checkpoint.hf.adapter import PLAIN_LAYER, Adapter, Rule, has_shape, only, same
 from engine.checkpoint.hf.transforms import QKV, WHOLE, Doubled, Part, ZeroBias, ZeroGate
 
 SHAPE = llama.SHAPE | {"disable_bias_linear": True}
@@ -47,7 +47,8 @@ def block(m, src: str, dst: str) -> list:
 
 
 def _fits(m) -> bool:
-    return bool(m.num_experts) and bool(m.moe_shared_expert_intermediate_size) and moe.router_refusal(m) is None
+    return (bool(m.num_experts) and bool(m.moe_shared_expert_intermediate_size) and moe.router_refusal(m) is None
+            and has_shape(m, PLAIN_LAYER))
 
 
 ADAPTER = Adapter("Qwen2MoeForCausalLM", "qwen2_moe", SHAPE, RULES, {},

@@ -7,7 +7,7 @@ import json
 import os
 
 from engine.checkpoint import files
-from engine.checkpoint.hf.config_json import hf_config
+from engine.checkpoint.hf.config_json import SPECIAL_IDS, hf_config
 from engine.checkpoint.hf.families import FAMILIES, export_family
 from engine.checkpoint.hf.io import WEIGHTS
 from engine.checkpoint.merged import full_unpadded, unpadded
@@ -64,4 +64,6 @@ def export_hf(reader: CheckpointReader, out_dir: str) -> str:
     files.write_safetensors(os.path.join(out_dir, WEIGHTS), specs, tensors(), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as fh:
         json.dump(config, fh, indent=1)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as fh:  # what generate() stops and pads with
+        json.dump({k: v for k, v in config.items() if k in SPECIAL_IDS and v is not None}, fh, indent=1)
     return arch

@@ -1,0 +1,119 @@
+"""One model's training loops side by side in one process: built together, stepped in alternating order on
+the same batches, each step timed and its memory metered.
+
+Alternating (round r starts with loop r mod n) makes a change in the machine's state hit every loop alike.
+Memory: the loops are resident together, so each one's own peak is its persistent bytes (what building it
+and its first step left allocated: weights, gradient buffers, optimizer state) plus the most any of its steps
+allocated above what was allocated before that step (torch.cuda.max_memory_allocated after a reset). That is
+what the same loop alone would report, up to allocator rounding.
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import torch
+
+from benchmarks.gpu import loops, models
+from benchmarks.train import engine_trainer
+
+MICROBATCHES = 2   # per step: the gradient accumulation every real run does, so the optimizer step is amortised
+MAX_ITERS = 64     # the engine's schedule and mock data are sized for this many steps
+
+
+class Bench:
+    """The engine, plain and transformers loops of one model at one micro batch, with their timings."""
+
+    def __init__(self, family: str, size: str, micro_batch: int, device: str):
+        self.family, self.device, self.cuda = family, device, device.startswith("cuda")
+        self.cfg = models.config(family, size, micro_batch, MICROBATCHES, MAX_ITERS, bf16=self.cuda)
+        self.round = 0
+        self.loops, self.persistent = {}, {}
+        self.times, self.losses, self.peaks, self.errors = {}, {}, {}, {}
+        base = self._allocated()
+        self.ctx, trainer = engine_trainer(self.cfg, device)  # the engine's model and optimizer: its bytes
+        try:
+            self._add(lambda: loops.EngineLoop(trainer), base)
+            plain = self._add(lambda: loops.TorchLoop(self.cfg, self.ctx, trainer, device))
+            self._add(lambda: loops.TransformersLoop(self.cfg, self.ctx, trainer, device, plain.model))
+        except BaseException:
+            self.close()  # an out-of-memory here is answered with a smaller micro batch: free this one first
+            raise
+        self.round = 1
+
+    def _add(self, make, base=None):
+        """Build (`make()`) and first step (round 0) of one loop, metering what it keeps allocated from `base`
+        (default: now, before the build)."""
+        base = self._allocated() if base is None else base
+        loop = make()
+        self.loops[loop.name] = loop
+        self.losses[loop.name] = [loop.step(0)]
+        self._sync()
+        self.persistent[loop.name] = self._allocated() - base
+        return loop
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def _allocated(self) -> int:
+        return torch.cuda.memory_allocated() if self.cuda else 0
+
+    def rounds(self, count: int, measured: bool, phase: str) -> None:
+        """`count` rounds, every live loop one step each, in rotating order; timed into `phase` if measured."""
+        for _ in range(count):
+            names = list(self.loops)
+            if not names:
+                return
+            k = self.round % len(names)
+            for name in names[k:] + names[:k]:
+                self._timed_step(name, phase, measured)
+            self.round += 1
+
+    def _timed_step(self, name: str, phase: str, measured: bool) -> None:
+        """One step of one loop; an exception in it is kept as that loop's error and the loop stops stepping."""
+        self._sync()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        base = self._allocated()
+        start = time.perf_counter()
+        key = (name, phase)
+        try:
+            self.losses[name].append(self.loops[name].step(self.round))
+            self._sync()
+        except Exception as exc:  # noqa: BLE001 - one loop failing (a compile error, OOM) must not stop the others
+            self.errors[key] = f"{type(exc).__name__}: {exc}"[:600]
+            self.drop(name)
+            return
+        seconds = time.perf_counter() - start
+        self.times.setdefault(key if measured else (name, phase + ":warm-up"), []).append(seconds)
+        if self.cuda and measured:  # steady state: not the compiling or first steps
+            self.peaks[key] = max(self.peaks.get(key, 0), torch.cuda.max_memory_allocated() - base)
+
+    def drop(self, name: str) -> None:
+        """Stop stepping a loop that failed (its state is no longer trustworthy)."""
+        self.loops.pop(name, None)
+
+    def compile(self, name: str, backend: str) -> None:
+        loops.compile_layers(self.loops[name], backend)
+
+    def summary(self, name: str, phase: str) -> dict:
+        """Median step time, warm-up (compile) seconds and peak bytes of one loop in one phase."""
+        times = self.times.get((name, phase), [])
+        warm = self.times.get((name, phase + ":warm-up"), [])
+        peak = self.persistent[name] + self.peaks[(name, phase)] if (name, phase) in self.peaks else None
+        return {"step_s": statistics.median(times) if times else None, "steps": len(times),
+                "warm_up_s": round(sum(warm), 2), "peak_bytes": peak}
+
+    def close(self) -> None:
+        """Free everything (the next model, or the next micro batch to try, needs the memory)."""
+        self.loops.clear()
+        self.ctx.destroy()
+        release(self.cuda)
+
+
+def release(cuda: bool) -> None:
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()

@@ -1,0 +1,78 @@
+"""One fp32 training step on the device against the same step on the CPU: the engine computes the same thing.
+
+The engine's model and optimizer (build_model_chunks + build_optimizer on ParallelContext.virtual(), as one
+rank of a real run builds them) take one AdamW step from the same weights on the same random batch, once on
+the CPU and once on the device, TF32 off (matmul and cuDNN) so that the device rounds like fp32. Compared:
+the loss, the gradient norm and every updated weight (‖a − b‖ / ‖b‖, the worst tensor), each to 1e-5; the
+update itself (weights after minus before) is reported too, since it is far smaller than the weights.
+In fp32 the attention runs through SDPA (kernels/dispatch.py: the Triton kernel would compute in tf32).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from benchmarks.gpu import models
+
+TOLERANCE = 1e-5
+LR = 1e-3
+
+
+@contextlib.contextmanager
+def tf32_off():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def one_step(cfg, device: str, weights=None) -> dict:
+    """Loss, grad norm, weights before and after one engine step on `device` (from `weights` if given)."""
+    from engine.loss import mean_loss
+    from engine.optim import build_optimizer
+    from engine.parallel.topology import ParallelContext
+    from engine.pipeline.partition import build_model_chunks
+    ctx = ParallelContext.virtual()
+    chunks = build_model_chunks(cfg, ctx, vocab_size=cfg.model.vocab_size, device=device, dtype=torch.float32)
+    model = chunks[0]
+    if weights is not None:
+        model.load_state_dict(weights)
+    before = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    opt = build_optimizer(cfg, chunks, ctx)
+    g = torch.Generator().manual_seed(0)
+    b, s = cfg.training.micro_batch_size, cfg.model.seq_length
+    data = torch.randint(0, cfg.model.vocab_size, (b, s + 1), generator=g).to(device)
+    model.train()
+    opt.start_step(1)
+    loss = mean_loss(model(tokens=data[:, :-1], labels=data[:, 1:]))
+    opt.scale_loss(loss).backward()
+    opt.finish_grad_sync()
+    result = opt.step(LR)
+    after = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return {"loss": loss.item(), "grad_norm": result.grad_norm, "before": before, "after": after}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def compare(family: str, device: str) -> dict:
+    """The device step against the CPU step for `family` ("llama" or "gpt2"): each difference and whether all
+    are within TOLERANCE."""
+    cfg = models.config(family, "small", micro_batch=2, microbatches=1, iters=1, bf16=False)
+    with tf32_off():
+        ref = one_step(cfg, "cpu")
+        got = one_step(cfg, device, ref["before"])
+    weights = max(_rel(got["after"][k], ref["after"][k]) for k in ref["after"])
+    updates = max(_rel(got["after"][k] - got["before"][k], ref["after"][k] - ref["before"][k])
+                  for k in ref["after"] if (ref["after"][k] != ref["before"][k]).any())
+    out = {"family": family, "device": device, "reference": "cpu", "loss": ref["loss"],
+           "loss_rel_diff": abs(got["loss"] - ref["loss"]) / abs(ref["loss"]),
+           "grad_norm_rel_diff": abs(got["grad_norm"] - ref["grad_norm"]) / abs(ref["grad_norm"]),
+           "weights_rel_diff": weights, "update_rel_diff": updates, "tolerance": TOLERANCE}
+    out["equal"] = all(out[k] <= TOLERANCE for k in ("loss_rel_diff", "grad_norm_rel_diff", "weights_rel_diff"))
+    return out

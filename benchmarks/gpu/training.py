@@ -1,0 +1,167 @@
+"""Section 4, one-GPU training speed and memory: Ternion's loop, a plain PyTorch loop and transformers, each
+eager then under torch.compile, on a ~1.3B Llama-shaped model at seq 2048 and GPT-2 124M at seq 1024, in bf16.
+
+Per model: the largest micro batch of a short descending list that fits with the three loops resident (an
+out-of-memory answered by freeing and trying the next), a few warm-up rounds, then measured rounds
+alternating the loops (bench.py). Then each loop's layers are compiled in place and the same again; the first
+compiled steps are the warm-up and their time is reported as the compile cost. Per row: tokens/s, model
+TFLOP/s (engine.flops: the Megatron count, no recomputation), MFU over the 989 TFLOP/s datasheet peak and over
+the bf16 matmul rate the card section measured, peak memory, the planner's prediction for the same layout
+(engine.planner.memory.memory_per_gpu) and the largest loss difference from the plain loop on the same
+batches. The 1.3B model goes first: it is what the goals are about.
+"""
+from __future__ import annotations
+
+import torch
+
+from benchmarks.gpu import models
+from benchmarks.gpu.bench import MICROBATCHES, Bench, release
+from benchmarks.gpu.context import NEEDS_CUDA
+from benchmarks.train import process_group
+from engine import flops
+from engine.layout import Layout
+from engine.planner.memory import memory_per_gpu
+from engine.precision import precision_name
+
+FAMILIES = {"llama": "Llama 1.24B (llama3-1b) seq 2048", "gpt2": "GPT-2 124M seq 1024"}
+MICRO = {"llama": ((8, 4, 2, 1), (4, 2, 1), (2,)), "gpt2": ((32, 16, 8, 4), (16, 8, 4), (2,))}  # full, quick, dry
+NEED = {"llama": (90, 60, 2), "gpt2": (40, 30, 2)}            # seconds worth starting a model, eager phase
+COMPILE_NEED = {"llama": (100, 80, 2), "gpt2": (60, 45, 2)}   # three regional compiles and their rounds
+PEAK = flops.GPU_PRESETS["h100-sxm"].peak_tflops              # 989: H100 SXM and H200 dense bf16
+ANCHOR = "llm.c GPT-2 124M ~41% MFU; published 1-1.5B runs 40-50% MFU on H100"
+
+
+def run(opts, record, earlier) -> None:
+    matmul = earlier.get("card", {}).get("figures", {}).get("matmul_tflops", {}).get("value")
+    with process_group(opts.cuda):
+        for family in FAMILIES:
+            if record.has_time(f"{family} training", opts.pick(*NEED[family])):
+                train(opts, record, family, matmul)
+
+
+def train(opts, record, family: str, matmul) -> None:
+    """Eager rows first and recorded at once, then the compiled ones if time allows: a kill during the
+    (long, unpredictable) compilation keeps the eager figures."""
+    bench = fit(opts, record, family)
+    if bench is None:
+        return
+    try:
+        warm, iters = opts.pick((2, 5), (1, 4), (1, 2))
+        bench.rounds(warm, False, "eager")
+        bench.rounds(iters, True, "eager")
+        report(record, bench, "eager", matmul)
+        if record.has_time(f"{family} torch.compile", opts.pick(*COMPILE_NEED[family])):
+            backend = "inductor" if opts.cuda else "eager"  # on CPU only dynamo's capture runs: no C++ build
+            for name in list(bench.loops):
+                try:
+                    bench.compile(name, backend)
+                except Exception as exc:  # noqa: BLE001 - recorded as that loop's compile row
+                    bench.errors[(name, "compile")] = f"{type(exc).__name__}: {exc}"[:600]
+                    bench.drop(name)
+            bench.rounds(warm, False, "compile")
+            bench.rounds(iters, True, "compile")
+            report(record, bench, "compile", matmul, backend)
+    finally:
+        bench.close()
+
+
+def fit(opts, record, family: str):
+    """The Bench at the largest micro batch of the list that fits, or None (recorded why). A micro batch the
+    planner says cannot fit is not tried (each try builds three models: seconds of the lease), except the last."""
+    sizes = opts.pick(*MICRO[family])
+    card = torch.cuda.get_device_properties(0).total_memory if opts.cuda else None
+    for micro in sizes:
+        need = resident_bytes(family, micro)
+        if card and need > card and micro != sizes[-1]:
+            record.note(f"{family}: micro batch {micro} not tried: the planner puts the three loops at "
+                        f"{need / 2**30:.0f} GiB, the card has {card / 2**30:.0f}")
+            continue
+        try:
+            bench = Bench(family, "tiny" if opts.dry_run else "full", micro, "cuda:0" if opts.cuda else "cpu")
+            record.figure(f"{family}_micro_batch", micro, "sequences",
+                          note=f"largest of {sizes} that fits with the three loops resident")
+            return bench
+        except torch.cuda.OutOfMemoryError:
+            record.note(f"{family}: micro batch {micro} does not fit with the three loops resident")
+        release(opts.cuda)  # outside the except: its traceback no longer holds the failed try's tensors
+    record.skip(f"{family} training", f"out of memory at every micro batch of {sizes}")
+    return None
+
+
+def resident_bytes(family: str, micro: int) -> float:
+    """The planner's bytes for the three loops at once: the engine's state, the plain and transformers loops'
+    fp32 weights and AdamW state, and the largest one step adds (activations, logits, fp32 gradients)."""
+    cfg = models.config(family, "full", micro, MICROBATCHES, 1, bf16=True)
+    m = cfg.model
+    engine = memory_per_gpu(m, Layout.from_config(cfg, 1), m.seq_length, MICROBATCHES, "bf16")
+    plain = memory_per_gpu(m, Layout(micro_batch_size=micro), m.seq_length, MICROBATCHES, "fp32")
+    kept = engine.weights + engine.grads + engine.optimizer + 2 * (plain.weights + plain.optimizer)
+    return kept + max(engine.activations + engine.logits, plain.activations + plain.logits + plain.grads)
+
+
+def report(record, bench, phase: str, matmul, backend: str = "") -> None:
+    for name in ("engine", "plain", "transformers"):
+        row = {"model": FAMILIES[bench.family], "family": bench.family, "loop": name, "mode": phase,
+               "compile_backend": backend, **shape(bench), **bench.summary(name, phase),
+               "precision": precision(bench, name), "error": bench.errors.get((name, phase))}
+        row.update(speed(bench, row, matmul))
+        row.update(memory(bench, name, row["peak_bytes"]))
+        row["loss_max_diff_vs_plain"] = loss_gap(bench, name)
+        record.row("training", row, line(row))
+
+
+def shape(bench) -> dict:
+    tr = bench.cfg.training
+    return {"micro_batch": tr.micro_batch_size, "global_batch": tr.global_batch_size,
+            "seq": bench.cfg.model.seq_length, "tokens_per_step": tr.global_batch_size * bench.cfg.model.seq_length}
+
+
+def precision(bench, name: str) -> str:
+    if not bench.cuda:
+        return "fp32"
+    if name == "engine":
+        return "bf16 weights, fp32 master weights and gradients (--bf16)"
+    return "fp32 weights, bf16 autocast"
+
+
+def speed(bench, row: dict, matmul) -> dict:
+    if not row["step_s"]:
+        return {}
+    model_flops = flops.flops_per_iteration(bench.cfg.model, row["global_batch"], row["seq"])
+    tflops = model_flops / row["step_s"] / 1e12
+    return {"tokens_per_s": round(row["tokens_per_step"] / row["step_s"], 1), "tflops": round(tflops, 2),
+            "mfu_989": round(tflops / PEAK, 4), "mfu_measured": round(tflops / matmul, 4) if matmul else None,
+            "mfu_anchor": ANCHOR}
+
+
+def memory(bench, name: str, peak) -> dict:
+    """The planner's prediction for this loop's layout: the engine's own, or (plain, transformers) fp32 weights
+    and AdamW without sharding, the planner's fp32 formula."""
+    cfg, m = bench.cfg, bench.cfg.model
+    if name == "engine":
+        layout, prec = Layout.from_config(cfg, 1), precision_name(cfg)
+    else:
+        layout, prec = Layout(micro_batch_size=cfg.training.micro_batch_size), "fp32"
+    planned = memory_per_gpu(m, layout, m.seq_length, MICROBATCHES, prec, flash_attention=True).allocated
+    out = {"planner_gib": round(planned / 2**30, 3), "planner_precision": prec}
+    if peak is None:
+        return {**out, "peak_gib": None, "peak_note": NEEDS_CUDA}
+    return {**out, "peak_gib": round(peak / 2**30, 3), "planner_over_measured": round(planned / peak, 4)}
+
+
+def loss_gap(bench, name: str):
+    ours, plain = bench.losses.get(name, []), bench.losses.get("plain", [])
+    gaps = [abs(a - b) for a, b in zip(ours, plain)]
+    return max(gaps) if gaps else None
+
+
+def line(row: dict) -> str:
+    head = f"{row['family']} {row['loop']} {row['mode']} mbs {row['micro_batch']}: "
+    if row["error"] or not row["step_s"]:
+        return head + f"error {row['error']}"
+    mfu = f"MFU {100 * row['mfu_989']:.1f}% of 989"
+    if row.get("mfu_measured"):
+        mfu += f", {100 * row['mfu_measured']:.1f}% of measured"
+    peak = f"peak {row['peak_gib']:.2f} GiB (planner {row['planner_gib']:.2f})" if row["peak_gib"] is not None \
+        else f"planner {row['planner_gib']:.3f} GiB"
+    return head + f"{row['tokens_per_s']:.0f} tokens/s, {mfu}, {peak} (anchor {ANCHOR})"

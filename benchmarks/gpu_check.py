@@ -1,0 +1,125 @@
+"""The first real GPU run in one prepared, unattended command (issue 31): the card's roofs, correctness on the
+device, the kernels, one-GPU training against plain PyTorch, transformers and torch.compile, memory against the
+planner, and the goals table.
+
+    python benchmarks/gpu_check.py [--quick] [--out DIR] [--device cuda|cpu] [--dry-run]
+    python benchmarks/gpu_check.py --table RESULTS.json      # the README's "Measured on GPU" table
+
+Needs only torch (a CUDA build), triton and transformers, and installs nothing: a lease's machine reaches no
+registry. Full: within 8 minutes; --quick: 4. Each section runs in its own process under a time budget
+(benchmarks/gpu/runner.py); one that fails, crashes or runs out of time is recorded with its error and the
+rest go on. Writes gpu_check.json and gpu_check.md into --out (default $OUT, else ./gpu_check_out) and prints
+the Markdown table last, since a lease returns only the output's tail. The JSON names the file it is to be
+committed as, benchmarks/results/gpu-<card>-<date>.json.
+
+--dry-run runs the same code at tiny sizes: `--device cpu --dry-run` in `make test` (what needs CUDA by
+nature is reported as skipped), `--device cuda --dry-run` as the smoke test a lease can afford first.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)  # the engine and the benchmarks as this checkout has them, installed or not
+
+from benchmarks.gpu import card, correctness, goals, kernels, memory_check, report, training  # noqa: E402
+from benchmarks.gpu.context import Options, say  # noqa: E402
+from benchmarks.gpu.runner import Section, cuda_visible, run_sections  # noqa: E402
+
+PROG = "benchmarks/gpu_check.py"
+TOTAL = {"full": 480, "quick": 240, "dry-run": 290}  # seconds the whole check may take
+SECTIONS = (  # budgets in seconds; with runner.GRACE each, they fit TOTAL
+    Section("card", card.run, {"full": 25, "quick": 15, "dry-run": 10}),
+    Section("correctness", correctness.run, {"full": 90, "quick": 40, "dry-run": 45}),
+    Section("kernels", kernels.run, {"full": 80, "quick": 40, "dry-run": 20}),
+    Section("training", training.run, {"full": 195, "quick": 70, "dry-run": 120}),
+    Section("memory", memory_check.run, {"full": 20, "quick": 15, "dry-run": 20}),
+)
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer cases and steps: within 4 minutes")
+    p.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out", help="folder for the JSON and table")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--dry-run", action="store_true", help="tiny sizes: exercises every code path quickly")
+    p.add_argument("--table", metavar="FILE.json", help="print the README 'Measured on GPU' table of a results file")
+    return p.parse_args(argv)
+
+
+def problem(args):
+    """One line saying what is wrong with the request, or None."""
+    if args.device == "cpu" and not args.dry_run:
+        return "--device cpu: the full sizes need a GPU; add --dry-run for the tiny CPU run"
+    if args.device == "cuda" and not cuda_visible():
+        return "--device cuda: no CUDA device is visible; use --device cpu --dry-run"
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as exc:
+        return f"--out {args.out}: cannot create it ({exc.strerror})"
+    if not os.access(args.out, os.W_OK):
+        return f"--out {args.out}: not writable"
+    return None
+
+
+def assemble(opts: Options, sections: dict) -> dict:
+    name = sections.get("card", {}).get("figures", {}).get("name", {}).get("value") or "unknown card"
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower().removeprefix("nvidia ")).strip("-")
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    suffix = "" if opts.mode == "full" else f"-{opts.mode}"
+    result = {"schema": 1, "card": name, "device": opts.device, "mode": opts.mode, "date": date,
+              "save_as": f"benchmarks/results/gpu-{slug}-{date}{suffix}.json", "command": " ".join(sys.argv),
+              "total_s": round(time.time() - opts.started, 1), "sections": sections}
+    try:
+        result["goals"] = goals.evaluate(sections, opts.mode)
+    except Exception as exc:  # noqa: BLE001 - figures the goals did not expect must not lose the figures
+        result["goals"] = [goals.goal("goals", None, "", None, f"evaluation failed: {type(exc).__name__}: {exc}")]
+    return result
+
+
+def print_table(path: str) -> int:
+    try:
+        with open(path) as f:
+            result = json.load(f)
+        text = report.readme_table(result)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"{PROG}: --table {path}: not a gpu-check results file ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
+    print(text, end="")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.table:
+        return print_table(args.table)
+    why = problem(args)
+    if why:
+        print(f"{PROG}: {why}", file=sys.stderr)
+        return 2
+    opts = Options(args.device, args.quick, args.dry_run, args.out, time.time())
+    say(opts, f"gpu-check {opts.mode} on {opts.device}, within {TOTAL[opts.mode]} s; output in {opts.out}")
+    result = assemble(opts, run_sections(SECTIONS, opts, TOTAL[opts.mode]))
+    with open(os.path.join(opts.out, "gpu_check.json"), "w") as f:
+        json.dump(result, f, indent=1)  # first: the figures are safe whatever the rendering does
+    try:
+        text = report.markdown(result)
+    except Exception as exc:  # noqa: BLE001 - say so in the tail, where the lease shows it
+        text = f"the table could not be rendered ({type(exc).__name__}: {exc}); the figures are in gpu_check.json\n"
+    with open(os.path.join(opts.out, "gpu_check.md"), "w") as f:
+        f.write(text)
+    say(opts, f"wrote {opts.out}/gpu_check.json and gpu_check.md; commit the JSON as {result['save_as']}")
+    print(text, end="", flush=True)
+    bad = [n for n, r in result["sections"].items() if r["status"] in ("failed", "timeout", "crashed")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""benchmarks/gpu_check.py cannot rot between GPU leases: its CPU dry run goes through every section at tiny
+sizes (~60 s on 2 cores), the JSON it writes has the shape the README table and the goals read, the table is
+the last thing printed (a lease returns only the output's tail), and one section failing, hanging or dying
+costs that section only.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECTIONS = ["card", "correctness", "kernels", "training", "memory"]
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--dry-run", "--out",
+                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, out, json.loads((out / "gpu_check.json").read_text())
+
+
+@pytest.mark.slow
+def test_dry_run_reports_every_section_and_prints_the_table_last(dry_run):
+    proc, out, result = dry_run
+    assert list(result["sections"]) == SECTIONS
+    for name, section in result["sections"].items():
+        # ok, or partial with the reason each skipped item was skipped (a loaded machine may run out of time)
+        assert section["status"] in ("ok", "partial"), (name, section.get("error"))
+        assert all(isinstance(why, str) and why for why in section["skipped"].values())
+    assert result["mode"] == "dry-run" and result["save_as"].startswith("benchmarks/results/gpu-")
+    assert proc.stdout.rstrip().endswith((out / "gpu_check.md").read_text().rstrip())
+    assert "### goals" in proc.stdout.rstrip().splitlines()[-len(result["goals"]) - 3]
+
+
+@pytest.mark.slow
+def test_dry_run_figures(dry_run):
+    _, _, result = dry_run
+    s = result["sections"]
+    assert s["card"]["figures"]["matmul_tflops"]["value"] > 0 and s["card"]["figures"]["copy_tbps"]["value"] > 0
+    steps = s["correctness"]["tables"]["fp32_step"]
+    assert {r["family"] for r in steps} == {"llama", "gpt2"} and all(r["equal"] for r in steps)
+    kernels = s["kernels"]["tables"]["kernels"]
+    assert all(r["rate"] > 0 for r in kernels if r["impl"] == "eager") and any(r["impl"] == "eager" for r in kernels)
+    assert any("needs CUDA" in why for why in s["kernels"]["skipped"].values())
+    eager = [r for r in s["training"]["tables"]["training"] if r["mode"] == "eager" and r["family"] == "llama"]
+    assert {r["loop"] for r in eager} == {"engine", "plain", "transformers"}
+    assert all(r["tokens_per_s"] > 0 and r["loss_max_diff_vs_plain"] < 1e-4 for r in eager)
+    assert all(r["measured_over_expected"] <= 1.05 for r in s["memory"]["tables"]["saved_bytes"])
+    assert result["goals"] and {g["verdict"] for g in result["goals"]} == {"not measured"}
+
+
+@pytest.mark.slow
+def test_table_renders_the_readme_rows_with_the_card_on_each(dry_run, capsys):
+    from benchmarks import gpu_check
+    _, out, result = dry_run
+    assert gpu_check.main(["--table", str(out / "gpu_check.json")]) == 0
+    rows = capsys.readouterr().out.strip().splitlines()[2:]
+    assert rows and all(row.startswith(f"| {result['card']} | {result['date']} |") for row in rows)
+
+
+def _ok(opts, record, earlier):
+    record.figure("first", 1.0, "u", "anchor")
+
+
+def _boom(opts, record, earlier):
+    record.figure("before", 2.0, "u")
+    raise RuntimeError("planted failure")
+
+
+def _hang(opts, record, earlier):
+    record.figure("before", 3.0, "u")
+    time.sleep(60)
+
+
+def _die(opts, record, earlier):
+    os._exit(7)
+
+
+def _last(opts, record, earlier):
+    record.figure("seen", len(earlier), "sections")
+
+
+def test_a_failing_hanging_or_dying_section_costs_only_itself(tmp_path, monkeypatch):
+    from benchmarks.gpu import runner
+    from benchmarks.gpu.context import Options
+    monkeypatch.setattr(runner, "GRACE", 1.0)
+    budget = {"dry-run": runner.MIN_BUDGET}
+    sections = [runner.Section(n, f, budget) for n, f in (("ok", _ok), ("boom", _boom), ("hang", _hang),
+                                                          ("die", _die), ("last", _last))]
+    results = runner.run_sections(sections, Options("cpu", False, True, str(tmp_path), time.time()), 60)
+    assert [results[n]["status"] for n in results] == ["ok", "failed", "timeout", "crashed", "ok"]
+    assert "RuntimeError: planted failure" in results["boom"]["error"]
+    assert results["boom"]["figures"]["before"]["value"] == 2.0  # what it measured before failing is kept
+    assert results["hang"]["figures"]["before"]["value"] == 3.0
+    assert "exit code 7" in results["die"]["error"]
+    assert results["last"]["figures"]["seen"]["value"] == 4
+
+
+def test_bad_requests_are_one_line_and_exit_2(tmp_path, capsys):
+    from benchmarks import gpu_check
+    assert gpu_check.main(["--device", "cpu", "--out", str(tmp_path)]) == 2
+    assert gpu_check.main(["--table", str(tmp_path / "missing.json")]) == 2
+    (tmp_path / "other.json").write_text("{}")
+    assert gpu_check.main(["--table", str(tmp_path / "other.json")]) == 2
+    if not torch.cuda.is_available():
+        assert gpu_check.main(["--device", "cuda", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == (4 if not torch.cuda.is_available() else 3)
+    assert all(line.startswith("benchmarks/gpu_check.py: ") for line in err)
+
+
+# --- what only a GPU run produces, rendered and judged here (the lease must not be the first to try) -------
+
+def _fig(value, unit="", anchor=""):
+    return {"value": value, "unit": unit, "anchor": anchor, "note": ""}
+
+
+def _section(figures=None, tables=None):
+    return {"status": "ok", "seconds": 1.0, "budget_s": 10, "skipped": {}, "notes": [], "figures": figures or {},
+            "tables": tables or {}}
+
+
+def _kernel(kernel, impl, rate, unit="TB/s"):
+    return {"kernel": kernel, "impl": impl, "rate": rate, "unit": unit, "fwd_ms": 1.0, "bwd_ms": 2.0, "anchor": "a"}
+
+
+def _train(family, loop, mode, step_s, peak=None, planner=30.0):
+    return {"model": family, "family": family, "loop": loop, "mode": mode, "micro_batch": 4, "step_s": step_s,
+            "tokens_per_s": 16384 / step_s, "mfu_989": 0.135 / step_s, "mfu_measured": 0.17 / step_s,
+            "mfu_anchor": "a", "peak_gib": peak, "planner_gib": planner, "warm_up_s": 1.0, "error": None,
+            "planner_over_measured": planner / peak if peak else None, "loss_max_diff_vs_plain": 0.01}
+
+
+def gpu_shaped_sections():
+    card = _section({"name": _fig("NVIDIA H100 80GB HBM3"), "matmul_tflops": _fig(790.0, "TFLOP/s", "~790"),
+                     "copy_tbps": _fig(3.0, "TB/s", "~3.0")})
+    step = {"family": "llama", "device": "cuda", "loss_rel_diff": 1e-7, "grad_norm_rel_diff": 2e-7,
+            "weights_rel_diff": 1e-8, "update_rel_diff": 1e-4, "equal": True, "tolerance": 1e-5}
+    tests = {"passed": 29, "failed": 1, "errors": 0, "skipped": 0, "failing": ["tests.test_kernels::test_x"]}
+    kernels = [_kernel("rms_norm", "triton", 2.7), _kernel("rms_norm", "eager", 1.5), _kernel("swiglu", "triton", 2.0),
+               _kernel("cross_entropy", "triton-inplace", 1.6), _kernel("attention_d128_s4096", "triton", 250.0,
+                                                                      "TFLOP/s"),
+               _kernel("attention_d128_s4096", "sdpa-flash", 300.0, "TFLOP/s"),
+               {"kernel": "attention_d128_s4096", "impl": "sdpa-cudnn", "error": "RuntimeError: x", "anchor": "a"}]
+    training = [_train("llama", "engine", "eager", 0.30, peak=31.0), _train("llama", "plain", "eager", 0.36),
+                _train("llama", "transformers", "compile", 0.34), _train("gpt2", "engine", "eager", 0.05, peak=8.0,
+                                                                         planner=12.0)]
+    return {"card": card, "correctness": _section(tables={"fp32_step": [step], "pytest_gpu": [tests]}),
+            "kernels": _section(tables={"kernels": kernels}), "training": _section(tables={"training": training}),
+            "memory": _section()}
+
+
+def test_goals_judge_gpu_figures():
+    from benchmarks.gpu import goals
+    verdicts = {g["goal"]: g["verdict"] for g in goals.evaluate(gpu_shaped_sections(), "full")}
+    assert verdicts["engine 1.3B step vs best baseline"] == "met"  # 0.34 / 0.30 = 1.13x
+    assert verdicts["engine 1.3B MFU"] == "met"                      # 45%
+    assert verdicts["rms_norm fwd+bwd vs copy"] == "met" and verdicts["swiglu fwd+bwd vs copy"] == "missed"
+    assert verdicts["layer_norm fwd+bwd vs copy"] == "not measured"
+    assert verdicts["cross-entropy V=128k fwd+bwd"] == "met"
+    assert verdicts["attention_d128_s4096 fwd+bwd vs sdpa-flash"] == "missed"
+    assert verdicts["planner memory, engine llama eager"] == "met"   # 30 / 31
+    assert verdicts["planner memory, engine gpt2 eager"] == "missed"  # 12 / 8
+
+
+def test_gpu_figures_render_as_the_printed_and_the_readme_table():
+    from benchmarks.gpu import goals, report
+    sections = gpu_shaped_sections()
+    result = {"card": "NVIDIA H100 80GB HBM3", "mode": "full", "date": "2026-01-01", "total_s": 400.0,
+              "save_as": "benchmarks/results/gpu-h100-80gb-hbm3-2026-01-01.json", "sections": sections,
+              "goals": goals.evaluate(sections, "full")}
+    text = report.markdown(result)
+    assert "| rms_norm | TB/s | 2.7 |" in text and "29 passed, 1 failed" in text and "error" in text
+    assert len(text) < 12000  # what a lease returns of the output
+    rows = report.readme_table(result).strip().splitlines()[2:]
+    assert rows and all(r.startswith("| NVIDIA H100 80GB HBM3 | 2026-01-01 |") for r in rows)
+    assert any("rms_norm fwd+bwd | 2.7 TB/s | 1.5 TB/s (eager)" in r for r in rows)
+
+
+def test_junit_summary_counts_and_names_failures(tmp_path):
+    from benchmarks.gpu.correctness import junit_summary
+    (tmp_path / "j.xml").write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_k" name="a"/>'
+        '<testcase classname="tests.test_k" name="b"><failure message="x"/></testcase>'
+        '<testcase classname="tests.test_k" name="c"><skipped/></testcase>'
+        '<testcase classname="" name="tests.test_m"><error message="collection failure"/></testcase>'
+        '</testsuite></testsuites>')
+    assert junit_summary(str(tmp_path / "j.xml")) == {"passed": 1, "failed": 1, "errors": 1, "skipped": 1,
+                                                      "failing": ["tests.test_k::b", "::tests.test_m"]}
+
+
+def test_micro_batch_search_steps_down_on_out_of_memory(tmp_path, monkeypatch):
+    from benchmarks.gpu import training
+    from benchmarks.gpu.context import Options, Record
+    tried = []
+
+    class FakeBench:
+        def __init__(self, family, size, micro, device):
+            tried.append(micro)
+            if micro > 8:
+                raise torch.cuda.OutOfMemoryError("planted")
+
+    monkeypatch.setattr(training, "Bench", FakeBench)
+    monkeypatch.setitem(training.MICRO, "gpt2", ((32, 16, 8, 4), (16, 8), (2,)))
+    opts = Options("cpu", False, False, str(tmp_path), time.time())
+    record = Record("training", str(tmp_path / "r.json"), opts, time.time() + 60)
+    assert isinstance(training.fit(opts, record, "gpt2"), FakeBench) and tried == [32, 16, 8]
+    assert record.data["figures"]["gpt2_micro_batch"]["value"] == 8 and len(record.data["notes"]) == 2
