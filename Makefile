@@ -38,7 +38,7 @@ test-triton: deps
 # The prepared GPU check (issue 31): installs nothing, since a lent GPU machine reaches no registry; needs torch
 # (CUDA build), triton and transformers. GPU_CHECK_ARGS passes options, e.g. "--quick" or "--device cpu --dry-run".
 gpu-check:
-	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+	PYTHONPATH=. $(PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf .cache runs demo_out build *.egg-info

@@ -2,8 +2,11 @@
 device, the kernels, one-GPU training against plain PyTorch, transformers and torch.compile, memory against the
 planner, and the goals table.
 
-    python benchmarks/gpu_check.py [--quick] [--out DIR] [--device cuda|cpu] [--dry-run]
-    python benchmarks/gpu_check.py --table RESULTS.json      # the README's "Measured on GPU" table
+    PYTHONPATH=. python -m benchmarks.gpu_check [--quick] [--out DIR] [--device cuda|cpu] [--dry-run]
+    python -m benchmarks.gpu_check --table RESULTS.json      # the README's "Measured on GPU" table
+
+Run from the repository's root as a module: the checkout's engine is used whether or not it is installed
+(PYTHONPATH=. carries that to the processes it starts: pytest -m gpu's torchrun jobs)
 
 Needs only torch (a CUDA build), triton and transformers, and installs nothing: a lease's machine reaches no
 registry. Full: within 8 minutes; --quick: 4. Each section runs in its own process under a time budget
@@ -25,13 +28,9 @@ import re
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)  # the engine and the benchmarks as this checkout has them, installed or not
-
-from benchmarks.gpu import card, correctness, goals, kernels, memory_check, report, training  # noqa: E402
-from benchmarks.gpu.context import Options, say  # noqa: E402
-from benchmarks.gpu.runner import Section, cuda_visible, run_sections  # noqa: E402
+from benchmarks.gpu import card, correctness, goals, kernels, memory_check, report, training
+from benchmarks.gpu.context import Options, say
+from benchmarks.gpu.runner import Section, cuda_visible, run_sections
 
 PROG = "benchmarks/gpu_check.py"
 TOTAL = {"full": 480, "quick": 240, "dry-run": 290}  # seconds the whole check may take

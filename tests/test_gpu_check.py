@@ -20,7 +20,7 @@ SECTIONS = ["card", "correctness", "kernels", "training", "memory"]
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--dry-run", "--out",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--dry-run", "--out",
                            str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, out, json.loads((out / "gpu_check.json").read_text())
