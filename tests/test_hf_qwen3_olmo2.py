@@ -4,11 +4,11 @@ Tiny `transformers` models with random weights (nudged away from their init): Qw
 (16, not hidden / heads = 8), Qwen3-MoE with a dense first layer and four experts that all get tokens, OLMo-2.
 Checked: config.json rules in both directions and each refusal in one line (attention biases, another RoPE
 type, un-renormalised routing weights; and on export, models no family computes; sliding windows import:
-tests/test_hf_window.py); logits equal transformers' (fp32, 1e-5) at tp 1 and at tp 2 x pp 2 (sequence parallel for the MoE);
-HF -> Ternion -> HF gives identical tensors; each trains 10 steps at tp 2 x pp 2 from the converted weights
-with --finetune (first-step loss equal to transformers' on the same batch), exports back, and the export's
-logits equal Ternion's for the trained weights; Qwen3's tokenizer, beside its weights, goes through the run to
-the export and encodes the same. Budget on two cores: about 10 s with the pool of 4 ranks started (one run).
+tests/test_hf_window.py); logits equal transformers' (fp32, 1e-5) at tp 1 and at tp 2 x pp 2 (sequence
+parallel for the MoE); HF -> Ternion -> HF gives identical tensors; each trains 10 steps at tp 2 x pp 2 from
+the converted weights with --finetune (first-step loss equal to transformers' on the same batch), exports
+back, and the export's logits equal Ternion's for the trained weights; Qwen3's tokenizer, beside its
+weights, goes through the run to the export and encodes the same. Budget on two cores: about 10 s with the pool of 4 ranks started (one run).
 """
 import json
 import os

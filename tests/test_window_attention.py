@@ -80,7 +80,8 @@ def _model(**kw) -> ModelConfig:
     ("([0]+[1]*2)*2", [0, 1, 1, 0, 1, 1]),
 ])
 def test_window_flags_mean_what_megatron_core_means(skip, windowed):
-    argv = ["--num-layers", "6", "--window-size", "4,0", "--mock-data"] + (["--window-attn-skip-freq", skip] if skip else [])
+    argv = ["--num-layers", "6", "--window-size", "4,0", "--mock-data"]
+    argv += ["--window-attn-skip-freq", skip] if skip else []
     m = parse_config(argv).model
     assert [m.attention_window(i) for i in range(6)] == [4 if w else None for w in windowed]
     assert [AttentionMask.of(m, i) for i in range(6)] == [AttentionMask(window=4 if w else None) for w in windowed]

@@ -8,7 +8,8 @@ window as --window-size), Qwen2 (QKV biases, its windowed layers as --window-att
 Qwen3-MoE (per-head QK-norm), OLMo-2 (QK-norm over the whole projection, norms after the sublayers) and GPT-2
 are read, one tensor at a time, so memory stays near the largest tensor. SAVE_DIR gets the checkpoint, which
 loads at any tp/pp layout, and `model.yaml`, a --config file with the model's flags and its tokenizer (as far
-as this build's flags can name it); the flags are also printed. Continue pretraining from it with a fresh optimizer at iteration 0:
+as this build's flags can name it); the flags are also printed. Continue pretraining from it with a fresh
+optimizer at iteration 0:
 
     torchrun ... launch/pretrain_gpt.py --config SAVE_DIR/model.yaml --load SAVE_DIR --finetune --save RUN ...
 

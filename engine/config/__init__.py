@@ -84,5 +84,5 @@ class Config:
 
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig",
            "ParallelConfig", "PIPELINE_SCHEDULES", "SECTIONS", "SHARDING_STRATEGIES", "StabilityConfig",
-           "TOKENIZER_TYPES", "TrainingConfig", "_err", "moe_layer_pattern", "padded_vocab_size", "window_layer_pattern",
-           "window_size_pair"]
+           "TOKENIZER_TYPES", "TrainingConfig", "_err", "moe_layer_pattern", "padded_vocab_size",
+           "window_layer_pattern", "window_size_pair"]

@@ -59,10 +59,10 @@ def blocks_between(cp: int, q_rank: int, kv_rank: int, chunk: int, mask: Attenti
     an earlier rank's give its first chunk against both query chunks, a later rank's both its chunks against
     the second query chunk: two full blocks either way, so every ring step costs every rank the same.
     """
-    blocks = []
+    blocks, span = [], lambda i: range(i * chunk, (i + 1) * chunk)  # noqa: E731 - a chunk's positions
     for qi, q_chunk in enumerate(chunk_ids(cp, q_rank)):
         for ki, k_chunk in enumerate(chunk_ids(cp, kv_rank)):
-            queries, keys = range(q_chunk * chunk, (q_chunk + 1) * chunk), range(k_chunk * chunk, (k_chunk + 1) * chunk)
+            queries, keys = span(q_chunk), span(k_chunk)
             if mask.sees_any(queries, keys):
                 blocks.append(Block(qi, ki, queries, keys, mask.pairs(queries, keys)))
     return blocks
