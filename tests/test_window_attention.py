@@ -8,7 +8,7 @@ counted against the blocks holding any visible pair. Under context parallelism (
 all_gather): attention and a whole windowed model equal one rank (1e-5), the ring skips the steps no rank
 needs and counts exactly the visible pairs. The flags' meaning and mistakes, and the FLOP and planner
 formulas. Hugging Face's Mistral/Qwen2/Mixtral windows: tests/test_hf_window.py. Budget on two cores:
-about 40 s (one 4-rank pool run).
+about 15 s (one 4-rank pool run of all the context-parallel cases).
 """
 import math
 
