@@ -140,8 +140,8 @@ def _four_rank_cases(rank, world, root):
         ctx = _real(cfg, rank, world)
         chunks, opt = build(cfg, ctx)
         extra = load_checkpoint(os.path.join(root, "gpt_tp2_pp2"), chunks, opt, ctx, model_cfg=cfg.model)
-        if extra.pop("config")["model"]["num_layers"] != 4 or extra != {"consumed_samples": 56, "sampler": [1, 2],
-                                                                       "iteration": 7}:
+        if extra.pop("config")["model"]["num_layers"] != 4 or extra.pop("saved_layout") != "tp 2 x pp 2 x dp 1" or \
+                extra != {"consumed_samples": 56, "sampler": [1, 2], "iteration": 7}:
             problems.append(f"extra state {extra}")
         problems += [f"tp{tp} pp{pp}: {m}" for m in mismatches(chunks, opt, ctx)]
         ctx.destroy()

@@ -38,8 +38,9 @@ def latest_iteration(save_dir: str) -> Optional[int]:
 
 def load_checkpoint(load_dir: str, model_chunks: list, optimizer, ctx, fallback: bool = False,
                     load_optim: bool = True, iteration: Optional[int] = None, model_cfg=None) -> Optional[dict]:
-    """Load into `model_chunks` (and `optimizer`); return the saved extra_state plus `iteration` and the saved
-    `config`, or None when `load_dir` holds no checkpoint. Raises ConfigError (one line) on damage or a
+    """Load into `model_chunks` (and `optimizer`); return the saved extra_state plus `iteration`, the saved
+    `config` and, when it was saved under another layout, `saved_layout` (its degrees, for the resume line), or
+    None when `load_dir` holds no checkpoint. Raises ConfigError (one line) on damage or a
     checkpoint of a different model.
 
     The iteration loaded is `iteration`, else the one `latest_checkpointed_iteration.txt` names (the newest
