@@ -325,5 +325,6 @@ def test_reduction_norm_and_updates_equal_one_rank_on_4_ranks():
     assert all(n >= 2 for r in results for n in r.values()), "layouts must exercise several buckets"
 
 
+@pytest.mark.slow  # 8 ranks, about 25 s on two cores; the 4-rank case stays in test-fast
 def test_reduction_norm_and_updates_equal_one_rank_tp2_pp2_dp2():
     run_ranks(_world8, 8, timeout=120)
