@@ -122,9 +122,9 @@ LAYOUTS = [  # (name, model, tp, cp, pp, comm type): two ranks each
 STEPS = 20
 
 
-def lengths_of(row: list) -> list:
+def lengths_of(row: list, eod: int = EOD) -> list:
     """The document lengths of one sample's tokens, counted here: each EOD ends one, the sample's end the last."""
-    ends = [i for i, t in enumerate(row[:-1]) if t == EOD]
+    ends = [i for i, t in enumerate(row[:-1]) if t == eod]
     return np.diff([-1] + ends + [len(row) - 1]).tolist()
 
 
@@ -242,3 +242,42 @@ def test_runner_counts_attention_pairs_only_for_packed_documents():
         counted[name] = runner.attention_pairs
     assert counted == {"packed": counted_pairs(model.cfg, batches), "positions only": None, "none": None}
     assert counted["packed"] < 4 * flops.attention_pairs(model.cfg, [SEQ])  # fewer than the whole squares
+
+
+# ---------------------------------------------------------------- a training run end to end
+
+def test_a_training_run_reads_documents_from_its_data_and_counts_their_flops(tmp_path):
+    """dp 2 under torchrun on documents ending in the NullTokenizer's EOD: resolve finds the id, the banner says
+    how attention and its FLOPs are counted, and each iteration's TFLOP/s are its global batch's documents'."""
+    from test_trainer import TINY, last_train_records, launch, read_records
+
+    from engine.cli import parse_config
+    from engine.data import BatchSizeSchedule, IndexedDatasetWriter, build_datasets
+    from engine.resolve import resolve
+    from engine.stability import SpikeGuard
+    rng, prefix = np.random.default_rng(0), str(tmp_path / "docs")
+    writer = IndexedDatasetWriter(prefix, np.uint16)
+    for _ in range(60):
+        writer.add_document(np.append(rng.integers(0, 100, size=int(rng.integers(2, 40))), 100))
+    writer.finalize()
+    args = [a for a in TINY if a != "--mock-data"] + [
+        "--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--reset-attention-mask",
+        "--reset-position-ids", "--eod-mask-loss", "--train-iters", "3", "--global-batch-size", "4", "--micro-batch-size", "1",
+        "--tensorboard-dir", str(tmp_path / "tb")]
+    code, output, _ = launch(args, 2)
+    assert code == 0, output[-5000:]
+    assert "packed documents (ended by the end-of-document token): attention within each document and positions " \
+           "restarting with each; TFLOP/s and MFU count attention as the sum of L_i^2" in output
+    cfg = resolve(parse_config(args), 2)
+    assert cfg.eod_id == 100
+    samples = BatchSizeSchedule.from_config(cfg.training).samples_before(3) * SpikeGuard.from_config(
+        cfg.stability).data_headroom
+    train = build_datasets(cfg, samples, 0, 0, log=lambda line: None)[0]
+    records = last_train_records(read_records(str(tmp_path / "tb" / "metrics.jsonl")))
+    for it in (1, 2, 3):
+        rows = [train[i][:-1].tolist() for i in range(4 * (it - 1), 4 * it)]
+        pairs = sum(cfg.model.num_layers * sum(n * n for n in lengths_of(row, 100)) for row in rows)
+        want = flops.flops_per_iteration(cfg.model, 4, SEQ, pairs=pairs)
+        r = records[it]
+        assert r["tflops_per_gpu"] * r["iter_time_s"] * 2 * 1e12 == pytest.approx(want, rel=1e-9)
+        assert pairs < 4 * flops.attention_pairs(cfg.model, [SEQ])
