@@ -10,6 +10,7 @@ block kernels of the ring at offsets merged by their log-sum-exp; the ring's pla
 no document with their queries; RoPE with per-sample angles. Whole models and the layouts:
 tests/test_packed_layouts.py. Budget on two cores: about 15 s.
 """
+import json
 import math
 import os
 import warnings
@@ -360,6 +361,24 @@ def test_the_planner_counts_packed_documents_of_a_mean_length():
     counted = flops.flops_per_iteration(m, 64, s, pairs=64 * flops.attention_pairs(m, [1000] * 4 + [96]))
     assert packed.tflops_per_gpu * packed.step_time_s * 8 * 1e12 == pytest.approx(counted, rel=1e-12)
     assert packed.step_time_s < whole.step_time_s
+
+
+def test_find_parallelism_takes_a_mean_document_length(capsys, monkeypatch):
+    from planner_common import run_cli
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    argv = ["--config", "configs/llama3-8b-128k.yaml", "--num-gpus", "64", "--tp", "8", "--cp", "4", "--pp", "1",
+            "--tokens", "1e12"]
+    rows = {}
+    for extra in ([], ["--mean-document-length", "4096"]):
+        assert run_cli(*argv, *extra, "--json") == 0
+        rows[bool(extra)] = json.loads(capsys.readouterr().out)[0]
+    assert rows[True]["step_time_s"] < rows[False]["step_time_s"]  # the kernels skip other documents' blocks
+    assert rows[True]["plan"]["training_flops"] < rows[False]["plan"]["training_flops"]
+    assert run_cli(*argv, "--mean-document-length", "4096") == 0
+    assert "--reset-attention-mask" in capsys.readouterr().out  # the command it prints
+    assert run_cli(*argv, "--mean-document-length", "0") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("find_parallelism.py: error: --mean-document-length 0: give")
 
 
 # The README's table (context parallelism with packed documents): the busiest CP rank's attention work over the
