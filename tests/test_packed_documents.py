@@ -432,3 +432,52 @@ def test_packed_document_flags_are_megatrons_and_their_mistakes_one_line(tmp_pat
     from engine.data.build import end_of_document
     with pytest.raises(ConfigError, match="^--reset-position-ids: the run names no tokenizer with an end-of-document"):
         end_of_document(bare)
+
+
+def test_packed_samples_keep_their_documents_as_megatrons_dataset_masks_them(tmp_path):
+    """Documents written with an EOD at their end (tools/preprocess_data.py --append-eod) and packed into samples
+    by the GPTDataset: the door's position ids, mask and (--eod-mask-loss) loss mask of every sample equal
+    megatron-core's GPTDataset items built with reset_position_ids, reset_attention_mask and eod_mask_loss."""
+    import test_megatron_data as md
+    from engine.data.batch import make_batch
+    _, builder, gpt_dataset, gpt_config = md.megatron()
+    prefix = md.write(str(tmp_path / "corpus"), 200, seed=4)
+    cfg = gpt_config(random_seed=md.SEED, sequence_length=md.SEQ, blend=([prefix], None), split="100,0,0",
+                     tokenizer=md._Tokenizer(), reset_position_ids=True, reset_attention_mask=True,
+                     eod_mask_loss=True, create_attention_mask=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = builder(gpt_dataset, [300, 0, 0], lambda: True, cfg).build()[0]
+    mine = md.ternion_splits([prefix], "100,0,0", [300, 0, 0])[0]
+    mine.eod_mask = md.EOD
+    packing, positions = Packing(md.EOD, True, True), torch.arange(md.SEQ)
+    for i in range(300):
+        batch = make_batch(mine, [i])
+        ids, docs = packing.apply(batch["tokens"])
+        item = theirs[i]
+        assert torch.equal(ids[0], item["position_ids"]), i
+        assert torch.equal(reference.visible(positions, positions, True, None, docs.bounds)[0], ~item["attention_mask"][0])
+        assert torch.equal(batch["loss_mask"][0], item["loss_mask"]), i
+
+
+def test_plot_mask_draws_one_packed_samples_documents(tmp_path, capsys):
+    import plot_mask
+    rng, prefix = np.random.default_rng(0), str(tmp_path / "docs")
+    writer = IndexedDatasetWriter(prefix, np.uint16)
+    for _ in range(200):
+        writer.add_document(np.append(rng.integers(0, 100, size=int(rng.integers(2, 60))), 100))
+    writer.finalize()
+    out, flags = str(tmp_path / "mask.png"), ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    assert plot_mask.main([prefix, "--sample", "3", "--out", out, *flags]) == 0
+    title = capsys.readouterr().out
+    tokens, eod = plot_mask.sample_tokens(plot_mask.build_parser().parse_args([prefix, "--sample", "3", "--out", out,
+                                                                                *flags]))
+    ends = [i for i, t in enumerate(tokens.tolist()[:-1]) if t == eod]
+    lengths = np.diff([-1] + ends + [127]).tolist()
+    assert eod == 100 and os.path.getsize(out) > 10_000
+    assert title.startswith(f"sample 3: {len(lengths)} documents ({', '.join(map(str, lengths))}); attention pairs "
+                            f"{sum(n * n for n in lengths):,} of 16,384")
+    image, _ = plot_mask.mask_image(tokens, eod, 5)  # a window narrows each document's triangle to a band
+    assert (image >= 2).sum() == sum(min(i, 5) + 1 for n in lengths for i in range(n))
+    assert plot_mask.main([prefix, "--out", out]) == 2
+    assert capsys.readouterr().err.startswith(f"plot_mask.py: {prefix}: give the tokenizer the data was made with")
