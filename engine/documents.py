@@ -49,6 +49,7 @@ class Documents:
     def __init__(self, first: torch.Tensor, last: torch.Tensor):
         self.bounds = torch.stack((first, last)).to(torch.int32).contiguous()
         self.first, self.last = self.bounds.cpu().numpy().astype(np.int64)
+        self.plans: dict = {}  # the context-parallel ring's plans for these documents (ring_attention.plan)
 
     @property
     def samples(self) -> int:

@@ -13,11 +13,10 @@ Both visit the owners in the same order, so their forward results are identical.
 The work between a query chunk and a key chunk (a "block") is planned from the chunks' absolute positions
 by the mask (engine/attention_mask.py): a block is computed when some query of it sees some key of it, and
 the block kernels of kernels.dispatch mask the rest from the same positions. Under a causal mask that is
-the diagonal blocks and the keys before the queries; a sliding window drops the blocks wholly behind it, packed
-documents the blocks whose keys share no document with their queries (in any sample of the microbatch: every
-rank holds the whole microbatch's documents, so all plan alike), and a ring step at which no rank has a block is
-skipped (`plan`): the K/V hop straight past it. Blocks
-return their output and log-sum-exp; outputs are merged by their log-sum-exp in fp32 (a row that sees no
+the diagonal blocks and the keys before the queries; a sliding window drops the blocks wholly behind it,
+packed documents the blocks whose keys share no document with their queries (in any sample of the microbatch:
+every rank holds the whole microbatch's documents, so all plan alike), and a ring step at which no rank has a
+block is skipped (`plan`): the K/V hop straight past it. Blocks return their output and log-sum-exp; outputs are merged by their log-sum-exp in fp32 (a row that sees no
 key of a block adds nothing). Backward recomputes each block's probabilities from the merged lse, so the
 blocks' gradients simply add up. What attention keeps for backward is what flash attention keeps: q, k,
 v, the output and the lse of this rank's positions. Attention dropout draws one seed per block from the
@@ -76,14 +75,26 @@ def ring_order(cp: int, cp_rank: int) -> list:
     return [(cp_rank - i) % cp for i in range(cp)]
 
 
-@functools.lru_cache(maxsize=64)  # a layer mask's plan, or a microbatch's for each distinct window (identity-hashed)
-def plan(cp: int, cp_rank: int, chunk: int, mask: AttentionMask, samples: int = 1) -> tuple:
-    """(offset, owner, blocks) of the ring steps rank `cp_rank` takes: the steps of `ring_order` at which some
-    rank of the group has a block (the same offsets on every rank, so all post the same transfers); the
-    owner is rank (cp_rank - offset) mod cp, and `blocks` may be empty for this rank (it only passes K/V on)."""
+def _steps(cp: int, cp_rank: int, chunk: int, mask: AttentionMask, samples: int) -> tuple:
     between = functools.partial(blocks_between, cp, chunk=chunk, mask=mask, samples=samples)
     offsets = [i for i in range(cp) if any(between(r, (r - i) % cp) for r in range(cp))]
     return tuple((i, (cp_rank - i) % cp, between(cp_rank, (cp_rank - i) % cp)) for i in offsets)
+
+
+_layer_steps = functools.lru_cache(maxsize=None)(_steps)  # a layer's mask without documents: a few per run
+
+
+def plan(cp: int, cp_rank: int, chunk: int, mask: AttentionMask, samples: int = 1) -> tuple:
+    """(offset, owner, blocks) of the ring steps rank `cp_rank` takes: the steps of `ring_order` at which some
+    rank of the group has a block (the same offsets on every rank, so all post the same transfers); the
+    owner is rank (cp_rank - offset) mod cp, and `blocks` may be empty for this rank (it only passes K/V on).
+    A microbatch's packed documents keep the plans made for them (one per distinct layer mask), and no longer."""
+    if mask.documents is None:
+        return _layer_steps(cp, cp_rank, chunk, mask, samples)
+    key = (cp, cp_rank, chunk, mask.causal, mask.window)
+    if key not in mask.documents.plans:
+        mask.documents.plans[key] = _steps(cp, cp_rank, chunk, mask, samples)
+    return mask.documents.plans[key]
 
 
 @dataclass
