@@ -18,16 +18,15 @@ of positions, so each question is a question about intervals (`_spans`), per sam
 The window is Megatron-LM's left bound L of `--window-size L,0` (engine/config/model.py): the query itself and
 the L keys before it, L + 1 positions in all; transformers' `sliding_window` W counts the query, so it is W - 1.
 
-FLOP convention (`keys_per_query`, read by engine/flops.py and the planner): the published figures Ternion is
+FLOP convention (`counted_pairs`, read by engine/flops.py and the planner): the published figures Ternion is
 checked against (Narayanan et al. 2021, PaLM's MFU) count every query against the whole sequence even under a
 causal mask, i.e. the span a query is allowed, not the triangle cut at the start of the sequence. A window
 counts the same way: each query against the L + 1 keys of its window (at most the sequence), so a window at
 least the sequence long counts exactly as full attention and a 1024-token window on 8192 tokens is 1/8 of it.
 Packed documents count each query against its whole document, or its window where shorter: sum L_i^2 over
-the documents rather than s^2 (`counted_pairs`; the FLOP count of the attention Megatron-LM runs on packed
-documents). Megatron-LM's count (training.py num_floating_point_operations) halves the causal square and does
-not read the window at all; the context-parallel FLOP counter (engine/parallel/ring_attention.py) counts the
-pairs actually computed, `pairs`.
+the documents rather than s^2, the squares the kernels keep when they skip the rest. Megatron-LM's count
+(training.py num_floating_point_operations) halves the causal square and does not read the window at all; the
+context-parallel FLOP counter (engine/parallel/ring_attention.py) counts the pairs actually computed, `pairs`.
 """
 from __future__ import annotations
 

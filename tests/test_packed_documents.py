@@ -8,7 +8,7 @@ mask built here pair by pair from "a query sees a key iff both are in one docume
 values and gradients, the Triton programs' visited blocks counted against the blocks holding a visible pair, the
 block kernels of the ring at offsets merged by their log-sum-exp; the ring's plan skipping steps whose keys share
 no document with their queries; RoPE with per-sample angles. Whole models and the layouts:
-tests/test_packed_layouts.py. Budget on two cores: about 20 s.
+tests/test_packed_layouts.py. Budget on two cores: about 15 s.
 """
 import json
 import math

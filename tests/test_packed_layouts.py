@@ -2,7 +2,7 @@
 --reset-position-ids (and --eod-mask-loss's loss mask) gives the same per-token losses and gradients as running
 each document alone, on one rank and at tp 2 + SP, pp 2, cp 2 (p2p and all_gather) and dp 2, whose 20-step
 curves equal one rank's; MoE routing keys stay the tokens' indices; the runner counts the documents' attention
-pairs and a trainer run reports its FLOPs from them. Budget on two cores: about 35 s (one 2-rank pool run of
+pairs and a trainer run reports its FLOPs from them. Budget on two cores: about 20 s (one 2-rank pool run of
 every layout, one 2-rank torchrun).
 """
 import functools
