@@ -20,6 +20,18 @@ the attention output and its log-sum-exp instead of the s x s scores), for one m
 
 Selective recomputation drops the log-sum-exp (the core attention is replayed from Q, K, V); full
 recomputation keeps only the layer input [s', b, h] and the RoPE angles. Dropout is off, so no masks.
+
+The masked path (`PACKED`: samples packing documents under --reset-attention-mask --reset-position-ids,
+through SDPA with the documents as a boolean mask) keeps the same set but for two items, the analytic bound
+of that path:
+
+    RoPE angle table, per sample      [s, b, d/2] fp32          (each sample its own positions; still shared)
+    attention mask, additive          [b, 1, s, s]              (SDPA's copy of the boolean mask, in the
+                                                                 activations' dtype; not kept when selective
+                                                                 recomputation replays the attention core)
+
+The fused kernels (Triton, flash-attn's varlen form) keep no mask at all: the documents' bounds, [2, b, s]
+int32, are one per microbatch.
 Beside each case the planner's activation term (engine/planner/activations.py, the published formula in
 2-byte units with dropout masks, scaled here to fp32) is printed for the same shapes.
 
@@ -39,13 +51,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.config import ModelConfig
+from engine.documents import Packing
 from engine.model import GPTModel
 from engine.parallel import context_split
 from engine.parallel.topology import build_context
 from engine.planner.activations import layer_activation_bytes
 
 CASES = [(tp, sp, rc) for tp, sp in ((1, False), (2, False), (2, True)) for rc in ("none", "selective", "full")]
+PACKED = [(tp, sp, rc) for tp, sp in ((1, False), (2, True)) for rc in ("none", "selective", "full")]
 SEQ, MICRO = 64, 2
+EOD, DOCUMENT_ENDS = 255, ((4, 20, 21, 40), (30, 50))  # the packed cases' documents: where each sample's end
 TARGET = 1.05
 
 
@@ -56,12 +71,14 @@ def llama_config(recompute: str) -> ModelConfig:
                        attention_backend="sdpa", recompute_granularity=None if recompute == "none" else recompute)
 
 
-def expected_saved(cfg: ModelConfig, s: int, b: int, tp: int, sp: bool, recompute: str, elem: int = 4) -> dict:
-    """Name -> bytes of every tensor one layer must keep for backward (one microbatch, one tp rank)."""
+def expected_saved(cfg: ModelConfig, s: int, b: int, tp: int, sp: bool, recompute: str, elem: int = 4,
+                   packed: bool = False) -> dict:
+    """Name -> bytes of every tensor one layer must keep for backward (one microbatch, one tp rank); `packed`: the
+    masked path of packed documents."""
     h, d = cfg.hidden_size, cfg.head_dim()
     nq, nkv, f = cfg.num_attention_heads // tp, cfg.resolved_query_groups() // tp, cfg.resolved_ffn_hidden_size() // tp
     s_local = s // tp if sp else s
-    rope = {"RoPE angle table": s * (d // 2) * 4}
+    rope = {"RoPE angle table": s * (d // 2) * 4 * (b if packed else 1)}
     if recompute == "full":
         return {"layer input": s_local * b * h * elem, **rope}
     items = {
@@ -78,7 +95,17 @@ def expected_saved(cfg: ModelConfig, s: int, b: int, tp: int, sp: bool, recomput
     }
     if recompute == "selective":
         del items["attention log-sum-exp"]
+    elif packed:
+        items["attention mask (SDPA's additive copy)"] = b * s * s * elem
     return items
+
+
+def packed_tokens(s: int, b: int) -> torch.Tensor:
+    """[b, s] tokens whose documents end at DOCUMENT_ENDS (the last one at the end of the sample)."""
+    tokens = torch.zeros(b, s, dtype=torch.long)
+    for row, ends in zip(tokens, DOCUMENT_ENDS):
+        row[list(ends)] = EOD
+    return tokens
 
 
 class SavedBytes:
@@ -101,15 +128,18 @@ class SavedBytes:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
-def measure(cfg: ModelConfig, ctx, device, seq: int = SEQ, micro: int = MICRO) -> tuple:
+def measure(cfg: ModelConfig, ctx, device, seq: int = SEQ, micro: int = MICRO, packed: bool = False) -> tuple:
     """(saved bytes of layer 1, storages, cuda peak growth or None) for one forward of a 2-layer model;
-    under context parallelism, of this rank's positions."""
+    under context parallelism, of this rank's positions; `packed`: of samples packing documents, through the
+    door (engine/parallel/context_split.shard_batch) as a training step takes them."""
     model = GPTModel(cfg, ctx, pre_process=False, post_process=False, device=device).train()
     s_local = ctx.activation_shape(seq, micro, cfg.hidden_size)[0]
     torch.manual_seed(0)
     x = torch.randn(s_local, micro, cfg.hidden_size, device=device, requires_grad=True)
-    positions = context_split.positions(seq, ctx.cp_size, ctx.cp_rank, x.device)
-    tables = model.rope_freqs(positions)
+    packing = Packing(EOD, reset_position_ids=True, reset_attention_mask=True) if packed else Packing()
+    door = context_split.shard_batch({"tokens": packed_tokens(seq, micro).to(device)}, ctx, packing)
+    positions, documents = door["positions"], door["documents"]
+    tables = model.rope_freqs(door["position_ids"])
     layer = model.layers["1"]
     saved = SavedBytes(model.parameters())
     peak = None
@@ -120,9 +150,9 @@ def measure(cfg: ModelConfig, ctx, device, seq: int = SEQ, micro: int = MICRO) -
     with saved.hooks():
         if cfg.recompute_granularity == "full":
             from engine.parallel.recompute import recompute
-            y = recompute(functools.partial(layer, positions=positions), ctx.rng, x, tables)
+            y = recompute(functools.partial(layer, positions=positions, documents=documents), ctx.rng, x, tables)
         else:
-            y = layer(x, tables, positions)
+            y = layer(x, tables, positions, documents)
     if device.type == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
@@ -139,14 +169,15 @@ def _worker(rank, world, init_file, device_type, out):
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     rows = []
-    for tp, sp, rc in [c for c in CASES if c[0] <= world]:
+    cases = [(c, False) for c in CASES] + [(c, True) for c in PACKED]
+    for (tp, sp, rc), packed in [(c, p) for c, p in cases if c[0] <= world]:
         ctx = build_context(world, rank, tp, 1, sequence_parallel=sp, device_type=device_type)
         cfg = llama_config(rc)
-        measured, storages, peak = measure(cfg, ctx, device)
-        expected = expected_saved(cfg, SEQ, MICRO, tp, sp, rc)
+        measured, storages, peak = measure(cfg, ctx, device, packed=packed)
+        expected = expected_saved(cfg, SEQ, MICRO, tp, sp, rc, packed=packed)
         planner = 2 * layer_activation_bytes(cfg, SEQ, MICRO, tp, sp, rc, flash_attention=True)
-        rows.append(dict(tp=tp, sp=sp, recompute=rc, measured=measured, expected=sum(expected.values()),
-                         planner=planner, peak=peak, items=expected,
+        rows.append(dict(tp=tp, sp=sp, recompute=rc, packed=packed, measured=measured,
+                         expected=sum(expected.values()), planner=planner, peak=peak, items=expected,
                          storages=sorted(storages.values(), key=lambda v: -v[0])))
         ctx.destroy()
     if rank == 0:
@@ -165,10 +196,11 @@ def run(device_type: str = "cpu") -> list:
 
 
 def table(rows: list, breakdown: bool = False) -> str:
-    lines = [f"{'tp':>2} {'SP':>3} {'recompute':>9} | {'measured':>9} {'expected':>9} {'ratio':>6} | "
+    lines = [f"{'tp':>2} {'SP':>3} {'recompute':>9} {'packed':>6} | {'measured':>9} {'expected':>9} {'ratio':>6} | "
              f"{'planner':>9}" + (f" {'cuda peak':>9}" if rows and rows[0]["peak"] is not None else "")]
     for r in rows:
-        line = (f"{r['tp']:>2} {'yes' if r['sp'] else 'no':>3} {r['recompute']:>9} | {r['measured']:>9,} "
+        line = (f"{r['tp']:>2} {'yes' if r['sp'] else 'no':>3} {r['recompute']:>9} "
+                f"{'yes' if r.get('packed') else 'no':>6} | {r['measured']:>9,} "
                 f"{r['expected']:>9,} {r['measured'] / r['expected']:>6.3f} | {r['planner']:>9,.0f}")
         if r["peak"] is not None:
             line += f" {r['peak']:>9,}"

@@ -12,7 +12,10 @@ s×s matrix (4·b·s²·h forward FLOPs per layer), not half of it for the causa
 convention of the published numbers the layout planner is checked against (Megatron papers, PaLM's
 MFU appendix); the trainer's MFU log line and the planner both use this module, so they agree.
 A sliding-window layer counts each query against the L + 1 keys of its window instead of s
-(engine/attention_mask.py states the convention; Megatron-LM's own count ignores windows).
+(engine/attention_mask.py states the convention; Megatron-LM's own count ignores windows). Packed documents
+under --reset-attention-mask count each query against its own document: the sum of L_i^2 over a sample's
+documents instead of s^2 (`attention_pairs`), from the documents the step actually held (the pipeline runner
+counts them) or, in the planner, from a mean document length.
 
 Mixture of experts: a token goes through its top-k routed experts, the shared expert and the router
 (2·h·E) of an MoE layer, so its FLOPs count the *activated* parameters (Mixtral 8x7B: ~12.9B of 46.7B),
@@ -25,7 +28,7 @@ not all of them; dense layers count as above. Token dropping (a capacity factor)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 from engine.attention_mask import AttentionMask
 from engine.config import ModelConfig
@@ -131,6 +134,18 @@ def activated_params(model: ModelConfig) -> int:
     return layers + norm + embeddings
 
 
+def attention_pairs(model: ModelConfig, lengths: Sequence[int]) -> int:
+    """Query-key pairs the count gives one sample whose documents have these lengths, summed over the layers
+    (engine/attention_mask.py's convention: sum of L_i^2, or L_i times the window where shorter); [s] for a
+    sample that is one sequence."""
+    return sum(AttentionMask.of(model, i).counted_pairs(lengths) for i in range(model.num_layers))
+
+
+def attention_flops(model: ModelConfig, pairs: int) -> int:
+    """Forward FLOPs of the attention cores over `pairs` query-key pairs (QK^T and PV: 2 x 2 per channel)."""
+    return 4 * pairs * model.num_attention_heads * model.head_dim()
+
+
 def forward_flops_per_sequence(model: ModelConfig, seq_length: int, tp: int = 1) -> dict:
     """Forward FLOPs of one sequence, split into the parts recomputation treats differently."""
     logits = 2 * seq_length * model.hidden_size * model.padded_vocab_size(tp)
@@ -141,9 +156,7 @@ def _layer_flops(model: ModelConfig, s: int) -> dict:
     """Forward FLOPs of all transformer layers for one sequence: their matrix multiplies and attention cores."""
     l, n_moe = model.num_layers, len(model.moe_layers())
     matmul = (l - n_moe) * layer_matmul_params(model) + (n_moe * layer_matmul_params(model, moe=True) if n_moe else 0)
-    keys = sum(AttentionMask.of(model, i).keys_per_query(s) for i in range(l))  # s each without a window
-    attention = 4 * s * keys * model.num_attention_heads * model.head_dim()
-    return {"linear": 2 * s * matmul, "attention": attention}
+    return {"linear": 2 * s * matmul, "attention": attention_flops(model, attention_pairs(model, [s]))}
 
 
 def split_backward_costs(model: ModelConfig, seq_length: int, recompute: Optional[str] = None) -> Costs:
@@ -169,19 +182,22 @@ def split_backward_costs(model: ModelConfig, seq_length: int, recompute: Optiona
 
 
 def flops_per_iteration(model: ModelConfig, global_batch_size: int, seq_length: int,
-                        recompute: Optional[str] = None, tp: int = 1) -> float:
+                        recompute: Optional[str] = None, tp: int = 1, pairs: Optional[int] = None) -> float:
     """FLOPs of one training iteration over all GPUs.
 
     recompute None gives model FLOPs (for MFU); "selective" or "full" adds the recomputed forward
-    work (hardware FLOPs, what the GPUs actually execute).
+    work (hardware FLOPs, what the GPUs actually execute). `pairs`: the iteration's attention pairs summed
+    over its samples and layers (packed documents: `attention_pairs` of each sample's documents), where
+    they are not each sample's whole sequence.
     """
     f = forward_flops_per_sequence(model, seq_length, tp)
-    total = 3 * (f["linear"] + f["attention"] + f["logits"])
+    attention = f["attention"] * global_batch_size if pairs is None else attention_flops(model, pairs)
+    total = 3 * ((f["linear"] + f["logits"]) * global_batch_size + attention)
     if recompute == "full":
-        total += f["linear"] + f["attention"]
+        total += f["linear"] * global_batch_size + attention
     elif recompute == "selective":
-        total += f["attention"]
-    return float(total * global_batch_size)
+        total += attention
+    return float(total)
 
 
 def tflops_per_gpu(flops: float, seconds: float, num_gpus: int) -> float:

@@ -221,10 +221,6 @@ FLAGS = (
                                           "the two halves of each head (Llama style); drop it"),
     *(Flag(name, REFUSED, _FP8) for name in ("--fp8-format", "--fp8-recipe", "--fp8-param-gather",
                                              "--fp8-amax-history-len", "--fp8-amax-compute-algo")),
-    Flag("--reset-position-ids", REFUSED, "restarting positions after each end-of-document token is not implemented: "
-                                          "positions run over the whole sample; drop it"),
-    Flag("--reset-attention-mask", REFUSED, "masking attention across documents is not implemented: each token "
-                                            "attends to the whole sample before it; drop it"),
     *(Flag(name, REFUSED, _PER_SPLIT) for name in ("--train-data-path", "--valid-data-path", "--test-data-path")),
     Flag("--use-checkpoint-args", REFUSED, "the model flags are not read from the checkpoint; pass those of the run "
                                            "that saved it (its metrics.args.json is a --config file holding all)"),

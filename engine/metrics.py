@@ -72,15 +72,16 @@ def peak_tflops(cfg, device: torch.device) -> Optional[float]:
 
 
 def throughput(model, global_batch_size: int, seconds: float, num_gpus: int, tp_size: int,
-               peak: Optional[float]) -> dict:
+               peak: Optional[float], pairs: Optional[int] = None) -> dict:
     """Per-iteration speed fields of a training record, from the iteration's wall time.
 
     `model`: the ModelConfig. TFLOP/s count model FLOPs (no recomputation, engine.flops), so
-    mfu = tflops_per_gpu / peak.
+    mfu = tflops_per_gpu / peak; `pairs`: the iteration's attention pairs when its samples pack documents
+    (the sum of L_i^2 over them, counted by the pipeline runner), else each sample's whole square.
     """
     seq = model.seq_length
     tokens_per_sec = global_batch_size * seq / seconds
-    model_flops = flops.flops_per_iteration(model, global_batch_size, seq, tp=tp_size)
+    model_flops = flops.flops_per_iteration(model, global_batch_size, seq, tp=tp_size, pairs=pairs)
     tflops = flops.tflops_per_gpu(model_flops, seconds, num_gpus)
     return {"tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_gpu": tokens_per_sec / num_gpus,
             "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None, "iter_time_s": seconds}
@@ -355,4 +356,4 @@ def train_record(o, guard, cfg, ctx, device, peak: float, seconds: float) -> dic
               "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped": guard.skipped,
               "spikes": guard.spikes, "rollbacks": guard.rollbacks,
               "mem_peak_gb": peak_memory_gb(torch.device(device))} | o.routing
-    return record | throughput(m, o.global_batch, seconds, ctx.world_size, ctx.tp_size, peak)
+    return record | throughput(m, o.global_batch, seconds, ctx.world_size, ctx.tp_size, peak, o.pairs)

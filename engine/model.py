@@ -5,14 +5,16 @@ Llama 2/3 (RMSNorm, rotary positions with optional Llama 3.1 scaling, SwiGLU, gr
 biases, untied output); Mistral is Llama-shaped and Qwen2 adds a bias to the QKV projection only; Qwen3
 normalises q and k per head (QK-norm), and OLMo-2 over the whole projection, with its norms on each sublayer's
 output rather than its input. Each layer's attention mask (causal, with the sliding window where --window-size
-gives that layer one) is its engine.attention_mask value.
+gives that layer one) is its engine.attention_mask value, joined in each forward with the microbatch's packed
+documents when it has them (--reset-attention-mask, engine/documents.py).
 Activations are [s, b, h] between layers, or this rank's slice of the sequence where the parallel context
 splits it (sequence parallelism: the context decides, the model asks it). The model sees whatever positions
 of each sequence it is given (`positions`: the pipeline runner cuts a microbatch for context parallelism
-before it gets here) and never asks how the sequence was cut. A pipeline stage or virtual chunk is the same
-class holding a subset of the layers (by global id, so parameter names do not depend on the layout), with
-the embedding on the first chunk (`pre_process`) and final norm, output layer and loss on the last
-(`post_process`).
+before it gets here) and never asks how the sequence was cut; RoPE and the learned table read the positions,
+shared by the samples, or each sample's own (`position_ids` [b, s], restarting with each packed document under
+--reset-position-ids). A pipeline stage or virtual chunk is the same class holding a subset of the layers (by
+global id, so parameter names do not depend on the layout), with the embedding on the first chunk
+(`pre_process`) and final norm, output layer and loss on the last (`post_process`).
 
 `forward(tokens=..., labels=...)` returns the loss of every token ([b, s], the z-loss included); how
 those make a microbatch's loss is engine.loss's rule. Without labels it returns this rank's
@@ -91,12 +93,13 @@ class Attention(nn.Module):
                                                          dtype or torch.get_default_dtype())
             self.attend = attention_for(ctx, backend, device)
 
-    def _core(self, q, k, v):
+    def _core(self, q, k, v, mask: AttentionMask):
         p = self.cfg.attention_dropout if self.training else 0.0
         with self.ctx.dropout_rng(split_over_tp=True):  # heads are split over TP
-            return self.attend(q, k, v, self.mask, p)
+            return self.attend(q, k, v, mask, p)
 
-    def forward(self, x, freqs):
+    def forward(self, x, freqs, documents=None):
+        """`documents`: the microbatch's packed documents (engine/documents.py), or None."""
         qkv = self.qkv(x)
         s, b = qkv.shape[:2]
         per_group = self.heads // self.groups
@@ -110,7 +113,8 @@ class Attention(nn.Module):
         # Attention keeps q, k and v for backward: each gets storage of its own (RoPE's output or a copy),
         # so that no view keeps the whole fused QKV output alive.
         q, k, v = (t.contiguous().transpose(0, 1) for t in (q, k, v))
-        out = recompute(self._core, self.ctx.rng, q, k, v) if self.selective and self.training else self._core(q, k, v)
+        core = functools.partial(self._core, mask=self.mask.within(documents))
+        out = recompute(core, self.ctx.rng, q, k, v) if self.selective and self.training else core(q, k, v)
         return self.proj(out.transpose(0, 1).reshape(s, b, -1))
 
 
@@ -163,12 +167,12 @@ class TransformerLayer(nn.Module):
         with self.ctx.residual_dropout_rng():
             return F.dropout(x, self.dropout, training=True)
 
-    def forward(self, x, freqs, positions):
+    def forward(self, x, freqs, positions, documents=None):
         if self.post_norm:
-            x = x + self._drop(self.norm1(self.attention(x, freqs)))
+            x = x + self._drop(self.norm1(self.attention(x, freqs, documents)))
             return x + self._drop(self.norm2(self.mlp(x, positions)))
         # The residual add before the MLP's norm is fused with it: one pass over the activations.
-        h, x = self.norm2.add(self._drop(self.attention(self.norm1(x), freqs)), x)
+        h, x = self.norm2.add(self._drop(self.attention(self.norm1(x), freqs, documents)), x)
         return x + self._drop(self.mlp(h, positions))
 
 
@@ -244,41 +248,46 @@ class GPTModel(nn.Module):
             units.append(Unit("head", self.final_norm, list(self.final_norm.parameters()) + [self.output_weight()]))
         return units
 
-    def rope_freqs(self, positions: torch.Tensor) -> Optional[torch.Tensor]:
-        """RoPE angles [len(positions), d/2] of the given token positions (this rank's, under CP)."""
+    def rope_freqs(self, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+        """RoPE angles of the given position ids (this rank's, under CP): [s, d/2] of ids [s] shared by the samples,
+        [s, b, d/2] (s-major, as the activations) of each sample's own ids [b, s]."""
         if self.cfg.position_embedding_type != "rope":
             return None
-        d, device = self.cfg.head_dim(), positions.device
+        d, device = self.cfg.head_dim(), position_ids.device
         inv = 1.0 / (self.cfg.rotary_base ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
         if self.cfg.use_rope_scaling:
             inv = llama3_scaled(inv, self.cfg)
-        return torch.outer(positions.to(torch.float32), inv)
+        return position_ids.t().to(torch.float32).unsqueeze(-1) * inv
 
-    def embed(self, tokens, positions):
-        """Embeddings of `tokens` [b, s] at `positions` [s]."""
+    def embed(self, tokens, position_ids):
+        """Embeddings of `tokens` [b, s] at `position_ids` ([s], or [b, s] each sample's own)."""
         x = self.word(tokens)
         if self.cfg.position_embedding_type == "learned_absolute":
-            x = x + self.ctx.local_seq(self.position[positions]).unsqueeze(1)
+            table = self.position[position_ids.t()]  # [s, h] or [s, b, h]
+            x = x + self.ctx.local_seq(table.view(table.shape[0], -1, table.shape[-1]))
         if self.training and self.cfg.hidden_dropout:
             with self.ctx.residual_dropout_rng():
                 x = F.dropout(x, self.cfg.hidden_dropout, training=True)
         return x
 
-    def forward(self, tokens=None, hidden=None, labels=None, positions=None):
-        """`positions` [s]: where in the sequence the tokens (or the activations `hidden`) are; by default all of
-        one whole sequence, 0..s-1."""
+    def forward(self, tokens=None, hidden=None, labels=None, positions=None, position_ids=None, documents=None):
+        """`positions` [s]: where in the sequence the tokens (or the activations `hidden`) are, by index; by default
+        all of one whole sequence, 0..s-1. `position_ids`: what RoPE and the learned table read (default
+        `positions`), or [b, s] each sample's own. `documents`: the microbatch's packed documents, or None."""
         if positions is None:
             s = tokens.shape[1] if tokens is not None else hidden.shape[0] * self.ctx.seq_split
             positions = torch.arange(s, device=(tokens if tokens is not None else hidden).device)
-        x = self.embed(tokens, positions) if self.pre_process else hidden
-        freqs = self.rope_freqs(positions)
+        ids = positions if position_ids is None else position_ids
+        x = self.embed(tokens, ids) if self.pre_process else hidden
+        freqs = self.rope_freqs(ids)
         for i in self.layer_ids:
             layer = self.layers[str(i)]
             if i in self.full_recompute and self.training:
-                # positions ride in the replayed call, not among the saved tensors: the microbatch holds them
-                x = recompute(functools.partial(layer, positions=positions), self.ctx.rng, x, freqs)
+                # positions and documents ride in the replayed call, not among the saved tensors
+                x = recompute(functools.partial(layer, positions=positions, documents=documents), self.ctx.rng, x,
+                              freqs)
             else:
-                x = layer(x, freqs, positions)
+                x = layer(x, freqs, positions, documents)
         if not self.post_process:
             return x
         return self.head(self.final_norm(x), labels)

@@ -68,6 +68,17 @@ def _memory_line(mem, precision: str, cuda: bool) -> str:
     return f"memory per process (estimate, busiest stage {mem.rank}, {precision}): {parts}"
 
 
+def _documents_line(data) -> list:
+    """How packed documents change attention and its FLOP count (the log line's TFLOP/s and MFU), if they do."""
+    if not (data.reset_attention_mask or data.reset_position_ids):
+        return []
+    what = [w for flag, w in ((data.reset_attention_mask, "attention within each document"),
+                              (data.reset_position_ids, "positions restarting with each")) if flag]
+    count = ("; TFLOP/s and MFU count attention as the sum of L_i^2 over each sample's documents, from the "
+             "documents each step holds") if data.reset_attention_mask else ""
+    return [f"packed documents (ended by the end-of-document token): {' and '.join(what)}{count}"]
+
+
 def banner(cfg, ctx, chunks, device, layout: str) -> str:
     """Start-up summary (rank 0 prints it): layout, parameters per stage, batch arithmetic, memory, kernels.
 
@@ -95,6 +106,7 @@ def banner(cfg, ctx, chunks, device, layout: str) -> str:
              f"{gbs}{ramp}; {gbs * cfg.model.seq_length:,} tokens per iteration",
              _memory_line(mem, precision_name(cfg), torch.device(device).type == "cuda"),
              f"kernels: {json.dumps(kernels)}",
+             *_documents_line(cfg.data),
              f"device: {device}" + (f", {torch.get_num_threads()} CPU threads per process"
                                    if torch.device(device).type == "cpu" else "")]
     return "\n".join(lines)

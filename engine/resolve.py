@@ -2,7 +2,8 @@
 the tokenizer's files, the world size, or the checkpoint the run resumes from.
 
 - `resolve(cfg, world_size)`, once at start (the launcher, then the trainer: it is idempotent), fills in the
-  vocabulary size, the global batch size and --train-samples as iterations, so that no other module derives them.
+  vocabulary size, the end-of-document id, the global batch size and --train-samples as iterations, so that no
+  other module derives them.
 - `check_resumed(...)`, after a load, refuses what would silently go wrong: a `--train-iters` at or below the
   checkpoint's iteration, and an LR schedule that differs from the one the checkpoint was trained with (unless
   `--override-opt-param-scheduler` keeps this run's or `--use-checkpoint-opt-param-scheduler` takes the
@@ -16,6 +17,7 @@ import os
 from typing import Optional
 
 from engine.config import Config, ConfigError, TrainingConfig
+from engine.data.build import document_flags, end_of_document
 from engine.data.rampup import BatchSizeSchedule
 from engine.data.tokenizer_spec import data_vocab_size
 from engine.flags import flag_of
@@ -26,14 +28,17 @@ def resolve(cfg: Config, world_size: int) -> Config:
     """Fill in, once, what the flags leave to be derived, so that no other module derives it again.
 
     The vocabulary size becomes the tokenizer's when a tokenizer reads real data, else --vocab-size, else
-    256 (mock data); the global batch size defaults to micro batch x dp; --train-samples sets --train-iters
-    as Megatron-LM counts them. (The LR lengths in samples follow from these in engine.optim.schedule, at
+    256 (mock data); the end-of-document id is the tokenizer's when a flag reads document boundaries
+    (engine/documents.py); the global batch size defaults to micro batch x dp; --train-samples sets
+    --train-iters as Megatron-LM counts them. (The LR lengths in samples follow from these in engine.optim.schedule, at
     each step, so a schedule taken from a checkpoint on resume applies.) Idempotent; returns `cfg`.
     """
     m, tr = cfg.model, cfg.training
     if cfg.data.tokenizer_type == "NullTokenizer" and cfg.given_vocab_size is None:
         cfg.given_vocab_size = m.vocab_size  # its end-of-document id is added once (data_vocab_size)
     m.vocab_size = data_vocab_size(cfg)
+    if document_flags(cfg.data) and not cfg.data.mock_data:
+        cfg.eod_id = end_of_document(cfg)
     if tr.global_batch_size is None:
         tr.global_batch_size = tr.micro_batch_size * cfg.dp(world_size)
     if tr.train_samples is not None:

@@ -4,14 +4,18 @@ post-validated (engine.optim.post_validation: step now, checked during the next 
 when the check redoes the step). Either way the loop gets `Outcome`s in iteration order: synchronous steps
 report their own, post-validated ones the previous iteration's, and `settle()` the one still pending. Once the
 gradients are reduced, the MoE routing statistics are summed and the expert biases moved (engine.moe.stats;
-Megatron-LM does this in its finalize step)."""
+Megatron-LM does this in its finalize step). With packed documents the step's attention pairs, counted by each
+replica's pipeline runner, are summed over the data-parallel replicas for the FLOP count (engine.flops)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from engine.moe.stats import MoEStats
+from engine.parallel import comm
 from engine.optim.optimizer import StepResult
 from engine.optim.post_validation import PostValidator
 
@@ -26,11 +30,13 @@ class Outcome:
     result: Optional[StepResult]
     global_batch: int
     routing: dict  # the MoE routing statistics of its step (engine.moe.stats), or {}
+    pairs: Optional[int] = None  # its attention pairs over the global batch (packed documents), else None
 
 
 class Stepper:
     def __init__(self, cfg, ctx, optimizer, pipeline, drill, preemption, phase, trace=None, log=print):
         self.optimizer, self.pipeline, self.drill, self.preemption = optimizer, pipeline, drill, preemption
+        self.ctx, self.pairs = ctx, None  # the attention pairs of the last step run (packed documents)
         self.phase, self.trace, self.log = phase, trace, log
         self.validator = PostValidator(optimizer, ctx) if ctx.layout.schedule.split_backward else None
         self.stats = MoEStats(cfg, pipeline.chunks, ctx, pipeline.device) if cfg.model.num_experts else None
@@ -44,7 +50,7 @@ class Stepper:
             loss = self._forward_backward(n, mbs, scale_loss)
             with self.phase(f"optimizer step of iteration {n}", "tp", "pp", "dp"):
                 result = self.optimizer.step(lr, loss_is_finite=math.isfinite(loss))
-            return [Outcome(n, consumed, loss, lr, result, global_batch, self.routing)]
+            return [Outcome(n, consumed, loss, lr, result, global_batch, self.routing, self.pairs)]
         share = self._forward_backward(n, mbs, scale_loss)
         done, rerun = self._settle()
         if rerun:  # the previous step was redone (or the loss scale moved): these gradients used stale weights
@@ -54,10 +60,11 @@ class Stepper:
         with self.phase(f"optimizer step of iteration {n}", "all"):
             checked = self.validator.step(lr, [share, float(self.preemption.asked())])
         if checked is None:  # validated during the next iteration
-            self.pending = Outcome(n, consumed, math.nan, lr, None, global_batch, self.routing)
+            self.pending = Outcome(n, consumed, math.nan, lr, None, global_batch, self.routing, self.pairs)
             return done
         self.asked_to_stop = checked.shares[1] > 0
-        return done + [Outcome(n, consumed, checked.shares[0], lr, checked.result, global_batch, self.routing)]
+        return done + [Outcome(n, consumed, checked.shares[0], lr, checked.result, global_batch, self.routing,
+                               self.pairs)]
 
     def should_stop(self, iteration: int) -> bool:
         """The pre-emption decision after `iteration`: a collective, or from the flags settled last."""
@@ -89,7 +96,18 @@ class Stepper:
         if self.stats is not None:
             with self.phase(f"MoE routing statistics of iteration {n}", "all"):
                 self.routing = self.stats.finish_step()
+        self.pairs = self._global_pairs(n)
         return loss
+
+    def _global_pairs(self, n: int) -> Optional[int]:
+        """The step's attention pairs over the global batch: each replica counted its own microbatches."""
+        pairs = self.pipeline.attention_pairs
+        if pairs is None or self.ctx.dp_size == 1:
+            return pairs
+        total = torch.tensor([pairs], dtype=torch.int64, device=self.pipeline.device)
+        with self.phase(f"attention pairs of iteration {n}", "dp"):
+            comm.all_reduce(total, self.ctx.dp_group)
+        return int(total.item())
 
     def _settle(self) -> tuple:
         """([the pending outcome] or [], why the step in progress must run again, or "")."""

@@ -26,7 +26,7 @@ from engine.config import (
     window_layer_pattern,
     window_size_pair,
 )
-from engine.data.build import check_data, data_prefixes
+from engine.data.build import check_data, check_document_ends, data_prefixes, document_flags, end_of_document
 from engine.data.tokenizer_spec import data_vocab_size, tokenizer_of, vocab_source
 from engine.flags import flag_of
 from engine.layout import PipelineSchedule, Sharding
@@ -344,10 +344,14 @@ def _check_files(cfg: Config) -> None:
                          f"{prefix + ext} not found; give the prefix without .bin/.idx, made by tools/preprocess_data.py")
     if not d.data_path and not d.mock_data:
         _err("--data-path", "(none)", "give --data-path PREFIX or use --mock-data")
-    if d.eod_mask_loss and d.mock_data:
-        _err("--eod-mask-loss", "with --mock-data", "synthetic tokens have no end-of-document token; drop one of them")
+    for flag in document_flags(d):
+        if d.mock_data:
+            _err(flag, "with --mock-data", "synthetic tokens have no end-of-document token; drop one of them")
     if d.data_path and not d.mock_data:  # opens each index: empty data, ids past the vocabulary
         check_data(d.data_path, data_vocab_size(cfg), vocab_source(cfg))
+        resets = [f for f in document_flags(d) if f != "--eod-mask-loss"]
+        if resets:  # the documents must end with the tokenizer's end-of-document token
+            check_document_ends(d.data_path, end_of_document(cfg), resets[0])
     ck = cfg.checkpoint  # Megatron-LM's --save X --load X: the first run of the job makes X
     first_of_job = ck.save and os.path.abspath(ck.load or "") == os.path.abspath(ck.save)
     if ck.load and not os.path.isdir(ck.load) and not first_of_job:

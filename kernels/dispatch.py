@@ -70,7 +70,7 @@ def add_layer_norm(x, residual, weight, bias, eps):
 
 
 def apply_rope(x, freqs):
-    """x [s, b, n, d], freqs [s, d/2] fp32 angles; rotate-half convention."""
+    """x [s, b, n, d], freqs [s, d/2] fp32 angles (or [s, b, d/2]: each sample's own); rotate-half convention."""
     if _on_triton(x):
         return _triton_module("rope_triton").apply_rope(x, freqs)
     return reference.apply_rope(x, freqs)
@@ -129,17 +129,20 @@ def resolve_attention_backend(name: str, device, dropout_p: float = 0.0, dtype: 
     return "sdpa"
 
 
-def _sdpa(q, k, v, causal, dropout_p, softmax_scale, window=None):
-    """torch's scaled_dot_product_attention. A window goes in as a boolean mask built from positions: the fused
-    kernels that take one (memory-efficient on CUDA, the CPU flash kernel) read the mask but skip no block,
-    the price of this path, which runs where the block-skipping kernels cannot (fp32, attention dropout).
-    flex_attention would skip blocks but needs torch.compile (dynamo: seconds per process, and a graph per
-    mask), and torch's varlen_attn (window_size) is flash-attention: CUDA, half precision, no dropout."""
+def _sdpa(q, k, v, causal, dropout_p, softmax_scale, window=None, doc_bounds=None):
+    """torch's scaled_dot_product_attention. A window or packed documents go in as a boolean mask built from
+    positions ([s, s], or [b, 1, s, s] per sample): the fused kernels that take one (memory-efficient on CUDA,
+    the CPU flash kernel) read the mask but skip no block, the price of this path, which runs where the
+    block-skipping kernels cannot (fp32, attention dropout). flex_attention would skip blocks but needs
+    torch.compile (dynamo: seconds per process, and a graph per mask), and torch's varlen_attn (cu_seqlens,
+    window_size: the form packed documents take in flash-attention) is flash-attention: CUDA, half precision, no
+    dropout, none of which is this path's case."""
     group = q.shape[2] // k.shape[2]
     mask = None
-    if window is not None:
+    if window is not None or doc_bounds is not None:
         positions = torch.arange(q.shape[1], device=q.device)
-        mask, causal = reference.visible(positions, positions, causal, window), False
+        mask, causal = reference.visible(positions, positions, causal, window, doc_bounds), False
+        mask = mask if doc_bounds is None else mask[:, None]
     # SDPA wants [b, heads, s, d]; grouped-query heads are handled by enable_gqa (torch >= 2.5).
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                          dropout_p=dropout_p, is_causal=causal, scale=softmax_scale,
@@ -147,39 +150,58 @@ def _sdpa(q, k, v, causal, dropout_p, softmax_scale, window=None):
     return out.transpose(1, 2)
 
 
-def _flash(q, k, v, causal, dropout_p, softmax_scale, window=None):
-    """The flash-attn package; its window_size=(left, right) counts keys as --window-size does, -1 unbounded."""
-    from flash_attn import flash_attn_func
-    return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                           window_size=(-1, -1) if window is None else (window, 0 if causal else -1))
+def cu_seqlens(doc_bounds: torch.Tensor) -> tuple:
+    """(cumulative lengths [documents + 1] int32, longest length) of the documents of every sample laid end to end,
+    flash-attention's varlen form of packed documents, from the [2, b, s] bounds."""
+    b, s = doc_bounds.shape[1:]
+    starts = torch.nonzero((doc_bounds[0] == torch.arange(s, device=doc_bounds.device)).reshape(-1)).reshape(-1)
+    cu = torch.cat((starts, starts.new_tensor([b * s]))).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
 
 
-def _triton_flash(q, k, v, causal, dropout_p, softmax_scale, window=None):
-    return _triton_module("flash_triton").flash_attention(q, k, v, causal, softmax_scale, window)
+def _flash(q, k, v, causal, dropout_p, softmax_scale, window=None, doc_bounds=None):
+    """The flash-attn package; its window_size=(left, right) counts keys as --window-size does, -1 unbounded.
+    Packed documents go through its varlen API: every sample's documents as one batch of sequences."""
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
+    window_size = (-1, -1) if window is None else (window, 0 if causal else -1)
+    if doc_bounds is None:
+        return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                               window_size=window_size)
+    (b, s), cu = q.shape[:2], cu_seqlens(doc_bounds)
+    flat = (t.reshape(b * s, *t.shape[2:]) for t in (q, k, v))
+    out = flash_attn_varlen_func(*flat, cu[0], cu[0], cu[1], cu[1], dropout_p=dropout_p, softmax_scale=softmax_scale,
+                                 causal=causal, window_size=window_size)
+    return out.view(q.shape)
+
+
+def _triton_flash(q, k, v, causal, dropout_p, softmax_scale, window=None, doc_bounds=None):
+    return _triton_module("flash_triton").flash_attention(q, k, v, causal, softmax_scale, window, doc_bounds)
 
 
 _ATTENTION = {"flash": _flash, "triton": _triton_flash, "sdpa": _sdpa, "local": reference.attention}
 
 
 def attention_fn(backend: str):
-    """The implementation of a resolved backend (not "auto"): f(q, k, v, causal, dropout_p, softmax_scale, window),
-    `window` the keys a query sees before it (None: all).
+    """The implementation of a resolved backend (not "auto"): f(q, k, v, causal, dropout_p, softmax_scale, window,
+    doc_bounds), `window` the keys a query sees before it (None: all), `doc_bounds` [2, b, s] int32 the first and
+    last position of each position's document (None: one sequence per sample).
 
     A layer resolves its backend once (`resolve_attention_backend`) and keeps the function."""
     return _ATTENTION[backend]
 
 
 def _triton_block_forward(q, k, v, causal, softmax_scale=None, dropout_p=0.0, seed=None, window=None, q_offset=0,
-                          k_offset=0):
+                          k_offset=0, doc_bounds=None):
     assert dropout_p == 0.0, "the Triton flash kernel has no dropout (validation refuses the combination)"
-    return _triton_module("flash_triton").forward(q, k, v, causal, softmax_scale, window, q_offset, k_offset)
+    return _triton_module("flash_triton").forward(q, k, v, causal, softmax_scale, window, q_offset, k_offset,
+                                                  doc_bounds)
 
 
 def _triton_block_backward(do, q, k, v, out, lse, causal, softmax_scale=None, dropout_p=0.0, seed=None, window=None,
-                           q_offset=0, k_offset=0):
+                           q_offset=0, k_offset=0, doc_bounds=None):
     do, out, lse = (t.contiguous() for t in (do, out, lse))  # slices of the merged whole
     return _triton_module("flash_triton").backward(do, q, k, v, out, lse, causal, softmax_scale, window, q_offset,
-                                                   k_offset)
+                                                   k_offset, doc_bounds)
 
 
 def attention_block_backend(backend: str, device) -> str:
@@ -196,19 +218,19 @@ _BLOCKS = {"triton": (_triton_block_forward, _triton_block_backward),
 
 def attention_block_fns(block_backend: str) -> tuple:
     """(forward, backward) of one attention block: forward(q, k, v, causal, scale, dropout_p, seed, window,
-    q_offset, k_offset) -> (out, lse [b, nq, sq] fp32); backward(do, q, k, v, out, lse, causal, scale,
-    dropout_p, seed, window, q_offset, k_offset) -> (dq, dk, dv), given the merged `out` and `lse` of the
-    whole row; the offsets are the positions of the block's first query and key (kernels.reference documents
-    both)."""
+    q_offset, k_offset, doc_bounds) -> (out, lse [b, nq, sq] fp32); backward(do, q, k, v, out, lse, causal, scale,
+    dropout_p, seed, window, q_offset, k_offset, doc_bounds) -> (dq, dk, dv), given the merged `out` and `lse` of
+    the whole row; the offsets are the positions of the block's first query and key, and `doc_bounds` the whole
+    sequence's (kernels.reference documents both)."""
     return _BLOCKS[block_backend]
 
 
-def attention(q, k, v, causal=True, dropout_p=0.0, backend="auto", softmax_scale=None, window=None):
+def attention(q, k, v, causal=True, dropout_p=0.0, backend="auto", softmax_scale=None, window=None, doc_bounds=None):
     """q [b, s, nq, d], k and v [b, s, nkv, d] (query head j uses kv head j // (nq // nkv)) -> [b, s, nq, d].
 
     Resolves `backend` on every call: for tests and benchmarks; the model resolves once per layer."""
     chosen = resolve_attention_backend(backend, q.device, dropout_p, q.dtype)
-    return attention_fn(chosen)(q, k, v, causal, dropout_p, softmax_scale, window)
+    return attention_fn(chosen)(q, k, v, causal, dropout_p, softmax_scale, window, doc_bounds)
 
 
 def kernel_report(device, attention_backend: str = "auto", dropout_p: float = 0.0,

@@ -1,5 +1,5 @@
-"""Flash attention in Triton: causal or full, with a sliding window, grouped-query, forward and backward, saving
-the log-sum-exp.
+"""Flash attention in Triton: causal or full, with a sliding window and packed documents, grouped-query, forward
+and backward, saving the log-sum-exp.
 
 The algorithm is FlashAttention-2 (Dao, 2023, arXiv:2307.08691): the forward pass streams key/value
 blocks past a resident query block with an online softmax and saves only the per-row log-sum-exp; the
@@ -9,10 +9,11 @@ attention, over every query head of its group) to accumulate dK and dV; the othe
 and loops over key blocks to accumulate dQ.
 
 Tensors stay in the engine's [b, s, heads, d] layout; strides carry it, so nothing is transposed. The
-mask is a causal rule and an optional sliding window on absolute positions (the programs, in
-kernels/flash_triton_jit.py, skip the blocks it hides and mask only the blocks on its edges). Queries and
-keys have the same length (training). `counting()` counts the blocks the loops visit, so a test can see
-the skipping.
+mask is a causal rule, an optional sliding window and optional documents on absolute positions (`doc_bounds`
+[2, b, S] int32: the first and the last position of each position's document, the whole sequence's, so a
+context-parallel block reads its rows at their positions); the programs, in kernels/flash_triton_jit.py, skip
+the blocks it hides and mask only the blocks on its edges. Queries and keys have the same length (training).
+`counting()` counts the blocks the loops visit, so a test can see the skipping.
 """
 from __future__ import annotations
 
@@ -91,16 +92,26 @@ def _counted(kernel: str, visits: torch.Tensor) -> None:
         _counts[kernel] += int(visits.item())
 
 
-def _mask_args(causal: bool, window: Optional[int], q_offset: int, k_offset: int) -> dict:
-    """The launch arguments of the mask: query and key positions as one shift, the window as a flag and a bound."""
-    return dict(shift=q_offset - k_offset, window=window or 0, CAUSAL=causal, WINDOWED=window is not None,
-                COUNT=_counts is not None)
+def _mask_args(causal: bool, window: Optional[int], q_offset: int, k_offset: int, doc_bounds) -> dict:
+    """The launch arguments of the mask: query and key positions as one shift and as offsets (the documents are
+    read at absolute positions), the window and the documents each as a flag and a value."""
+    return dict(shift=q_offset - k_offset, window=window or 0, q_offset=q_offset, k_offset=k_offset, CAUSAL=causal,
+                WINDOWED=window is not None, DOCUMENTS=doc_bounds is not None, COUNT=_counts is not None)
 
 
-def forward(q, k, v, causal=True, softmax_scale=None, window=None, q_offset=0, k_offset=0):
+def _documents(doc_bounds, device) -> tuple:
+    """(pointer, sample stride, distance from the first bounds to the last) of the documents, or of a stand-in
+    never read when there are none."""
+    if doc_bounds is None:
+        return torch.zeros(1, dtype=torch.int32, device=device), 0, 0
+    return doc_bounds, doc_bounds.stride(1), doc_bounds.stride(0)
+
+
+def forward(q, k, v, causal=True, softmax_scale=None, window=None, q_offset=0, k_offset=0, doc_bounds=None):
     """Returns (out [b, s, nq, d], lse [b, nq, s] fp32, natural log). `window`: keys at most this many positions
     before the query (None: all); q_offset/k_offset: the positions of the first query and key (a context-
-    parallel block). A row that sees no key gets out 0 and lse -inf."""
+    parallel block); `doc_bounds`: the documents (None: one sequence). A row that sees no key gets out 0 and
+    lse -inf."""
     _check(q, k, v)
     q, k, v = _last_contiguous(q, k, v)
     b, s, nq, d = q.shape
@@ -110,15 +121,18 @@ def forward(q, k, v, causal=True, softmax_scale=None, window=None, q_offset=0, k
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((b, nq, s), dtype=torch.float32, device=q.device)
     visits = _visits(q.device)
+    docs, doc_sb, doc_side = _documents(doc_bounds, q.device)
     _attn_fwd[(b * nq, triton.cdiv(s, bm))](
-        q, k, v, out, lse, visits, scale, *_strides(q), *_strides(k), *_strides(v), *_strides(out), nq, nq // nkv, s,
-        **_mask_args(causal, window, q_offset, k_offset), D=d, BLOCK_M=bm, BLOCK_N=bn,
+        q, k, v, out, lse, visits, docs, scale, *_strides(q), *_strides(k), *_strides(v), *_strides(out), doc_sb,
+        doc_side, nq, nq // nkv, s, **_mask_args(causal, window, q_offset, k_offset, doc_bounds), D=d, BLOCK_M=bm,
+        BLOCK_N=bn,
         BLOCK_D=max(16, triton.next_power_of_2(d)), PRECISION=_precision(q), num_warps=warps, num_stages=stages)
     _counted("forward", visits)
     return out, lse
 
 
-def backward(do, q, k, v, out, lse, causal=True, softmax_scale=None, window=None, q_offset=0, k_offset=0):
+def backward(do, q, k, v, out, lse, causal=True, softmax_scale=None, window=None, q_offset=0, k_offset=0,
+             doc_bounds=None):
     """Returns (dq, dk, dv) for the forward above; `lse` is the whole row's (a context-parallel merge's)."""
     (do,) = _last_contiguous(do)
     b, s, nq, d = q.shape
@@ -126,7 +140,8 @@ def backward(do, q, k, v, out, lse, causal=True, softmax_scale=None, window=None
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     _, (m1, n1, warps1, stages1), (m2, n2, warps2, stages2) = _configs(d, q.dtype, q.is_cuda)
     block_d = max(16, triton.next_power_of_2(d))
-    mask = _mask_args(causal, window, q_offset, k_offset)
+    mask = _mask_args(causal, window, q_offset, k_offset, doc_bounds)
+    docs, doc_sb, doc_side = _documents(doc_bounds, q.device)
     delta = torch.empty_like(lse)
     _attn_bwd_delta[(triton.cdiv(s, DELTA_BLOCK), b * nq)](out, do, delta, *_strides(out), *_strides(do), nq, s,
                                                            D=d, BLOCK_M=DELTA_BLOCK, BLOCK_D=block_d)
@@ -135,12 +150,12 @@ def backward(do, q, k, v, out, lse, causal=True, softmax_scale=None, window=None
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     visits = _visits(q.device), _visits(q.device)
     _attn_bwd_dkdv[(b * nkv, triton.cdiv(s, n1))](
-        q, k, v, do, dk, dv, lse, delta, visits[0], scale, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-        *_strides(dk), *_strides(dv), nq, nkv, nq // nkv, s, **mask, D=d, BLOCK_M=m1, BLOCK_N=n1, BLOCK_D=block_d,
-        PRECISION=_precision(q), num_warps=warps1, num_stages=stages1)
+        q, k, v, do, dk, dv, lse, delta, visits[0], docs, scale, *_strides(q), *_strides(k), *_strides(v),
+        *_strides(do), *_strides(dk), *_strides(dv), doc_sb, doc_side, nq, nkv, nq // nkv, s, **mask, D=d, BLOCK_M=m1,
+        BLOCK_N=n1, BLOCK_D=block_d, PRECISION=_precision(q), num_warps=warps1, num_stages=stages1)
     _attn_bwd_dq[(b * nq, triton.cdiv(s, m2))](
-        q, k, v, do, dq, lse, delta, visits[1], scale, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-        *_strides(dq), nq, nq // nkv, s, **mask, D=d, BLOCK_M=m2, BLOCK_N=n2, BLOCK_D=block_d,
+        q, k, v, do, dq, lse, delta, visits[1], docs, scale, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+        *_strides(dq), doc_sb, doc_side, nq, nq // nkv, s, **mask, D=d, BLOCK_M=m2, BLOCK_N=n2, BLOCK_D=block_d,
         PRECISION=_precision(q), num_warps=warps2, num_stages=stages2)
     _counted("dkdv", visits[0])
     _counted("dq", visits[1])
@@ -149,19 +164,20 @@ def backward(do, q, k, v, out, lse, causal=True, softmax_scale=None, window=None
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, window):
+    def forward(ctx, q, k, v, causal, softmax_scale, window, doc_bounds):
         q, k, v = _last_contiguous(q, k, v)
-        out, lse = forward(q, k, v, causal, softmax_scale, window)
+        out, lse = forward(q, k, v, causal, softmax_scale, window, doc_bounds=doc_bounds)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.softmax_scale, ctx.window = causal, softmax_scale, window
+        ctx.causal, ctx.softmax_scale, ctx.window, ctx.doc_bounds = causal, softmax_scale, window, doc_bounds
         return out
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = backward(do, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.window)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = backward(do, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.window,
+                              doc_bounds=ctx.doc_bounds)
+        return dq, dk, dv, None, None, None, None
 
 
-def flash_attention(q, k, v, causal=True, softmax_scale=None, window=None):
-    return _FlashAttention.apply(q, k, v, causal, softmax_scale, window)
+def flash_attention(q, k, v, causal=True, softmax_scale=None, window=None, doc_bounds=None):
+    return _FlashAttention.apply(q, k, v, causal, softmax_scale, window, doc_bounds)

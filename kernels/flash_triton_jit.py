@@ -4,10 +4,15 @@ the rowsum(O * dO) pre-pass, dK/dV and dQ, and the two helpers of the mask every
 Which keys a query sees is decided from positions (engine/attention_mask.py's rule): query row m and key
 row n are shift + m - n apart (shift = q_offset - k_offset: a context-parallel block's queries and keys
 come from different places in the sequence), and the pair is visible iff that distance is >= 0 (causal)
-and <= window (a sliding window). Each program works out from the distances of its rows which blocks of
-the other side hold any visible pair (`_span`): the rest are never loaded, and of those visited only the
-ones on an edge of the visible band are masked (a constexpr MASK flag compiles a mask-free copy of each
-loop for the others). With COUNT set, every loop iteration adds one to VISITS (a test hook).
+and <= window (a sliding window), and, with packed documents (DOCUMENTS), iff the key's position lies
+between the first and the last position of the query's document, which is the same as the query's lying
+within the key's document: DOCS holds both bounds of every position of the whole sequence ([2, b, S_total]
+int32), so each program reads those of its own rows at their absolute positions (`_doc_rows`). Each program
+works out from the distances of its rows, and from their documents, which blocks of the other side hold any
+visible pair (`_span`): the rest are never loaded, so a batch of packed documents costs the sum of their
+squares, not the square of the sample, and of those visited only the ones on an edge of the visible band are
+masked (a constexpr MASK flag compiles a mask-free copy of each loop for the others). With COUNT set, every
+loop iteration adds one to VISITS (a test hook).
 """
 from __future__ import annotations
 
@@ -21,42 +26,73 @@ DELTA_BLOCK = 32  # rows per program of the rowsum(O * dO) pre-pass; small keeps
 
 
 @triton.jit
-def _span(a0, a_end, S, shift, least, most, HAS_LEAST: tl.constexpr, HAS_MOST: tl.constexpr, BLOCK: tl.constexpr):
+def _span(a0, a_end, S, shift, least, most, doc_lo, doc_full_lo, doc_full_hi, doc_hi, HAS_LEAST: tl.constexpr,
+          HAS_MOST: tl.constexpr, BLOCK: tl.constexpr):
     """(lo, full_lo, full_hi, hi) of the rows b (0 <= b < S) the loop visits for the program's rows a0 <= a <
-    a_end, where (a, b) is visible iff least <= shift + a - b <= most: [lo, hi) holds every b visible to some
-    a (the distances of a block are one run of integers), [full_lo, full_hi), whole blocks, the b visible to
-    every a (no mask). lo, full_lo, full_hi are multiples of BLOCK, or clamped to an end where a segment is
-    empty."""
-    hi = S
-    full_hi = S
-    lo = 0
-    full_lo = 0
+    a_end, where (a, b) is visible iff least <= shift + a - b <= most and b lies in a's document: [lo, hi) holds
+    every b visible to some a (each a sees one run of b, and the runs of consecutive rows meet), [full_lo,
+    full_hi), whole blocks, the b visible to every a (no mask). The documents of the rows reach [doc_lo,
+    doc_hi) and all of them [doc_full_lo, doc_full_hi) (0, 0, S, S without documents). lo, full_lo, full_hi
+    are multiples of BLOCK, or clamped to an end where a segment is empty."""
+    hi = tl.minimum(tl.maximum(doc_hi, 0), S)
+    full_hi = tl.minimum(tl.maximum(doc_full_hi, 0), S)
+    lo = tl.maximum(doc_lo, 0)
+    full_lo = tl.maximum(doc_full_lo, 0)
     if HAS_LEAST:
-        hi = tl.minimum(tl.maximum(a_end + shift - least, 0), S)
-        full_hi = tl.minimum(tl.maximum(a0 + shift - least + 1, 0), S)
+        hi = tl.minimum(hi, tl.maximum(a_end + shift - least, 0))
+        full_hi = tl.minimum(full_hi, tl.maximum(a0 + shift - least + 1, 0))
     if HAS_MOST:
-        lo = tl.maximum(a0 + shift - most, 0) // BLOCK * BLOCK
-        full_lo = (tl.maximum(a_end - 1 + shift - most, 0) + BLOCK - 1) // BLOCK * BLOCK
-    lo = tl.minimum(lo, hi)
+        lo = tl.maximum(lo, a0 + shift - most)
+        full_lo = tl.maximum(full_lo, a_end - 1 + shift - most)
+    lo = tl.minimum(lo // BLOCK * BLOCK, hi)
+    full_lo = (full_lo + BLOCK - 1) // BLOCK * BLOCK
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     full_hi = tl.maximum(full_hi // BLOCK * BLOCK, full_lo)
     return lo, full_lo, full_hi, hi
 
 
 @triton.jit
-def _keep(keep, dist, window, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr):
-    """`keep` narrowed to the pairs whose distance (query position - key position) the mask allows."""
+def _keep(keep, dist, window, other, first, last, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+          DOCUMENTS: tl.constexpr):
+    """`keep` narrowed to the pairs whose distance (query position - key position) the mask allows and, with
+    documents, whose other side's position `other` lies within the document [first, last] of this side's row."""
     if CAUSAL:
         keep = keep & (dist >= 0)
     if WINDOWED:
         keep = keep & (dist <= window)
+    if DOCUMENTS:
+        keep = keep & (other >= first) & (other <= last)
     return keep
 
 
 @triton.jit
+def _doc_rows(DOCS, doc_side, S, pos, ok, other_offset, DOCUMENTS: tl.constexpr):
+    """(first, last, doc_lo, doc_full_lo, doc_full_hi, doc_hi): the documents of this program's rows (absolute
+    positions `pos`, those with `ok`; DOCS points at the sample's first bounds, its last ones doc_side further)
+    and, as rows of the other side (whose first row is at `other_offset`), the ones some row's document reaches
+    and the ones every row's does: the document arguments of `_span`. Without documents: nothing loaded."""
+    if DOCUMENTS:
+        first = tl.load(DOCS + pos, mask=ok, other=0)
+        last = tl.load(DOCS + doc_side + pos, mask=ok, other=0)
+        doc_lo = tl.min(tl.where(ok, first, 1 << 30)) - other_offset
+        doc_full_lo = tl.max(tl.where(ok, first, -(1 << 30))) - other_offset
+        doc_full_hi = tl.min(tl.where(ok, last, 1 << 30)) + 1 - other_offset
+        doc_hi = tl.max(tl.where(ok, last, -(1 << 30))) + 1 - other_offset
+    else:
+        first = pos
+        last = pos
+        doc_lo = S * 0
+        doc_full_lo = S * 0
+        doc_full_hi = S
+        doc_hi = S
+    return first, last, doc_lo, doc_full_lo, doc_full_hi, doc_hi
+
+
+@triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, lo, hi, offs_m, offs_n, offs_d, S, qk_scale,
-               shift, window, VISITS, MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-               COUNT: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+               shift, window, k_offset, first, last, VISITS, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+               WINDOWED: tl.constexpr, DOCUMENTS: tl.constexpr, COUNT: tl.constexpr, D: tl.constexpr,
+               BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     d_ok = offs_d < D
     for start_n in range(lo, hi, BLOCK_N):
         if COUNT:
@@ -67,7 +103,8 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, lo, hi, o
                      other=0.0)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
         if MASK:
-            keep = _keep(n_ok[None, :], shift + offs_m[:, None] - cols[None, :], window, CAUSAL, WINDOWED)
+            keep = _keep(n_ok[None, :], shift + offs_m[:, None] - cols[None, :], window, k_offset + cols[None, :],
+                         first[:, None], last[:, None], CAUSAL, WINDOWED, DOCUMENTS)
             s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = m_new
@@ -83,11 +120,12 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, lo, hi, o
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE, VISITS, sm_scale,
-              sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
-              NQ, GROUP, S, shift, window,
-              CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COUNT: tl.constexpr, D: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+def _attn_fwd(Q, K, V, O, LSE, VISITS, DOCS, sm_scale,
+              sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, doc_sb, doc_side,
+              NQ, GROUP, S, shift, window, q_offset, k_offset,
+              CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOCUMENTS: tl.constexpr, COUNT: tl.constexpr,
+              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              PRECISION: tl.constexpr):
     # Grid is (heads, query blocks); the last query blocks carry the most causal work, so start there.
     pid_bh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -105,15 +143,17 @@ def _attn_fwd(Q, K, V, O, LSE, VISITS, sm_scale,
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    # Key blocks: the window's trailing edge (masked), wholly visible ones, the diagonal's edge (masked).
+    # Key blocks: the window's or the documents' trailing edge (masked), wholly visible ones, the diagonal's edge.
+    first, last, d_lo, d_full_lo, d_full_hi, d_hi = _doc_rows(DOCS + b * doc_sb, doc_side, S, q_offset + offs_m,
+                                                              offs_m < S, k_offset, DOCUMENTS)
     lo, full_lo, full_hi, hi = _span(pid_m * BLOCK_M, tl.minimum((pid_m + 1) * BLOCK_M, S), S, shift, 0, window,
-                                     CAUSAL, WINDOWED, BLOCK_N)
+                                     d_lo, d_full_lo, d_full_hi, d_hi, CAUSAL, WINDOWED, BLOCK_N)
     for part in tl.static_range(3):
         start = lo if part == 0 else full_lo if part == 1 else full_hi
         end = full_lo if part == 0 else full_hi if part == 1 else hi
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, sks, svs, start, end, offs_m, offs_n, offs_d, S,
-                                   qk_scale, shift, window, VISITS, part != 1, CAUSAL, WINDOWED, COUNT, D, BLOCK_N,
-                                   PRECISION)
+                                   qk_scale, shift, window, k_offset, first, last, VISITS, part != 1, CAUSAL,
+                                   WINDOWED, DOCUMENTS, COUNT, D, BLOCK_N, PRECISION)
     # A row that sees no key here (only in a context-parallel block) gives 0 with lse -inf, its merge weight.
     seen = l_i > 0.0
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -141,8 +181,9 @@ def _attn_bwd_delta(O, DO, DELTA, sob, sos, soh, sdb, sds, sdh, NQ, S,
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, lo, hi, offs_n, offs_d, S, qk_scale,
-                shift, window, VISITS, MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-                COUNT: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+                shift, window, q_offset, first, last, VISITS, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                WINDOWED: tl.constexpr, DOCUMENTS: tl.constexpr, COUNT: tl.constexpr, D: tl.constexpr,
+                BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
     d_ok = offs_d < D
     for start_m in range(lo, hi, BLOCK_M):
         if COUNT:
@@ -154,7 +195,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, l
         lse2 = tl.load(lse_base + offs_m, mask=m_ok, other=0.0) * LOG2E
         pt = tl.exp2(tl.dot(k, qt, input_precision=PRECISION) * qk_scale - lse2[None, :])
         if MASK:
-            keep = _keep(m_ok[None, :], shift + offs_m[None, :] - offs_n[:, None], window, CAUSAL, WINDOWED)
+            keep = _keep(m_ok[None, :], shift + offs_m[None, :] - offs_n[:, None], window, q_offset + offs_m[None, :],
+                         first[:, None], last[:, None], CAUSAL, WINDOWED, DOCUMENTS)
             pt = tl.where(keep, pt, 0.0)
         do = tl.load(do_base + offs_m[:, None] * sds + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
         dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
@@ -165,11 +207,12 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, l
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, VISITS, sm_scale,
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, VISITS, DOCS, sm_scale,
                    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
-                   NQ, NKV, GROUP, S, shift, window,
-                   CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COUNT: tl.constexpr, D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                   doc_sb, doc_side, NQ, NKV, GROUP, S, shift, window, q_offset, k_offset,
+                   CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOCUMENTS: tl.constexpr, COUNT: tl.constexpr,
+                   D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   PRECISION: tl.constexpr):
     # Grid is (kv heads, key blocks); the first key blocks carry the most causal work and launch first.
     pid_bh = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -184,9 +227,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, VISITS, sm_scale,
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
-    # Query blocks seen from the keys: the diagonal's edge (masked), wholly visible ones, the window's edge.
-    lo, full_lo, full_hi, hi = _span(start_n, tl.minimum(start_n + BLOCK_N, S), S, -shift, -window, 0,
-                                     WINDOWED, CAUSAL, BLOCK_M)
+    # Query blocks seen from the keys: the diagonal's edge (masked), wholly visible ones, the window's or the
+    # documents' edge; a key's document holds the queries that see it.
+    first, last, d_lo, d_full_lo, d_full_hi, d_hi = _doc_rows(DOCS + b * doc_sb, doc_side, S, k_offset + offs_n,
+                                                              offs_n < S, q_offset, DOCUMENTS)
+    lo, full_lo, full_hi, hi = _span(start_n, tl.minimum(start_n + BLOCK_N, S), S, -shift, -window, 0, d_lo,
+                                     d_full_lo, d_full_hi, d_hi, WINDOWED, CAUSAL, BLOCK_M)
     for g in range(GROUP):
         h = hk * GROUP + g
         q_base = Q + b * sqb + h * sqh
@@ -196,8 +242,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, VISITS, sm_scale,
             start = lo if part == 0 else full_lo if part == 1 else full_hi
             end = full_lo if part == 0 else full_hi if part == 1 else hi
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqs, sds, start,
-                                 end, offs_n, offs_d, S, qk_scale, shift, window, VISITS, part != 1, CAUSAL, WINDOWED,
-                                 COUNT, D, BLOCK_M, PRECISION)
+                                 end, offs_n, offs_d, S, qk_scale, shift, window, q_offset, first, last, VISITS,
+                                 part != 1, CAUSAL, WINDOWED, DOCUMENTS, COUNT, D, BLOCK_M, PRECISION)
     tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
@@ -206,8 +252,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, VISITS, sm_scale,
 
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, sks, svs, lo, hi, offs_m, offs_d, S, qk_scale,
-              shift, window, VISITS, MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-              COUNT: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+              shift, window, k_offset, first, last, VISITS, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+              WINDOWED: tl.constexpr, DOCUMENTS: tl.constexpr, COUNT: tl.constexpr, D: tl.constexpr,
+              BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     d_ok = offs_d < D
     for start_n in range(lo, hi, BLOCK_N):
         if COUNT:
@@ -218,7 +265,8 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, sks, svs, lo, hi, offs_m, 
         vt = tl.load(v_base + cols[None, :] * svs + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         p = tl.exp2(tl.dot(q, kt, input_precision=PRECISION) * qk_scale - lse2[:, None])
         if MASK:
-            keep = _keep(n_ok[None, :], shift + offs_m[:, None] - cols[None, :], window, CAUSAL, WINDOWED)
+            keep = _keep(n_ok[None, :], shift + offs_m[:, None] - cols[None, :], window, k_offset + cols[None, :],
+                         first[:, None], last[:, None], CAUSAL, WINDOWED, DOCUMENTS)
             p = tl.where(keep, p, 0.0)
         ds = p * (tl.dot(do, vt, input_precision=PRECISION) - delta[:, None])
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=PRECISION)
@@ -226,11 +274,12 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, sks, svs, lo, hi, offs_m, 
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, VISITS, sm_scale,
-                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, sdqb, sdqs, sdqh,
-                 NQ, GROUP, S, shift, window,
-                 CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COUNT: tl.constexpr, D: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, VISITS, DOCS, sm_scale,
+                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, sdqb, sdqs, sdqh, doc_sb, doc_side,
+                 NQ, GROUP, S, shift, window, q_offset, k_offset,
+                 CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOCUMENTS: tl.constexpr, COUNT: tl.constexpr,
+                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 PRECISION: tl.constexpr):
     # Grid is (heads, query blocks); the last query blocks carry the most causal work, so start there.
     pid_bh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -251,13 +300,16 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, VISITS, sm_scale,
     qk_scale = sm_scale * LOG2E
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     # The forward's key blocks; the partial last one is masked too (zero-padded keys would get probability).
+    first, last, d_lo, d_full_lo, d_full_hi, d_hi = _doc_rows(DOCS + b * doc_sb, doc_side, S, q_offset + offs_m,
+                                                              m_ok, k_offset, DOCUMENTS)
     lo, full_lo, full_hi, hi = _span(pid_m * BLOCK_M, tl.minimum((pid_m + 1) * BLOCK_M, S), S, shift, 0, window,
-                                     CAUSAL, WINDOWED, BLOCK_N)
+                                     d_lo, d_full_lo, d_full_hi, d_hi, CAUSAL, WINDOWED, BLOCK_N)
     for part in tl.static_range(3):
         start = lo if part == 0 else full_lo if part == 1 else full_hi
         end = full_lo if part == 0 else full_hi if part == 1 else hi
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, sks, svs, start, end, offs_m, offs_d, S, qk_scale,
-                       shift, window, VISITS, part != 1, CAUSAL, WINDOWED, COUNT, D, BLOCK_N, PRECISION)
+                       shift, window, k_offset, first, last, VISITS, part != 1, CAUSAL, WINDOWED, DOCUMENTS, COUNT,
+                       D, BLOCK_N, PRECISION)
     tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=io_mask)
 

@@ -90,8 +90,10 @@ def add_layer_norm(x, residual, weight, bias, eps):
 
 
 def _rotate(x: torch.Tensor, freqs: torch.Tensor, sign: float) -> torch.Tensor:
-    """Rotate the pairs (i, i + d/2) of x [s, b, n, d] by sign * freqs [s, d/2], in fp32."""
-    angles = _wide(torch.cat((freqs, freqs), dim=-1))[:, None, None, :]
+    """Rotate the pairs (i, i + d/2) of x [s, b, n, d] by sign * freqs ([s, d/2], or [s, b, d/2] per sample), in
+    fp32."""
+    angles = _wide(torch.cat((freqs, freqs), dim=-1))
+    angles = angles.view(angles.shape[0], -1, 1, angles.shape[-1])  # [s, 1 or b, 1, d]
     xf = _wide(x)
     x1, x2 = xf.chunk(2, dim=-1)
     return xf * angles.cos() + torch.cat((-x2, x1), dim=-1) * (sign * angles.sin())
@@ -112,7 +114,8 @@ class _Rope(torch.autograd.Function):
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """x [s, b, n, d], freqs [s, d/2] angles; rotate-half pairs (i, i + d/2)."""
+    """x [s, b, n, d], freqs [s, d/2] angles shared by the samples or [s, b, d/2] of each sample's positions
+    (packed documents under --reset-position-ids); rotate-half pairs (i, i + d/2)."""
     return _Rope.apply(x, freqs)
 
 
@@ -137,14 +140,21 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _SwiGLU.apply(gate, up)
 
 
-def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: Optional[int]) -> Optional[torch.Tensor]:
-    """Which keys each query sees, [sq, sk] bool, from their absolute positions: the rule of
-    engine/attention_mask.py (j <= i when causal; i - j <= window when a window is set). None: every key."""
-    if not causal and window is None:
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: Optional[int],
+            doc_bounds: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """Which keys each query sees, [sq, sk] bool, or [b, sq, sk] with documents, from their absolute positions: the
+    rule of engine/attention_mask.py (j <= i when causal; i - j <= window when a window is set; with
+    `doc_bounds` [2, b, S], the first and last position of each position's document, first(i) <= j <= last(i)).
+    None: every key."""
+    if not causal and window is None and doc_bounds is None:
         return None
     distance = q_pos[:, None] - k_pos[None, :]
     keep = distance >= 0 if causal else torch.ones_like(distance, dtype=torch.bool)
-    return keep & (distance <= window) if window is not None else keep
+    keep = keep & (distance <= window) if window is not None else keep
+    if doc_bounds is None:
+        return keep
+    first, last = (t[:, q_pos, None] for t in doc_bounds)  # [b, sq, 1] each
+    return keep & (k_pos >= first) & (k_pos <= last)
 
 
 def _positions(n: int, offset: int, device) -> torch.Tensor:
@@ -152,12 +162,15 @@ def _positions(n: int, offset: int, device) -> torch.Tensor:
 
 
 def _scores(q, k, causal: bool, scale: float, window: Optional[int] = None, q_offset: int = 0,
-            k_offset: int = 0) -> torch.Tensor:
+            k_offset: int = 0, doc_bounds: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Scaled scores [b, nkv, group, sq, sk] in fp32 (or wider), -inf where the mask hides the key."""
     b, sq, nq, d = q.shape
     nkv = k.shape[2]
     scores = torch.einsum("bqhgd,bkhd->bhgqk", _wide(q).reshape(b, sq, nkv, nq // nkv, d), _wide(k)) * scale
-    keep = visible(_positions(sq, q_offset, q.device), _positions(k.shape[1], k_offset, q.device), causal, window)
+    keep = visible(_positions(sq, q_offset, q.device), _positions(k.shape[1], k_offset, q.device), causal, window,
+                   doc_bounds)
+    if keep is not None and keep.dim() == 3:  # per sample: [b, 1, 1, sq, sk] against the heads' axes
+        keep = keep[:, None, None]
     return scores if keep is None else scores.masked_fill(~keep, float("-inf"))
 
 
@@ -165,22 +178,26 @@ def _scale(q, softmax_scale: Optional[float]) -> float:
     return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
-def attention(q, k, v, causal=True, dropout_p=0.0, softmax_scale=None, window=None):
+def attention(q, k, v, causal=True, dropout_p=0.0, softmax_scale=None, window=None, doc_bounds=None):
     """Materialised-scores attention in fp32. q [b, s, nq, d]; k, v [b, s, nkv, d]; returns [b, s, nq, d].
-    `window`: each query sees the keys at most this many positions before it (None: all)."""
+    `window`: each query sees the keys at most this many positions before it (None: all); `doc_bounds` [2, b, s]:
+    the first and last position of each position's document, whose keys alone its query sees (None: one
+    sequence)."""
     b, s, nq, d = q.shape
     # Query head j reads kv head j // group: the scores view the query heads as [nkv, group].
-    probs = _scores(q.float(), k.float(), causal, _scale(q, softmax_scale), window).softmax(dim=-1)
+    probs = _scores(q.float(), k.float(), causal, _scale(q, softmax_scale), window, doc_bounds=doc_bounds)
+    probs = probs.softmax(dim=-1)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
     out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v.float())
     return out.reshape(b, s, nq, d).to(q.dtype)
 
 
-def attention_lse(q, k, causal=True, softmax_scale=None, window=None) -> torch.Tensor:
+def attention_lse(q, k, causal=True, softmax_scale=None, window=None, doc_bounds=None) -> torch.Tensor:
     """Natural-log log-sum-exp of the scaled scores, [b, nq, s] fp32 (what the flash kernel saves)."""
     b, s, nq, d = q.shape
-    return _scores(q.float(), k.float(), causal, _scale(q, softmax_scale), window).logsumexp(dim=-1).reshape(b, nq, s)
+    scores = _scores(q.float(), k.float(), causal, _scale(q, softmax_scale), window, doc_bounds=doc_bounds)
+    return scores.logsumexp(dim=-1).reshape(b, nq, s)
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -198,16 +215,17 @@ def _block_dropout(shape, dropout_p: float, seed: int, device) -> torch.Tensor:
 
 def attention_block_forward(q, k, v, causal: bool, softmax_scale: Optional[float] = None, dropout_p: float = 0.0,
                             seed: Optional[int] = None, window: Optional[int] = None, q_offset: int = 0,
-                            k_offset: int = 0) -> tuple:
+                            k_offset: int = 0, doc_bounds: Optional[torch.Tensor] = None) -> tuple:
     """One block of blockwise (ring) attention: (out [b, sq, nq, d], lse [b, nq, sq]), both fp32 (or wider).
 
     `out` is normalised by this block's own log-sum-exp and kept wide: blocks are merged by their lse, and the
     caller casts the merged result. The mask is decided from positions: the queries are at q_offset.., the
-    keys at k_offset.. (`causal` and `window` as in `attention`); a row that sees no key of the block gets
-    out 0 and lse -inf. Dropout uses a generator seeded by `seed`.
+    keys at k_offset.. (`causal`, `window` and `doc_bounds` as in `attention`: the bounds are the whole
+    sequence's, read at the block's positions); a row that sees no key of the block gets out 0 and lse -inf.
+    Dropout uses a generator seeded by `seed`.
     """
     b, sq, nq, d = q.shape
-    scores = _scores(q, k, causal, _scale(q, softmax_scale), window, q_offset, k_offset)
+    scores = _scores(q, k, causal, _scale(q, softmax_scale), window, q_offset, k_offset, doc_bounds)
     lse = scores.logsumexp(dim=-1)
     probs = (scores - _finite(lse)[..., None]).exp()
     if dropout_p > 0.0:
@@ -218,7 +236,7 @@ def attention_block_forward(q, k, v, causal: bool, softmax_scale: Optional[float
 
 def attention_block_backward(do, q, k, v, out, lse, causal: bool, softmax_scale: Optional[float] = None,
                              dropout_p: float = 0.0, seed: Optional[int] = None, window: Optional[int] = None,
-                             q_offset: int = 0, k_offset: int = 0) -> tuple:
+                             q_offset: int = 0, k_offset: int = 0, doc_bounds: Optional[torch.Tensor] = None) -> tuple:
     """(dq, dk, dv) of one block, in fp32 (or wider), given the merged output `out` and its `lse`: with the
     whole row's lse the block's probabilities are final, so the blocks' gradients simply add up."""
     b, sq, nq, d = q.shape
@@ -226,7 +244,7 @@ def attention_block_backward(do, q, k, v, out, lse, causal: bool, softmax_scale:
     group = nq // nkv
     scale = _scale(q, softmax_scale)
     lse = _finite(lse.reshape(b, nkv, group, sq)[..., None].to(_wide(q).dtype))
-    probs = (_scores(q, k, causal, scale, window, q_offset, k_offset) - lse).exp()
+    probs = (_scores(q, k, causal, scale, window, q_offset, k_offset, doc_bounds) - lse).exp()
     dof = _wide(do).reshape(b, sq, nkv, group, d)
     delta = (dof * _wide(out).reshape(b, sq, nkv, group, d)).sum(-1).permute(0, 2, 3, 1)  # [b, nkv, group, sq]
     dprobs = torch.einsum("bqhgd,bkhd->bhgqk", dof, _wide(v))

@@ -1,7 +1,10 @@
 """Rotary position embedding in Triton (rotate-half convention, pairs (i, i + d/2)).
 
 One program per (position, batch) row rotates all heads of that row, so cos/sin of the row's angles are
-computed once and reused across heads. The backward pass is the same rotation by the negated angle.
+computed once and reused across heads. The angles are a table [s, d/2] shared by the samples, or [s, b, d/2]
+when each sample has its own positions (packed documents under --reset-position-ids): the table's sample
+stride is 0 in the first case, so both read their row the same way. The backward pass is the same rotation by
+the negated angle.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _rope_kernel(X, FREQS, Y, BATCH, stride_xs, stride_xb, stride_xh, stride_f, NH, HALF, sign,
+def _rope_kernel(X, FREQS, Y, BATCH, stride_xs, stride_xb, stride_xh, stride_fs, stride_fb, NH, HALF, sign,
                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     pos = pid // BATCH
@@ -19,7 +22,7 @@ def _rope_kernel(X, FREQS, Y, BATCH, stride_xs, stride_xb, stride_xh, stride_f, 
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
     mask = (heads < NH) & (dims < HALF)
-    theta = tl.load(FREQS + pos * stride_f + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+    theta = tl.load(FREQS + pos * stride_fs + bat * stride_fb + dims, mask=dims < HALF, other=0.0).to(tl.float32)
     cos = tl.cos(theta)
     sin = tl.sin(theta) * sign
     x_row = X + pos.to(tl.int64) * stride_xs + bat.to(tl.int64) * stride_xb + heads * stride_xh + dims
@@ -41,8 +44,9 @@ def _rotate(x: torch.Tensor, freqs: torch.Tensor, sign: float) -> torch.Tensor:
     block_h = triton.next_power_of_2(n)
     block_d = triton.next_power_of_2(d // 2)
     warps = min(max(block_h * block_d // 256, 1), 8)
-    _rope_kernel[(s * b,)](x, freqs, y, b, x.stride(0), x.stride(1), x.stride(2), freqs.stride(0), n, d // 2, sign,
-                           BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps)
+    per_sample = freqs.stride(1) if freqs.dim() == 3 else 0
+    _rope_kernel[(s * b,)](x, freqs, y, b, x.stride(0), x.stride(1), x.stride(2), freqs.stride(0), per_sample, n,
+                           d // 2, sign, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps)
     return y
 
 

@@ -71,7 +71,7 @@ def test_a_new_sharding_strategy_is_its_name_and_what_it_shards(monkeypatch):
 
 
 def test_a_new_attention_variant_is_one_value_every_path_and_formula_reads(monkeypatch):
-    """Recipe: the value (engine/attention_mask.py: a field, how `of` reads its flag, `keys_per_query`), the flag
+    """Recipe: the value (engine/attention_mask.py: a field, how `of` reads its flag, `counted_pairs`), the flag
     (engine/config/model.py), the kernels' masks (kernels/) and the CP ring's block plan
     (engine/parallel/ring_attention.py). The model hands the value to its one attention entry point, and the
     FLOP and memory formulas count what it says."""
@@ -83,7 +83,8 @@ def test_a_new_attention_variant_is_one_value_every_path_and_formula_reads(monke
     m = _model()
     before = (flops.forward_flops_per_sequence(m, 4096)["attention"],
               memory.layer_activation_bytes(m, 4096, 1, flash_attention=False))
-    monkeypatch.setattr(AttentionMask, "keys_per_query", lambda self, s: min(s, 1024))  # a 1024-token window
+    monkeypatch.setattr(AttentionMask, "counted_pairs",  # a 1024-token window
+                        lambda self, lengths: sum(n * min(n, 1024) for n in lengths))
     after = (flops.forward_flops_per_sequence(m, 4096)["attention"],
              memory.layer_activation_bytes(m, 4096, 1, flash_attention=False))
     assert after[0] == before[0] / 4 and after[1] < before[1]

@@ -8,6 +8,7 @@
     python tools/find_parallelism.py --config configs/mixtral-8x7b.yaml --num-gpus 64 --tp 1 --pp 4 --ep 8
     python tools/find_parallelism.py --config configs/llama3-8b.yaml --num-gpus 16 --pipeline-schedule all \
         --data-parallel-sharding-strategy optim_grads
+    python tools/find_parallelism.py --config configs/llama3-8b-128k.yaml --num-gpus 64 --mean-document-length 4096
 
 Data-parallel sharding (no_shard, optim = ZeRO-1, optim_grads = ZeRO-2, optim_grads_params = ZeRO-3): every
 strategy is tried (in the one-layout mode too) and the table's "sharding" column shows the one chosen, unless
@@ -19,6 +20,9 @@ sources documented there and in layer_time.py and links.py, checked against publ
 engine/planner/published.py), the search engine/planner/search.py (context parallelism is tried for sequences
 of 16K tokens and more; for a mixture of experts, expert parallelism over the sizes dividing dp and the
 experts, and FLOPs count activated parameters);
+--mean-document-length L plans for samples packed with documents of L tokens under --reset-attention-mask:
+attention (its time in the fused kernels, which skip other documents' blocks, and its FLOPs) counts each
+document's square, the sum of L_i^2 over a sample's s / L documents, rather than s^2.
 --verify builds every pipeline stage on the meta device and checks the analytic parameter counts.
 Exit codes: 0 when a layout fits in memory, 1 when none does (the table or JSON is still printed, then
 one line on stderr), 2 for a mistake on the command line.
@@ -32,7 +36,8 @@ import sys
 
 from engine.cli import OneLineParser, parse_config
 from engine.config import PIPELINE_SCHEDULES, SHARDING_STRATEGIES, ConfigError
-from engine.flops import GPU_PRESETS, activated_params, flops_per_iteration
+from engine.attention_mask import packed_lengths
+from engine.flops import GPU_PRESETS, activated_params, attention_pairs, flops_per_iteration
 from engine.layout import Layout, Sharding
 from engine.planner.memory import GIB
 from engine.planner.params import params_per_rank
@@ -66,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-node-gbps", type=float, help="override: network bandwidth per GPU, one direction, Gbit/s")
     p.add_argument("--global-batch-size", type=int, help="samples per iteration (default: the config's)")
     p.add_argument("--seq-length", type=int, help="tokens per sample (default: the config's)")
+    p.add_argument("--mean-document-length", type=int,
+                   help="samples pack documents of this many tokens, masked apart (--reset-attention-mask): "
+                        "attention counts the sum of their squares (default: each sample one sequence)")
     p.add_argument("--top", type=int, default=10, help="rows to show (default 10)")
     p.add_argument("--json", action="store_true", help="print a JSON list of layouts instead of a table")
     one = p.add_argument_group("evaluate one layout (give at least --tp and --pp; sequence parallelism is "
@@ -126,6 +134,9 @@ def _check(args, cfg):
         raise UsageError("--global-batch-size must be at least 1")
     if args.tokens is not None and args.tokens <= 0:
         raise UsageError("--tokens must be positive")
+    if args.mean_document_length is not None and args.mean_document_length < 1:
+        raise UsageError(f"--mean-document-length {args.mean_document_length}: give the documents' mean length in "
+                         "tokens (at least 1), or leave it out for samples of one sequence")
     if args.pipeline_schedule == "all" and args.tp is not None:
         raise UsageError("--pipeline-schedule all searches the schedules; with --tp and --pp (one layout) name one "
                          f"of {', '.join(PIPELINE_SCHEDULES)}")
@@ -204,6 +215,8 @@ def torchrun_command(args, layout: Layout, batch: int, seq: int, precision: str)
         cmd.append("--overlap-grad-reduce")
     if precision != "fp32":
         cmd.append(f"--{precision}")
+    if args.mean_document_length:
+        cmd.append("--reset-attention-mask")
     return " ".join(cmd)
 
 
@@ -239,7 +252,8 @@ def _plan(args, cfg, est, batch, seq) -> dict:
     """Compute planning for the best layout: FLOPs, days, GPU-hours, Chinchilla-optimal size."""
     n_params = sum(params_per_rank(cfg.model, Layout()))
     tokens = 20.0 * n_params if args.chinchilla else args.tokens
-    flops = flops_per_iteration(cfg.model, batch, seq) / (batch * seq) * tokens
+    pairs = batch * attention_pairs(cfg.model, packed_lengths(seq, args.mean_document_length))
+    flops = flops_per_iteration(cfg.model, batch, seq, pairs=pairs) / (batch * seq) * tokens
     days = tokens / est.tokens_per_s / 86400
     opt_n, opt_d = chinchilla_optimal(flops)
     return dict(params=n_params, tokens=tokens, training_flops=flops, days=days,
@@ -277,7 +291,7 @@ def main(argv=None) -> int:
     seq = args.seq_length or cfg.model.seq_length
     cfg.model.seq_length = seq
     gpu, precision = _gpu(args), precision_name(cfg)
-    sw = Software(precision=precision)
+    sw = Software(precision=precision, document_length=args.mean_document_length)
     if args.tp is not None:
         rows = [estimate_given(args, cfg, batch, seq, gpu, sw)]
     else:

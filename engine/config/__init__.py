@@ -56,6 +56,9 @@ class Config:
     # --vocab-size as given, kept by resolve() when a NullTokenizer adds its end-of-document id to it (so resolving
     # again does not add a second one)
     given_vocab_size: Optional[int] = None
+    # the tokenizer's end-of-document id, filled in by resolve() when a flag reads document boundaries
+    # (--eod-mask-loss, --reset-attention-mask, --reset-position-ids)
+    eod_id: Optional[int] = None
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}

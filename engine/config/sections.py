@@ -98,6 +98,10 @@ class DataConfig:
     vocab_file: Optional[str] = _f(None, "GPT2BPETokenizer: GPT-2's vocab.json")
     merge_file: Optional[str] = _f(None, "GPT2BPETokenizer: GPT-2's merges.txt")
     eod_mask_loss: bool = _f(False, "no loss on the token that follows an end-of-document token (Megatron-LM's)")
+    reset_attention_mask: bool = _f(False, "packed documents: each token attends only to the tokens of its own "
+                                           "document, which the end-of-document token ends (Megatron-LM's)")
+    reset_position_ids: bool = _f(False, "packed documents: positions restart at 0 after each end-of-document "
+                                         "token (Megatron-LM's)")
     mock_data: bool = _f(False, "synthetic tokens that depend only on --seed and the sample index (a config "
                                 "file's mock_data gives way to --data-path)")
     data_phases: Optional[list] = _f(None, "blend phases: a list of {start_iter, weights}", yaml_only=True)

@@ -80,14 +80,38 @@ def build_datasets(cfg: Config, train_samples: int, valid_samples: int, test_sam
     return tuple(out)
 
 
+DOCUMENT_FLAGS = (("eod_mask_loss", "--eod-mask-loss"), ("reset_attention_mask", "--reset-attention-mask"),
+                  ("reset_position_ids", "--reset-position-ids"))
+ENDS_CHECKED = 100  # documents whose last token --reset-attention-mask / --reset-position-ids look at
+
+
+def document_flags(data) -> list:
+    """The flags given that read document boundaries off the end-of-document token."""
+    return [flag for name, flag in DOCUMENT_FLAGS if getattr(data, name)]
+
+
 def end_of_document(cfg: Config) -> int:
-    """The id that ends each document in the run's data (its tokenizer's), for --eod-mask-loss."""
+    """The id that ends each document in the run's data (its tokenizer's), for the flags that read document
+    boundaries (--eod-mask-loss, --reset-attention-mask, --reset-position-ids)."""
     spec = tokenizer_of(cfg)
     eod = spec.build().eod if spec is not None else None
     if eod is None:
-        raise ConfigError("--eod-mask-loss: the run names no tokenizer with an end-of-document token; give the "
-                          "--tokenizer-model (or --tokenizer-type) the data was made with, or drop --eod-mask-loss")
+        flag = (document_flags(cfg.data) or ["--eod-mask-loss"])[0]
+        raise ConfigError(f"{flag}: the run names no tokenizer with an end-of-document token; give the "
+                          f"--tokenizer-model (or --tokenizer-type) the data was made with, or drop {flag}")
     return eod
+
+
+def check_document_ends(data_path: list, eod: int, flag: str) -> None:
+    """Packed samples can be cut into documents only where documents end with `eod` (tools/preprocess_data.py
+    --append-eod): one of the first ENDS_CHECKED non-empty documents of each --data-path prefix must."""
+    for _, prefix in data_prefixes(data_path):
+        indexed = IndexedDataset(prefix)
+        ends = [int(indexed.get(i, n - 1, 1)[0]) for i, n in enumerate(indexed.sequence_lengths[:ENDS_CHECKED]) if n]
+        if ends and eod not in ends:
+            raise ConfigError(f"{flag}: no document of {prefix} ends with the end-of-document token {eod} (the first "
+                              f"{len(ends)} looked at), so its packed samples cannot be cut into documents; make "
+                              "the data with tools/preprocess_data.py --append-eod, or drop the flag")
 
 
 def data_prefixes(data_path: list) -> list:

@@ -14,8 +14,9 @@ The work between a query chunk and a key chunk (a "block") is planned from the c
 by the mask (engine/attention_mask.py): a block is computed when some query of it sees some key of it, and
 the block kernels of kernels.dispatch mask the rest from the same positions. Under a causal mask that is
 the diagonal blocks and the keys before the queries; a sliding window drops the blocks wholly behind it,
-and a ring step at which no rank has a block is skipped (`plan`): the K/V hop straight past it. Blocks
-return their output and log-sum-exp; outputs are merged by their log-sum-exp in fp32 (a row that sees no
+packed documents the blocks whose keys share no document with their queries (in any sample of the microbatch:
+every rank holds the whole microbatch's documents, so all plan alike), and a ring step at which no rank has a
+block is skipped (`plan`): the K/V hop straight past it. Blocks return their output and log-sum-exp; outputs are merged by their log-sum-exp in fp32 (a row that sees no
 key of a block adds nothing). Backward recomputes each block's probabilities from the merged lse, so the
 blocks' gradients simply add up. What attention keeps for backward is what flash attention keeps: q, k,
 v, the output and the lse of this rank's positions. Attention dropout draws one seed per block from the
@@ -49,22 +50,23 @@ class Block:
     k: int
     queries: range  # the positions of the queries and of the keys in the whole sequence
     keys: range
-    pairs: int      # the visible (query, key) pairs: the work, as the FLOP counter counts it
+    pairs: int      # the visible (query, key) pairs of the microbatch's samples: the work the FLOP counter counts
 
 
-def blocks_between(cp: int, q_rank: int, kv_rank: int, chunk: int, mask: AttentionMask) -> list:
+def blocks_between(cp: int, q_rank: int, kv_rank: int, chunk: int, mask: AttentionMask, samples: int = 1) -> list:
     """The blocks CP rank `q_rank` computes with the keys and values of CP rank `kv_rank`, `chunk` positions each.
 
     Under a causal mask with the load-balanced layout: its own K/V give the two diagonals and one full block;
     an earlier rank's give its first chunk against both query chunks, a later rank's both its chunks against
-    the second query chunk: two full blocks either way, so every ring step costs every rank the same.
+    the second query chunk: two full blocks either way, so every ring step costs every rank the same. Packed
+    documents break that balance: a block's work is its visible pairs, which depend on where documents begin.
     """
     blocks, span = [], lambda i: range(i * chunk, (i + 1) * chunk)  # noqa: E731 - a chunk's positions
     for qi, q_chunk in enumerate(chunk_ids(cp, q_rank)):
         for ki, k_chunk in enumerate(chunk_ids(cp, kv_rank)):
             queries, keys = span(q_chunk), span(k_chunk)
             if mask.sees_any(queries, keys):
-                blocks.append(Block(qi, ki, queries, keys, mask.pairs(queries, keys)))
+                blocks.append(Block(qi, ki, queries, keys, mask.pairs(queries, keys, samples)))
     return blocks
 
 
@@ -73,14 +75,26 @@ def ring_order(cp: int, cp_rank: int) -> list:
     return [(cp_rank - i) % cp for i in range(cp)]
 
 
-@functools.lru_cache(maxsize=None)
-def plan(cp: int, cp_rank: int, chunk: int, mask: AttentionMask) -> tuple:
+def _steps(cp: int, cp_rank: int, chunk: int, mask: AttentionMask, samples: int) -> tuple:
+    between = functools.partial(blocks_between, cp, chunk=chunk, mask=mask, samples=samples)
+    offsets = [i for i in range(cp) if any(between(r, (r - i) % cp) for r in range(cp))]
+    return tuple((i, (cp_rank - i) % cp, between(cp_rank, (cp_rank - i) % cp)) for i in offsets)
+
+
+_layer_steps = functools.lru_cache(maxsize=None)(_steps)  # a layer's mask without documents: a few per run
+
+
+def plan(cp: int, cp_rank: int, chunk: int, mask: AttentionMask, samples: int = 1) -> tuple:
     """(offset, owner, blocks) of the ring steps rank `cp_rank` takes: the steps of `ring_order` at which some
     rank of the group has a block (the same offsets on every rank, so all post the same transfers); the
-    owner is rank (cp_rank - offset) mod cp, and `blocks` may be empty for this rank (it only passes K/V on)."""
-    offsets = [i for i in range(cp) if any(blocks_between(cp, r, (r - i) % cp, chunk, mask) for r in range(cp))]
-    return tuple((i, (cp_rank - i) % cp, blocks_between(cp, cp_rank, (cp_rank - i) % cp, chunk, mask))
-                 for i in offsets)
+    owner is rank (cp_rank - offset) mod cp, and `blocks` may be empty for this rank (it only passes K/V on).
+    A microbatch's packed documents keep the plans made for them (one per distinct layer mask), and no longer."""
+    if mask.documents is None:
+        return _layer_steps(cp, cp_rank, chunk, mask, samples)
+    key = (cp, cp_rank, chunk, mask.causal, mask.window)
+    if key not in mask.documents.plans:
+        mask.documents.plans[key] = _steps(cp, cp_rank, chunk, mask, samples)
+    return mask.documents.plans[key]
 
 
 @dataclass
@@ -107,8 +121,7 @@ def counting() -> Iterator[FlopCounter]:
 def _count(q: torch.Tensor, block: Block, backward: bool) -> None:
     if _counter is None:
         return
-    b, _, nq, d = q.shape
-    flops = 4.0 * b * nq * d * block.pairs  # QK^T and PV, two flops per multiply-add
+    flops = 4.0 * q.shape[2] * q.shape[3] * block.pairs  # QK^T and PV, two flops per multiply-add
     if backward:
         _counter.backward += 2.5 * flops  # QK^T again, dV, dP, dQ, dK
     else:
@@ -139,7 +152,8 @@ class _Pass:
     def block_args(self, blk: Block, n: int) -> dict:
         """The block kernels' keyword arguments for block `blk`, the call's `n`-th."""
         return dict(softmax_scale=None, dropout_p=self.dropout_p, seed=self.seeds[n] if self.seeds else None,
-                    window=self.mask.window, q_offset=blk.queries[0], k_offset=blk.keys[0])
+                    window=self.mask.window, q_offset=blk.queries[0], k_offset=blk.keys[0],
+                    doc_bounds=self.mask.bounds)
 
 
 class ContextAttention:
@@ -154,7 +168,7 @@ class ContextAttention:
         self.block_forward, self.block_backward = dispatch.attention_block_fns(block_backend)
 
     def __call__(self, q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
-        steps = plan(self.cp, self.rank, q.shape[1] // 2, mask)
+        steps = plan(self.cp, self.rank, q.shape[1] // 2, mask, q.shape[0])
         seeds = None
         if dropout_p > 0.0:
             n = sum(len(blocks) for _, _, blocks in steps)

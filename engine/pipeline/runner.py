@@ -8,6 +8,9 @@ in the order `schedules.schedule_steps` gives, with one batched exchange between
 Under a zero-bubble schedule a chunk's forward and its B run under `weight_grad_store.deferring_weight_grads`
 with one store per (chunk, microbatch), so B computes input gradients only; its W operation computes
 the weight gradients from that store (`weight_grad_store.weight_grads`).
+
+With packed documents (--reset-attention-mask) a training run also counts the attention pairs its microbatches'
+documents hold (`attention_pairs`: what engine.flops counts for them), for the step's FLOPs and MFU.
 """
 from __future__ import annotations
 
@@ -17,8 +20,8 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.flops import split_backward_costs
-from engine.flops import UNIT, Costs
+from engine.documents import Packing
+from engine.flops import UNIT, Costs, attention_pairs, split_backward_costs
 from engine.loss import microbatch_loss, step_loss, token_count
 from engine.moe.layer import set_aux_loss_scale
 from engine.parallel import comm, weight_grad_store
@@ -28,11 +31,15 @@ from engine.pipeline.schedules import check_schedule, schedule_steps
 
 
 class PipelineRunner:
-    def __init__(self, chunks: list, ctx, shape: tuple, dtype, device, trace=None, costs: Costs = UNIT):
+    def __init__(self, chunks: list, ctx, shape: tuple, dtype, device, trace=None, costs: Costs = UNIT,
+                 packing: Packing = Packing()):
         """`shape`: every message between stages (ctx.activation_shape); `trace`: a PipelineTrace or None;
         `costs`: a stage's forward, B and W, which a zero-bubble order is built for (engine.flops.
-        split_backward_costs). The schedule is the context's (ctx.layout.schedule)."""
+        split_backward_costs); `packing`: the run's packed-document rule, read at the door. The schedule is the
+        context's (ctx.layout.schedule)."""
         self.chunks, self.ctx, self.device, self.trace, self.costs = chunks, ctx, device, trace, costs
+        self.packing = packing
+        self.attention_pairs: Optional[int] = None  # the last training run's, with packed documents
         self.schedule = ctx.layout.schedule
         self.link = StageLink(ctx, shape, dtype, device)
         self.deferred: dict = {}  # (chunk, microbatch) -> the weight-gradient work its W will do
@@ -45,7 +52,7 @@ class PipelineRunner:
         m = cfg.model
         shape = ctx.activation_shape(m.seq_length, cfg.training.micro_batch_size, m.hidden_size)
         costs = split_backward_costs(m, m.seq_length, m.recompute_granularity)
-        return cls(chunks, ctx, shape, dtype, device, trace, costs)
+        return cls(chunks, ctx, shape, dtype, device, trace, costs, Packing.of(cfg))
 
     def run(self, microbatches: list, scale_loss: Optional[Callable] = None, forward_only: bool = False,
             shared: bool = True):
@@ -60,8 +67,9 @@ class PipelineRunner:
         """
         ctx, m, schedule = self.ctx, len(microbatches), self.schedule
         check_schedule(schedule, m)
-        microbatches = [dict(shard_batch(batch, ctx), count=token_count(batch)) for batch in microbatches]
+        microbatches = [dict(shard_batch(batch, ctx, self.packing), count=token_count(batch)) for batch in microbatches]
         if not forward_only:
+            self.attention_pairs = self._pairs(microbatches)
             unit = torch.ones((), dtype=torch.float64)  # (float64: a static --loss-scale as given)
             set_aux_loss_scale(float(scale_loss(unit) if scale_loss is not None else unit) / m)
         steps = schedule_steps(schedule, ctx.pp_rank, m, forward_only, self.costs)
@@ -78,6 +86,14 @@ class PipelineRunner:
                 if self.trace is not None and not forward_only:  # evaluation passes are not traced
                     self.trace.record(kind, mb, chunk, start, time.time())
         return self._share_loss(losses) if shared else self.loss_share(losses)
+
+    def _pairs(self, microbatches: list) -> Optional[int]:
+        """The attention pairs engine.flops counts for the microbatches' packed documents, summed over their
+        samples and the model's layers; None where attention covers whole samples (the formula's count)."""
+        if not self.packing.reset_attention_mask:
+            return None
+        model = self.chunks[0].cfg
+        return sum(attention_pairs(model, lengths) for mb in microbatches for lengths in mb["documents"].lengths())
 
     def _run_op(self, kind, chunk, mb, microbatches, received, saved, scale_loss, losses, forward_only):
         """One operation; returns what it sends on (a forward's output, a B's input gradient) or None."""
@@ -104,7 +120,8 @@ class PipelineRunner:
         """(input, output) of one chunk's forward; on the last stage the output is the scaled loss."""
         model = self.chunks[chunk]
         x = None if received is None else received.requires_grad_()
-        out = model(tokens=batch["tokens"], hidden=x, labels=batch.get("labels"), positions=batch["positions"])
+        out = model(tokens=batch["tokens"], hidden=x, labels=batch.get("labels"), positions=batch["positions"],
+                    position_ids=batch["position_ids"], documents=batch["documents"])
         if model.post_process:
             out = microbatch_loss(out, batch.get("loss_mask"), batch["count"])
             losses.append(out.detach())

@@ -79,8 +79,9 @@ def _attention_seconds(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpe
     b, t, cp = layout.micro_batch_size, layout.tp, layout.cp
     d, heads = model.head_dim(), model.num_attention_heads / t
     keys = mean_keys_per_query(model, seq)  # the layers' average: windowed layers count their window
-    if sw.flash_attention:
+    if sw.flash_attention:  # which skips the blocks of other documents too (the materialised scores do not)
         eff = sw.attention_efficiency or FLASH_ATTENTION_EFFICIENCY.get(gpu.name, FLASH_ATTENTION_DEFAULT)
+        keys = mean_keys_per_query(model, seq, sw.document_length)
         fwd = 4 * b * seq * keys * heads * d / cp / (gpu.peak_tflops * 1e12 * eff)
         return fwd, FLASH_BACKWARD_RATIO * fwd
     s_local = seq / cp

@@ -14,7 +14,9 @@ class Software:
     tp_comm_overlap: fraction of the tensor-parallel collectives hidden behind GEMMs (Megatron-Core's
     --tp-comm-overlap; this engine does not overlap them: 0). attention_efficiency: the flash-attention
     kernel's throughput as a fraction of peak when it differs from the GPU's default
-    (layer_time.FLASH_ATTENTION_EFFICIENCY), e.g. an older kernel.
+    (layer_time.FLASH_ATTENTION_EFFICIENCY), e.g. an older kernel. document_length: samples packed with
+    documents of this mean length under --reset-attention-mask, whose attention the kernels skip but for each
+    document's own square (engine/attention_mask.py counts it; None: each sample one sequence).
     """
     flash_attention: bool = True
     overlap_grad_reduce: bool = True
@@ -24,3 +26,4 @@ class Software:
     tp_comm_overlap: float = 0.0
     cp_comm_type: str = "p2p"             # p2p: K/V ring overlapped with attention; all_gather: gathered first
     attention_efficiency: Optional[float] = None
+    document_length: Optional[int] = None

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from engine.config import ModelConfig
-from engine.flops import Costs, GPUSpec, flops_per_iteration, split_backward_costs
+from engine.attention_mask import packed_lengths
+from engine.flops import Costs, GPUSpec, attention_pairs, flops_per_iteration, split_backward_costs
 from engine.layout import Layout
 from engine.pipeline.schedules import bubble_time
 from engine.planner.layer_time import HBM_EFFICIENCY, LayerCosts, layer_costs
@@ -153,9 +154,10 @@ def estimate(model: ModelConfig, layout: Layout, gpu: GPUSpec, global_batch: int
                          overlap_grad_reduce=software.overlap_grad_reduce,
                          overlap_param_gather=software.overlap_param_gather)
     n_gpus = layout.num_gpus
-    model_flops = flops_per_iteration(model, global_batch, seq, None, layout.tp)
+    pairs = global_batch * attention_pairs(model, packed_lengths(seq, software.document_length))
+    model_flops = flops_per_iteration(model, global_batch, seq, None, layout.tp, pairs)
     hw_flops = flops_per_iteration(model, global_batch, seq,
-                                   None if layout.recompute == "none" else layout.recompute, layout.tp)
+                                   None if layout.recompute == "none" else layout.recompute, layout.tp, pairs)
     n_layers = max(sum(ch) for ch in stage_layer_counts(model.num_layers, layout))
     breakdown = dict(compute=compute, bubble=bubble, **dp,
                      tp_comm_per_layer=2 * all_reduce(2 * layout.micro_batch_size * seq / layout.cp
