@@ -1,0 +1,159 @@
+"""A Ternion checkpoint as a Megatron-LM `torch_dist` save directory (tools/convert_megatron.py --to-megatron).
+
+Written with torch.distributed.checkpoint (`.metadata` and `__0_0.distcp`) through a save planner that names
+each piece Megatron-Core's layout has at the target tp x pp (a layer's slice of a stacked tensor, one tp rank's
+rows or columns; SwiGLU's linear_fc1 as a gate block and an up block per rank) and makes it only when the
+writer asks for it, from the Ternion checkpoint's own slices (CheckpointReader.model_slice): memory holds one
+piece. Beside them: Megatron's `common.pt` (args, iteration, checkpoint_version 3.0) and `metadata.json`, and
+latest_checkpointed_iteration.txt once the iteration folder is complete (written as iter_N.tmp, renamed).
+
+The args are those of a Megatron-LM run of the model at that tp x pp (args.py): `--load` in Megatron-LM takes
+the weights, the iteration and the consumed samples. The optimizer state is not written (`no_save_optim`), so
+Megatron-LM starts Adam afresh from these weights; RNG states are not written either.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter, save
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+
+from engine.checkpoint import files
+from engine.checkpoint.megatron.args import args_from_config
+from engine.checkpoint.megatron.tables import EXPERTS_KEY, FLATTENED, homogeneous, plan, split_layer, tp_axis
+from engine.checkpoint.megatron.torch_dist import BACKEND_FILE, COMMON_FILE
+from engine.checkpoint.reader import CheckpointReader
+from engine.config import Config, ConfigError
+from engine.validation import check_model_split
+
+BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+           "common_backend_version": 1}
+CONTENT = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+class _LazyPlanner(SavePlanner):
+    """Plans the given pieces and makes each tensor only when the storage writer resolves it."""
+
+    def __init__(self, pieces: list, progress=None):
+        self.pieces, self.progress = pieces, progress
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        pass
+
+    def create_local_plan(self) -> SavePlan:
+        items, self.make = [], {}
+        for key, size, offsets, sizes, dtype, make in self.pieces:
+            chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+            data = TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=dtype), size=torch.Size(size))
+            items.append(WriteItem(MetadataIndex(key, torch.Size(offsets)), WriteItemType.SHARD, tensor_data=data))
+            self.make[(key, tuple(offsets))] = make
+        return SavePlan(items)
+
+    def create_global_plan(self, all_plans: list) -> tuple:
+        return create_default_global_save_plan(all_plans)
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        if self.progress is not None:
+            self.progress.update(1)
+        return self.make[(write_item.index.fqn, tuple(write_item.index.offset))]().contiguous()
+
+
+def _pieces(reader: CheckpointReader, m, tp: int) -> list:
+    """(stored key, global shape, offsets, sizes, dtype, maker) of every piece, Megatron-Core's layout at tp."""
+    out, stacked = [], homogeneous(m)
+    for entry in plan(m):
+        saved = reader.tensors[entry.ours]
+        dtype = files.DTYPE_NAMES[saved.dtype]
+        ours = (saved.valid_rows or saved.shape[0],) + tuple(saved.shape[1:]) if saved.valid_rows else tuple(
+            saved.shape)
+        names = entry.names if "pre_mlp_layernorm" in entry.names[0] else entry.names[:1]  # an MoE norm: both specs
+        for name in names:
+            layer, rest = split_layer(name)
+            key = f"decoder.layers.{rest}" if stacked and layer is not None else name
+            lead = (layer,) if stacked and layer is not None else ()
+            out += _split(reader, entry, key, lead, m, tp, ours, dtype)
+    return out
+
+
+def _split(reader, entry, key: str, lead: tuple, m, tp: int, ours: tuple, dtype) -> list:
+    """One tensor's pieces: its tp slices (for the vocabulary: padded for tp, as Megatron-Core pads it)."""
+    shape = list(entry.how.out_shape(ours))
+    axis = tp_axis(key) if EXPERTS_KEY not in key else None
+    if key.endswith("word_embeddings.weight") or key == "output_layer.weight":
+        shape[0] = m.padded_vocab_size(tp)
+    size = tuple(lead and (m.num_layers,)) + tuple(shape)
+    if axis is None:
+        def whole(name=entry.ours, how=entry.how):
+            return how.out(reader.full(name))
+        return [(key, size, tuple(lead) + (0,) * len(shape), (1,) * len(lead) + tuple(shape), dtype,
+                 _lifted(whole, len(lead)))]
+    blocks = 2 if entry.how is FLATTENED else 1  # SwiGLU: each rank's rows are a gate block and an up block
+    per = shape[axis] // (tp * blocks)
+    pieces = []
+    for t in range(tp):
+        for b in range(blocks):
+            offsets = [0] * len(shape)
+            offsets[axis] = (b * tp + t) * per
+            sizes = list(shape)
+            sizes[axis] = per
+
+            def block(name=entry.ours, t=t, b=b, full_rows=shape[0]):
+                saved = reader.tensors[name]
+                target = (full_rows,) + tuple(saved.shape[1:]) if saved.valid_rows else tuple(saved.shape)
+                local = reader.model_slice(name, target, tp, t, files.DTYPE_NAMES[saved.dtype])
+                return local[b] if blocks == 2 else local
+            pieces.append((key, size, tuple(lead) + tuple(offsets), (1,) * len(lead) + tuple(sizes), dtype,
+                           _lifted(block, len(lead))))
+    return pieces
+
+
+def _lifted(make, lead: int):
+    """The maker with `lead` leading axes of size 1 on its tensor (a layer's slice of a stacked tensor)."""
+    if not lead:
+        return make
+
+    def lifted():
+        t = make()
+        return t.reshape((1,) * lead + tuple(t.shape))
+    return lifted
+
+
+def export_megatron(reader: CheckpointReader, out_dir: str, tp: int = 1, pp: int = 1, progress=None) -> str:
+    """Write the checkpoint `reader` opened as a Megatron-LM torch_dist save for tp x pp in `out_dir`; return the
+    iteration folder."""
+    cfg = Config.from_dict(reader.meta.config)
+    m = cfg.model
+    check_model_split(m, tp, pp, tp_flag="--target-tp", pp_flag="--target-pp")
+    if m.num_experts and tp > 1:
+        raise ConfigError(f"--target-tp {tp}: an MoE model is written with its experts whole (expert tp 1); "
+                          "use --target-tp 1")
+    if files.read_latest(out_dir) is not None or files.list_iterations(out_dir):
+        raise ConfigError(f"--out {out_dir}: already holds a checkpoint; give a new directory")
+    pieces = _pieces(reader, m, tp)
+    os.makedirs(out_dir, exist_ok=True)
+    files.remove_stale(out_dir)
+    it = reader.iteration
+    final = os.path.join(out_dir, files.iter_dir_name(it))
+    tmp = final + ".tmp"
+    os.makedirs(tmp)
+    bar = progress(len(pieces)) if progress is not None else None
+    save({}, storage_writer=FileSystemWriter(tmp, thread_count=1), planner=_LazyPlanner(pieces, bar), no_dist=True)
+    common = {"args": args_from_config(cfg, tp, pp, reader.meta.extra_state), "checkpoint_version": 3.0,
+              "iteration": it, "num_floating_point_operations_so_far": 0, "content_metadata": dict(CONTENT)}
+    torch.save(common, os.path.join(tmp, COMMON_FILE))
+    files.write_json_durable(os.path.join(tmp, BACKEND_FILE), BACKEND)
+    files.fsync_dir(tmp)
+    os.rename(tmp, final)
+    files.fsync_dir(out_dir)
+    files.write_text_atomic(os.path.join(out_dir, files.LATEST_FILE), f"{it}\n")
+    if bar is not None:
+        bar.close()
+    return final
