@@ -225,12 +225,94 @@ def load_job(rank: int, world: int, job: dict) -> None:
                    job["logits"])
 
 
+class _Tokenizer:
+    """What megatron-core's GPTDatasetConfig reads from a tokenizer."""
+    vocab_size, eod = PADDED, PADDED - 1
+    unique_identifiers = {"class": "test-tokenizer"}
+
+
+def megatron_dataset(prefix: str, samples: int, seed: int):
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    cfg = GPTDatasetConfig(random_seed=seed, sequence_length=SEQ, blend=([prefix], None), split="100,0,0",
+                           tokenizer=_Tokenizer(), reset_position_ids=False, reset_attention_mask=False,
+                           eod_mask_loss=False, create_attention_mask=False)
+    return BlendedMegatronDatasetBuilder(GPTDataset, [samples, 0, 0], lambda: True, cfg).build()[0]
+
+
+def train_step(ddp, optimizer, scheduler, batch: list, micro: int) -> float:
+    """One iteration as Megatron-LM's train_step runs it at dp 1: each microbatch's mean token loss over the
+    microbatches, backward, the DDP grad sync, the optimizer step and the scheduler's advance by the batch."""
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    mask = torch.triu(torch.ones(SEQ, SEQ), 1).bool()[None, None]
+    losses = []
+    for start in range(0, len(batch), micro):
+        items = batch[start:start + micro]
+        tokens, labels, loss_mask, positions = (torch.stack([x[k] for x in items])
+                                                for k in ("tokens", "labels", "loss_mask", "position_ids"))
+        out = ddp(tokens, positions, mask, labels=labels)
+        loss = (out.float() * loss_mask).sum() / loss_mask.sum()
+        (loss / (len(batch) // micro)).backward()
+        losses.append(loss.item())
+    ddp.finish_grad_sync()
+    ok, _, _ = optimizer.step()
+    if ok:
+        scheduler.step(increment=len(batch))
+    return sum(losses) / len(losses)
+
+
+def save_training(job: dict, model, optimizer, scheduler, args, iteration: int, sharding: str, folder: str) -> None:
+    """What Megatron-LM's save_checkpoint writes for --ckpt-format torch_dist --use-distributed-optimizer."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    metadata = {"distrib_optim_sharding_type": sharding, "singleton_local_shards": False,
+                "chained_optim_avoid_prefix": True}
+    state = common_state(args, iteration) | {"model": model.sharded_state_dict(metadata=metadata)}
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    state["optimizer"] = optimizer.sharded_state_dict(state, metadata=metadata | {"dp_cp_group": group})
+    state["opt_param_scheduler"] = scheduler.state_dict()
+    os.makedirs(os.path.join(folder, f"iter_{iteration:07d}"), exist_ok=True)
+    dist_checkpointing.save(state, os.path.join(folder, f"iter_{iteration:07d}"), content_metadata=metadata)
+    with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write(str(iteration))
+
+
+def train_job(rank: int, world: int, job: dict) -> None:
+    """Train `iters` iterations from a fixed init; save at `save_at` in each of `saves` ({sharding type: dir});
+    write the losses after it."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    model, shape = build(job["shape"], 1, 1, job.get("seed", 0))
+    T, gbs, mbs, seed = job["iters"], 4, 2, 1234
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=job.get("overlap", False),
+        bucket_size=job.get("bucket_size")), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
+        clip_grad=1.0, use_distributed_optimizer=True, params_dtype=torch.float32), [ddp])
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=2 * gbs,
+                                        lr_decay_steps=T * gbs, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+                                        wd_incr_steps=T * gbs, wd_incr_style="constant")
+    data = megatron_dataset(job["data"], T * gbs, seed)
+    losses = []
+    for it in range(1, T + 1):
+        losses.append(train_step(ddp, optimizer, scheduler, [data[i] for i in range((it - 1) * gbs, it * gbs)], mbs))
+        if it == job["save_at"]:
+            args = megatron_args(shape, 1, 1, use_distributed_optimizer=True, train_iters=T, lr_decay_iters=T,
+                                 data_path=[job["data"]], consumed_train_samples=it * gbs, seed=seed)
+            for sharding, folder in job["saves"].items():
+                save_training(job, model, optimizer, scheduler, args, it, sharding, folder)
+    torch.save({"losses": losses, "consumed": job["save_at"] * gbs}, job["losses"])
+
+
 def main_rank(rank: int, world: int, spec: dict, port: int) -> None:
     patch_cuda()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    jobs = {"save": save_job, "load": load_job}
+    jobs = {"save": save_job, "load": load_job, "train": train_job}
     from megatron.core import parallel_state as ps
     for job in spec["jobs"]:
         jobs[job["op"]](rank, world, job)

@@ -97,11 +97,17 @@ def config_from_args(args: argparse.Namespace, where: str) -> Config:
     return cfg
 
 
-def model_flags(cfg: Config) -> dict:
-    """The model flags that describe the model (model.yaml), dropped where they equal the defaults."""
-    default = Config().model
-    return {n: getattr(cfg.model, n) for n in MODEL_FLAGS
-            if getattr(cfg.model, n) != getattr(default, n) or n in ("num_layers", "hidden_size", "vocab_size")}
+def run_flags(cfg: Config) -> dict:
+    """The flags of the Megatron run that shape the model, the LR schedule and the batches (a --config file: the
+    same flags continue the run), where they differ from Ternion's defaults; data paths and tokenizer are left to
+    the resuming run."""
+    default, out = Config(), {}
+    for section, names in (("model", MODEL_FLAGS), ("optim", COPIED["optim"]), ("training", COPIED["training"])):
+        for name in names:
+            value = getattr(getattr(cfg, section), name)
+            if value != getattr(getattr(default, section), name) or name in ("num_layers", "hidden_size", "vocab_size"):
+                out[name] = value
+    return out
 
 
 def args_from_config(cfg: Config, tp: int, pp: int, extra: dict) -> argparse.Namespace:

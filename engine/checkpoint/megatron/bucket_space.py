@@ -97,6 +97,7 @@ class BucketSpace:
         self = cls(ck)
         objects = ck.tensors.objects([k for k in ck.tensors.object_keys if _OBJECT.match(k)])
         for key, value in objects.items():
+            value = value[0] if isinstance(value, list) and len(value) == 1 else value  # megatron-core packs [data]
             if _OBJECT.match(key).group(1) == "optimizer":
                 self.inner.append(value)
             else:

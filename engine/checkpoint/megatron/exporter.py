@@ -13,8 +13,9 @@ Megatron-LM starts Adam afresh from these weights; RNG states are not written ei
 """
 from __future__ import annotations
 
-import json
+import io
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -39,14 +40,14 @@ CONTENT = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 class _LazyPlanner(SavePlanner):
     """Plans the given pieces and makes each tensor only when the storage writer resolves it."""
 
-    def __init__(self, pieces: list, progress=None):
-        self.pieces, self.progress = pieces, progress
+    def __init__(self, pieces: list, objects: list, progress=None):
+        self.pieces, self.objects, self.progress = pieces, objects, progress
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
         pass
 
     def create_local_plan(self) -> SavePlan:
-        items, self.make = [], {}
+        items, self.make = [WriteItem(MetadataIndex(key), WriteItemType.BYTE_IO) for key in self.objects], {}
         for key, size, offsets, sizes, dtype, make in self.pieces:
             chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
             data = TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=dtype), size=torch.Size(size))
@@ -60,7 +61,12 @@ class _LazyPlanner(SavePlanner):
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         return new_plan
 
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+    def resolve_data(self, write_item: WriteItem):
+        if write_item.type == WriteItemType.BYTE_IO:  # a module's _extra_state, as megatron-core packs it
+            data = io.BytesIO()
+            torch.save([None], data)
+            data.seek(0)
+            return data
         if self.progress is not None:
             self.progress.update(1)
         return self.make[(write_item.index.fqn, tuple(write_item.index.offset))]().contiguous()
@@ -115,6 +121,26 @@ def _split(reader, entry, key: str, lead: tuple, m, tp: int, ours: tuple, dtype)
     return pieces
 
 
+def _extra_states(m) -> list:
+    """The `_extra_state` objects megatron-core's layers save and load (None outside FP8): its loader wants every
+    one its model has, so both specs' are written (a loader ignores what its model lacks)."""
+    stacked, layers, moe = homogeneous(m), m.num_layers, set(m.moe_layers()) if m.num_experts else set()
+    out = []
+    for i in range(layers):
+        names = ["self_attention.linear_proj", "self_attention.linear_qkv", "self_attention.core_attention"]
+        if i in moe:
+            names += [f"mlp.shared_experts.linear_fc{n}" for n in (1, 2) if m.moe_shared_expert_intermediate_size]
+        else:
+            names += ["mlp.linear_fc1", "mlp.linear_fc2"]
+        key = "decoder.layers.{}._extra_state/shard_" + (f"{i}_{layers}" if stacked else "0_1")
+        out += [key.format(name if stacked else f"{i}.{name}") for name in names]
+        for e in range(m.num_experts or 0) if i in moe else ():
+            where = f"{i}.{e}_{layers}.{m.num_experts}" if stacked else f"{e}_{m.num_experts}"
+            out += [f"decoder.layers.{'' if stacked else f'{i}.'}mlp.experts.experts.linear_fc{n}._extra_state/shard_"
+                    f"{where}" for n in (1, 2)]
+    return out
+
+
 def _lifted(make, lead: int):
     """The maker with `lead` leading axes of size 1 on its tensor (a layer's slice of a stacked tensor)."""
     if not lead:
@@ -145,7 +171,10 @@ def export_megatron(reader: CheckpointReader, out_dir: str, tp: int = 1, pp: int
     tmp = final + ".tmp"
     os.makedirs(tmp)
     bar = progress(len(pieces)) if progress is not None else None
-    save({}, storage_writer=FileSystemWriter(tmp, thread_count=1), planner=_LazyPlanner(pieces, bar), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized": one process writes, as meant
+        save({}, storage_writer=FileSystemWriter(tmp, thread_count=1), planner=_LazyPlanner(pieces, _extra_states(m), bar),
+             no_dist=True)
     common = {"args": args_from_config(cfg, tp, pp, reader.meta.extra_state), "checkpoint_version": 3.0,
               "iteration": it, "num_floating_point_operations_so_far": 0, "content_metadata": dict(CONTENT)}
     torch.save(common, os.path.join(tmp, COMMON_FILE))

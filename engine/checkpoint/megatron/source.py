@@ -52,7 +52,7 @@ def megatron_format(path: str) -> Optional[str]:
     return found[-1] if found else None
 
 
-def _resolve(path: str, iteration: Optional[int]) -> tuple:
+def resolve_iteration(path: str, iteration: Optional[int] = None) -> tuple:
     """(iteration, folder) to read: the folder given, `iteration`, else what latest_checkpointed_iteration.txt
     names (Megatron's "release" included)."""
     if _iteration_folder_format(path) is not None:
@@ -112,7 +112,7 @@ def open_megatron(path: str, iteration: Optional[int] = None) -> MegatronCheckpo
     if megatron_format(path) is None:
         raise ConfigError(f"--load {path}: not a Megatron-LM checkpoint (no iter_NNNNNNN folder with metadata.json + "
                           "common.pt (torch_dist) or mp_rank_XX/ (torch))")
-    it, folder = _resolve(path, iteration)
+    it, folder = resolve_iteration(path, iteration)
     fmt = _iteration_folder_format(folder)
     if fmt is None:
         raise ConfigError(f"{folder}: neither torch_dist (metadata.json, common.pt, .metadata) nor torch "
