@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 import warnings
 
 import torch
@@ -194,13 +195,12 @@ def save_job(rank: int, world: int, job: dict) -> None:
     else:
         args.ckpt_format = "torch"
         name = os.path.join(folder, f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}", "model_optim_rng.pt")
-        os.makedirs(os.path.dirname(name), exist_ok=True)
-        torch.save(common_state(args, job["iteration"]) | {"model": model.state_dict_for_save_checkpoint(),
-                                                          "opt_param_scheduler": {"num_steps": 0}}, name)
-    if "experts" in job:  # each rank's grouped experts by global id: what the conversion must keep in order
-        layer = model.decoder.layers[0].mlp.experts
-        torch.save({"rank": ps.get_expert_model_parallel_rank(), "weight1": layer.weight1.detach(),
-                    "weight2": layer.weight2.detach()}, f"{job['experts']}.{rank}")
+        if ps.get_data_parallel_rank() == 0:  # Megatron-LM: one copy per model-parallel rank
+            os.makedirs(os.path.dirname(name), exist_ok=True)
+            torch.save(common_state(args, job["iteration"]) | {"model": model.state_dict_for_save_checkpoint(),
+                                                              "opt_param_scheduler": {"num_steps": 0}}, name)
+    if "experts" in job:  # each rank's grouped experts: what the conversion must keep in their global order
+        dump_experts(model, job["experts"], rank)
     elif "logits" in job:
         out = logits(model, tokens())
         if rank == 0:
@@ -211,14 +211,24 @@ def save_job(rank: int, world: int, job: dict) -> None:
     dist.barrier()
 
 
+def dump_experts(model, path: str, rank: int) -> None:
+    """Layer 0's grouped experts of this rank with its ep rank (their global ids follow from it)."""
+    from megatron.core import parallel_state as ps
+    experts = model.decoder.layers[0].mlp.experts
+    torch.save({"rank": ps.get_expert_model_parallel_rank(), "weight1": experts.weight1.detach(),
+                "weight2": experts.weight2.detach()}, f"{path}.{rank}")
+
+
 def load_job(rank: int, world: int, job: dict) -> None:
     from megatron.core import dist_checkpointing
-    model, _ = build(job["shape"], world, 1, seed=99)  # other weights: the load must replace every one
+    model, _ = build(job["shape"], job.get("tp", world), job.get("ep", 1), seed=99)  # the load replaces every weight
     iteration = int(open(os.path.join(job["dir"], "latest_checkpointed_iteration.txt")).read())
     folder = os.path.join(job["dir"], f"iter_{iteration:07d}")
     common = torch.load(os.path.join(folder, "common.pt"), weights_only=False)
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, folder)
     model.load_state_dict(loaded["model"], strict=False)
+    if "experts" in job:
+        return dump_experts(model, job["experts"], rank)
     out = logits(model, tokens())
     if rank == 0:
         torch.save({"logits": out[..., :VOCAB], "args": vars(common["args"]), "iteration": common["iteration"]},
@@ -274,8 +284,10 @@ def save_training(job: dict, model, optimizer, scheduler, args, iteration: int, 
     state["opt_param_scheduler"] = scheduler.state_dict()
     os.makedirs(os.path.join(folder, f"iter_{iteration:07d}"), exist_ok=True)
     dist_checkpointing.save(state, os.path.join(folder, f"iter_{iteration:07d}"), content_metadata=metadata)
-    with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as fh:
-        fh.write(str(iteration))
+    if dist.get_rank() == 0:
+        with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as fh:
+            fh.write(str(iteration))
+    dist.barrier()
 
 
 def train_job(rank: int, world: int, job: dict) -> None:
@@ -284,7 +296,8 @@ def train_job(rank: int, world: int, job: dict) -> None:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    model, shape = build(job["shape"], 1, 1, job.get("seed", 0))
+    tp = job.get("tp", world)
+    model, shape = build(job["shape"], tp, 1, job.get("seed", 0))
     T, gbs, mbs, seed = job["iters"], 4, 2, 1234
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=job.get("overlap", False),
@@ -300,11 +313,12 @@ def train_job(rank: int, world: int, job: dict) -> None:
     for it in range(1, T + 1):
         losses.append(train_step(ddp, optimizer, scheduler, [data[i] for i in range((it - 1) * gbs, it * gbs)], mbs))
         if it == job["save_at"]:
-            args = megatron_args(shape, 1, 1, use_distributed_optimizer=True, train_iters=T, lr_decay_iters=T,
+            args = megatron_args(shape, tp, 1, use_distributed_optimizer=True, train_iters=T, lr_decay_iters=T,
                                  data_path=[job["data"]], consumed_train_samples=it * gbs, seed=seed)
             for sharding, folder in job["saves"].items():
                 save_training(job, model, optimizer, scheduler, args, it, sharding, folder)
-    torch.save({"losses": losses, "consumed": job["save_at"] * gbs}, job["losses"])
+    if rank == 0:
+        torch.save({"losses": losses, "consumed": job["save_at"] * gbs}, job["losses"])
 
 
 def main_rank(rank: int, world: int, spec: dict, port: int) -> None:
@@ -314,11 +328,26 @@ def main_rank(rank: int, world: int, spec: dict, port: int) -> None:
     torch.set_num_threads(1)
     jobs = {"save": save_job, "load": load_job, "train": train_job}
     from megatron.core import parallel_state as ps
-    for job in spec["jobs"]:
-        jobs[job["op"]](rank, world, job)
-        ps.destroy_model_parallel()
-    dist.barrier()
+    for phase in phases(spec):
+        for job in phase:
+            jobs[job["op"]](rank, world, job)
+            ps.destroy_model_parallel()
+        dist.barrier()
     dist.destroy_process_group()
+
+
+def phases(spec: dict):
+    """The spec's jobs, then (with `next`) the jobs the test writes into that file once `ready` exists: one
+    process start (megatron-core's import, seconds) serves the saves and the loads of what was made of them."""
+    yield spec["jobs"]
+    if "next" in spec:
+        if dist.get_rank() == 0:
+            open(spec["ready"], "w").close()
+        deadline = time.monotonic() + spec.get("wait", 600)
+        while not os.path.exists(spec["next"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # the test renames the file into place: it is whole
+        yield json.load(open(spec["next"])) if os.path.exists(spec["next"]) else []
 
 
 if __name__ == "__main__":
