@@ -59,7 +59,8 @@ def to_ternion(args) -> list:
     path = os.path.join(args.out, CONFIG_FILE)
     with open(path, "w") as fh:
         fh.write(f"# The flags of the Megatron-LM run saved in {ck.path} (tools/convert_megatron.py).\n"
-                 f"# Continue it: launch/pretrain_gpt.py --config {path} --load {args.out} --data-path ... --save RUN\n")
+                 f"# Continue it: launch/pretrain_gpt.py --config {path} --load {args.out} --data-path ... "
+                 "--save RUN\n")
         yaml.safe_dump(values, fh, sort_keys=False)
     return notes + [f"converted into {args.out} (iteration {ck.iteration}; loads at any layout)",
                     f"flags: {command_line(values)}", f"config: {path}"]

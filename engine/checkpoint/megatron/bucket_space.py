@@ -115,7 +115,7 @@ class BucketSpace:
         for key, shape in self.ck.tensors.shapes.items():
             match = _BUCKET.match(key)
             if match and match.group(5) == "param":
-                prefix, r, g, b = match.group(1), int(match.group(2)), int(match.group(3)), int(match.group(4))
+                r, g, b = int(match.group(2)), int(match.group(3)), int(match.group(4))
                 found.setdefault((r, g), {})[b] = (key[: -len(".param")], shape[0])
         return {k: [v[b] for b in sorted(v)] for k, v in found.items()}
 
@@ -130,7 +130,8 @@ class BucketSpace:
             if places is None:
                 return (f"its optimizer state (Megatron's bucket layout, dp_reshardable) does not match megatron-core "
                         f"0.16's parameter layout for tp rank {t}, pp rank {p} (transformer_impl "
-                        f"{getattr(args, 'transformer_impl', None)!r}); save it with --dist-ckpt-optim-fully-reshardable")
+                        f"{getattr(args, 'transformer_impl', None)!r}); save it with "
+                        "--dist-ckpt-optim-fully-reshardable")
             for where, shape, (b, offset) in zip(wheres, shapes, places):
                 self.index.setdefault(where, [None] * tp)[t] = (stored[b][0], offset, shape)
         missing = [w for w, parts in self.index.items() if None in parts]

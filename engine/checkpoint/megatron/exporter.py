@@ -173,8 +173,8 @@ def export_megatron(reader: CheckpointReader, out_dir: str, tp: int = 1, pp: int
     bar = progress(len(pieces)) if progress is not None else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized": one process writes, as meant
-        save({}, storage_writer=FileSystemWriter(tmp, thread_count=1), planner=_LazyPlanner(pieces, _extra_states(m), bar),
-             no_dist=True)
+        save({}, storage_writer=FileSystemWriter(tmp, thread_count=1),
+             planner=_LazyPlanner(pieces, _extra_states(m), bar), no_dist=True)
     common = {"args": args_from_config(cfg, tp, pp, reader.meta.extra_state), "checkpoint_version": 3.0,
               "iteration": it, "num_floating_point_operations_so_far": 0, "content_metadata": dict(CONTENT)}
     torch.save(common, os.path.join(tmp, COMMON_FILE))

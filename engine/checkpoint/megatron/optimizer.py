@@ -63,6 +63,9 @@ class MegatronOptimizer:
             self.why_not = self.buckets.why_not
         elif common is None:
             self.why_not = "the checkpoint holds no optimizer state (saved with --no-save-optim)"
+        elif ck.format == "torch":
+            self.why_not = "the legacy torch format's optimizer state (in model_optim_rng.pt, distrib_optim.pt) is " \
+                           "not read"
         elif self.sharding not in MODEL_SPACE and not self.state_keys:
             self.why_not = f"its optimizer layout ({self.sharding or 'not a distributed optimizer'}) is not read"
         self.inner = self.buckets.inner if self.buckets is not None else [s.get("optimizer", {}) for s in states]

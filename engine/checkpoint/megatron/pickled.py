@@ -10,12 +10,11 @@ that records its name and what it was built from, so an enum argument still read
 from __future__ import annotations
 
 import argparse
+import builtins
 import io
 import pickle
 import types
 import zipfile
-from typing import Optional
-
 import torch
 from torch import _weights_only_unpickler
 
@@ -70,7 +69,7 @@ class _Unpickler(pickle.Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if module == "builtins" and name in ("set", "complex", "bytearray", "dict", "list", "tuple"):
-            return getattr(__builtins__, name) if not isinstance(__builtins__, dict) else __builtins__[name]
+            return getattr(builtins, name)
         return _stand_in(module, name)
 
 
@@ -95,12 +94,3 @@ def load_file(path: str, what: str, mmap: bool = False):
 def load_bytes(data: bytes) -> object:
     """A pickled object from a .distcp byte item (Megatron's sharded objects)."""
     return torch.load(io.BytesIO(data), map_location="cpu", pickle_module=PICKLE_MODULE, weights_only=False)
-
-
-def plain(value, default=None) -> Optional[object]:
-    """An argument as plain data: an enum stand-in as its value, a dtype as its name."""
-    if isinstance(value, Opaque):
-        return value.value if not isinstance(value.value, Opaque) else default
-    if isinstance(value, torch.dtype):
-        return str(value).removeprefix("torch.")
-    return value

@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from typing import Optional
-
 import torch
 from torch.distributed.checkpoint import FileSystemReader, load
 from torch.distributed.checkpoint.metadata import (
@@ -155,6 +153,3 @@ class TorchDist:
             raise ConfigError(f"{self.path}: {what} could not be read ({type(e).__name__}: "
                               f"{str(e).strip().splitlines()[-1][:200]}); the shard is damaged") from None
         return planner
-
-    def key_of(self, name: str) -> Optional[str]:
-        return name if name in self.shapes else None
