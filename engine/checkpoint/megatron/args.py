@@ -16,12 +16,12 @@ import dataclasses
 import torch
 
 from engine.checkpoint.megatron.pickled import Opaque
-from engine.config import Config, ConfigError
+from engine.config import Config, ConfigError, moe_layer_pattern, window_layer_pattern, window_size_pair
 
 SECTIONS = ("model", "optim", "training", "data")
 NOT_COPIED = {"vocab_size", "num_query_groups", "disable_bias_linear", "attention_backend", "recompute_granularity",
               "recompute_num_layers", "moe_router_dtype", "z_loss_weight", "qk_layernorm_scope", "norm_placement",
-              "mock_data", "data_phases", "device", "eod_mask_loss", "hysteresis"}
+              "mock_data", "data_phases", "device", "eod_mask_loss"}
 COPIED = {s: tuple(f.name for f in dataclasses.fields(type(getattr(Config(), s))) if f.name not in NOT_COPIED)
           for s in SECTIONS}
 MODEL_FLAGS = COPIED["model"] + ("vocab_size", "num_query_groups", "disable_bias_linear")
@@ -69,6 +69,8 @@ def _value(name: str, value):
         return f"{value[0]},{value[1]}"
     if name == "lr_decay_style" and value == "WSD":
         return "wsd"
+    if name == "rampup_batch_size" and value:
+        return [int(v) for v in value]
     return value
 
 
@@ -114,6 +116,9 @@ def args_from_config(cfg: Config, tp: int, pp: int, extra: dict) -> argparse.Nam
     """The `args` Namespace of a Megatron-LM run of this model at tp x pp (what its load_checkpoint compares and
     what --use-checkpoint-args reads); `extra`: the data position (consumed samples)."""
     m, o, tr = cfg.model, cfg.optim, cfg.training
+    if m.qk_layernorm and m.qk_layernorm_scope != "head" or m.norm_placement != "pre":
+        raise ConfigError("--to-megatron: the model has QK-norm over whole projections or norms after the sublayers "
+                          "(OLMo-2), which Megatron-LM's GPT model does not build")
     values = {n: getattr(getattr(cfg, s), n) for s, names in COPIED.items() for n in names}
     heads_per_group = m.num_attention_heads // m.resolved_query_groups()
     values.update(
@@ -123,7 +128,9 @@ def args_from_config(cfg: Config, tp: int, pp: int, extra: dict) -> argparse.Nam
         use_rotary_position_embeddings=m.position_embedding_type == "rope", rotary_percent=1.0,
         rotary_interleaved=False, squared_relu=False, apply_layernorm_1p=False, apply_query_key_layer_scaling=False,
         kv_channels=m.head_dim(), ffn_hidden_size=m.resolved_ffn_hidden_size(), moe_router_pre_softmax=False,
-        moe_grouped_gemm=bool(m.num_experts), moe_layer_freq=_megatron_freq(m.moe_layer_freq),
+        moe_grouped_gemm=bool(m.num_experts), moe_layer_freq=moe_layer_pattern(m.moe_layer_freq, m.num_layers),
+        window_size=window_size_pair(m.window_size), window_attn_skip_freq=window_layer_pattern(
+            m.window_attn_skip_freq, m.num_layers) if m.window_attn_skip_freq is not None else None,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
         expert_model_parallel_size=1, context_parallel_size=1, world_size=tp * pp, data_parallel_size=1,
         use_distributed_optimizer=False, ckpt_format="torch_dist", use_dist_ckpt=True, no_save_optim=True,
@@ -132,8 +139,3 @@ def args_from_config(cfg: Config, tp: int, pp: int, extra: dict) -> argparse.Nam
         consumed_valid_samples=0, lr_decay_style="WSD" if o.lr_decay_style == "wsd" else o.lr_decay_style,
         transformer_impl="transformer_engine", fp8=None, multi_latent_attention=False, mtp_num_layers=None)
     return argparse.Namespace(**values)
-
-
-def _megatron_freq(value):
-    text = str(value).strip()
-    return int(text) if text.isdigit() else [int(v) for v in text.strip("[]").split(",")]

@@ -121,7 +121,7 @@ class BucketSpace:
 
     def _index(self) -> Optional[str]:
         args, buckets = self.ck.args, self._buckets()
-        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        tp = args.tensor_model_parallel_size
         for (r, chunk), stored in sorted(buckets.items()):
             t, p = r % tp, r // tp
             wheres = [self.ck.locate((name,)) or (name, ()) for name in stage_params(args, p, chunk)]

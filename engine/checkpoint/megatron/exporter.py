@@ -16,7 +16,6 @@ from __future__ import annotations
 import io
 import os
 import warnings
-from typing import Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter, save
@@ -29,7 +28,7 @@ from engine.checkpoint.megatron.args import args_from_config
 from engine.checkpoint.megatron.tables import EXPERTS_KEY, FLATTENED, homogeneous, plan, split_layer, tp_axis
 from engine.checkpoint.megatron.torch_dist import BACKEND_FILE, COMMON_FILE
 from engine.checkpoint.reader import CheckpointReader
-from engine.config import Config, ConfigError
+from engine.config import Config
 from engine.validation import check_model_split
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
@@ -158,29 +157,21 @@ def export_megatron(reader: CheckpointReader, out_dir: str, tp: int = 1, pp: int
     cfg = Config.from_dict(reader.meta.config)
     m = cfg.model
     check_model_split(m, tp, pp, tp_flag="--target-tp", pp_flag="--target-pp")
-    if m.num_experts and tp > 1:
-        raise ConfigError(f"--target-tp {tp}: an MoE model is written with its experts whole (expert tp 1); "
-                          "use --target-tp 1")
-    if files.read_latest(out_dir) is not None or files.list_iterations(out_dir):
-        raise ConfigError(f"--out {out_dir}: already holds a checkpoint; give a new directory")
     pieces = _pieces(reader, m, tp)
-    os.makedirs(out_dir, exist_ok=True)
-    files.remove_stale(out_dir)
     it = reader.iteration
     final = os.path.join(out_dir, files.iter_dir_name(it))
-    tmp = final + ".tmp"
-    os.makedirs(tmp)
     bar = progress(len(pieces)) if progress is not None else None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized": one process writes, as meant
-        save({}, storage_writer=FileSystemWriter(tmp, thread_count=1),
-             planner=_LazyPlanner(pieces, _extra_states(m), bar), no_dist=True)
-    common = {"args": args_from_config(cfg, tp, pp, reader.meta.extra_state), "checkpoint_version": 3.0,
-              "iteration": it, "num_floating_point_operations_so_far": 0, "content_metadata": dict(CONTENT)}
-    torch.save(common, os.path.join(tmp, COMMON_FILE))
-    files.write_json_durable(os.path.join(tmp, BACKEND_FILE), BACKEND)
-    files.fsync_dir(tmp)
-    os.rename(tmp, final)
+    with files.staged(out_dir, it) as tmp:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized": one process writes, as meant
+            save({}, storage_writer=FileSystemWriter(tmp, thread_count=1),
+                 planner=_LazyPlanner(pieces, _extra_states(m), bar), no_dist=True)
+        common = {"args": args_from_config(cfg, tp, pp, reader.meta.extra_state), "checkpoint_version": 3.0,
+                  "iteration": it, "num_floating_point_operations_so_far": 0, "content_metadata": dict(CONTENT)}
+        torch.save(common, os.path.join(tmp, COMMON_FILE))
+        files.write_json_durable(os.path.join(tmp, BACKEND_FILE), BACKEND)
+        files.fsync_dir(tmp)
+        os.rename(tmp, final)
     files.fsync_dir(out_dir)
     files.write_text_atomic(os.path.join(out_dir, files.LATEST_FILE), f"{it}\n")
     if bar is not None:

@@ -49,28 +49,23 @@ def import_megatron(load: str, out_dir: str, iteration: Optional[int] = None, pr
     tensors = [lt for lt in local_tensors(build_model_chunks(cfg, ctx, device="meta"), ctx) if lt.writer]
     sources = _sources(ck, cfg.model, tensors)
     optimizer = MegatronOptimizer(ck, {name: where for name, (where, _) in sources.items()})
-    if files.read_latest(out_dir) is not None or files.list_iterations(out_dir):
-        raise ConfigError(f"--out {out_dir}: already holds a checkpoint; give a new directory")
-    os.makedirs(out_dir, exist_ok=True)
-    files.remove_stale(out_dir)
-    tmp = os.path.join(out_dir, files.iter_dir_name(ck.iteration) + ".tmp")
-    os.makedirs(tmp)
-    digests, part, records = {}, RankPart(0), {}
-    bar = progress(len(tensors) * (4 if optimizer.present else 1)) if progress is not None else None
-    records.update(_write_model(ck, tensors, sources, tmp, part, digests, bar))
-    if optimizer.present:
-        records.update(_write_optimizer(ck, optimizer, tensors, sources, tmp, part, bar))
-        part.optimizer = OptimizerMeta(False, optimizer.step(), optimizer.scaler(cfg.training.fp16))
     consumed = int(getattr(ck.args, "consumed_train_samples", 0) or 0)
+    with files.staged(out_dir, ck.iteration) as tmp:
+        part, digests = RankPart(0), {}
+        bar = progress(len(tensors) * (4 if optimizer.present else 1)) if progress is not None else None
+        records = _write_model(ck, tensors, sources, tmp, part, digests, bar)
+        if optimizer.present:
+            records.update(_write_optimizer(ck, optimizer, tensors, sources, tmp, part, bar))
+            part.optimizer = OptimizerMeta(False, optimizer.step(), optimizer.scaler(cfg.training.fp16))
+        extra = {"consumed_samples": consumed, "data": {"consumed_samples": consumed},
+                 "megatron": {"source": os.path.abspath(ck.path), "format": ck.format, "iteration": ck.iteration,
+                              "optimizer": optimizer.why_not or "carried", "rng": "not carried", "sha256": digests}}
+        meta = CheckpointMeta.build([part], ck.iteration, ctx, cfg.to_dict(), extra)
+        meta.files = records
+        if bar is not None:
+            bar.close()
+        publish(out_dir, tmp, ck.iteration, meta)
     notes = _notes(ck, optimizer, consumed)
-    extra = {"consumed_samples": consumed, "data": {"consumed_samples": consumed},
-             "megatron": {"source": os.path.abspath(ck.path), "format": ck.format, "iteration": ck.iteration,
-                          "optimizer": optimizer.why_not or "carried", "rng": "not carried", "sha256": digests}}
-    meta = CheckpointMeta.build([part], ck.iteration, ctx, cfg.to_dict(), extra)
-    meta.files = records
-    if bar is not None:
-        bar.close()
-    publish(out_dir, tmp, ck.iteration, meta)
     return cfg, ck, notes
 
 

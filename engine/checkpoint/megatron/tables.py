@@ -93,7 +93,7 @@ def layer_entries(m, i: int, moe: bool) -> list:
     out += _biased(ours + "attention.qkv", f"{attn}linear_qkv.", WHOLE,
                    not m.disable_bias_linear or m.add_qkv_bias)
     if m.qk_layernorm:
-        out += [Entry(f"{ours}attention.qk_norm.{x}.weight", (f"{attn}{x}_layernorm.weight",), WHOLE) for x in "qk"]
+        out += [e for x in "qk" for e in _norm(m, f"{ours}attention.qk_norm.{x}", (f"{attn}{x}_layernorm.",))]
     out += _biased(ours + "attention.proj", f"{attn}linear_proj.", WHOLE, not m.disable_bias_linear)
     norm2 = (f"{meg}pre_mlp_layernorm.", f"{meg}mlp.linear_fc1.layer_norm_") if moe else \
         (f"{meg}mlp.linear_fc1.layer_norm_", f"{meg}pre_mlp_layernorm.")
