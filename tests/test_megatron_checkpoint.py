@@ -14,8 +14,10 @@ then continues to iteration 15. Checked here:
   would read next; both optimizer layouts convert to the same Adam moments and masters;
 - the grouped experts of an ep 2 save convert in their global order, and megatron-core reads them back in it;
 - bad input (a missing or truncated shard, FP8 or MLA arguments, a missing mp_rank folder, no checkpoint, a taken
-  --out) is one line and exit status 2, with nothing written.
-Budget on two cores: about 70 s (the oracle process, once; a 4-rank pool run; one launcher run).
+  --out) is one line and exit status 2, with nothing written;
+- both directions stream: a 259 MB model converts in and out within a few copies of its largest tensor.
+Budget on two cores: about 75 s (the oracle process, once, 35 s; a 4-rank pool run; one launcher run; the two
+streaming conversions, 18 s).
 """
 import argparse
 import json
@@ -289,3 +291,69 @@ def test_taken_out_and_impossible_targets_are_one_line(megatron, tmp_path, capsy
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, err
     assert sorted(os.listdir(taken)) == before and not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_the_launcher_finds_a_megatron_save_by_its_files_and_converts_it_once(megatron, tmp_path):
+    from engine.checkpoint import files
+    from engine.checkpoint.megatron import megatron_format
+    from engine.checkpoint.resume import resume_point
+    from engine.config import CheckpointConfig, ConfigError
+    assert megatron_format(str(megatron / "llama-tp1")) == "torch_dist"
+    assert megatron_format(str(megatron / "llama-tp1" / "iter_0000007")) == "torch_dist"
+    assert megatron_format(str(megatron / "gpt-legacy-tp1")) == "torch"
+    assert megatron_format(str(megatron / "llama-tp1.ternion")) is None and megatron_format(str(tmp_path)) is None
+    load, save = str(megatron / "llama-tp1"), str(tmp_path / "run")
+    first = resume_point(CheckpointConfig(load=load, save=save), files.read_latest)
+    assert first.directory == os.path.join(save, "megatron_import") and first.iteration is None
+    assert first.told[0].startswith(f"note: --load {load} is a Megatron-LM torch_dist checkpoint (iteration 7)")
+    again = resume_point(CheckpointConfig(load=load, save=save), files.read_latest)
+    assert again.directory == first.directory and "converted earlier" in again.told[0]
+    with pytest.raises(ConfigError, match="holds a Megatron-LM checkpoint; give this run a --save of its own"):
+        resume_point(CheckpointConfig(load=load, save=load), files.read_latest)
+
+
+def test_both_directions_stream_tensor_by_tensor(tmp_path, monkeypatch):
+    """A ~270 MB Llama-shaped checkpoint (from a safetensors folder written here, through tools/convert_hf.py) goes
+    out to torch_dist and back, each direction in a fresh process: its peak RSS growth, sampled every
+    millisecond, stays within a few copies of the largest tensor (the model is eight times that). glibc is told to
+    give freed blocks back (its mmap and trim thresholds), so the figure is what the process holds, not what
+    the allocator keeps cached: left to itself, glibc keeps freed pieces around, by chance up to 4x more."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    from convert_hf import main as convert_hf
+
+    from engine.checkpoint import files
+    from harness import peak_rss_growth
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    h, ffn, layers, vocab = 1024, 2816, 4, 8000
+    (hf / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": vocab, "hidden_size": h, "intermediate_size": ffn,
+        "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 64,
+        "tie_word_embeddings": False}))
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        shapes |= {f"{p}self_attn.{n}_proj.weight": (h, h) for n in "qkvo"}
+        shapes |= {f"{p}mlp.{n}_proj.weight": (ffn, h) for n in ("gate", "up")} | {p + "mlp.down_proj.weight": (h, ffn)}
+    files.write_safetensors(str(hf / "model.safetensors"), [(n, torch.float32, s) for n, s in shapes.items()],
+                            ((n, torch.randn(s) * 0.02) for n, s in shapes.items()))
+    assert convert_hf(["--hf", str(hf), "--out", str(tmp_path / "ternion"), "--seq-length", "64"]) == 0
+    shutil.rmtree(hf)
+    total = sum(torch.Size(s).numel() * 4 for s in shapes.values())
+    largest = 8064 * h * 4  # the output layer, its vocabulary padded to 63 x 128 rows
+    paths = [ROOT, os.path.join(ROOT, "tools")]
+    out_code, out_peak, err = peak_rss_growth("convert_megatron", ["--to-megatron", "--load", str(tmp_path / "ternion"),
+                                                                   "--out", str(tmp_path / "megatron")], paths)
+    assert out_code == 0, err
+    in_code, in_peak, err = peak_rss_growth("convert_megatron", ["--load", str(tmp_path / "megatron"), "--out",
+                                                                 str(tmp_path / "back")], paths)
+    assert in_code == 0, err
+    print(f"model {total / 2**20:.0f} MB, largest tensor {largest / 2**20:.1f} MB, peak RSS growth: out "
+          f"{out_peak / 2**20:.1f} MB, in {in_peak / 2**20:.1f} MB")
+    assert total > 8 * largest and max(out_peak, in_peak) < 3.5 * largest, (out_peak, in_peak)
+    back = CheckpointReader(str(tmp_path / "back" / "iter_0000000"))
+    first = CheckpointReader(str(tmp_path / "ternion" / "iter_0000000"))
+    for name in ("output", "layers.3.mlp.fc1.weight", "layers.0.attention.qkv.weight"):
+        assert torch.equal(back.full(name), first.full(name))

@@ -1,10 +1,11 @@
 """A Ternion checkpoint as a Megatron-LM `torch_dist` save directory (tools/convert_megatron.py --to-megatron).
 
 Written with torch.distributed.checkpoint (`.metadata` and `__0_0.distcp`) through a save planner that names
-each piece Megatron-Core's layout has at the target tp x pp (a layer's slice of a stacked tensor, one tp rank's
-rows or columns; SwiGLU's linear_fc1 as a gate block and an up block per rank) and makes it only when the
-writer asks for it, from the Ternion checkpoint's own slices (CheckpointReader.model_slice): memory holds one
-piece. Beside them: Megatron's `common.pt` (args, iteration, checkpoint_version 3.0) and `metadata.json`, and
+each piece of Megatron-Core's layout at the target tp x pp (a layer's slice of a stacked tensor, one tp rank's
+rows or columns, SwiGLU's linear_fc1 as a gate block and an up block per rank; cut further into pieces of at most
+16 MiB, one expert a piece for routed experts) and makes it only when the writer asks for it, from the Ternion
+checkpoint's own slices (CheckpointReader.model_slice): memory holds about one piece (torch's writer would keep
+every piece it wrote until its file is done; the planner frees each once written). Beside them: Megatron's `common.pt` (args, iteration, checkpoint_version 3.0) and `metadata.json`, and
 latest_checkpointed_iteration.txt once the iteration folder is complete (written as iter_N.tmp, renamed).
 
 The args are those of a Megatron-LM run of the model at that tp x pp (args.py): `--load` in Megatron-LM takes
@@ -34,13 +35,14 @@ from engine.validation import check_model_split
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
            "common_backend_version": 1}
 CONTENT = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+PIECE_BYTES = 16 << 20  # what one piece (one DCP chunk, made and written at once) holds at most
 
 
 class _LazyPlanner(SavePlanner):
     """Plans the given pieces and makes each tensor only when the storage writer resolves it."""
 
     def __init__(self, pieces: list, objects: list, progress=None):
-        self.pieces, self.objects, self.progress = pieces, objects, progress
+        self.pieces, self.objects, self.progress, self.last = pieces, objects, progress, None
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
         pass
@@ -61,6 +63,11 @@ class _LazyPlanner(SavePlanner):
         return new_plan
 
     def resolve_data(self, write_item: WriteItem):
+        if self.last is not None:
+            # torch's FileSystemWriter keeps every tensor it wrote in a dict per file (for its safetensors format);
+            # with its serial loader (per_thread_copy_ahead=0) the previous piece is written by now: free it.
+            self.last.untyped_storage().resize_(0)
+            self.last = None
         if write_item.type == WriteItemType.BYTE_IO:  # a module's _extra_state, as megatron-core packs it
             data = io.BytesIO()
             torch.save([None], data)
@@ -68,7 +75,8 @@ class _LazyPlanner(SavePlanner):
             return data
         if self.progress is not None:
             self.progress.update(1)
-        return self.make[(write_item.index.fqn, tuple(write_item.index.offset))]().contiguous()
+        self.last = self.make[(write_item.index.fqn, tuple(write_item.index.offset))]().clone()  # storage of its own
+        return self.last
 
 
 def _pieces(reader: CheckpointReader, m, tp: int) -> list:
@@ -89,35 +97,44 @@ def _pieces(reader: CheckpointReader, m, tp: int) -> list:
 
 
 def _split(reader, entry, key: str, lead: tuple, m, tp: int, ours: tuple, dtype) -> list:
-    """One tensor's pieces: its tp slices (for the vocabulary: padded for tp, as Megatron-Core pads it)."""
+    """One tensor's pieces: its tp slices (for the vocabulary: padded for tp, as Megatron-Core pads it), each cut
+    along the same axis into pieces of at most PIECE_BYTES; routed experts one expert a piece."""
     shape = list(entry.how.out_shape(ours))
-    axis = tp_axis(key) if EXPERTS_KEY not in key else None
     if key.endswith("word_embeddings.weight") or key == "output_layer.weight":
         shape[0] = m.padded_vocab_size(tp)
     size = tuple(lead and (m.num_layers,)) + tuple(shape)
+    if EXPERTS_KEY in key:
+        return [_piece(reader, entry, key, lead, size, dtype, axis=0, offset=e, length=1, parts=ours[0], part=e)
+                for e in range(ours[0])]
+    axis = tp_axis(key)
     if axis is None:
-        def whole(name=entry.ours, how=entry.how):
-            return how.out(reader.full(name))
-        return [(key, size, tuple(lead) + (0,) * len(shape), (1,) * len(lead) + tuple(shape), dtype,
-                 _lifted(whole, len(lead)))]
+        return [_piece(reader, entry, key, lead, size, dtype)]
     blocks = 2 if entry.how is FLATTENED else 1  # SwiGLU: each rank's rows are a gate block and an up block
     per = shape[axis] // (tp * blocks)
-    pieces = []
-    for t in range(tp):
-        for b in range(blocks):
-            offsets = [0] * len(shape)
-            offsets[axis] = (b * tp + t) * per
-            sizes = list(shape)
-            sizes[axis] = per
+    cuts, row_bytes = 1, torch.Size(shape).numel() // shape[axis] * torch.empty((), dtype=dtype).element_size()
+    while per * row_bytes > cuts * PIECE_BYTES and per % (2 * cuts) == 0:
+        cuts *= 2
+    return [_piece(reader, entry, key, lead, size, dtype, axis, offset=((b * tp + t) * cuts + j) * (per // cuts),
+                   length=per // cuts, parts=tp * cuts, part=t * cuts + j, block=b if blocks == 2 else None)
+            for t in range(tp) for b in range(blocks) for j in range(cuts)]
 
-            def block(name=entry.ours, t=t, b=b, full_rows=shape[0]):
-                saved = reader.tensors[name]
-                target = (full_rows,) + tuple(saved.shape[1:]) if saved.valid_rows else tuple(saved.shape)
-                local = reader.model_slice(name, target, tp, t, files.DTYPE_NAMES[saved.dtype])
-                return local[b] if blocks == 2 else local
-            pieces.append((key, size, tuple(lead) + tuple(offsets), (1,) * len(lead) + tuple(sizes), dtype,
-                           _lifted(block, len(lead))))
-    return pieces
+
+def _piece(reader, entry, key: str, lead: tuple, size: tuple, dtype, axis=None, offset=0, length=0, parts=1, part=0,
+           block=None) -> tuple:
+    """One piece: `length` rows from `offset` along `axis` (None: the whole tensor) of the stored tensor of global
+    `size`, made from part `part` of our tensor split `parts` ways along its own split axis (and its stacked
+    `block`, SwiGLU's gate or up)."""
+    shape = list(size[len(lead):])
+    offsets, sizes = [0] * len(shape), list(shape)
+    if axis is not None:
+        offsets[axis], sizes[axis] = offset, length
+
+    def make(name=entry.ours, how=entry.how):
+        saved = reader.tensors[name]
+        rows = shape[0] if saved.valid_rows else saved.shape[0]  # the vocabulary as padded for the target tp
+        local = reader.model_slice(name, (rows, *saved.shape[1:]), parts, part, files.DTYPE_NAMES[saved.dtype])
+        return how.out(local) if block is None else local[block]
+    return (key, size, tuple(lead) + tuple(offsets), (1,) * len(lead) + tuple(sizes), dtype, _lifted(make, len(lead)))
 
 
 def _extra_states(m) -> list:
@@ -164,7 +181,7 @@ def export_megatron(reader: CheckpointReader, out_dir: str, tp: int = 1, pp: int
     with files.staged(out_dir, it) as tmp:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized": one process writes, as meant
-            save({}, storage_writer=FileSystemWriter(tmp, thread_count=1),
+            save({}, storage_writer=FileSystemWriter(tmp, thread_count=1, per_thread_copy_ahead=0),
                  planner=_LazyPlanner(pieces, _extra_states(m), bar), no_dist=True)
         common = {"args": args_from_config(cfg, tp, pp, reader.meta.extra_state), "checkpoint_version": 3.0,
                   "iteration": it, "num_floating_point_operations_so_far": 0, "content_metadata": dict(CONTENT)}

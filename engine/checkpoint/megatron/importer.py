@@ -25,6 +25,7 @@ from engine.checkpoint.layout import local_tensors, model_shard, optim_shard, sh
 from engine.checkpoint.megatron.args import config_from_args
 from engine.checkpoint.megatron.optimizer import MegatronOptimizer
 from engine.checkpoint.megatron.source import MegatronCheckpoint, open_megatron
+from engine.checkpoint.hf.transforms import WHOLE
 from engine.checkpoint.megatron.tables import plan
 from engine.checkpoint.metadata import CheckpointMeta, FileRecord, OptimizerMeta, RankPart
 from engine.checkpoint.saver import publish
@@ -102,10 +103,8 @@ def _write_model(ck, tensors: list, sources: dict, tmp: str, part: RankPart, dig
             value = ck.read(where)
             digests[lt.name] = hashlib.sha256(value.contiguous().view(torch.uint8).numpy()).hexdigest() \
                 if value.numel() else ""
-            full = torch.zeros(lt.full_shape, dtype=dtypes[lt.name])
-            how.into(full[: lt.valid_rows] if lt.valid_rows else full, value)
             _tick(progress)
-            yield lt.name, full
+            yield lt.name, _placed(lt, how, value, dtypes[lt.name])
     part.model = {lt.name: model_shard(lt, dtypes[lt.name], 0, 0, name) for lt in tensors}
     return _written(tmp, name, specs, produce(), part)
 
@@ -126,12 +125,19 @@ def _write_optimizer(ck, optimizer, tensors: list, sources: dict, tmp: str, part
 
     def produce():
         for lt, k, located, how in items:
-            value = optimizer.read(located)
-            full = torch.zeros(lt.full_shape, dtype=torch.float32)
-            how.into(full[: lt.valid_rows] if lt.valid_rows else full, value)
             _tick(progress)
-            yield f"{lt.name}/{k}", full.reshape(-1)
+            yield f"{lt.name}/{k}", _placed(lt, how, optimizer.read(located), torch.float32).reshape(-1)
     return _written(tmp, name, specs, produce(), part)
+
+
+def _placed(lt, how, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Our tensor from Megatron's `value`: the value itself where nothing changes (no second copy in memory),
+    else a new tensor (transformed, or with our vocabulary padding)."""
+    if how is WHOLE and tuple(value.shape) == lt.full_shape and value.dtype == dtype:
+        return value
+    full = torch.zeros(lt.full_shape, dtype=dtype)
+    how.into(full[: lt.valid_rows] if lt.valid_rows else full, value)
+    return full
 
 
 def _written(tmp: str, name: str, specs: list, produced, part: RankPart) -> dict:
