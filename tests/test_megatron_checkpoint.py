@@ -2,7 +2,7 @@
 
 The oracle is megatron-core 0.16.1 itself, run on the CPU in a process of its own (tests/megatron_oracle.py; two
 gloo ranks): it builds tiny GPT-2- and Llama-shaped GPTModels (and an MoE one with grouped experts), saves them as
-Megatron-LM does (torch_dist at tp 1 and tp 2, the legacy torch format at tp 1 and tp 2, experts over ep 2), trains
+Megatron-LM does (torch_dist at tp 1 and tp 2, the legacy torch format at tp 1 (both) and tp 2 (Llama), experts over ep 2), trains
 the Llama one at tp 2 with its DistributedOptimizer and OptimizerParamScheduler on an indexed dataset and saves
 iteration 5 in both of its optimizer layouts (fully_reshardable, and the default bucket layout dp_reshardable),
 then continues to iteration 15. Checked here:
@@ -44,7 +44,8 @@ VOCAB, SEQ, TOL = 250, 32, 1e-5
 SAVES = {  # name: (shape, megatron-core's tp, format, iteration)
     "gpt-tp1": ("gpt", 1, "torch_dist", 7), "llama-tp1": ("llama", 1, "torch_dist", 7),
     "gpt-tp2": ("gpt", 2, "torch_dist", 9), "llama-tp2": ("llama", 2, "torch_dist", 9),
-    "gpt-legacy-tp1": ("gpt", 1, "torch", 3), "llama-legacy-tp2": ("llama", 2, "torch", 3),
+    "gpt-legacy-tp1": ("gpt", 1, "torch", 3), "llama-legacy-tp1": ("llama", 1, "torch", 3),
+    "llama-legacy-tp2": ("llama", 2, "torch", 3),
 }
 LLAMA_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96", "--num-attention-heads", "8",
                "--group-query-attention", "--num-query-groups", "2", "--seq-length", "32", "--max-position-embeddings",
@@ -190,7 +191,7 @@ def _experts(prefix) -> dict:
     return out
 
 
-def test_grouped_experts_over_ep2_convert_in_their_global_order(megatron):
+def test_grouped_experts_over_ep2_convert_in_their_global_order(megatron, tmp_path):
     reader = CheckpointReader(str(megatron / "moe.ternion" / "iter_0000004"))
     fc1, fc2 = reader.full("layers.0.mlp.experts.fc1"), reader.full("layers.0.mlp.experts.fc2")
     saved, reloaded = _experts(megatron / "moe.experts"), _experts(megatron / "moe.back.experts")
@@ -198,6 +199,11 @@ def test_grouped_experts_over_ep2_convert_in_their_global_order(megatron):
     for e, (w1, w2) in saved.items():
         assert torch.equal(fc1[e], w1) and torch.equal(fc2[e], w2)
         assert torch.equal(reloaded[e][0], w1) and torch.equal(reloaded[e][1], w2)
+    from convert_megatron import main
+    assert main(["--load", str(megatron / "moe.back"), "--out", str(tmp_path / "again")]) == 0  # our own export, in
+    again = CheckpointReader(str(tmp_path / "again" / "iter_0000004"))
+    assert set(again.tensors) == set(reader.tensors)
+    assert all(torch.equal(again.full(name), reader.full(name)) for name in reader.tensors)
 
 
 def test_both_optimizer_layouts_carry_the_same_moments_and_masters(megatron):

@@ -21,11 +21,11 @@ from typing import Optional
 import torch
 
 from engine.checkpoint import files
+from engine.checkpoint.hf.transforms import WHOLE
 from engine.checkpoint.layout import local_tensors, model_shard, optim_shard, shard_file
 from engine.checkpoint.megatron.args import config_from_args
 from engine.checkpoint.megatron.optimizer import MegatronOptimizer
 from engine.checkpoint.megatron.source import MegatronCheckpoint, open_megatron
-from engine.checkpoint.hf.transforms import WHOLE
 from engine.checkpoint.megatron.tables import plan
 from engine.checkpoint.metadata import CheckpointMeta, FileRecord, OptimizerMeta, RankPart
 from engine.checkpoint.saver import publish
@@ -83,7 +83,7 @@ def _sources(ck: MegatronCheckpoint, m, tensors: list) -> dict:
         if ck.shape(where) != want:
             raise ConfigError(f"{ck.path}: {where[0]} has shape {ck.shape(where)} where its args imply {want}")
         out[lt.name] = (where, entry.how)
-        used.add(where[0])
+        used |= {found[0] for name in entry.names if (found := ck.locate((name,)))}  # both specs' names, if both
     tied = not m.untie_embeddings_and_output_weights
     left = [k for k in ck.tensors.shapes if k not in used and not k.startswith(_NOT_MODEL)
             and not k.endswith("_extra_state") and not (tied and k == "output_layer.weight")]
