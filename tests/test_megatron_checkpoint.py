@@ -20,6 +20,7 @@ Budget on two cores: about 75 s (the oracle process, once, 35 s; a 4-rank pool r
 streaming conversions, 18 s).
 """
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -99,6 +100,9 @@ class Oracle:
 def megatron(tmp_path_factory):
     """megatron-core's saves, logits and training; the conversions of them; its reloads of what Ternion writes."""
     from convert_megatron import main
+    if importlib.util.find_spec("megatron") is None:
+        pytest.fail("megatron-core is not importable; these tests check the conversions against it. Install the dev "
+                    "extras: `make deps` (or pip install -e '.[dev]', which pins megatron-core==0.16.1)", pytrace=False)
     root = tmp_path_factory.mktemp("megatron")
     corpus = write_corpus(str(root / "corpus"))
     jobs = [{"op": "save", "shape": shape, "tp": tp, "format": fmt, "iteration": it, "dir": str(root / name),
@@ -318,6 +322,7 @@ def test_the_launcher_finds_a_megatron_save_by_its_files_and_converts_it_once(me
         resume_point(CheckpointConfig(load=load, save=load), files.read_latest)
 
 
+@pytest.mark.slow
 def test_both_directions_stream_tensor_by_tensor(tmp_path, monkeypatch):
     """A ~270 MB Llama-shaped checkpoint (from a safetensors folder written here, through tools/convert_hf.py) goes
     out to torch_dist and back, each direction in a fresh process: its peak RSS growth, sampled every
