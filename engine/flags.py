@@ -7,6 +7,7 @@ engine/validation.py name flags with `flag_of`.
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import typing
 from typing import Union
 
@@ -22,6 +23,17 @@ def all_fields():
 
 def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def command_line(values: dict) -> str:
+    """Field values as the flags that give them (a switch by its name alone), quoted for a shell."""
+    parts = []
+    for name, value in values.items():
+        if value is True:
+            parts.append(flag_of(name))
+        elif value is not False and value is not None:
+            parts.append(f"{flag_of(name)} {shlex.quote(str(value))}")  # '[0,1]' is a shell glob unquoted
+    return " ".join(parts)
 
 
 FIELD_SECTION = {f.name: section for section, f in all_fields()}

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 
 from engine.checkpoint.hf import import_hf
 from engine.cli import OneLineParser
 from engine.config import TOKENIZER_TYPES, ConfigError
-from engine.flags import flag_of
+from engine.flags import command_line
 
 CONFIG_FILE = "model.yaml"
 FOUND_FIRST = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")  # the order they are looked for
@@ -61,16 +60,6 @@ def tokenizer_fields(hf_dir: str, kind=None) -> tuple:
     if kind is None:
         return {}, f"no tokenizer files in {hf_dir}: none recorded"
     return {"tokenizer_type": kind, **fields[kind]}, None
-
-
-def command_line(values: dict) -> str:
-    parts = []
-    for name, value in values.items():
-        if value is True:
-            parts.append(flag_of(name))
-        elif value is not False:
-            parts.append(f"{flag_of(name)} {shlex.quote(str(value))}")  # '[0,1]' is a shell glob unquoted
-    return " ".join(parts)
 
 
 def write_config(path: str, values: dict, hf_dir: str) -> None:

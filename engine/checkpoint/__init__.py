@@ -20,7 +20,8 @@ flight; `save_checkpoint` / `load_checkpoint` are the single operations beneath 
 each one). metadata.json is typed in metadata.py. `extra_state` must be JSON-serializable. Damaged or
 missing checkpoints raise engine.config.ConfigError with one line naming the file. Tools:
 `CheckpointReader` reads any slice of a saved tensor; `load_merged` loads tools/merge_ckpt.py's native
-output into model chunks.
+output into model chunks. Other formats come in and go out through subpackages that write and read this one:
+`hf/` (transformers folders) and `megatron/` (Megatron-LM's torch_dist and legacy checkpoints).
 """
 from engine.checkpoint.checkpointer import Checkpointer
 from engine.checkpoint.loader import latest_iteration, load_checkpoint

@@ -53,6 +53,8 @@ class Checkpointer:
             if log is not None:
                 log(point.note)
             return None
+        for line in point.told if point is not None and log is not None else ():
+            log(line)
         return point
 
     def load(self, directory: str, model_chunks: list, optimizer, load_optim: bool = True,

@@ -9,6 +9,7 @@ memory: one tensor), hashed on the way out and fsync'd before anyone is told it 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -200,3 +201,24 @@ def remove_stale(save_dir: str) -> None:
         if _STALE_RE.match(name):
             path = os.path.join(save_dir, name)
             shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+
+
+@contextlib.contextmanager
+def staged(out_dir: str, iteration: int):
+    """The `iter_N.tmp` folder a converter writes one iteration into, in an `out_dir` that holds no checkpoint
+    (else one ConfigError line); on any failure the folder goes, and `out_dir` too when this made it, so a
+    failed conversion leaves nothing. The converter publishes the folder itself (saver.publish)."""
+    if read_latest(out_dir) is not None or list_iterations(out_dir):
+        raise ConfigError(f"--out {out_dir}: already holds a checkpoint; give a new directory")
+    made = not os.path.exists(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    remove_stale(out_dir)
+    tmp = os.path.join(out_dir, iter_dir_name(iteration) + ".tmp")
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if made:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise

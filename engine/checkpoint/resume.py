@@ -2,7 +2,8 @@
 
 - A `--save` directory that holds a checkpoint is a restarted job: it resumes its own run.
 - Otherwise `--load`: a run's `--save` directory (its latest iteration) or one of its `iter_NNNNNNN`
-  folders (that iteration).
+  folders (that iteration), or a Megatron-LM save (found by its files), which rank 0 converts first
+  (engine/checkpoint/megatron/run_import.py) while the other ranks wait for this decision.
 - Else `--pretrained-checkpoint` (Megatron's: a checkpoint to start from when --load has none).
 - A `--load` that holds nothing is an error naming what was expected there, except when it is also
   `--save` (Megatron's `--save X --load X` idiom for a job that resumes itself): the first run starts
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from engine.checkpoint import files
+from engine.checkpoint.megatron.run_import import convert_for_run
+from engine.checkpoint.megatron.source import megatron_format
 from engine.config import ConfigError
 from engine.parallel.comm import all_gather_object
 
@@ -35,6 +38,7 @@ class ResumePoint:
     iteration: Optional[int] = None  # None: the directory's latest
     note: Optional[str] = None       # a line to print (rank 0) about the choice
     finetune: bool = False           # the model weights only: iteration 0, fresh optimizer and data
+    told: tuple = ()                 # lines to print (rank 0) when the run resumes from here
 
     def start(self, extra: Optional[dict]) -> Optional[dict]:
         """The loaded state the run continues from: as saved, or with --finetune iteration 0 and fresh data."""
@@ -56,10 +60,24 @@ def _point_in(path: str, latest: Callable, finetune: bool) -> Optional[ResumePoi
     return ResumePoint(path, finetune=finetune) if has_checkpoint(path, latest) else None
 
 
+def _megatron(ck):
+    """The ResumePoint of a Megatron-LM save given as --load, converted (or a ConfigError message)."""
+    try:
+        directory, lines = convert_for_run(ck.load, ck.save)
+    except ConfigError as e:
+        return str(e)
+    return ResumePoint(directory, finetune=ck.finetune, told=tuple(lines))
+
+
 def _decide(ck, latest: Callable):
     """ResumePoint, None (start from scratch) or a ConfigError message."""
+    if ck.save and megatron_format(ck.save):
+        return (f"--save {ck.save}: holds a Megatron-LM checkpoint; give this run a --save of its own (--load "
+                f"{ck.save} converts and resumes that checkpoint)")
     if ck.save and os.path.isdir(ck.save) and has_checkpoint(ck.save, latest):
         return ResumePoint(ck.save)
+    if ck.load and megatron_format(ck.load):
+        return _megatron(ck)
     point = _point_in(ck.load, latest, ck.finetune) if ck.load else None
     if point is None and ck.pretrained_checkpoint:
         point = _point_in(ck.pretrained_checkpoint, latest, True)

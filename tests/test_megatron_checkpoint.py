@@ -1,0 +1,370 @@
+"""Megatron-LM checkpoints in and out (tools/convert_megatron.py, launch/pretrain_gpt.py --load MEGATRON_SAVE).
+
+The oracle is megatron-core 0.16.1 itself, run on the CPU in a process of its own (tests/megatron_oracle.py; two
+gloo ranks): it builds tiny GPT-2- and Llama-shaped GPTModels (and an MoE one with grouped experts), saves them as
+Megatron-LM does (torch_dist at tp 1 and tp 2, the legacy torch format at tp 1 (both) and tp 2 (Llama), experts over ep 2), trains
+the Llama one at tp 2 with its DistributedOptimizer and OptimizerParamScheduler on an indexed dataset and saves
+iteration 5 in both of its optimizer layouts (fully_reshardable, and the default bucket layout dp_reshardable),
+then continues to iteration 15. Checked here:
+- every save converts, and Ternion's logits equal megatron-core's within 1e-5 at tp 1 and at tp 2 x pp 2;
+- `--to-megatron` back (at tp 1 and --target-tp 2): megatron-core's dist_checkpointing.load reads it into a fresh
+  model (every weight replaced) whose logits equal the original's within 1e-5, its args and iteration as written;
+- `launch/pretrain_gpt.py --load MEGATRON_SAVE` (a process that cannot import Megatron) resumes the training at
+  tp 1 and its next 10 losses equal megatron-core's own continuation within 1e-5, from the sample index Megatron
+  would read next; both optimizer layouts convert to the same Adam moments and masters;
+- the grouped experts of an ep 2 save convert in their global order, and megatron-core reads them back in it;
+- bad input (a missing or truncated shard, FP8 or MLA arguments, a missing mp_rank folder, no checkpoint, a taken
+  --out) is one line and exit status 2, with nothing written;
+- both directions stream: a 259 MB model converts in and out within a few copies of its largest tensor.
+Budget on two cores: about 75 s (the oracle process, once, 35 s; a 4-rank pool run; one launcher run; the two
+streaming conversions, 18 s).
+"""
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from engine.checkpoint import load_checkpoint
+from engine.checkpoint.reader import CheckpointReader
+from engine.cli import parse_config
+from engine.config import Config
+from engine.parallel.topology import ParallelContext, build_context
+from engine.pipeline.partition import build_model_chunks
+from harness import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ORACLE = os.path.join(ROOT, "tests", "megatron_oracle.py")
+VOCAB, SEQ, TOL = 250, 32, 1e-5
+SAVES = {  # name: (shape, megatron-core's tp, format, iteration)
+    "gpt-tp1": ("gpt", 1, "torch_dist", 7), "llama-tp1": ("llama", 1, "torch_dist", 7),
+    "gpt-tp2": ("gpt", 2, "torch_dist", 9), "llama-tp2": ("llama", 2, "torch_dist", 9),
+    "gpt-legacy-tp1": ("gpt", 1, "torch", 3), "llama-legacy-tp1": ("llama", 1, "torch", 3),
+    "llama-legacy-tp2": ("llama", 2, "torch", 3),
+}
+LLAMA_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96", "--num-attention-heads", "8",
+               "--group-query-attention", "--num-query-groups", "2", "--seq-length", "32", "--max-position-embeddings",
+               "64", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
+               "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--vocab-size", "256"]
+
+
+def tokens(n=2, seed=1):
+    return torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def write_corpus(prefix: str) -> str:
+    import numpy as np
+
+    from engine.data import IndexedDatasetWriter
+    rng = np.random.default_rng(5)
+    writer = IndexedDatasetWriter(prefix, np.uint16)
+    for _ in range(200):
+        writer.add_document(np.append(rng.integers(0, 250, size=int(rng.integers(5, 60))), 255))
+    writer.finalize()
+    return prefix
+
+
+class Oracle:
+    """The megatron-core process: its first jobs at start, its second once `then` hands them over."""
+
+    def __init__(self, root, jobs: list):
+        self.root = root
+        spec = {"world": 2, "jobs": jobs, "ready": str(root / "ready"), "next": str(root / "next.json")}
+        (root / "spec.json").write_text(json.dumps(spec))
+        self.proc = subprocess.Popen([sys.executable, ORACLE, str(root / "spec.json")], cwd=ROOT,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.wait_for(root / "ready")
+
+    def wait_for(self, path, timeout=300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                pytest.fail(f"megatron-core oracle failed:\n{self.proc.communicate()[0][-6000:]}", pytrace=False)
+            time.sleep(0.05)
+
+    def then(self, jobs: list) -> None:
+        (self.root / "next.tmp").write_text(json.dumps(jobs))
+        os.replace(self.root / "next.tmp", self.root / "next.json")
+        out, _ = self.proc.communicate(timeout=300)
+        assert self.proc.returncode == 0, out[-6000:]
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory):
+    """megatron-core's saves, logits and training; the conversions of them; its reloads of what Ternion writes."""
+    from convert_megatron import main
+    if importlib.util.find_spec("megatron") is None:
+        pytest.fail("megatron-core is not importable; these tests check the conversions against it. Install the dev "
+                    "extras: `make deps` (or pip install -e '.[dev]', which pins megatron-core==0.16.1)", pytrace=False)
+    root = tmp_path_factory.mktemp("megatron")
+    corpus = write_corpus(str(root / "corpus"))
+    jobs = [{"op": "save", "shape": shape, "tp": tp, "format": fmt, "iteration": it, "dir": str(root / name),
+             "logits": str(root / f"{name}.logits"), "seed": tp, "consumed": 4 * it} for name, (shape, tp, fmt, it)
+            in SAVES.items()]
+    jobs += [{"op": "save", "shape": "moe", "tp": 1, "ep": 2, "dir": str(root / "moe"), "iteration": 4,
+              "experts": str(root / "moe.experts")},
+             {"op": "train", "shape": "llama", "tp": 2, "iters": 15, "save_at": 5, "data": corpus,
+              "losses": str(root / "train.losses"),
+              "saves": {"fully_reshardable": str(root / "train-full"), "dp_reshardable": str(root / "train-dp")}}]
+    oracle = Oracle(root, jobs)
+    for name in list(SAVES) + ["moe", "train-full", "train-dp"]:
+        assert main(["--load", str(root / name), "--out", str(root / f"{name}.ternion")]) == 0
+    back = {"llama-tp1": 1, "gpt-tp2": 1, "llama-tp2": 2}
+    for name, tp in back.items():
+        assert main(["--to-megatron", "--load", str(root / f"{name}.ternion"), "--out", str(root / f"{name}.back"),
+                     "--target-tp", str(tp), "--target-pp", "1"]) == 0
+    assert main(["--to-megatron", "--load", str(root / "moe.ternion"), "--out", str(root / "moe.back")]) == 0
+    oracle.then([{"op": "load", "shape": SAVES[name][0], "tp": tp, "dir": str(root / f"{name}.back"),
+                  "logits": str(root / f"{name}.back.logits")} for name, tp in back.items()]
+                + [{"op": "load", "shape": "moe", "tp": 1, "ep": 2, "dir": str(root / "moe.back"),
+                    "experts": str(root / "moe.back.experts")}])
+    return root
+
+
+def converted_config(root, name: str) -> Config:
+    return parse_config(["--config", str(root / f"{name}.ternion" / "model.yaml"), "--mock-data"])
+
+
+def ternion_logits(root, name: str) -> torch.Tensor:
+    cfg, ctx = converted_config(root, name), ParallelContext.virtual()
+    model = build_model_chunks(cfg, ctx)[0]
+    load_checkpoint(str(root / f"{name}.ternion"), [model], None, ctx, model_cfg=cfg.model)
+    with torch.no_grad():
+        return model.eval()(tokens=tokens())[..., :VOCAB]
+
+
+@pytest.mark.parametrize("name", list(SAVES))
+def test_converted_logits_equal_megatron_core_at_tp1(megatron, name):
+    want = torch.load(megatron / f"{name}.logits")
+    assert (ternion_logits(megatron, name) - want).abs().max().item() < TOL
+    reader = CheckpointReader(str(megatron / f"{name}.ternion" / f"iter_{SAVES[name][3]:07d}"))
+    assert reader.iteration == SAVES[name][3] and reader.meta.extra_state["consumed_samples"] == 4 * SAVES[name][3]
+
+
+def _tp2_pp2(rank, world, cases):
+    import torch.distributed as dist
+    errors = []
+    for cfg_dict, ckpt, want in cases:
+        cfg = Config.from_dict(cfg_dict)
+        ctx = build_context(world, rank, 2, 2)
+        model = build_model_chunks(cfg, ctx)[0].eval()
+        load_checkpoint(ckpt, [model], None, ctx, model_cfg=cfg.model)
+        with torch.no_grad():
+            if ctx.is_first_stage:
+                dist.send(model(tokens=tokens()).contiguous(), ctx.pp_ranks[1])
+            else:
+                hidden = torch.empty(SEQ, 2, cfg.model.hidden_size)
+                dist.recv(hidden, ctx.pp_ranks[0])
+                part = model(hidden=hidden).contiguous()
+                parts = [torch.empty_like(part) for _ in range(2)]
+                dist.all_gather(parts, part, group=ctx.tp_group)
+                errors.append((torch.cat(parts, -1)[..., :VOCAB] - want).abs().max().item())
+        ctx.destroy()
+    return errors
+
+
+def test_converted_logits_equal_megatron_core_at_tp2_pp2(megatron):
+    cases = [(converted_config(megatron, name).to_dict(), str(megatron / f"{name}.ternion"),
+              torch.load(megatron / f"{name}.logits")) for name in SAVES]
+    errors = [e for rank_errors in run_ranks(_tp2_pp2, 4, cases) for e in rank_errors]
+    assert len(errors) == 2 * len(SAVES) and max(errors) < TOL, errors
+
+
+@pytest.mark.parametrize("name,tp", [("llama-tp1", 1), ("gpt-tp2", 1), ("llama-tp2", 2)])
+def test_megatron_core_reloads_the_export_with_the_same_logits(megatron, name, tp):
+    got = torch.load(megatron / f"{name}.back.logits", weights_only=False)
+    assert (got["logits"] - torch.load(megatron / f"{name}.logits")).abs().max().item() < TOL
+    assert got["iteration"] == SAVES[name][3] and got["args"]["consumed_train_samples"] == 4 * SAVES[name][3]
+    assert got["args"]["tensor_model_parallel_size"] == tp and got["args"]["padded_vocab_size"] == 256
+
+
+def _experts(prefix) -> dict:
+    """Global expert id -> (fc1 [h, F1], fc2 [F, h]) from each ep rank's grouped weights."""
+    out = {}
+    for rank in range(2):
+        d = torch.load(f"{prefix}.{rank}")
+        w1, w2 = d["weight1"].view(2, 64, -1), d["weight2"].view(2, -1, 64)  # GroupedMLP's own views
+        out.update({d["rank"] * 2 + j: (w1[j], w2[j]) for j in range(2)})
+    return out
+
+
+def test_grouped_experts_over_ep2_convert_in_their_global_order(megatron, tmp_path):
+    reader = CheckpointReader(str(megatron / "moe.ternion" / "iter_0000004"))
+    fc1, fc2 = reader.full("layers.0.mlp.experts.fc1"), reader.full("layers.0.mlp.experts.fc2")
+    saved, reloaded = _experts(megatron / "moe.experts"), _experts(megatron / "moe.back.experts")
+    assert sorted(saved) == [0, 1, 2, 3] and not torch.equal(saved[0][0], saved[1][0])
+    for e, (w1, w2) in saved.items():
+        assert torch.equal(fc1[e], w1) and torch.equal(fc2[e], w2)
+        assert torch.equal(reloaded[e][0], w1) and torch.equal(reloaded[e][1], w2)
+    from convert_megatron import main
+    assert main(["--load", str(megatron / "moe.back"), "--out", str(tmp_path / "again")]) == 0  # our own export, in
+    again = CheckpointReader(str(tmp_path / "again" / "iter_0000004"))
+    assert set(again.tensors) == set(reader.tensors)
+    assert all(torch.equal(again.full(name), reader.full(name)) for name in reader.tensors)
+
+
+def test_both_optimizer_layouts_carry_the_same_moments_and_masters(megatron):
+    full, buckets = (CheckpointReader(str(megatron / f"{n}.ternion" / "iter_0000005")) for n in ("train-full",
+                                                                                                   "train-dp"))
+    assert full.meta.optimizer.step == buckets.meta.optimizer.step == 5
+    assert set(full.meta.optimizer_tensors) == set(buckets.meta.optimizer_tensors) == set(full.tensors)
+    for name, entry in full.meta.optimizer_tensors.items():
+        shape = tuple(entry.shape)
+        assert entry.keys == ["exp_avg", "exp_avg_sq", "master"]
+        for key in entry.keys:
+            a, b = (r.optimizer_slice(name, key, shape, 1, 0) for r in (full, buckets))
+            assert torch.equal(a, b), (name, key)
+        assert torch.equal(full.optimizer_slice(name, "master", shape, 1, 0), full.full(name))  # fp32: master = weight
+        assert full.optimizer_slice(name, "exp_avg_sq", shape, 1, 0).abs().max() > 0
+
+
+_NO_MEGATRON = ("import runpy, sys; sys.modules['megatron'] = None; sys.argv = sys.argv[1:]; "
+                "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def test_pretrain_gpt_resumes_the_megatron_run_and_continues_its_losses(megatron):
+    """--load the Megatron save itself, in a process where `import megatron` fails."""
+    run, want = megatron / "run", torch.load(megatron / "train.losses")
+    schedule = ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "15", "--lr", "1e-3",
+                "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--weight-decay", "0.01",
+                "--clip-grad", "1.0", "--seed", "1234", "--data-path", str(megatron / "corpus"), "--split", "100,0,0"]
+    out = subprocess.run([sys.executable, "-c", _NO_MEGATRON, "launch/pretrain_gpt.py", *LLAMA_FLAGS, *schedule,
+                          "--use-distributed-optimizer", "--load", str(megatron / "train-dp"), "--save", str(run),
+                          "--log-interval", "100"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"note: --load {megatron / 'train-dp'} is a Megatron-LM torch_dist checkpoint (iteration 5)" in out.stdout
+    assert "resumed from" in out.stdout and "at iteration 5 (20 samples consumed)" in out.stdout
+    records = [r for r in map(json.loads, open(run / "metrics.jsonl")) if "lm_loss" in r and "split" not in r]
+    assert [r["iteration"] for r in records] == list(range(6, 16))
+    assert want["consumed"] == 20 and [r["consumed_samples"] for r in records] == list(range(24, 64, 4))
+    errors = [abs(r["lm_loss"] - want["losses"][r["iteration"] - 1]) for r in records]
+    assert max(errors) < TOL, errors
+
+
+def _edit_args(folder, **changes) -> None:
+    """Change saved arguments (read as the converter reads them: Megatron's enums become stand-ins, written back as
+    their values, so this process need not import Megatron)."""
+    from engine.checkpoint.megatron.pickled import Opaque, load_file
+    path = os.path.join(folder, "common.pt")
+    common = load_file(path, "test")
+    plain = {k: v.value if isinstance(v, Opaque) else v for k, v in vars(common["args"]).items()}
+    common["args"] = argparse.Namespace(**(plain | changes))
+    torch.save(common, path)
+
+
+def _truncate(path) -> None:
+    with open(path, "r+b") as fh:
+        fh.truncate(os.path.getsize(path) // 2)
+
+
+BAD = {  # name: (what to break in a copy of the llama saves, the words the line must hold)
+    "missing-shard": (lambda d: os.remove(d / "iter_0000007" / "__0_1.distcp"), "__0_1.distcp is missing"),
+    "truncated-shard": (lambda d: _truncate(d / "iter_0000007" / "__0_0.distcp"), "__0_0.distcp is truncated"),
+    "fp8": (lambda d: _edit_args(d / "iter_0000007", fp8="hybrid"), "fp8='hybrid'"),
+    "mla": (lambda d: _edit_args(d / "iter_0000007", multi_latent_attention=True), "multi-latent attention"),
+    "missing-mp-rank": (lambda d: shutil.rmtree(d / "iter_0000003" / "mp_rank_01"), "mp_rank_01/ is missing"),
+    "no-checkpoint": (lambda d: shutil.rmtree(d / "iter_0000007"), "not a Megatron-LM checkpoint"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_line_exit_2_and_nothing_written(megatron, tmp_path, capsys, case):
+    from convert_megatron import main
+    source = tmp_path / "save"
+    shutil.copytree(megatron / ("llama-legacy-tp2" if case == "missing-mp-rank" else "llama-tp1"), source)
+    BAD[case][0](source)
+    capsys.readouterr()
+    assert main(["--load", str(source), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and BAD[case][1] in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_taken_out_and_impossible_targets_are_one_line(megatron, tmp_path, capsys):
+    from convert_megatron import main
+    taken = megatron / "llama-tp1.ternion"
+    before = sorted(os.listdir(taken))
+    for argv, words in ((["--load", str(megatron / "llama-tp1"), "--out", str(taken)], "already holds a checkpoint"),
+                        (["--to-megatron", "--load", str(taken), "--out", str(tmp_path / "x"), "--target-tp", "3",
+                          "--target-pp", "1"], "--target-tp 3"),
+                        (["--load", str(megatron / "llama-tp1"), "--out", str(tmp_path / "y"), "--target-tp", "2"],
+                         "only with --to-megatron")):
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err
+    assert sorted(os.listdir(taken)) == before and not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_the_launcher_finds_a_megatron_save_by_its_files_and_converts_it_once(megatron, tmp_path):
+    from engine.checkpoint import files
+    from engine.checkpoint.megatron import megatron_format
+    from engine.checkpoint.resume import resume_point
+    from engine.config import CheckpointConfig, ConfigError
+    assert megatron_format(str(megatron / "llama-tp1")) == "torch_dist"
+    assert megatron_format(str(megatron / "llama-tp1" / "iter_0000007")) == "torch_dist"
+    assert megatron_format(str(megatron / "gpt-legacy-tp1")) == "torch"
+    assert megatron_format(str(megatron / "llama-tp1.ternion")) is None and megatron_format(str(tmp_path)) is None
+    load, save = str(megatron / "llama-tp1"), str(tmp_path / "run")
+    first = resume_point(CheckpointConfig(load=load, save=save), files.read_latest)
+    assert first.directory == os.path.join(save, "megatron_import") and first.iteration is None
+    assert first.told[0].startswith(f"note: --load {load} is a Megatron-LM torch_dist checkpoint (iteration 7)")
+    again = resume_point(CheckpointConfig(load=load, save=save), files.read_latest)
+    assert again.directory == first.directory and "converted earlier" in again.told[0]
+    with pytest.raises(ConfigError, match="holds a Megatron-LM checkpoint; give this run a --save of its own"):
+        resume_point(CheckpointConfig(load=load, save=load), files.read_latest)
+
+
+@pytest.mark.slow
+def test_both_directions_stream_tensor_by_tensor(tmp_path, monkeypatch):
+    """A ~270 MB Llama-shaped checkpoint (from a safetensors folder written here, through tools/convert_hf.py) goes
+    out to torch_dist and back, each direction in a fresh process: its peak RSS growth, sampled every
+    millisecond, stays within a few copies of the largest tensor (the model is eight times that). glibc is told to
+    give freed blocks back (its mmap and trim thresholds), so the figure is what the process holds, not what
+    the allocator keeps cached: left to itself, glibc keeps freed pieces around, by chance up to 4x more."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    from convert_hf import main as convert_hf
+
+    from engine.checkpoint import files
+    from harness import peak_rss_growth
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    h, ffn, layers, vocab = 1024, 2816, 4, 8000
+    (hf / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": vocab, "hidden_size": h, "intermediate_size": ffn,
+        "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 64,
+        "tie_word_embeddings": False}))
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        shapes |= {f"{p}self_attn.{n}_proj.weight": (h, h) for n in "qkvo"}
+        shapes |= {f"{p}mlp.{n}_proj.weight": (ffn, h) for n in ("gate", "up")} | {p + "mlp.down_proj.weight": (h, ffn)}
+    files.write_safetensors(str(hf / "model.safetensors"), [(n, torch.float32, s) for n, s in shapes.items()],
+                            ((n, torch.randn(s) * 0.02) for n, s in shapes.items()))
+    assert convert_hf(["--hf", str(hf), "--out", str(tmp_path / "ternion"), "--seq-length", "64"]) == 0
+    shutil.rmtree(hf)
+    total = sum(torch.Size(s).numel() * 4 for s in shapes.values())
+    largest = 8064 * h * 4  # the output layer, its vocabulary padded to 63 x 128 rows
+    paths = [ROOT, os.path.join(ROOT, "tools")]
+    out_code, out_peak, err = peak_rss_growth("convert_megatron", ["--to-megatron", "--load", str(tmp_path / "ternion"),
+                                                                   "--out", str(tmp_path / "megatron")], paths)
+    assert out_code == 0, err
+    in_code, in_peak, err = peak_rss_growth("convert_megatron", ["--load", str(tmp_path / "megatron"), "--out",
+                                                                 str(tmp_path / "back")], paths)
+    assert in_code == 0, err
+    print(f"model {total / 2**20:.0f} MB, largest tensor {largest / 2**20:.1f} MB, peak RSS growth: out "
+          f"{out_peak / 2**20:.1f} MB, in {in_peak / 2**20:.1f} MB")
+    assert total > 8 * largest and max(out_peak, in_peak) < 3.5 * largest, (out_peak, in_peak)
+    back = CheckpointReader(str(tmp_path / "back" / "iter_0000000"))
+    first = CheckpointReader(str(tmp_path / "ternion" / "iter_0000000"))
+    for name in ("output", "layers.3.mlp.fc1.weight", "layers.0.attention.qkv.weight"):
+        assert torch.equal(back.full(name), first.full(name))
