@@ -34,7 +34,7 @@ def _signature(fn, dtype, constexprs):
             sig[name] = "constexpr"
         elif name == "TARGET":
             sig[name] = "*i64"
-        elif name == "VISITS":
+        elif name in ("VISITS", "DOCS"):  # block counter; documents' first and last positions
             sig[name] = "*i32"
         elif name in FP32_POINTERS:
             sig[name] = "*fp32"
@@ -82,9 +82,10 @@ def compile_all():
         fwd, dkdv, dq = flash_triton._configs(d, torch.bfloat16, True)
         for kernel, (bm, bn, warps, stages) in ((flash_triton._attn_fwd, fwd), (flash_triton._attn_bwd_dkdv, dkdv),
                                                 (flash_triton._attn_bwd_dq, dq)):
-            for windowed in (False, True):  # causal, and causal with a sliding window
-                _compile(kernel, dt, dict(CAUSAL=True, WINDOWED=windowed, COUNT=False, D=d, BLOCK_M=bm, BLOCK_N=bn,
-                                          BLOCK_D=d, PRECISION="tf32"), warps, stages)
+            for windowed, documents in ((False, False), (True, False), (False, True), (True, True)):
+                # causal; with a sliding window; with packed documents; with both
+                _compile(kernel, dt, dict(CAUSAL=True, WINDOWED=windowed, DOCUMENTS=documents, COUNT=False, D=d,
+                                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, PRECISION="tf32"), warps, stages)
         _compile(flash_triton._attn_bwd_delta, dt, dict(D=d, BLOCK_M=flash_triton.DELTA_BLOCK, BLOCK_D=d), 4, 3)
 
 
