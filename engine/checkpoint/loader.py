@@ -195,6 +195,7 @@ def _load(reader: CheckpointReader, tensors: list, optimizer, ranges: dict, ctx)
     if optimizer is not None:
         if ranges and reader.optimizer is not None:
             optimizer.load_state_dict({"step": reader.optimizer.step, "scaler": reader.optimizer.scaler,
+                                       "optimizer": reader.optimizer.name,
                                        "params": _LazyOptimizerState(reader, tensors, ranges, ctx)})
         else:
             optimizer.reload_model_params()

@@ -25,6 +25,7 @@ counts it; `flops` the Newton-Schulz work it does.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -106,8 +107,8 @@ class MuonPlan:
         spec, split, steps = spec_of(p), self.settings.split_qkv, len(self.settings.coefficients)
         whole = self.settings.whole_over_tp and spec.tp_axis is not None and self.tp > 1
         if spec.matrix == "experts":
-            shape = tuple(p.shape[1:])
-            spans = [(e * p[0].numel(), (e + 1) * p[0].numel()) for e in range(p.shape[0])]
+            shape = tuple(p.shape[1:])  # (ZeRO-3 weights have no storage here: shapes only)
+            spans = [(e * math.prod(shape), (e + 1) * math.prod(shape)) for e in range(p.shape[0])]
         else:
             shape, spans = tuple(p.shape), [(0, p.numel())]
         flops = sum(newton_schulz_flops(o, i, steps)
