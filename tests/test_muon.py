@@ -255,3 +255,103 @@ def test_a_checkpoints_optimizer_type_is_checked_on_load(tmp_path):
                                           "load it with --no-load-optim"):
         load_checkpoint(str(tmp_path), [model], opt, ctx)
     assert load_checkpoint(str(tmp_path), [model], opt, ctx, load_optim=False)["iteration"] == 1
+
+
+SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+         "--swiglu", "--vocab-size", "300", "--seq-length", "32", "--mock-data", "--bf16", "--optimizer", "muon"]
+MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2"]
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads_params"])
+@pytest.mark.parametrize("extra", [[], MOE], ids=["dense", "moe"])
+def test_planner_state_bytes_equal_the_engines_under_muon(strategy, extra):
+    """One fp32 momentum per element of the matrices Muon takes, Adam's two moments for the rest, fp32 masters:
+    engine/planner/sharding.py's bytes of dp rank 0 equal Optimizer.memory_bytes() exactly, and the ZeRO
+    formula (memory.state_bytes) stays within the shard padding."""
+    from engine.cli import parse_config
+    from engine.optim import adamw
+    from engine.pipeline.partition import build_model_chunks
+    from engine.planner.memory import state_bytes
+    from engine.planner.params import param_split_per_rank
+    from engine.planner.sharding import rank_state_bytes
+    cfg = parse_config(SMALL + extra)
+    layouts = [Layout(2, 2, 2, sequence_parallel=True, sharding_strategy=strategy),
+               Layout(1, 1, 4, ep=2 if extra else 1, sharding_strategy=strategy)]
+    for layout in layouts:
+        for r in range(layout.pp):
+            ctx = ParallelContext.virtual(layout=layout, pp_rank=r)
+            cfg.parallel.data_parallel_sharding_strategy = layout.sharding_strategy
+            chunks = build_model_chunks(cfg, ctx, vocab_size=cfg.model.vocab_size, device="meta", dtype=torch.bfloat16)
+            opt = build_optimizer(cfg, chunks, ctx, bucket_numel=5000)
+            held = opt.memory_bytes()
+            steps = sum(t.numel() * t.element_size() for t in adamw.state_tensors(opt.adam) if t.dim() == 0)
+            frozen = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters() if not p.requires_grad)
+            engine = (held["params"] + frozen, held["grads"], held["optimizer"] - steps)
+            assert rank_state_bytes(cfg.model, layout, "bf16", r, 5000, optimizer="muon") == engine, (layout, r)
+            dense, experts, _ = param_split_per_rank(cfg.model, layout)[r]
+            muon = param_split_per_rank(cfg.model, layout, muon=True)[r][:2]
+            formula = state_bytes(dense, layout, "bf16", experts, muon=muon)[2]
+            assert abs(formula - engine[2]) <= 12 * 64 * layout.dp * 8, (layout, r, formula, engine[2])
+            adam = state_bytes(dense, layout, "bf16", experts)[2]
+            assert formula < adam  # Muon's state is smaller than Adam's
+
+
+@pytest.mark.parametrize("layout, mode", [
+    (Layout(2, 1, 2, sequence_parallel=True, sharding_strategy="optim"), "duplicated"),
+    (Layout(2, 1, 2, sequence_parallel=True, sharding_strategy="optim_grads_params"), "distributed"),
+    (Layout(2, 1, 2, sequence_parallel=True), "blockwise"),
+    (Layout(1, 2, 4, sharding_strategy="optim"), "duplicated"),
+    (Layout(1, 1, 4, ep=2, sharding_strategy="optim"), "duplicated"),
+], ids=["tp2-dp2-zero1-duplicated", "tp2-dp2-zero3-distributed", "tp2-dp2-blockwise", "pp2-dp4-zero1", "ep2-dp4"])
+def test_planner_prices_the_newton_schulz_work_and_bytes_the_engine_plans(layout, mode):
+    """engine/planner/muon_step.py against the engine's plans on every rank of pipeline rank 0: the FLOPs are the
+    ranks' mean exactly (each matrix orthogonalised by one owner, or by every tp rank under duplicated), the bytes
+    their mean within 10% (buckets of 3000 elements cut the weights into parts of similar size; the experts, one
+    matrix per expert, lie within one replica's slice each: the engine moves fewer bytes than the estimate)."""
+    from engine.cli import parse_config
+    from engine.pipeline.partition import build_model_chunks
+    from engine.planner.muon_step import muon_cost
+    extra = MOE if layout.ep > 1 else []
+    cfg = parse_config(SMALL + extra + ["--muon-tp-mode", mode])
+    cfg.parallel.data_parallel_sharding_strategy = layout.sharding_strategy
+    flops, sent = [], []
+    for t in range(layout.tp):
+        for d in range(layout.dp):
+            ctx = ParallelContext.virtual(layout=layout, tp_rank=t, dp_rank=d)
+            chunks = build_model_chunks(cfg, ctx, vocab_size=cfg.model.vocab_size, device="meta", dtype=torch.bfloat16)
+            muon = build_optimizer(cfg, chunks, ctx, bucket_numel=3000).muon
+            flops.append(muon.flops())
+            sent.append(muon.bytes_sent())
+    cost = muon_cost(cfg.model, layout, 0, MuonSettings.of(cfg.optim))
+    assert cost.flops == pytest.approx(sum(flops) / len(flops), rel=1e-12), (cost, flops)
+    planned, mean = cost.dp_bytes + cost.tp_bytes, sum(sent) / len(sent)
+    assert abs(planned - mean) <= 0.1 * planned and mean <= planned + cost.edp_bytes, (cost, sent)
+
+
+def test_post_validation_undoes_and_redoes_a_muon_step_exactly():
+    """Zero-bubble schedules step before the gradient norm is known (engine/optim/post_validation.py): a Muon
+    step that clipping should have scaled is undone from the copies (momentum among them) and redone; the
+    weights and momenta then equal the synchronous path's, step after step."""
+    from engine.optim.post_validation import PostValidator
+    cfg = _cfg(clip_grad=0.3)
+    ctx = ParallelContext.virtual(layout=Layout.from_config(cfg, 1))
+    models = [GPTModel(cfg.model, ctx, seed=cfg.training.seed, vocab_size=VOCAB) for _ in range(2)]
+    opts = [build_optimizer(cfg, [m], ctx) for m in models]
+    validator, redone = PostValidator(opts[1], ctx), 0
+    for step in range(4):
+        for model, opt in zip(models, opts):
+            opt.start_step(1)
+            tokens, labels = _batches(step)[0]
+            model(tokens, labels=labels).mean().backward()
+            opt.finish_grad_sync()
+        lr = lr_at(step + 2, cfg.optim, STEPS)
+        synchronous = opts[0].step(lr)
+        validator.speculate(lr, [1.0])
+        settled = validator.settle()
+        redone += settled.rerun
+        assert settled.result.grad_norm == pytest.approx(synchronous.grad_norm, rel=1e-6)
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for a, b in zip(opts[0].muon.momenta, opts[1].muon.momenta):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert redone >= 2, redone  # clipping hit, so steps were undone and redone

@@ -9,9 +9,10 @@ made once from shapes and the bucket layout alone, so every rank computes the sa
 - units: each weight marked as a hidden matrix (ParamSpec.matrix) is one unit, a routed expert stack one unit
   per expert (engine/optim/newton_schulz.py says which matrices a unit holds);
 - ownership: under the distributed optimizer each unit is owned by one replica, which orthogonalises it;
-  units are dealt largest first (by Newton-Schulz FLOPs) to the least loaded replica, ties going to the
-  replica already holding most of the unit (fewer bytes to move). Without sharding every replica holds every
-  element and orthogonalises everything itself, as it updates everything;
+  units are dealt largest first (by Newton-Schulz FLOPs), each to the replica already holding most of it
+  (fewer bytes to move) among those that leave the busiest replica no busier than the least loaded one would
+  (`deal`). Without sharding every replica holds every element and orthogonalises everything itself, as it
+  updates everything;
 - tensor parallelism (`--muon-tp-mode`): blockwise orthogonalises each tp shard as it is (the update depends
   on tp); duplicated all-gathers the unit's shards over tp and every tp rank orthogonalises the whole matrix
   and keeps its slice; distributed deals whole matrices to tp ranks (in the same balancing) and the owner
@@ -72,17 +73,21 @@ def _size(piece) -> int:
 
 
 def deal(units: list, replicas: int, tp: int, spread: bool) -> None:
-    """Set each unit's owners: largest first (FLOPs) to the least loaded (replica, tp rank), ties to the replica
-    holding most of it, then the lowest. Loads count per tp rank: a unit every tp rank orthogonalises loads all."""
+    """Set each unit's owners, largest first (FLOPs): among the (replica, tp rank) choices that leave the busiest
+    no busier than the least loaded choice would (or than it already is), the replica holding most of the unit
+    (fewest bytes to move), then the least loaded, then the lowest. Loads count per tp rank: a unit that every tp
+    rank orthogonalises loads all of them."""
     load = [[0] * tp for _ in range(replicas)]
     for u in sorted(units, key=lambda u: -u.flops):  # stable: equal units keep the buffer's order
         ranks = range(tp) if spread and u.whole else [None]
+        choices = [(d, t) for d in range(replicas) for t in ranks]
 
-        def cost(dt):
+        def after(dt):
             d, t = dt
-            busy = load[d][t] if t is not None else max(load[d])
-            return busy, -_size(u.pieces[d]) if u.pieces else 0, d, t or 0
-        d, t = min(((d, t) for d in range(replicas) for t in ranks), key=cost)
+            return (load[d][t] if t is not None else max(load[d])) + u.flops
+        bound = max(min(after(dt) for dt in choices), max(max(row) for row in load))
+        d, t = min((dt for dt in choices if after(dt) <= bound),
+                   key=lambda dt: (-_size(u.pieces[dt[0]]) if u.pieces else 0, after(dt), dt[0], dt[1] or 0))
         for k in ([t] if t is not None else range(tp)):
             load[d][k] += u.flops
         u.dp_owner, u.tp_owner = (d if u.pieces else None), t
