@@ -237,6 +237,25 @@ def test_every_parameter_is_taken_by_muon_or_listed_with_its_reason():
     assert lines[2] == "  1-D: layers.*.norm1.weight [32] x2, layers.*.norm2.weight [32] x2, final_norm.weight [32]"
 
 
+def test_the_banner_and_the_log_line_name_the_optimizer():
+    from engine.metrics import format_log_line
+    from engine.report import optimizer_lines
+    cfg = _cfg(muon_tp_mode="blockwise")
+    ctx = ParallelContext.virtual(tp=2, sequence_parallel=True)
+    chunks = [GPTModel(cfg.model, ctx, device="meta", vocab_size=VOCAB)]
+    lines = optimizer_lines(cfg, ctx, chunks)
+    assert lines[0].startswith("optimizer: muon on the 8 weights") and "output [96, 32]" in lines[1]
+    assert lines[-1].startswith("  --muon-tp-mode blockwise: each of the 2 tp ranks orthogonalises its own shard")
+    cfg.optim.muon_tp_mode = "duplicated"
+    assert "blockwise" not in "\n".join(optimizer_lines(cfg, ctx, chunks))
+    cfg.optim.optimizer = "adam"
+    assert optimizer_lines(cfg, ctx, chunks) == ["optimizer: adam (AdamW: betas (0.9, 0.999), eps 1e-08, decoupled "
+                                                 "weight decay 0.1 on the 2-D parameters)"]
+    line = format_log_line({"iteration": 3, "lm_loss": 2.0, "lr": 1e-3, "optimizer": "muon"})
+    assert "| optimizer: muon | learning rate: 1.000000E-03 |" in line
+    assert "optimizer" not in format_log_line({"iteration": 3, "lm_loss": 2.0, "lr": 1e-3})
+
+
 def _save_adam(tmp_path):
     cfg = _cfg(optimizer="adam")
     ctx = ParallelContext.virtual(layout=Layout.from_config(cfg, 1))
