@@ -1,6 +1,6 @@
 """Muon against AdamW on the demo corpus: does a tiny Llama reach AdamW's 300-step loss in fewer steps?
 
-    python -m benchmarks.muon_demo [--iters 300] [--out benchmarks/results/muon_demo] [--plot docs/muon_vs_adamw.png]
+    python -m benchmarks.muon_demo [--iters 300] [--out .cache/muon_demo] [--plot docs/muon_vs_adamw.png]
 
 The corpus is `make demo`'s (the Python standard library's sources, a 2048-piece SentencePiece tokenizer; built
 once into .cache/demo). The model is configs/gpt-tiny.yaml's Llama shape (4 layers, hidden 64, 4 heads in 2
@@ -14,13 +14,15 @@ of its grid, and its best (lowest mean training loss over the last 20 steps) is 
   scalable"), so that one --lr also serves the embedding and norms, which AdamW trains under Muon.
 The target is the tuned AdamW's loss at the last step (mean of its last 20 steps); the answer is the first step
 at which the tuned Muon's 20-step mean reaches it (or that it does not). Held-out loss at the end is reported
-beside it. Results: a JSON file, the table printed, and the curves drawn for the README.
+beside it. Results: the table printed, every run's metrics file in --out, the runs' final losses and the answer
+in benchmarks/results/muon_demo.json, and the curves drawn for the README (--plot).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -46,7 +48,9 @@ def train(optimizer: str, lr: float, iters: int, data: tuple, out: str) -> dict:
            "--lr", str(lr), "--min-lr", str(lr / 10), "--lr-warmup-iters", "10", "--lr-decay-iters", str(iters),
            "--eval-interval", str(iters), "--eval-iters", "16", "--log-interval", str(iters // 6),
            "--metrics-file", metrics, *FLAGS[optimizer]]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # A port of its own: a one-process launch otherwise listens on the launcher's default, which a test or
+    # another run on this machine may hold.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(_free_port()))
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"muon_demo: {optimizer} at lr {lr:g} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
@@ -59,6 +63,12 @@ def train(optimizer: str, lr: float, iters: int, data: tuple, out: str) -> dict:
                 losses[record["iteration"]] = record["lm_loss"]
     curve = [losses[i] for i in sorted(losses)]
     return {"optimizer": optimizer, "lr": lr, "curve": curve, "valid": valid, "final": smooth(curve)[-1]}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def smooth(curve: list) -> list:
@@ -103,7 +113,7 @@ def plot(runs: list, result: dict, path: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=300)
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "muon_demo"))
+    ap.add_argument("--out", default=os.path.join(ROOT, ".cache", "muon_demo"))
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "muon_vs_adamw.png"))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -116,8 +126,9 @@ def main(argv=None) -> int:
             print(f"{optimizer:5s} lr {lr:<7g} final {WINDOW}-step mean {r['final']:.4f}  held-out {r['valid']:.4f}",
                   flush=True)
     result = compare(runs)
-    with open(os.path.join(args.out, "result.json"), "w") as fh:
-        json.dump({"result": result, "runs": runs}, fh, indent=1)
+    with open(os.path.join(ROOT, "benchmarks", "results", "muon_demo.json"), "w") as fh:
+        json.dump({"result": result, "runs": [{k: r[k] for k in ("optimizer", "lr", "final", "valid")} for r in runs]},
+                  fh, indent=1)
     plot(runs, result, args.plot)
     b, steps = result["best"], result["muon_steps_to_target"]
     print(f"tuned: AdamW lr {b['adam']['lr']:g} -> {b['adam']['final']:.4f} (held-out {b['adam']['valid']:.4f}); "

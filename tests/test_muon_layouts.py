@@ -147,13 +147,14 @@ def test_both_tp_modes_at_tp2_follow_one_rank(references):
     assert not problems, "\n".join(problems)
 
 
-# About 3 minutes of 4-rank steps on two cores: `make test` runs them, `make test-fast` leaves them out.
+# About 1.5-3 minutes of 4-rank steps on two cores: `make test` runs them, `make test-fast` leaves them out.
 @pytest.mark.slow
 def test_tp4_dp4_zero3_pipeline_cp_and_experts_follow_one_rank(references):
     problems = _check(4, references)
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.slow
 def test_blockwise_differs_from_one_rank(references):
     """--muon-tp-mode blockwise (Megatron-LM's default) orthogonalises each tp shard: another update at tp 2."""
     run = run_ranks(_train, 2, _cfg(tp=2, mode="blockwise"), timeout=300)[0]
@@ -165,6 +166,7 @@ def _leg(rank, world, cfg, load, save, start, stop):
     return _train(rank, world, cfg, load, save, range(start, stop))["curve"]
 
 
+@pytest.mark.slow  # three spawned legs (4, 4 and 1 ranks)
 def test_resume_zero3_dp4_to_tp2_dp2_to_one_rank_continues_the_curve(references, tmp_path):
     """The momentum moves between layouts through the checkpoint (resharded like Adam's moments)."""
     a, b = str(tmp_path / "zero3-dp4"), str(tmp_path / "tp2-dp2")
