@@ -374,3 +374,26 @@ def test_post_validation_undoes_and_redoes_a_muon_step_exactly():
         for a, b in zip(opts[0].muon.momenta, opts[1].muon.momenta):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert redone >= 2, redone  # clipping hit, so steps were undone and redone
+
+
+def test_bf16_weights_train_from_fp32_masters_and_momenta():
+    """Mixed precision: Muon updates the fp32 masters (its momentum fp32 too) and the bf16 weights are their
+    rounding, as under AdamW."""
+    cfg = _cfg(muon_fp32_matmul_prec="medium")
+    ctx = ParallelContext.virtual(layout=Layout.from_config(cfg, 1))
+    model = GPTModel(cfg.model, ctx, seed=cfg.training.seed, vocab_size=VOCAB, dtype=torch.bfloat16)
+    opt = build_optimizer(cfg, [model], ctx)
+    losses = []
+    for step in range(8):
+        opt.start_step(MICRO)
+        for tokens, labels in _batches(step):
+            loss = model(tokens, labels=labels).float().mean()
+            (loss / MICRO).backward()
+            losses.append(loss.item())
+        opt.finish_grad_sync()
+        assert opt.step(lr_at(step + 2, cfg.optim, STEPS)).updated
+    assert sum(losses[-4:]) < sum(losses[:4]) - 1.0, losses
+    state = opt.state_dict()["params"]["layers.0.mlp.fc1.weight"]
+    assert state["momentum"].dtype == torch.float32 and state["master"].dtype == torch.float32
+    w = dict(model.named_parameters())["layers.0.mlp.fc1.weight"]
+    torch.testing.assert_close(w.detach().reshape(-1), state["master"].to(torch.bfloat16), rtol=0, atol=0)

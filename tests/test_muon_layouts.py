@@ -1,7 +1,8 @@
 """Issue 36, distributed: Muon trains a tiny Llama (GQA, SwiGLU, RMSNorm, RoPE; fp32, --muon-fp32-matmul-prec
 high) 20 steps exactly like one rank, within 1e-4, with the same clipped gradient norm, under tp 2 and 4 with
 sequence parallelism (--muon-tp-mode duplicated and distributed), dp 4 with the distributed optimizer, ZeRO-3 at
-dp 4 (and with tp 2), pp 2 x vpp 2, cp 2 and MoE experts over ep 2 (against one rank of the MoE model);
+dp 4 (and with tp 2), pp 2 x vpp 2, cp 2 (with ZeRO-2) and MoE experts over ep 2 (against one rank of the MoE
+model);
 blockwise at tp 2 differs, as it says. Each step's Muon bytes, counted by comm.counting(), equal what the plan
 states, and the Newton-Schulz work is spread over the owners. A run saved under ZeRO-3 at dp 4, resumed at tp 2
 x dp 2, then on one rank continues the one-rank curve within 1e-4. Each world size is one spawned group.
@@ -22,7 +23,7 @@ from engine.pipeline.runner import PipelineRunner
 from harness import run_ranks
 
 VOCAB, SEQ, MICROBATCHES, STEPS = 96, 16, 4, 20
-ZERO1, ZERO3 = "optim", "optim_grads_params"
+ZERO1, ZERO2, ZERO3 = "optim", "optim_grads", "optim_grads_params"
 
 
 def _cfg(tp=1, pp=1, cp=1, vpp=None, ep=1, strategy="no_shard", mode="duplicated", moe=False):
@@ -129,7 +130,7 @@ WORLDS = {
     2: [_cfg(tp=2), _cfg(tp=2, mode="distributed")],
     4: [_cfg(tp=4), _cfg(tp=4, mode="distributed"), _cfg(tp=2, strategy=ZERO1),
         _cfg(tp=2, strategy=ZERO3, mode="distributed"), _cfg(strategy=ZERO1), _cfg(strategy=ZERO3),
-        _cfg(pp=2, vpp=2, strategy=ZERO1), _cfg(cp=2, strategy=ZERO1), _cfg(ep=2, strategy=ZERO3, moe=True)],
+        _cfg(pp=2, vpp=2, strategy=ZERO1), _cfg(cp=2, strategy=ZERO2), _cfg(ep=2, strategy=ZERO3, moe=True)],
 }
 
 
