@@ -103,12 +103,6 @@ def _dataloader_type(value, _):
                           "drop the flag or use single")
 
 
-def _optimizer(value, _):
-    if value != "adam":
-        raise ConfigError(f"--optimizer {value}: Ternion trains with Adam with decoupled weight decay (Megatron-LM's "
-                          "adam) only; drop the flag or use adam")
-
-
 def _tensorboard_log_interval(value, _):
     if value != 1:
         return f"--tensorboard-log-interval {value}: TensorBoard gets every iteration here"
@@ -146,7 +140,6 @@ FLAGS = (
                                                         "layers / pp / N", _layers_per_virtual_stage, int),
     _meaning("--dataloader-type", "single (Megatron-LM's pretraining order) only", _dataloader_type, str,
              ("single", "cyclic", "external")),
-    _meaning("--optimizer", "adam (with decoupled weight decay) only", _optimizer, str),
     _meaning("--tensorboard-log-interval", "TensorBoard gets every iteration", _tensorboard_log_interval, int),
     # only choose among Megatron-LM's implementations
     Flag("--use-mcore-models", IMPLEMENTATION, "one model implementation"),

@@ -210,7 +210,8 @@ def format_log_line(record: dict) -> str:
 
     Besides the TRAIN_KEYS it reads the optional keys time (epoch seconds: the timestamp), train_iters,
     consumed_tokens, iter_time_s, tokens_per_sec_per_gpu, mem_peak_gb, skipped_iterations (those of the
-    interval; without it the line shows none) and eta_s (else the remaining iterations times iter_time_s).
+    interval; without it the line shows none), eta_s (else the remaining iterations times iter_time_s) and
+    optimizer (a Muon run's).
     """
     r = {k: _clean(v) for k, v in record.items()}
     have = lambda key: r.get(key) is not None  # noqa: E731
@@ -230,6 +231,8 @@ def format_log_line(record: dict) -> str:
         parts.append(f"tokens per second: {r['tokens_per_sec']:,.0f}{per_gpu}")
     if have("mfu"):
         parts.append(f"MFU: {_number(100 * r['mfu'])}%")
+    if have("optimizer"):  # a Muon run's (Adam's line is Megatron-LM's, which names none)
+        parts.append(f"optimizer: {r['optimizer']}")
     if have("lr"):
         parts.append(f"learning rate: {r['lr']:.6E}")
     parts.append(f"lm loss: {r['lm_loss']:.6E}" if have("lm_loss") else "lm loss: nan")
@@ -356,4 +359,6 @@ def train_record(o, guard, cfg, ctx, device, peak: float, seconds: float) -> dic
               "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped": guard.skipped,
               "spikes": guard.spikes, "rollbacks": guard.rollbacks,
               "mem_peak_gb": peak_memory_gb(torch.device(device))} | o.routing
+    if cfg.optim.optimizer != "adam":
+        record["optimizer"] = cfg.optim.optimizer
     return record | throughput(m, o.global_batch, seconds, ctx.world_size, ctx.tp_size, peak, o.pairs)

@@ -78,7 +78,8 @@ class Attention(nn.Module):
         # each rank whole groups, so the full tensor is the same for every tp.
         self.qkv = ColumnParallelLinear(cfg.hidden_size, self.groups * (per_group + 2) * self.head_dim, ctx,
                                         bias=bias or cfg.add_qkv_bias, std=cfg.init_method_std, device=device,
-                                        dtype=dtype)
+                                        dtype=dtype, row_blocks=(per_group * self.head_dim, self.head_dim,
+                                                                 self.head_dim))
         self.qk_norm = QKNorm(cfg, ctx, device, dtype) if cfg.qk_layernorm else None
         self.proj = RowParallelLinear(self.heads * self.head_dim, cfg.hidden_size, ctx, bias=bias, std=out_std,
                                       device=device, dtype=dtype)

@@ -15,6 +15,8 @@ from typing import Optional
 import torch
 
 from engine.metrics import arguments_path
+from engine.optim.muon import classify, summary
+from engine.optim.newton_schulz import MuonSettings
 from engine.parallel import comm
 from engine.parallel.layers import spec_of
 from engine.planner.memory import GIB, memory_per_gpu
@@ -40,7 +42,7 @@ def memory_estimate(cfg, ctx, global_batch: int, attention: str):
     microbatches = global_batch // (layout.micro_batch_size * layout.dp)
     return memory_per_gpu(m, layout, m.seq_length, microbatches, precision_name(cfg),
                           flash_attention=attention != "local", overlap_grad_reduce=par.overlap_grad_reduce,
-                          overlap_param_gather=par.overlap_param_gather)
+                          overlap_param_gather=par.overlap_param_gather, optimizer=cfg.optim.optimizer)
 
 
 def _size(nbytes: float) -> str:
@@ -79,6 +81,27 @@ def _documents_line(data) -> list:
     return [f"packed documents (ended by the end-of-document token): {' and '.join(what)}{count}"]
 
 
+def optimizer_lines(cfg, ctx, chunks) -> list:
+    """What trains which parameter: AdamW's settings, or what Muon takes (with its settings) and every parameter
+    the scalar optimizer takes, with why (engine.optim.muon.summary). Collective under Muon (the parameters of
+    every stage are gathered): every rank calls it."""
+    o = cfg.optim
+    if o.optimizer == "adam":
+        return [f"optimizer: adam (AdamW: betas ({o.adam_beta1}, {o.adam_beta2}), eps {o.adam_eps:g}, decoupled weight "
+                f"decay {o.weight_decay:g} on the 2-D parameters)"]
+    mine = [(name, spec_of(p).full_shape, classify(name, p)) for c in chunks for name, p in c.named_parameters()
+            if p.requires_grad and spec_of(p).copy_of is None]
+    named = {}
+    for part in comm.all_gather_object(mine):
+        named.update({name: (name, shape, why) for name, shape, why in part})
+    lines = summary(list(named.values()), MuonSettings.of(o))
+    if ctx.tp_size > 1 and o.muon_tp_mode == "blockwise":
+        lines.append(f"  --muon-tp-mode blockwise: each of the {ctx.tp_size} tp ranks orthogonalises its own shard of "
+                     "a tp-split matrix, so the updates (and the loss curve) depend on tp; duplicated or distributed "
+                     "orthogonalise whole matrices")
+    return lines
+
+
 def banner(cfg, ctx, chunks, device, layout: str) -> str:
     """Start-up summary (rank 0 prints it): layout, parameters per stage, batch arithmetic, memory, kernels.
 
@@ -105,6 +128,7 @@ def banner(cfg, ctx, chunks, device, layout: str) -> str:
              f"batch: micro {tr.micro_batch_size} x dp {ctx.dp_size} x accumulation {accum} = global "
              f"{gbs}{ramp}; {gbs * cfg.model.seq_length:,} tokens per iteration",
              _memory_line(mem, precision_name(cfg), torch.device(device).type == "cuda"),
+             *optimizer_lines(cfg, ctx, chunks),
              f"kernels: {json.dumps(kernels)}",
              *_documents_line(cfg.data),
              f"device: {device}" + (f", {torch.get_num_threads()} CPU threads per process"

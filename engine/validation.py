@@ -12,20 +12,10 @@ import importlib.util
 import os
 from typing import Optional
 
-from engine.config import (
-    CheckpointConfig,
-    Config,
-    ConfigError,
-    LoggingConfig,
-    ModelConfig,
-    OptimizerConfig,
-    ParallelConfig,
-    StabilityConfig,
-    TrainingConfig,
-    _err,
-    window_layer_pattern,
-    window_size_pair,
-)
+from engine.config import (CheckpointConfig, Config, ConfigError, LoggingConfig, ModelConfig, OptimizerConfig,
+                           ParallelConfig, StabilityConfig, TrainingConfig, _err, window_layer_pattern,
+                           window_size_pair)
+from engine.config.fields import MUON_COEFFICIENTS
 from engine.data.build import check_data, check_document_ends, data_prefixes, document_flags, end_of_document
 from engine.data.tokenizer_spec import data_vocab_size, tokenizer_of, vocab_source
 from engine.flags import flag_of
@@ -305,6 +295,18 @@ def _check_optim(opt: OptimizerConfig, tr: Optional[TrainingConfig] = None) -> N
         _err("--lr-warmup-init", opt.lr_warmup_init, f"must be between 0 and --lr {opt.lr}")
     if opt.lr_warmup_fraction is not None and not 0 <= opt.lr_warmup_fraction < 1:
         _err("--lr-warmup-fraction", opt.lr_warmup_fraction, "must be at least 0 and below 1 (e.g. 0.01)")
+    if opt.optimizer == "muon":
+        _check_muon(opt)
+
+
+def _check_muon(opt: OptimizerConfig) -> None:
+    """Megatron-Core's rule: a schedule of k coefficient sets runs a positive multiple of k steps."""
+    sets, steps = MUON_COEFFICIENTS[opt.muon_coefficient_type], opt.muon_num_ns_steps
+    if steps < 1 or steps % sets:
+        _err("--muon-num-ns-steps", steps, f"must be a positive multiple of the {sets} coefficient sets of "
+             f"--muon-coefficient-type {opt.muon_coefficient_type} (e.g. {sets}, or use simple)")
+    if not 0 <= opt.muon_momentum < 1:
+        _err("--muon-momentum", opt.muon_momentum, "must be at least 0 and below 1 (e.g. 0.95)")
 
 
 def _check_schedule_unit(opt: OptimizerConfig, unit: str) -> None:

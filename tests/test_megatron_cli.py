@@ -164,7 +164,7 @@ def test_accepted_flags_set_megatrons_meaning():
     (["--rotary-percent", "0.5"], "--rotary-percent 0.5: rotary embeddings on part of each head are not implemented"),
     (["--no-position-embedding"], "--no-position-embedding: a model without position encoding (NoPE) is not built"),
     (["--dataloader-type", "cyclic"], "--dataloader-type cyclic: only Megatron-LM's pretraining order (single)"),
-    (["--optimizer", "sgd"], "--optimizer sgd: Ternion trains with Adam with decoupled weight decay"),
+    (["--optimizer", "sgd"], "argument --optimizer: invalid choice: 'sgd' (choose from 'adam', 'muon')"),
     (["--recompute-activations", "--recompute-method", "block"], "--recompute-method block: applies to "
                                                                  "--recompute-granularity full only"),
     (["--train-iters", "5", "--train-samples", "80"], "--train-iters with --train-samples: give the run's length in "

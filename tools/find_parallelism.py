@@ -36,9 +36,11 @@ import sys
 
 from engine.cli import OneLineParser, parse_config
 from engine.config import PIPELINE_SCHEDULES, SHARDING_STRATEGIES, ConfigError
+from engine.config.fields import OPTIMIZERS
 from engine.attention_mask import packed_lengths
 from engine.flops import GPU_PRESETS, activated_params, attention_pairs, flops_per_iteration
 from engine.layout import Layout, Sharding
+from engine.optim.newton_schulz import MuonSettings
 from engine.planner.memory import GIB
 from engine.planner.params import params_per_rank
 from engine.planner.search import DEFAULT_SCHEDULES, chinchilla_optimal, rank_layouts
@@ -92,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES,
                    help="what is sharded over dp x cp (ZeRO-1/2/3: optim, optim_grads, optim_grads_params); "
                         "default: all four are tried and the table shows the one chosen")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, help="adam or muon (default: the config's): Muon's state "
+                                                          "and its Newton-Schulz work and exchanges are priced")
     p.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES + ("all",),
                    help="pipeline schedule; default: the engine's (1f1b, interleaved with vpp > 1); 'all' also "
                         "searches the zero-bubble schedules zb-h1 and zb-v")
@@ -291,7 +295,9 @@ def main(argv=None) -> int:
     seq = args.seq_length or cfg.model.seq_length
     cfg.model.seq_length = seq
     gpu, precision = _gpu(args), precision_name(cfg)
-    sw = Software(precision=precision, document_length=args.mean_document_length)
+    cfg.optim.optimizer = args.optimizer or cfg.optim.optimizer
+    muon = MuonSettings.of(cfg.optim) if cfg.optim.optimizer == "muon" else None
+    sw = Software(precision=precision, document_length=args.mean_document_length, muon=muon)
     if args.tp is not None:
         rows = [estimate_given(args, cfg, batch, seq, gpu, sw)]
     else:

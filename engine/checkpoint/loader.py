@@ -22,6 +22,7 @@ import torch
 
 from engine.checkpoint import files, rng
 from engine.checkpoint.layout import local_tensors
+from engine.checkpoint.metadata import OPTIMIZER_KEYS
 from engine.checkpoint.reader import CheckpointReader
 from engine.config import ConfigError
 from engine.model import GPTModel
@@ -61,7 +62,8 @@ def load_checkpoint(load_dir: str, model_chunks: list, optimizer, ctx, fallback:
         ranges = {name: tuple(e["range"]) for name, e in optimizer.state_dict()["params"].items()}
     for n, it in enumerate(candidates):
         path = os.path.join(load_dir, files.iter_dir_name(it))
-        reader, problem = _open_and_check(path, tensors, ranges, ctx, model_names, model_cfg)
+        reader, problem = _open_and_check(path, tensors, ranges, ctx, model_names, model_cfg,
+                                          getattr(optimizer, "name", "adam"))
         problems = [p for p in all_gather_object(problem) if p]
         if not problems:
             _same_everywhere(reader, path)
@@ -140,7 +142,8 @@ def _model_flag_differences(saved: dict, model_cfg) -> list:
     return out
 
 
-def _open_and_check(path: str, tensors: list, ranges: dict, ctx, model_names, model_cfg=None) -> tuple:
+def _open_and_check(path: str, tensors: list, ranges: dict, ctx, model_names, model_cfg=None,
+                    optimizer_name: str = "adam") -> tuple:
     """(reader or None, None or one line saying what is wrong) for this rank's part.
 
     The checkpoint must hold this rank's tensors at their full shapes, with as many vocabulary rows, and
@@ -168,6 +171,10 @@ def _open_and_check(path: str, tensors: list, ranges: dict, ctx, model_names, mo
             return None, _mismatch(path, f"tensor {lt.name} holds {rows} vocabulary rows but the model has "
                                          f"{lt.valid_rows}", model_cfg, saved_cfg)
     needed = reader.model_files(lt.name for lt in tensors)
+    if ranges and reader.optimizer is not None and reader.optimizer.name != optimizer_name:
+        return None, (f"checkpoint {path} holds {reader.optimizer.name} optimizer state, and this run trains with "
+                      f"--optimizer {optimizer_name}; load it with --no-load-optim (the weights only: the "
+                      f"{optimizer_name} state starts afresh) or train with --optimizer {reader.optimizer.name}")
     if ranges and reader.optimizer is not None:
         for lt in tensors:
             if lt.local_name not in ranges:
@@ -188,6 +195,7 @@ def _load(reader: CheckpointReader, tensors: list, optimizer, ranges: dict, ctx)
     if optimizer is not None:
         if ranges and reader.optimizer is not None:
             optimizer.load_state_dict({"step": reader.optimizer.step, "scaler": reader.optimizer.scaler,
+                                       "optimizer": reader.optimizer.name,
                                        "params": _LazyOptimizerState(reader, tensors, ranges, ctx)})
         else:
             optimizer.reload_model_params()
@@ -220,7 +228,7 @@ class _LazyOptimizerState(Mapping):
         lt, ctx = self.by_local[local_name], self.ctx
         piece = self.reader.optimizer_piece(lt.name, lt.full_shape, *lt.split(ctx), self.ranges[local_name])
         entry = {"range": tuple(piece.range) if piece else (0, lt.param.numel())}
-        for key in ("exp_avg", "exp_avg_sq", "master"):
+        for key in OPTIMIZER_KEYS:
             if piece:
                 value = self.reader.read_piece(lt.name, key, piece)
             else:

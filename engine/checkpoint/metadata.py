@@ -16,6 +16,9 @@ from typing import Optional
 
 FORMAT, VERSION = "ternion-checkpoint", 1
 ADDED_KEYS = {"layout": ("cp", "ep")}  # optional keys of version 1 (see CheckpointMeta.to_json)
+# A parameter's optimizer tensors, each saved if the optimizer keeps it: Adam's moments or Muon's momentum, and
+# the fp32 master where it is not the weight itself
+OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq", "momentum", "master")
 
 
 @dataclass
@@ -43,7 +46,7 @@ class OptimTensorEntry:
     shape: list
     tp_axis: Optional[int]
     valid_rows: Optional[int]
-    keys: list  # which of exp_avg, exp_avg_sq, master are saved
+    keys: list  # which of OPTIMIZER_KEYS are saved
     shards: list  # [[OptimPiece, ...] per tp shard]
     split: str = "tp"
 
@@ -70,6 +73,7 @@ class OptimizerMeta:
     distributed: bool
     step: int
     scaler: dict
+    name: str = "adam"  # whose state it is: adam or muon (--optimizer; written only when not adam)
 
 
 @dataclass
@@ -123,13 +127,15 @@ class CheckpointMeta:
     saved_at: float
 
     def to_json(self) -> dict:
-        """The JSON object. Keys added since version 1 (a layout's cp and ep, a tensor's split) are written
-        only when they differ from their defaults, so a checkpoint without context or expert parallelism
-        is byte for byte what earlier commits wrote and read."""
+        """The JSON object. Keys added since version 1 (a layout's cp and ep, a tensor's split, the optimizer's
+        name) are written only when they differ from their defaults, so a checkpoint without context or expert
+        parallelism, trained with Adam, is byte for byte what earlier commits wrote and read."""
         d = dataclasses.asdict(self)
         for key in ADDED_KEYS["layout"]:
             if d["layout"][key] == 1:
                 del d["layout"][key]
+        if d["optimizer"] is not None and d["optimizer"]["name"] == "adam":
+            del d["optimizer"]["name"]
         for entries in (d["tensors"], d["optimizer_tensors"]):
             for entry in entries.values():
                 if entry["split"] == "tp":

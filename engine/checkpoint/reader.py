@@ -114,7 +114,7 @@ class CheckpointReader:
 
     def optimizer_slice(self, name: str, key: str, target_shape: tuple, tp_size: int,
                         tp_rank: int) -> Optional[torch.Tensor]:
-        """This rank's slice of one optimizer tensor (`exp_avg`, `exp_avg_sq`, `master`), or None if not saved."""
+        """This rank's slice of one optimizer tensor (a key of metadata.OPTIMIZER_KEYS), or None if not saved."""
         entry = self.meta.optimizer_tensors.get(name)
         if entry is None or key not in entry.keys:
             return None

@@ -25,7 +25,7 @@ import torch
 
 from engine.checkpoint import files, rng
 from engine.checkpoint.layout import local_tensors, model_shard, optim_shard, shard_file
-from engine.checkpoint.metadata import CheckpointMeta, FileRecord, OptimizerMeta, RankPart
+from engine.checkpoint.metadata import OPTIMIZER_KEYS, CheckpointMeta, FileRecord, OptimizerMeta, RankPart
 from engine.parallel.comm import all_gather_object, any_rank
 
 _MARKER = ".done.rank{:05d}.json"
@@ -93,11 +93,11 @@ def _snapshot(model_chunks: list, optimizer, ctx, copy: bool) -> tuple:
             shared_copy = lt.name != lt.local_name
             if shared_copy or (lt.tp_axis is None and t != 0) or (not distributed and lt.replica_rank(ctx) != 0):
                 continue
-            keys = [k for k in ("exp_avg", "exp_avg_sq", "master") if k in entry]
+            keys = [k for k in OPTIMIZER_KEYS if k in entry]
             for k in keys:
                 shards.setdefault(optim_file, []).append((f"{lt.name}/{k}", _copy(entry[k].reshape(-1), copy)))
             part.optim[lt.name] = optim_shard(lt, keys, lt.split(ctx)[1], optim_file, entry["range"])
-        part.optimizer = OptimizerMeta(distributed, int(state["step"]), state["scaler"])
+        part.optimizer = OptimizerMeta(distributed, int(state["step"]), state["scaler"], state.get("optimizer", "adam"))
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()  # the pinned device-to-host copies above are asynchronous
     part.files = sorted(shards)

@@ -21,6 +21,14 @@ TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTok
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
+# --optimizer and Muon's flags, Megatron-LM's names (what each means is engine/optim/newton_schulz.py's); a
+# coefficient type with the number of (a, b, c) sets its schedule repeats (validation needs it without torch)
+OPTIMIZERS = ("adam", "muon")
+MUON_COEFFICIENTS = {"quintic": 5, "simple": 1}
+MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+MUON_MATMUL_PRECISIONS = ("low", "medium", "high")
+MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
+
 
 def _f(default, help, *, aliases=(), choices=None, nargs=None, action=None, type=None, yaml_only=False):
     """A config field. `yaml_only`: a structured value (e.g. a list of mappings) with no command-line form."""

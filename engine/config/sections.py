@@ -5,7 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from engine.config.fields import PIPELINE_SCHEDULES, SHARDING_STRATEGIES, TOKENIZER_TYPES, _f
+from engine.config.fields import (
+    MUON_COEFFICIENTS,
+    MUON_MATMUL_PRECISIONS,
+    MUON_SCALE_MODES,
+    MUON_TP_MODES,
+    OPTIMIZERS,
+    PIPELINE_SCHEDULES,
+    SHARDING_STRATEGIES,
+    TOKENIZER_TYPES,
+    _f,
+)
 
 
 @dataclass
@@ -79,10 +89,36 @@ class OptimizerConfig:
     lr_decay_samples: Optional[int] = _f(None, "with --train-samples: samples over which the LR decays (default "
                                                "train-samples)")
     lr_wsd_decay_samples: Optional[int] = _f(None, "with --train-samples and wsd: samples of the final decay phase")
-    weight_decay: float = _f(0.01, "AdamW weight decay, matrices only")
+    optimizer: str = _f("adam", "adam: AdamW (decoupled weight decay) for every parameter; muon: Muon for the hidden "
+                                "layers' weight matrices (momentum orthogonalised by a Newton-Schulz iteration), "
+                                "--muon-scalar-optimizer for the embeddings, output layer, norms, biases and routers",
+                        choices=OPTIMIZERS)
+    weight_decay: float = _f(0.01, "decoupled weight decay of the matrices (AdamW's and Muon's)")
     adam_beta1: float = _f(0.9, "Adam beta1")
     adam_beta2: float = _f(0.999, "Adam beta2")
     adam_eps: float = _f(1e-8, "Adam epsilon")
+    muon_momentum: float = _f(0.95, "Muon: the momentum's decay (an exponential moving average of the gradients)")
+    muon_nesterov: bool = _f(False, "Muon: orthogonalise the Nesterov look-ahead (gradient moved toward the "
+                                    "momentum) instead of the momentum")
+    muon_num_ns_steps: int = _f(5, "Muon: Newton-Schulz iterations per matrix and step")
+    muon_coefficient_type: str = _f("quintic", "Muon: the Newton-Schulz coefficients: quintic, Megatron-Core's "
+                                               "schedule of five (a, b, c); simple, (3.4445, -4.775, 2.0315) at every "
+                                               "step (torch.optim.Muon's)", choices=tuple(MUON_COEFFICIENTS))
+    muon_scale_mode: str = _f("spectral", "Muon: the update's scale for an out x in matrix: spectral "
+                                          "sqrt(max(out, in)), unit_rms_norm sqrt(out/in), shape_scaling "
+                                          "sqrt(max(1, out/in))", choices=MUON_SCALE_MODES)
+    muon_extra_scale_factor: float = _f(1.0, "Muon: one more factor on every update (0.2 matches AdamW's update "
+                                             "RMS with --muon-scale-mode spectral)")
+    muon_fp32_matmul_prec: str = _f("medium", "Muon: the Newton-Schulz matmuls in bf16 (medium, low) or fp32 (high: "
+                                              "TF32 where torch allows it)", choices=MUON_MATMUL_PRECISIONS)
+    muon_tp_mode: str = _f("blockwise", "Muon under tp: blockwise orthogonalises each rank's shard (the update "
+                                        "depends on tp); duplicated gathers every matrix on every tp rank; "
+                                        "distributed gives each matrix to one tp rank and scatters the result",
+                           choices=MUON_TP_MODES)
+    muon_no_split_qkv: bool = _f(False, "Muon: orthogonalise the fused QKV weight as one matrix instead of its q, "
+                                        "k and v blocks apart")
+    muon_scalar_optimizer: str = _f("adam", "Muon: the optimizer of the parameters that are no hidden matrix "
+                                            "(AdamW with the --adam-* flags)", choices=("adam",))
     clip_grad: float = _f(1.0, "clip the global gradient L2 norm to this (0: off)")
     z_loss_weight: float = _f(0.0, "weight of the log-sum-exp auxiliary loss on the logits")
 

@@ -46,7 +46,7 @@ class Experts(nn.Module):
         self.swiglu, self.gelu_form, self.ffn = cfg.swiglu, "tanh" if cfg.openai_gelu else "none", f
         self.local = E // ctx.ep_size
         # Each tp rank (under SP) sends its own tokens: its gradient is partial, summed over tp.
-        common = dict(ep_axis=0, sp_partial_grad=True)
+        common = dict(ep_axis=0, sp_partial_grad=True, matrix="experts")
         self.fc1 = make_param((E, h, 2 * f if cfg.swiglu else f), None, ctx, ("normal", cfg.init_method_std),
                               device, dtype, **common)
         self.fc2 = make_param((E, f, h), None, ctx, ("normal", out_std), device, dtype, **common)

@@ -1,4 +1,4 @@
-"""Data-parallel gradient reduction and the optimizer: grad buffer, (distributed) AdamW, loss scaling,
+"""Data-parallel gradient reduction and the optimizer: grad buffer, (distributed) AdamW or Muon, loss scaling,
 clipping and the LR schedule.
 
 Trainer use, per iteration:

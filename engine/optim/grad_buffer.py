@@ -198,12 +198,12 @@ class GradBuffer:
         self._counts = [0] * len(self.params)
         self._num_microbatches = num_microbatches
 
-    def shard_bounds(self, bucket: Bucket) -> tuple:
-        """This rank's slice of `bucket`, relative to the bucket's start."""
+    def shard_bounds(self, bucket: Bucket, replica: Optional[int] = None) -> tuple:
+        """This rank's (or replica `replica`'s) slice of `bucket`, relative to the bucket's start."""
         if not self.distributed:
             return 0, bucket.size
-        size = bucket.size // self.replicas
-        return self.replica_rank * size, (self.replica_rank + 1) * size
+        size, r = bucket.size // self.replicas, self.replica_rank if replica is None else replica
+        return r * size, (r + 1) * size
 
     def _average(self, grads: torch.Tensor) -> None:
         divisor = replica_divisor(self.ctx)  # engine.loss: the one normalisation rule
@@ -303,14 +303,15 @@ class GradBuffer:
         for v, piece in zip(views, flat.split([v.numel() for v in views])):
             v.copy_(piece)
 
-    def local_range(self, p):
-        """(start, end) of the flat elements of `p` whose reduced grads this rank holds, or None."""
+    def local_range(self, p, replica: Optional[int] = None):
+        """(start, end) of the flat elements of `p` whose reduced grads this rank (or replica `replica`: the
+        layout is the same on every replica) holds, or None."""
         i = self._index[id(p)]
         n = p.numel()
         if not self.distributed:
             return 0, n
         bucket = self.buckets[self._bucket_of[i]]
-        lo, hi = self.shard_bounds(bucket)
+        lo, hi = self.shard_bounds(bucket, replica)
         off = self.offsets[i] - bucket.start
         start, end = max(off, lo) - off, min(off + n, hi) - off
         return (start, end) if end > start else None

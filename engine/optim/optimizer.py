@@ -1,4 +1,5 @@
-"""Mixed-precision AdamW over the grad buffer, replicated or sharded over dp (ZeRO-1, -2, -3).
+"""Mixed-precision AdamW (or Muon for the hidden matrices) over the grad buffer, replicated or sharded over dp
+(ZeRO-1, -2, -3).
 
 Each trainable parameter has an entry: the flat range [start, end) of its elements this rank updates
 (all of them, or its shard under the distributed optimizer), an fp32 master copy of that range and the
@@ -8,9 +9,14 @@ multiply -> AdamW on the masters -> masters copied into the model's parameters, 
 per bucket when sharded.
 
 Optimizer state is kept per parameter name: `state_dict()["params"][name]` holds `range`, `numel`,
-`exp_avg`, `exp_avg_sq` and, where the master is not the parameter itself, `master`, all flat fp32
-tensors over `range`. `load_state_dict` accepts either the same ranges or whole tensors (range
-[0, numel]), which is what a checkpoint resharded over dp provides.
+`exp_avg`, `exp_avg_sq` (Adam's; `momentum` instead for a matrix Muon takes) and, where the master is not the
+parameter itself, `master`, all flat fp32 tensors over `range`; `state_dict()["optimizer"]` says whose state
+it is (adam or muon). `load_state_dict` accepts either the same ranges or whole tensors (range [0, numel]),
+which is what a checkpoint resharded over dp provides.
+
+`--optimizer muon` (engine/optim/muon.py) takes the entries of the hidden weight matrices (every range the
+same as AdamW's, so sharding and checkpoints are unchanged); AdamW keeps the rest. The step then runs AdamW,
+then Muon, on the same clipped gradients.
 
 The data-parallel sharding strategy (Megatron-FSDP's names) decides what is sharded over the dp x cp
 replicas: `no_shard` nothing; `optim` (ZeRO-1) the masters and Adam state; `optim_grads` (ZeRO-2) the
@@ -30,6 +36,8 @@ from engine.optim import adamw
 from engine.optim.clip import clip_coefficient, counts_toward_norm, global_grad_norm
 from engine.optim.grad_buffer import DEFAULT_BUCKET_NUMEL, GradBuffer
 from engine.optim.loss_scaler import LossScaler
+from engine.optim.muon import Muon, classify
+from engine.optim.newton_schulz import MuonSettings
 from engine.optim.param_shard import ParamSharder, param_units
 from engine.parallel import comm
 
@@ -86,13 +94,20 @@ class Optimizer:
         self.sharder = ParamSharder(model_chunks, units, self.buffers, prefetch=par.overlap_param_gather) \
             if units else None
         self.steps = 0
+        self.name = opt.optimizer  # what the checkpoint's optimizer state is (checked on load)
         self._entries = self._make_entries(param_names(model_chunks))
-        groups = [dict(params=[e.master for e in self._entries if e.param.ndim >= 2], weight_decay=opt.weight_decay),
-                  dict(params=[e.master for e in self._entries if e.param.ndim < 2], weight_decay=0.0)]
+        # --optimizer muon: Muon takes the hidden matrices (muon.classify), AdamW the rest.
+        takes = {id(e) for e in self._entries if opt.optimizer == "muon" and not classify(e.name, e.param)}
+        scalar = [e for e in self._entries if id(e) not in takes]
+        groups = [dict(params=[e.master for e in scalar if e.param.ndim >= 2], weight_decay=opt.weight_decay),
+                  dict(params=[e.master for e in scalar if e.param.ndim < 2], weight_decay=0.0)]
         groups = [g for g in groups if g["params"]]
         # A dp rank can own no element at all of a tiny model; it still joins every collective.
         self.adam = adamw.make_adamw(groups, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
                                      device=self.buffer.data.device) if groups else None
+        self.muon = Muon(MuonSettings.of(opt), [e for e in self._entries if id(e) in takes], self.buffers, ctx) \
+            if opt.optimizer == "muon" else None  # on every rank: its plans' exchanges are collective
+        self._muon_entries = takes
         self._gather_out = {}
 
     def _make_entries(self, names: dict) -> list:
@@ -175,16 +190,27 @@ class Optimizer:
             for group in self.adam.param_groups:
                 group["lr"] = lr
             self.adam.step()
+        if self.muon is not None:
+            self.muon.step(lr)
         self.steps += 1
         self.publish()
 
     def rollback_tensors(self) -> list:
         """What an update changes on this rank (masters, or the weights that are their own masters, and the
-        Adam moments) and what it reads (the gradients): post-validation copies them to undo a step."""
+        Adam moments or Muon momenta) and what it reads (the gradients): post-validation copies them to undo a
+        step."""
         out = []
         for e in self._entries:
-            out += [e.master, e.master.grad, *(adamw.moments(self.adam, e.master) if self.adam is not None else ())]
+            out += [e.master, e.master.grad, *self._state(e).values()]
         return out
+
+    def _state(self, e: _Entry) -> dict:
+        """The optimizer state of entry `e` by its checkpoint key: Muon's momentum or Adam's two moments."""
+        if id(e) in self._muon_entries:
+            return {"momentum": self.muon.momentum(e.master)}
+        if self.adam is None:
+            return {}
+        return dict(zip(("exp_avg", "exp_avg_sq"), adamw.moments(self.adam, e.master)))
 
     def publish(self) -> None:
         """Copy the updated masters into the model's parameters (all-gathered over dp when sharded)."""
@@ -235,28 +261,32 @@ class Optimizer:
         tensors = [e.master for e in self._entries if e.owns_master]
         if self.adam is not None:
             tensors += adamw.state_tensors(self.adam)
+        if self.muon is not None:
+            tensors += self.muon.momenta
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def state_dict(self) -> dict:
         params = {}
         for e in self._entries:
             entry = {"range": (e.start, e.end), "numel": e.param.numel(), "shape": tuple(e.param.shape)}
-            entry["exp_avg"], entry["exp_avg_sq"] = adamw.moments(self.adam, e.master)
+            entry.update(self._state(e))
             if e.owns_master:
                 entry["master"] = e.master
             params[e.name] = entry
         return {"step": self.steps, "scaler": self.scaler.state_dict(), "distributed": self.distributed,
-                "params": params}
+                "optimizer": self.name, "params": params}
 
     def load_state_dict(self, state: dict) -> None:
         """Load moments and masters (from matching ranges or whole tensors); load the model weights first."""
+        saved_name = state.get("optimizer", "adam")
+        if saved_name != self.name:
+            raise ValueError(f"the optimizer state is {saved_name}'s, and this optimizer is {self.name}")
         for e in self._entries:
             saved = state["params"].get(e.name)
             if saved is None:
                 raise KeyError(f"optimizer state has no entry for parameter {e.name!r}")
-            exp_avg, exp_avg_sq = adamw.moments(self.adam, e.master)
-            exp_avg.copy_(self._slice(saved, "exp_avg", e))
-            exp_avg_sq.copy_(self._slice(saved, "exp_avg_sq", e))
+            for key, tensor in self._state(e).items():
+                tensor.copy_(self._slice(saved, key, e))
             if e.owns_master:
                 source = self._slice(saved, "master", e) if "master" in saved else self._values(e.param, (e.start, e.end))
                 e.master.copy_(source)

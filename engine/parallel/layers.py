@@ -39,6 +39,11 @@ class ParamSpec:
                                         # per-head QK-norm): summed over TP by the gradient code whenever tp > 1
     ep_axis: Optional[int] = None       # experts: the axis (of global expert ids) split over the EP group;
                                         # reduced over the experts' replicas (edp x cp), not dp x cp
+    matrix: Optional[str] = None        # a hidden layer's weight, which Muon orthogonalises as a whole matrix:
+                                        # "linear" [out, in] (stacked blocks [k, out, in] as one [k*out, in]) or
+                                        # "experts" [E, in, out] (one [out, in] matrix per expert); None: not one
+    row_blocks: Optional[tuple] = None  # "linear": rows per repeat that are separate matrices (the fused QKV's
+                                        # q, k and v rows of each query group)
 
 
 def spec_of(p) -> ParamSpec:
@@ -114,12 +119,15 @@ class ColumnParallelLinear(nn.Module):
     full shape [stack, out, in] split on axis 1, so every rank holds matching slices of each block.
     """
 
-    def __init__(self, in_features, out_features, ctx, *, bias=True, std=0.02, stack=1, device=None, dtype=None):
+    def __init__(self, in_features, out_features, ctx, *, bias=True, std=0.02, stack=1, row_blocks=None, device=None,
+                 dtype=None):
+        """`row_blocks`: rows of each repeat of the output that are matrices of their own (ParamSpec.row_blocks)."""
         super().__init__()
         self.ctx = ctx
         shape = (stack, out_features, in_features) if stack > 1 else (out_features, in_features)
         axis = 1 if stack > 1 else 0
-        self.weight = make_param(shape, axis, ctx, ("normal", std), device, dtype)
+        self.weight = make_param(shape, axis, ctx, ("normal", std), device, dtype, matrix="linear",
+                                 row_blocks=row_blocks)
         self.bias = make_param(shape[:-1], axis, ctx, ("zeros",), device, dtype) if bias else None
 
     def forward(self, x):
@@ -132,7 +140,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features, out_features, ctx, *, bias=True, std=0.02, device=None, dtype=None):
         super().__init__()
         self.ctx = ctx
-        self.weight = make_param((out_features, in_features), 1, ctx, ("normal", std), device, dtype)
+        self.weight = make_param((out_features, in_features), 1, ctx, ("normal", std), device, dtype, matrix="linear")
         self.bias = make_param((out_features,), None, ctx, ("zeros",), device, dtype, sp_partial_grad=True) \
             if bias else None
 

@@ -17,7 +17,8 @@ from engine.config import ModelConfig
 from engine.flops import split_backward_costs
 from engine.layout import Layout
 from engine.planner.activations import in_flight_bytes, layer_activation_bytes, w_store_bytes
-from engine.planner.params import ADAM_MOMENT_BYTES, GRAD_BYTES, MASTER_BYTES, PARAM_BYTES, param_split_per_rank
+from engine.planner.params import (ADAM_MOMENT_BYTES, GRAD_BYTES, MASTER_BYTES, MUON_MOMENTUM_BYTES, PARAM_BYTES,
+                                   param_split_per_rank)
 from engine.planner.sharding import rank_state_bytes, rank_transient_bytes
 from engine.planner.stages import end_ranks, moe_layers_per_rank, stage_layer_counts
 
@@ -62,7 +63,7 @@ class Memory:
 
 
 def state_bytes(params: int, layout: Layout, precision: str, experts: int = 0, frozen: int = 0, unit: int = 0,
-                bucket: int = 0) -> tuple:
+                bucket: int = 0, muon: tuple = (0, 0)) -> tuple:
     """(weights, gradients, optimizer state) bytes on one GPU by the ZeRO formulas (Rajbhandari et al. 2020,
     sec. 5) in this engine's dtypes, for `params` dense parameters, `experts` expert parameters (sharded over
     dp/ep x cp instead of dp x cp) and `frozen` fp32 ones with no gradient or state (the MoE expert bias):
@@ -73,7 +74,9 @@ def state_bytes(params: int, layout: Layout, precision: str, experts: int = 0, f
         optim_grads_params  W·(P/n+unit)  4·P/n + 4·bucket    12·P/n
 
     W the training dtype's bytes, n the ranks sharding (dp x cp); `bucket` the elements of fp32 gradient
-    staging allowed for, `unit` the weights of the gathered unit(s) (a layer). engine/planner/sharding.py gives
+    staging allowed for, `unit` the weights of the gathered unit(s) (a layer). Under --optimizer muon, `muon` (its
+    dense and expert parameters, among the above) keep a 4-byte momentum instead of Adam's 8 bytes of moments.
+    engine/planner/sharding.py gives
     the parts kept between steps exactly as the engine lays them out (shard padding included) and the
     staging and gathering the engine can hold (`rank_transient_bytes`)."""
     sharding = layout.sharding
@@ -82,7 +85,9 @@ def state_bytes(params: int, layout: Layout, precision: str, experts: int = 0, f
     master = MASTER_BYTES if (precision != "fp32" or sharding.optimizer) else 0
     weights = (mine + unit if sharding.params else everything) * PARAM_BYTES[precision]
     grads = (mine + bucket if sharding.grads else everything) * GRAD_BYTES
-    return weights + 4 * frozen, grads, mine * (ADAM_MOMENT_BYTES + master)
+    muon_mine = muon[0] / n + muon[1] / ne
+    return weights + 4 * frozen, grads, mine * (ADAM_MOMENT_BYTES + master) - muon_mine * (ADAM_MOMENT_BYTES -
+                                                                                         MUON_MOMENTUM_BYTES)
 
 
 def _largest_weight(model: ModelConfig, layout: Layout) -> int:
@@ -98,11 +103,13 @@ def _largest_weight(model: ModelConfig, layout: Layout) -> int:
 
 def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_microbatches: int,
                    precision: str = "bf16", flash_attention: bool = True, bucket_numel: Optional[int] = None,
-                   overlap_grad_reduce: bool = False, overlap_param_gather: bool = False) -> Memory:
-    """Peak memory of the pipeline rank that needs the most; weights, gradients and optimizer state as the
-    engine allocates them (engine/planner/sharding.py, buckets of `bucket_numel`: the engine's default), and
-    the sharding strategies' staging and gathering (--overlap-grad-reduce keeps one more bucket staged under
-    ZeRO-2/3, --overlap-param-gather one more unit gathered under ZeRO-3; both off by default, as in the engine)."""
+                   overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                   optimizer: str = "adam") -> Memory:
+    """Peak memory of the pipeline rank that needs the most; weights, gradients and optimizer state (of
+    `optimizer`, --optimizer's) as the engine allocates them (engine/planner/sharding.py, buckets of
+    `bucket_numel`: the engine's default), and the sharding strategies' staging and gathering
+    (--overlap-grad-reduce keeps one more bucket staged under ZeRO-2/3, --overlap-param-gather one more unit
+    gathered under ZeRO-3; both off by default, as in the engine)."""
     counts = stage_layer_counts(model.num_layers, layout)
     n_moe = moe_layers_per_rank(model, layout)
     splits = param_split_per_rank(model, layout)
@@ -131,7 +138,7 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
         if cls in classes and not layout.schedule.split_backward:
             continue
         if cls not in classes:
-            classes[cls] = rank_state_bytes(model, layout, precision, r, bucket_numel, splits[r]), \
+            classes[cls] = rank_state_bytes(model, layout, precision, r, bucket_numel, splits[r], optimizer), \
                 rank_transient_bytes(model, layout, precision, r, bucket_numel, overlap_grad_reduce,
                                      overlap_param_gather)
         dense_layers = sum(chunks) - n_moe[r]

@@ -39,6 +39,10 @@ PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GRAD_BYTES = 4
 ADAM_MOMENT_BYTES = 8
 MASTER_BYTES = 4
+# --optimizer muon: the hidden layers' weights (linear weights and routed experts, the tags below; the
+# engine's ParamSpec.matrix) keep one fp32 momentum instead of Adam's two moments (engine/optim/muon.py)
+MUON_MOMENTUM_BYTES = 4
+MUON_TAGS = ("weight", "experts")
 
 
 class Tensor(NamedTuple):
@@ -144,21 +148,22 @@ def chunk_tensors(model: ModelConfig, tp: int, ep: int, kinds: tuple, pre: bool,
     return out
 
 
-def _split(tensors: list) -> tuple:
-    """(dense trained, expert, frozen) elements of `tensors`."""
+def _split(tensors: list, muon: bool = False) -> tuple:
+    """(dense trained, expert, frozen) elements of `tensors` (`muon`: of those Muon takes)."""
+    tensors = [t for t in tensors if t.tag in MUON_TAGS] if muon else tensors
     return (sum(t.numel for t in tensors if t.trained and not t.expert), sum(t.numel for t in tensors if t.expert),
             sum(t.numel for t in tensors if not t.trained))
 
 
-def param_split_per_rank(model: ModelConfig, layout: Layout) -> list:
+def param_split_per_rank(model: ModelConfig, layout: Layout, muon: bool = False) -> list:
     """(dense, experts, frozen) parameters held by each pipeline rank (any tp and ep rank: equal counts): dense
     ones reduce over dp x cp, the routed experts' over dp/ep x cp, frozen ones (the fp32 expert bias) have no
-    gradient or optimizer state. Dense models have (n, 0, 0)."""
+    gradient or optimizer state. Dense models have (n, 0, 0). `muon`: only the weights Muon takes."""
     tp, ep = layout.tp, layout.ep
-    dense = _split(layer_tensors(model, tp))[0]
-    moe = _split(layer_tensors(model, tp, ep, True)) if model.num_experts else (0, 0, 0)
-    embedding = _split(embedding_tensors(model, tp, layout.pp))[0]
-    head = _split(head_tensors(model, tp, layout.pp))[0]
+    dense = _split(layer_tensors(model, tp), muon)[0]
+    moe = _split(layer_tensors(model, tp, ep, True), muon) if model.num_experts else (0, 0, 0)
+    embedding = _split(embedding_tensors(model, tp, layout.pp), muon)[0]
+    head = _split(head_tensors(model, tp, layout.pp), muon)[0]
     n_moe = moe_layers_per_rank(model, layout)
     first, last = end_ranks(layout)
     out = []

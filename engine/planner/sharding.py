@@ -16,7 +16,8 @@ owns min(used, size/n) elements of each bucket, the most of any rank. Kept betwe
 (Optimizer.memory_bytes(), `rank_state_bytes`):
 
     gradients   no_shard, optim: the whole padded buffer in fp32; optim_grads(_params): its 1/n
-    optimizer   fp32 Adam m and v, and the fp32 master (not in fp32 no_shard), over the owned elements
+    optimizer   fp32 Adam m and v (--optimizer muon: one fp32 momentum for the weights it takes), and the fp32
+                master (not in fp32 no_shard), over the owned elements
     weights     every parameter in the training dtype; optim_grads_params: the padded 1/n of the buffer
                 (plus, in every strategy, the fp32 MoE expert bias, which no optimizer holds)
 
@@ -46,7 +47,8 @@ from engine.layout import Layout
 from engine.optim.buckets import cut_buckets
 from engine.optim.grad_buffer import DEFAULT_BUCKET_NUMEL, SHARD_ALIGN
 from engine.planner.params import ADAM_MOMENT_BYTES as MOMENTS
-from engine.planner.params import GRAD_BYTES, MASTER_BYTES, PARAM_BYTES, chunk_tensors, param_split_per_rank
+from engine.planner.params import (GRAD_BYTES, MASTER_BYTES, MUON_MOMENTUM_BYTES, MUON_TAGS, PARAM_BYTES, chunk_tensors,
+                                   param_split_per_rank)
 from engine.planner.stages import end_ranks, stage_layer_ids
 
 
@@ -66,6 +68,7 @@ class ChunkLayout(NamedTuple):
     arrival: tuple   # the bucket of each parameter, in the order backward produces their gradients
     units: dict      # gathered unit (param_shard.param_units) -> indices of the buckets holding its parameters
     order: tuple     # the chunk's units in forward order
+    muon: tuple = ()  # per bucket, the (start, end) of the weights Muon would take (params.MUON_TAGS) in it
 
 
 _BUCKETS: dict = {}
@@ -110,15 +113,20 @@ def _fill(model: ModelConfig, tp: int, ep: int, kinds: tuple, pre: bool, post: b
     bucket_of, buckets = cut_buckets([(numel, alone, u if by_unit else None) for numel, alone, u, _ in layout],
                                      None if by_unit else bucket_numel)
     units: dict = {}
-    for (_, _, u, tag), b in zip(layout, bucket_of):
+    muon, filled = [[] for _ in buckets], [0] * len(buckets)
+    for (numel, _, u, tag), b in zip(layout, bucket_of):
         for name in (u, "embedding") if tag == "word" else (u,):
             units.setdefault(name, [])
             if b not in units[name]:
                 units[name].append(b)
+        if tag in MUON_TAGS:
+            muon[b].append((filled[b], filled[b] + numel))
+        filled[b] += numel
     order = (("embedding",) if pre else ()) + tuple(range(len(kinds))) + (("head",) if post else ())
     return ChunkLayout(tuple((b, -(-b // pad) * pad) for b in buckets),
                        tuple(bucket_of[i] for i in _arrival([t for *_, t in layout])),
-                       {u: tuple(b) for u, b in units.items()}, tuple(u for u in order if u in units))
+                       {u: tuple(b) for u, b in units.items()}, tuple(u for u in order if u in units),
+                       tuple(tuple(spans) for spans in muon))
 
 
 def rank_chunks(model: ModelConfig, layout: Layout, rank: int, experts: bool = False,
@@ -156,28 +164,33 @@ def _buffers(model: ModelConfig, layout: Layout, rank: int, bucket_numel: Option
     return out
 
 
-def rank_state_bytes(model: ModelConfig, layout: Layout, precision: str, rank: int,
-                     bucket_numel: Optional[int] = None, split: Optional[tuple] = None) -> tuple:
+def rank_state_bytes(model: ModelConfig, layout: Layout, precision: str, rank: int, bucket_numel: Optional[int] = None,
+                     split: Optional[tuple] = None, optimizer: str = "adam") -> tuple:
     """(weights, gradients, optimizer state) bytes data-parallel rank 0 of pipeline rank `rank` keeps between
     steps: Optimizer.memory_bytes() exactly (Adam's scalar step counts left out), weights plus the fp32 frozen
-    MoE expert bias. `split`: the rank's param_split_per_rank entry, when the caller has it."""
-    sharding = layout.sharding
-    weights = grads = optimizer = 0
+    MoE expert bias. `split`: the rank's param_split_per_rank entry, when the caller has it. `optimizer` muon:
+    its weights keep one moment instead of two (under it another replica may hold a little more than rank 0,
+    where its slice has more of AdamW's elements)."""
+    sharding, muon = layout.sharding, optimizer == "muon"
+    weights = grads = state = 0
     master = MASTER_BYTES if (precision != "fp32" or sharding.optimizer) else 0
     dense, experts, frozen = split or param_split_per_rank(model, layout)[rank]
     for n, chunks in _buffers(model, layout, rank, bucket_numel):
-        buckets = [b for chunk in chunks for b in chunk.buckets]
-        total = sum(p for _, p in buckets)
+        buckets = [(b, spans) for chunk in chunks for b, spans in zip(chunk.buckets, chunk.muon)]
+        total = sum(p for (_, p), _ in buckets)
+        owned = [min(u, p // n) if sharding.optimizer else p for (u, p), _ in buckets]
+        state += sum(owned) * (MOMENTS + master)
+        if muon:  # the momentum of the Muon weights' elements rank 0 owns (the first `owned` of each bucket)
+            state -= (MOMENTS - MUON_MOMENTUM_BYTES) * sum(max(0, min(hi, k) - lo) for k, (_, spans) in
+                                                           zip(owned, buckets) for lo, hi in spans)
         if not sharding.optimizer:
             grads += total * GRAD_BYTES
-            optimizer += total * (MOMENTS + master)
             continue
-        optimizer += sum(min(u, p // n) for u, p in buckets) * (MOMENTS + master)
         grads += (total // n if sharding.grads else total) * GRAD_BYTES
         weights += total // n * PARAM_BYTES[precision]
     if not sharding.params:
         weights = (dense + experts) * PARAM_BYTES[precision]
-    return weights + 4 * frozen, grads, optimizer
+    return weights + 4 * frozen, grads, state
 
 
 # ZeRO-2/3 gradient staging, from engine/optim/grad_buffer.py: `_hook` allocates a bucket's full-size fp32

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from engine.optim.newton_schulz import MuonSettings
 from engine.planner.params import GRAD_BYTES
 
 
@@ -16,7 +17,8 @@ class Software:
     kernel's throughput as a fraction of peak when it differs from the GPU's default
     (layer_time.FLASH_ATTENTION_EFFICIENCY), e.g. an older kernel. document_length: samples packed with
     documents of this mean length under --reset-attention-mask, whose attention the kernels skip but for each
-    document's own square (engine/attention_mask.py counts it; None: each sample one sequence).
+    document's own square (engine/attention_mask.py counts it; None: each sample one sequence). muon: the step
+    is Muon's (engine/planner/muon_step.py prices its Newton-Schulz work and exchanges; its state is smaller).
     """
     flash_attention: bool = True
     overlap_grad_reduce: bool = True
@@ -27,3 +29,4 @@ class Software:
     cp_comm_type: str = "p2p"             # p2p: K/V ring overlapped with attention; all_gather: gathered first
     attention_efficiency: Optional[float] = None
     document_length: Optional[int] = None
+    muon: Optional[MuonSettings] = None   # --optimizer muon's settings (None: Adam)

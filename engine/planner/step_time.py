@@ -11,6 +11,8 @@ zero-bubble schedules (Layout.pipeline_schedule zb-h1, zb-v) take theirs from th
 backward into input and weight gradients (engine.flops.split_backward_costs), replayed at the stage's times.
 T_stage sums the stage's layers, pipeline sends, embedding and output layer as engine/planner/layer_time.py
 costs them, over the links of engine/planner/links.py. Expert gradients reduce over their dp/ep x cp replicas.
+Under --optimizer muon (Software.muon) the optimizer step adds Muon's Newton-Schulz work and exchanges
+(engine/planner/muon_step.py; breakdown key `muon`).
 """
 from __future__ import annotations
 
@@ -22,9 +24,11 @@ from engine.attention_mask import packed_lengths
 from engine.flops import Costs, GPUSpec, attention_pairs, flops_per_iteration, split_backward_costs
 from engine.layout import Layout
 from engine.pipeline.schedules import bubble_time
-from engine.planner.layer_time import HBM_EFFICIENCY, LayerCosts, layer_costs
+from engine.planner.layer_time import (GEMM_EFFICIENCY, GEMM_EFFICIENCY_DEFAULT, HBM_EFFICIENCY, LayerCosts,
+                                      layer_costs)
 from engine.planner.links import Link, all_reduce, group_links
 from engine.planner.memory import GIB, Memory, memory_per_gpu
+from engine.planner.muon_step import muon_cost
 from engine.planner.params import PARAM_BYTES, param_split_per_rank
 from engine.planner.software import Software
 from engine.planner.stages import end_ranks, moe_layers_per_rank, stage_layer_counts
@@ -133,6 +137,16 @@ def _data_parallel_seconds(params: int, layout: Layout, gpu: GPUSpec, sw: Softwa
     return dict(dp_comm=grad + gather, optimizer=OPTIMIZER_STEP_BYTES * opt_params / hbm)
 
 
+def _muon_seconds(model: ModelConfig, layout: Layout, rank: int, gpu: GPUSpec, links, settings) -> float:
+    """Muon's step on pipeline rank `rank` beyond the element-wise work counted with Adam's: the Newton-Schulz
+    matmuls at the layers' GEMM efficiency (bf16 tensor cores; fp32 at TF32's half rate) and the exchanges
+    over the replicas and tp (engine/planner/muon_step.py), not overlapped with anything."""
+    cost = muon_cost(model, layout, rank, settings)
+    efficiency = GEMM_EFFICIENCY.get(gpu.name, GEMM_EFFICIENCY_DEFAULT) * (1 if settings.bf16 else 0.5)
+    sent = [(cost.dp_bytes, links.dp), (cost.edp_bytes, links.edp or links.dp), (cost.tp_bytes, links.tp)]
+    return cost.flops / (gpu.peak_tflops * 1e12 * efficiency) + sum(link.seconds(b) for b, link in sent if b)
+
+
 def estimate(model: ModelConfig, layout: Layout, gpu: GPUSpec, global_batch: int, seq: int,
              gpus_per_node: int = 8, software: Software = Software()) -> Estimate:
     """Memory and step time of one layout (which must be valid: see candidate_layouts)."""
@@ -148,11 +162,14 @@ def estimate(model: ModelConfig, layout: Layout, gpu: GPUSpec, global_batch: int
     params, experts, _ = param_split_per_rank(model, layout)[slowest]
     micro = (t_stage - stage_bwd[slowest], stage_bwd[slowest])
     dp = _data_parallel_seconds(params, layout, gpu, software, links.dp, micro, m, experts, links.edp)
-    step = compute + bubble + dp["dp_comm"] + dp["optimizer"]
+    if software.muon is not None:
+        dp["muon"] = _muon_seconds(model, layout, slowest, gpu, links, software.muon)
+    step = compute + bubble + dp["dp_comm"] + dp["optimizer"] + dp.get("muon", 0.0)
 
     mem = memory_per_gpu(model, layout, seq, m, software.precision, software.flash_attention,
                          overlap_grad_reduce=software.overlap_grad_reduce,
-                         overlap_param_gather=software.overlap_param_gather)
+                         overlap_param_gather=software.overlap_param_gather,
+                         optimizer="adam" if software.muon is None else "muon")
     n_gpus = layout.num_gpus
     pairs = global_batch * attention_pairs(model, packed_lengths(seq, software.document_length))
     model_flops = flops_per_iteration(model, global_batch, seq, None, layout.tp, pairs)

@@ -1,0 +1,144 @@
+"""Muon against AdamW on the demo corpus: does a tiny Llama reach AdamW's 300-step loss in fewer steps?
+
+    python -m benchmarks.muon_demo [--iters 300] [--out .cache/muon_demo] [--plot docs/muon_vs_adamw.png]
+
+The corpus is `make demo`'s (the Python standard library's sources, a 2048-piece SentencePiece tokenizer; built
+once into .cache/demo). The model is configs/gpt-tiny.yaml's Llama shape (4 layers, hidden 64, 4 heads in 2
+query groups, SwiGLU, RMSNorm, RoPE, tied embeddings; 16 sequences of 64 tokens per step), trained by
+launch/pretrain_gpt.py as one CPU process from the same weights on the same batches, with a cosine schedule
+(10 warm-up steps, down to a tenth of the peak) and clipping at 1.0. Each optimizer runs at every learning rate
+of its grid, and its best (lowest mean training loss over the last 20 steps) is kept:
+- adam: AdamW (betas 0.9, 0.999; weight decay 0.01);
+- muon: Megatron-LM's defaults (quintic Newton-Schulz in bf16, spectral scale, momentum 0.95, no Nesterov) with
+  --muon-extra-scale-factor 0.2, the factor that gives its updates AdamW's size (Liu et al. 2025, "Muon is
+  scalable"), so that one --lr also serves the embedding and norms, which AdamW trains under Muon.
+The target is the tuned AdamW's loss at the last step (mean of its last 20 steps); the answer is the first step
+at which the tuned Muon's 20-step mean reaches it (or that it does not). Held-out loss at the end is reported
+beside it. Results: the table printed, every run's metrics file in --out, the runs' final losses and the answer
+in benchmarks/results/muon_demo.json, and the curves drawn for the README (--plot).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+
+from tools.demo_corpus import build_demo_corpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Learning rates a factor sqrt(2) apart around each optimizer's best (a coarser first sweep: AdamW 1e-3 to 1.6e-2,
+# best 8e-3; Muon 2e-3 to 3.2e-2, best 1.6e-2).
+GRIDS = {"adam": (2e-3, 2.8e-3, 4e-3, 5.7e-3, 8e-3, 1.1e-2, 1.6e-2),
+         "muon": (4e-3, 5.7e-3, 8e-3, 1.1e-2, 1.6e-2, 2.3e-2, 3.2e-2)}
+FLAGS = {"adam": [], "muon": ["--optimizer", "muon", "--muon-extra-scale-factor", "0.2"]}
+WINDOW = 20  # steps a smoothed training loss averages
+
+
+def train(optimizer: str, lr: float, iters: int, data: tuple, out: str) -> dict:
+    """One launcher run; its per-step training losses and final held-out loss, from its metrics file."""
+    metrics = os.path.join(out, f"{optimizer}-lr{lr:g}.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    tokenizer, prefix = data
+    cmd = [sys.executable, "launch/pretrain_gpt.py", "--config", "configs/gpt-tiny.yaml", "--device", "cpu",
+           "--data-path", prefix, "--tokenizer-model", tokenizer, "--split", "98,2,0", "--train-iters", str(iters),
+           "--lr", str(lr), "--min-lr", str(lr / 10), "--lr-warmup-iters", "10", "--lr-decay-iters", str(iters),
+           "--eval-interval", str(iters), "--eval-iters", "16", "--log-interval", str(iters // 6),
+           "--metrics-file", metrics, *FLAGS[optimizer]]
+    # A port of its own: a one-process launch otherwise listens on the launcher's default, which a test or
+    # another run on this machine may hold.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(_free_port()))
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"muon_demo: {optimizer} at lr {lr:g} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    losses, valid = {}, None
+    with open(metrics) as fh:
+        for record in map(json.loads, fh):
+            if record.get("split") == "valid":
+                valid = record["lm_loss"]
+            elif "event" not in record and record.get("lm_loss") is not None:
+                losses[record["iteration"]] = record["lm_loss"]
+    curve = [losses[i] for i in sorted(losses)]
+    return {"optimizer": optimizer, "lr": lr, "curve": curve, "valid": valid, "final": smooth(curve)[-1]}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def smooth(curve: list) -> list:
+    """Each step's mean loss over the last WINDOW steps (fewer at the start)."""
+    return [sum(curve[max(0, i + 1 - WINDOW):i + 1]) / (i + 1 - max(0, i + 1 - WINDOW)) for i in range(len(curve))]
+
+
+def compare(runs: list) -> dict:
+    """The tuned run of each optimizer, AdamW's final loss as the target and Muon's first step reaching it."""
+    best = {o: min((r for r in runs if r["optimizer"] == o), key=lambda r: r["final"]) for o in GRIDS}
+    target = best["adam"]["final"]
+    reached = next((i + 1 for i, loss in enumerate(smooth(best["muon"]["curve"])) if loss <= target), None)
+    edges = {o: best[o]["lr"] in (GRIDS[o][0], GRIDS[o][-1]) for o in GRIDS}
+    return {"best": {o: {k: best[o][k] for k in ("lr", "final", "valid")} for o in GRIDS}, "target": target,
+            "muon_steps_to_target": reached, "iters": len(best["adam"]["curve"]), "best_at_grid_edge": edges}
+
+
+def plot(runs: list, result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for o, colour in (("adam", "tab:blue"), ("muon", "tab:red")):
+        for r in (r for r in runs if r["optimizer"] == o):
+            tuned = r["lr"] == result["best"][o]["lr"]
+            ax.plot(range(1, len(r["curve"]) + 1), smooth(r["curve"]), color=colour, alpha=1 if tuned else 0.18,
+                    lw=1.8 if tuned else 0.8, label=f"{'AdamW' if o == 'adam' else 'Muon'} lr {r['lr']:g}" if tuned
+                    else None)
+    ax.axhline(result["target"], color="gray", ls="--", lw=0.8, label="AdamW's final loss")
+    if result["muon_steps_to_target"]:
+        ax.axvline(result["muon_steps_to_target"], color="tab:red", ls=":", lw=0.8,
+                   label=f"Muon reaches it at step {result['muon_steps_to_target']}")
+    ax.set(xlabel="step", ylabel=f"training loss ({WINDOW}-step mean)", ylim=(result["target"] - 0.6,
+                                                                             result["target"] + 2.5))
+    ax.set_title("tiny Llama on the demo corpus; faint: the other learning rates", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--out", default=os.path.join(ROOT, ".cache", "muon_demo"))
+    ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "muon_vs_adamw.png"))
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    data = build_demo_corpus(os.path.join(ROOT, ".cache", "demo"), vocab_size=2048, max_files=400)
+    runs = []
+    for optimizer, grid in GRIDS.items():
+        for lr in grid:
+            runs.append(train(optimizer, lr, args.iters, data, args.out))
+            r = runs[-1]
+            print(f"{optimizer:5s} lr {lr:<7g} final {WINDOW}-step mean {r['final']:.4f}  held-out {r['valid']:.4f}",
+                  flush=True)
+    result = compare(runs)
+    with open(os.path.join(ROOT, "benchmarks", "results", "muon_demo.json"), "w") as fh:
+        json.dump({"result": result, "runs": [{k: r[k] for k in ("optimizer", "lr", "final", "valid")} for r in runs]},
+                  fh, indent=1)
+    plot(runs, result, args.plot)
+    b, steps = result["best"], result["muon_steps_to_target"]
+    print(f"tuned: AdamW lr {b['adam']['lr']:g} -> {b['adam']['final']:.4f} (held-out {b['adam']['valid']:.4f}); "
+          f"Muon lr {b['muon']['lr']:g} -> {b['muon']['final']:.4f} (held-out {b['muon']['valid']:.4f})")
+    print(f"Muon reaches AdamW's {result['iters']}-step loss {result['target']:.4f} "
+          + (f"at step {steps} ({steps / result['iters']:.0%} of the steps)" if steps else "in none of its steps"))
+    if any(result["best_at_grid_edge"].values()):
+        print(f"note: a tuned learning rate is at its grid's edge: {result['best_at_grid_edge']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
