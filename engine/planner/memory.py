@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from engine.config import ModelConfig
-from engine.flops import split_backward_costs
+from engine.planner.counts import split_backward_costs
 from engine.layout import Layout
 from engine.planner.activations import in_flight_bytes, layer_activation_bytes, w_store_bytes
 from engine.planner.params import (ADAM_MOMENT_BYTES, GRAD_BYTES, MASTER_BYTES, MUON_MOMENTUM_BYTES, PARAM_BYTES,

@@ -21,7 +21,8 @@ from typing import Optional
 
 from engine.config import ModelConfig
 from engine.attention_mask import packed_lengths
-from engine.flops import Costs, GPUSpec, attention_pairs, flops_per_iteration, split_backward_costs
+from engine.flops import Costs, GPUSpec
+from engine.planner.counts import attention_pairs, flops_per_iteration, split_backward_costs
 from engine.layout import Layout
 from engine.pipeline.schedules import bubble_time
 from engine.planner.layer_time import (GEMM_EFFICIENCY, GEMM_EFFICIENCY_DEFAULT, HBM_EFFICIENCY, LayerCosts,
