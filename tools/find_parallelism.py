@@ -43,7 +43,9 @@ from engine.layout import Layout, Sharding
 from engine.optim.newton_schulz import MuonSettings
 from engine.planner.memory import GIB
 from engine.planner.params import params_per_rank
-from engine.planner.search import DEFAULT_SCHEDULES, chinchilla_optimal, rank_layouts
+from engine.planner.explain import runner_up, why
+from engine.planner.published import calibrated
+from engine.planner.search import DEFAULT_SCHEDULES, chinchilla_optimal, not_searched, rank_layouts
 from engine.planner.step_time import Software, estimate
 from engine.precision import precision_name
 from engine.resolve import resolve
@@ -268,7 +270,9 @@ def _table(rows) -> str:
     head = ("tp", "cp", "pp", "vpp", "dp", "ep", "mb", "sp", "dopt", "sharding", "schedule", "recompute", "mem GiB",
             "fits", "step s", "tokens/s", "TFLOP/s", "MFU")
     lines = [head]
-    for e in rows:
+    for i, e in enumerate(rows):
+        if i and rows[i - 1].fits and not e.fits:
+            lines.append(None)  # a rule: the layouts below do not fit, whatever their speed
         lay = e.layout
         vpp = f"{lay.first_stage_layers}/../{lay.last_stage_layers}" if lay.first_stage_layers is not None else lay.vpp
         lines.append((lay.tp, lay.cp, lay.pp, vpp, lay.dp, lay.ep, lay.micro_batch_size, "y" if lay.sequence_parallel else "-",
@@ -277,8 +281,9 @@ def _table(rows) -> str:
                       lay.recompute, f"{e.memory.total / GIB:.1f}",
                       "yes" if e.fits else "NO", f"{e.step_time_s:.3f}", f"{e.tokens_per_s:,.0f}",
                       f"{e.tflops_per_gpu:.1f}", f"{e.mfu * 100:.1f}%"))
-    widths = [max(len(str(r[i])) for r in lines) for i in range(len(head))]
-    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in lines)
+    widths = [max(len(str(r[i])) for r in lines if r) for i in range(len(head))]
+    rule = "-- these do not fit in memory (ranked after every layout that fits) --"
+    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths)) if r else rule for r in lines)
 
 
 def main(argv=None) -> int:
@@ -312,7 +317,8 @@ def main(argv=None) -> int:
     plan = _plan(args, cfg, rows[0], batch, seq) if (args.tokens or args.chinchilla) else None
     shown = rows[:max(1, args.top)]
     if args.json:
-        out = [dict(e.to_dict(), **({"plan": plan} if plan and i == 0 else {})) for i, e in enumerate(shown)]
+        out = [dict(e.to_dict(), calibrated=calibrated(cfg.model), **({"plan": plan} if plan and i == 0 else {}))
+               for i, e in enumerate(shown)]
         print(json.dumps(out, indent=1))
         return _nothing_fits(args, gpu, rows)
     fitting = sum(e.fits for e in rows)
@@ -322,7 +328,17 @@ def main(argv=None) -> int:
           f"({gpu.peak_tflops:.0f} TFLOP/s, {gpu.memory_gib:.0f} GiB); global batch {batch} x {seq} tokens, {precision}")
     print(f"{len(rows)} layout(s) evaluated, {fitting} fit in memory\n")
     print(_table(shown))
+    if not calibrated(cfg.model):
+        print("\nuncalibrated: no published mixture-of-experts run is in the step-time model's calibration set, so "
+              "these step times and MFU are the dense model's constants applied to experts; take them as a ranking, "
+              "not a forecast (docs/planner.md)")
     best = rows[0]
+    if args.tp is None:
+        print("\nnot searched: " + "; ".join(not_searched(cfg.model, args.num_gpus, args.gpus_per_node, seq,
+                                                          schedules)))
+        second = runner_up(rows) if best.fits else None
+        if second is not None:
+            print("\nwhy: " + why(best, second))
     if best.fits:
         print(("\ncommand line:\n  " if args.tp else "\nbest layout:\n  ") + torchrun_command(args, best.layout, batch, seq, precision))
     if plan:

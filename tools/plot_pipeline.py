@@ -31,7 +31,7 @@ import matplotlib.pyplot as plt
 from matplotlib.colors import to_rgb
 from matplotlib.patches import Patch, Rectangle
 
-from engine.layout import PipelineSchedule
+from engine.layout import SCHEDULE_KINDS, PipelineSchedule
 from engine.pipeline.replay import replay
 
 FIELDS = ("rank", "pp_rank", "kind", "microbatch", "chunk", "start", "end")
@@ -127,13 +127,14 @@ def bubble_fractions(events: list) -> dict:
 
 
 def traced_schedule(events: list) -> PipelineSchedule:
-    """The schedule a trace ran, from its shape (traces do not name it): split backwards (W passes) are the
-    zero-bubble schedules, zb-v with its two chunks per rank, zb-h1 with one; else interleaved with several
-    chunks per rank, 1f1b with one."""
+    """The schedule a trace ran, from its shape (traces do not name it): the kind (engine.layout.SCHEDULE_KINDS)
+    whose split backward matches the trace's W passes and whose chunks per rank match its chunks (zb-v: two with
+    W passes, zb-h1: one; interleaved: several without, 1f1b: one)."""
     pp, chunks = len({e["pp_rank"] for e in events}), len({e["chunk"] for e in events})
     split = any(e["kind"] == "W" for e in events)
-    name = ("zb-v" if chunks == 2 else "zb-h1") if split else ("interleaved" if chunks > 1 else "1f1b")
-    return PipelineSchedule.of(name, pp, chunks if name == "interleaved" else None)
+    name = next(n for n, kind in SCHEDULE_KINDS.items() if kind.split_backward == split
+                and (kind.chunks == chunks if kind.chunks else chunks > 1))
+    return PipelineSchedule.of(name, pp, chunks)
 
 
 def mean_pass_seconds(events: list) -> dict:
