@@ -1,7 +1,8 @@
 """Why the planner's pick beat the runner-up, in one line with the step-time terms of both.
 
-The runner-up is the fastest other layout that fits and differs in more than the data-parallel sharding strategy
-(strategies often tie in time: a runner-up that only shards more would say nothing about the layout)."""
+The runner-up is the fastest other layout that fits with other parallel degrees (tp, cp, pp, dp or ep): the next
+few rows often differ only in virtual stages, micro batch or sharding strategy, within a fraction of a percent, and
+would say nothing about why this split of the GPUs. Without one, the next fitting layout."""
 from __future__ import annotations
 
 from typing import Optional
@@ -29,16 +30,15 @@ def describe(lay: Layout) -> str:
     return " x ".join(sizes) + ", " + ", ".join(extras)
 
 
-def _shape(lay: Layout) -> tuple:
-    return (lay.tp, lay.cp, lay.pp, lay.vpp, lay.ep, lay.micro_batch_size, lay.recompute, lay.sequence_parallel,
-            lay.pipeline_schedule, lay.first_stage_layers)
+def _degrees(lay: Layout) -> tuple:
+    return lay.tp, lay.cp, lay.pp, lay.dp, lay.ep
 
 
 def runner_up(ranked: list) -> Optional[Estimate]:
-    """The fastest fitting layout after ranked[0] that differs in more than its sharding strategy (else in that)."""
+    """The fastest fitting layout after ranked[0] with other degrees (else the next fitting one, else None)."""
     others = [e for e in ranked[1:] if e.fits]
-    best = _shape(ranked[0].layout)
-    return next((e for e in others if _shape(e.layout) != best), others[0] if others else None)
+    best = _degrees(ranked[0].layout)
+    return next((e for e in others if _degrees(e.layout) != best), others[0] if others else None)
 
 
 def why(best: Estimate, second: Estimate) -> str:

@@ -201,7 +201,7 @@ def relative_error(case: Published) -> float:
 
 
 def markdown_table(cases: list = PUBLISHED) -> str:
-    """Case, layout, source, reported and predicted TFLOP/s per GPU, error: for the README."""
+    """Case, layout, source, reported and predicted TFLOP/s per GPU, error: for docs/planner.md."""
     lines = ["| case | GPU | tp | pp | cp | dp | recompute | reported TFLOP/s | predicted | error | fit/held out | source |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
