@@ -17,9 +17,13 @@ strategy is tried (in the one-layout mode too) and the table's "sharding" column
 
 The memory model is engine/planner/memory.py, the time model engine/planner/step_time.py (constants and
 sources documented there and in layer_time.py and links.py, checked against published runs in
-engine/planner/published.py), the search engine/planner/search.py (context parallelism is tried for sequences
-of 16K tokens and more; for a mixture of experts, expert parallelism over the sizes dividing dp and the
-experts, and FLOPs count activated parameters);
+engine/planner/published.py), the search engine/planner/search.py (context parallelism is tried at every
+sequence length, wherever each rank keeps at least 4096 tokens of a sequence; for a mixture of experts, expert
+parallelism over the sizes dividing dp and the experts, and FLOPs count activated parameters).
+After the table: what the search left out and why ("not searched:"), why the pick beats the runner-up (the
+fastest fitting layout with other degrees) with both step times term by term ("why:"), and for a mixture of
+experts that no published MoE run calibrates its step times ("uncalibrated:"; JSON rows: "calibrated").
+Layouts that do not fit come after every one that fits, behind a rule. docs/planner.md explains all of it;
 --mean-document-length L plans for samples packed with documents of L tokens under --reset-attention-mask:
 attention (its time in the fused kernels, which skip other documents' blocks, and its FLOPs) counts each
 document's square, the sum of L_i^2 over a sample's s / L documents, rather than s^2.
