@@ -4,9 +4,9 @@ schedules) and its one-line errors. The memory model is tested in tests/test_pla
 model against published runs in tests/test_planner_calibration.py."""
 import json
 import os
+import resource
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -35,15 +35,18 @@ def test_gpt3_175b_on_1024_a100_top_layouts_use_tp4_or_8_pp8_to_16_and_fit():
 
 
 def test_cli_175b_json_under_10_seconds():
-    start = time.monotonic()
+    """Under 10 s of CPU (the process's own user + system time, imports included): wall time on a shared machine
+    measures the other jobs (it read 17-23 s at a load of 4-28 on two cores with 2-3 s of CPU)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run([sys.executable, TOOL, "--config", os.path.join(ROOT, "configs", "gpt3-175b.yaml"),
                           "--num-gpus", "1024", "--gpu", "a100-80g", "--global-batch-size", "1536", "--json",
-                          "--top", "20"], capture_output=True, text=True, timeout=60,
+                          "--top", "20"], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=ROOT))  # the tool imports engine from the checkout
-    elapsed = time.monotonic() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)
-    assert elapsed < 10.0
+    assert cpu < 10.0, cpu
     assert len(rows) == 20
     for key in ("tp", "pp", "vpp", "dp", "micro_batch_size", "recompute", "memory_gb_per_gpu", "step_time_s",
                 "tflops_per_gpu", "mfu", "fits"):

@@ -118,14 +118,22 @@ def test_moe_predictions_are_marked_uncalibrated_until_a_moe_run_is_fitted(capsy
     assert "uncalibrated" not in capsys.readouterr().out
 
 
-def test_memoised_counts_equal_the_engines_and_follow_a_changed_model():
+def test_counts_are_memoised_only_within_a_search_and_equal_the_engines():
+    """A search pins its own copy of the model and its counts are kept while it runs; outside one every call
+    computes afresh, so a model or a rule changed between calls is never answered from a stale table."""
     model = parse_config(["--config", _config("llama3-8b")]).model
-    assert counts.mean_keys_per_query(model, 8192) == mean_keys_per_query(model, 8192)
-    assert counts.attention_pairs(model, [4096, 4096]) == attention_pairs(model, [4096, 4096])
-    assert counts.split_backward_costs(model, 8192, "full") == split_backward_costs(model, 8192, "full")
-    assert counts.flops_per_iteration(model, 8, 8192, None, 2, None) == flops_per_iteration(model, 8, 8192, None, 2)
-    before = counts.attention_pairs(model, [8192])
-    model.window_size = "1023,0"  # the same object, now windowed: the memo must not answer with the old count
-    assert counts.attention_pairs(model, [8192]) == attention_pairs(model, [8192]) < before
     with counts.pinned(model):
-        assert counts.attention_pairs(model, [8192]) == attention_pairs(model, [8192])
+        assert counts.mean_keys_per_query(model, 8192) == mean_keys_per_query(model, 8192)
+        assert counts.attention_pairs(model, [4096, 4096]) == attention_pairs(model, [4096, 4096])
+        assert counts.split_backward_costs(model, 8192, "full") == split_backward_costs(model, 8192, "full")
+        assert counts.flops_per_iteration(model, 8, 8192, None, 2, None) == flops_per_iteration(model, 8, 8192, None, 2)
+    calls = []
+    doubled = counts.memoised(lambda m, n: calls.append(n) or 2 * n)
+    with counts.pinned(model):
+        assert doubled(model, 3) == doubled(model, 3) == 6 and calls == [3]      # kept within the search
+        other = parse_config(["--config", _config("llama3-8b")]).model
+        assert doubled(other, 3) == 6 and calls == [3, 3]                     # another model is not pinned
+    assert doubled(model, 3) == 6 and calls == [3, 3, 3]                      # the table went with the search
+    before = counts.attention_pairs(model, [8192])
+    model.window_size = "1023,0"  # outside a search a changed model gets fresh counts
+    assert counts.attention_pairs(model, [8192]) == attention_pairs(model, [8192]) < before

@@ -1,10 +1,12 @@
-"""The model's FLOP and attention-pair counts, memoised for the planner, and the decorator that memoises them.
+"""Memoising what a layout search asks for again and again, and the memoised counts themselves.
 
-Each count is a sum over the model's layers (each layer's mask can differ) and is the same for every layout of
-one model; a search estimates thousands of layouts and asked for them again each time (most of its time went
-there). They are kept per (function, the model's settings, arguments): the settings are read by value, so a
-model changed between calls gets fresh counts. engine/planner/memory.py memoises the per-rank parameter state the
-same way (it depends on the degrees, not on the micro batch or the recomputation a search varies)."""
+A search estimates thousands of layouts of one model, and each estimate asked anew for sums over the model's layers
+(FLOPs, attention pairs, keys per query: each layer's mask can differ) and for each pipeline rank's parameter state,
+which depend on the model and the degrees but not on the micro batch or recomputation the search varies: most of
+its time went there. Within `pinned(model)` (the search's own copy of the model, which nothing changes meanwhile)
+these are kept per (function, arguments); outside it every call computes afresh, so a model or a rule changed
+between calls (a test's monkeypatch) is never answered from a stale table.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -15,39 +17,31 @@ from engine import attention_mask, flops
 from engine.layout import Layout
 from engine.planner import params
 
-_MEMO: dict = {}
-_MEMO_LIMIT = 4096  # entries kept before the table starts over (a search uses a few dozen)
-
-
-_PINNED: dict = {}  # id -> (model, its settings) of the models a search holds unchanged (see `pinned`)
+_PINNED: dict = {}  # id(model) -> (model, its memo table) while a search holds it
 
 
 @contextlib.contextmanager
 def pinned(model):
-    """Within the block, `model` (which nobody changes meanwhile: a search's own copy) is keyed by its settings read
-    once, not at every call: reading them costs as much as the rest of a layout's estimate."""
-    _PINNED[id(model)] = (model, repr(model))
+    """Memoise the counts of `model` within the block; the caller promises not to change the model meanwhile."""
+    _PINNED[id(model)] = (model, {})
     try:
         yield model
     finally:
         del _PINNED[id(model)]
 
 
-def _settings(model) -> str:
-    held = _PINNED.get(id(model))
-    return held[1] if held is not None and held[0] is model else repr(model)
-
-
 def memoised(fn):
-    """fn(model, *args) computed once per (the model's settings, args); args hashable (lists become tuples)."""
+    """fn(model, *args), kept per (fn, args) while `model` is pinned (lists in args read as tuples)."""
     @functools.wraps(fn)
     def counted(model, *args):
-        key = (fn.__name__, _settings(model), tuple(tuple(a) if isinstance(a, list) else a for a in args))
-        if key not in _MEMO:
-            if len(_MEMO) >= _MEMO_LIMIT:
-                _MEMO.clear()
-            _MEMO[key] = fn(model, *args)
-        return _MEMO[key]
+        held = _PINNED.get(id(model))
+        if held is None or held[0] is not model:
+            return fn(model, *args)
+        key = (fn.__qualname__, fn.__module__, tuple(tuple(a) if isinstance(a, list) else a for a in args))
+        table = held[1]
+        if key not in table:
+            table[key] = fn(model, *args)
+        return table[key]
     return counted
 
 
