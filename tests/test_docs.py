@@ -64,3 +64,12 @@ def test_no_internal_wording():
                 found.append(f"{page}: {phrase}")
         found += [f"{page}: {m}" for m in re.findall(r"\bissue \d+", text)]
     assert not found, found
+
+
+def test_the_planner_page_holds_the_calibration_table_as_the_planner_computes_it():
+    """docs/planner.md's published-runs table is engine.planner.published.markdown_table() row for row, so the
+    errors it states are the planner's own."""
+    from engine.planner.published import markdown_table
+    page = _read("docs/planner.md")
+    missing = [row for row in markdown_table().splitlines()[2:] if row not in page]
+    assert not missing, missing
