@@ -25,7 +25,7 @@ def _config(name):
 
 
 def _table_rows(out):
-    """(tp, cp, pp, vpp, dp, fits) of every layout row of the printed table."""
+    """(tp, cp, pp, vpp, dp, fits) of every layout row of the printed table (None for the rule line)."""
     lines = out.split("\n\n")[1].splitlines()[1:]
     return [(int(c[0]), int(c[1]), int(c[2]), c[3], int(c[4]), c[13]) if c else None
             for c in (ln.split() if not ln.startswith("--") else None for ln in lines)]
@@ -89,6 +89,8 @@ def test_layouts_that_do_not_fit_come_after_every_one_that_fits_behind_a_rule(ca
     cut = rows.index(None)
     assert cut > 0 and all(r[5] == "yes" for r in rows[:cut]) and all(r[5] == "NO" for r in rows[cut + 1:])
     assert "these do not fit in memory" in out
+    memory = [float(ln.split()[12]) for ln in out.split("\n\n")[1].splitlines()[cut + 2:]]
+    assert len(memory) > 1 and memory == sorted(memory), "the nearest to fitting first"
 
 
 def test_runner_up_is_the_fastest_other_split_of_the_gpus_and_the_reason_adds_up():

@@ -49,7 +49,7 @@ from engine.planner.memory import GIB
 from engine.planner.params import params_per_rank
 from engine.planner.explain import runner_up, why
 from engine.planner.published import calibrated
-from engine.planner.search import DEFAULT_SCHEDULES, chinchilla_optimal, not_searched, rank_layouts
+from engine.planner.search import DEFAULT_SCHEDULES, chinchilla_optimal, not_searched, rank_key, rank_layouts
 from engine.planner.step_time import Software, estimate
 from engine.precision import precision_name
 from engine.resolve import resolve
@@ -189,13 +189,13 @@ def _given_layout(args, cfg, batch) -> Layout:
 
 def estimate_given(args, cfg, batch, seq, gpu, sw):
     """The given layout's estimate; without --data-parallel-sharding-strategy, the best of the strategies
-    (those that fit first, then the fastest)."""
+    (engine.planner.search.rank_key: the fastest that fits, else the nearest to fitting)."""
     layout = _given_layout(args, cfg, batch)
     strategies = [layout.sharding_strategy] if args.data_parallel_sharding_strategy or layout.shard_group == 1 \
         else SHARDING_STRATEGIES
     ests = [estimate(cfg.model, dataclasses.replace(layout, sharding_strategy=s), gpu, batch, seq, args.gpus_per_node,
                      sw) for s in strategies]
-    return min(ests, key=lambda e: (not e.fits, round(e.step_time_s, 6), e.memory.total))
+    return min(ests, key=rank_key)
 
 
 def torchrun_command(args, layout: Layout, batch: int, seq: int, precision: str) -> str:

@@ -18,7 +18,7 @@ from engine.planner.step_time import Software, estimate
 # Search limits: micro batch sizes tried (powers of two up to this), virtual stages per rank, and the
 # largest context-parallel size. cp is tried at every sequence length, at every power of two that leaves each
 # rank at least MIN_CP_TOKENS tokens of a sequence: the shortest share published runs back (NVIDIA's Llama 3 8B
-# and 70B recipes run cp 2 at 8K, NeMo docs/source/performance/performance_summary.md; the calibration's
+# and 70B recipes run cp 2 at 8K in FP8, NeMo docs/source/performance/performance_summary.md; the calibration's
 # Llama 3 405B cp 16 at 128K keeps 8192). Below it the step-time model is unchecked and leaves out what grows
 # there: attention kernels on short blocks run below their efficiency, and cp ring steps add launches and syncs.
 MAX_MICRO_BATCH = 16
@@ -154,12 +154,18 @@ def candidate_layouts(model: ModelConfig, num_gpus: int, gpus_per_node: int, glo
 def rank_layouts(model: ModelConfig, num_gpus: int, gpu: GPUSpec, global_batch: int, seq: int,
                  gpus_per_node: int = 8, software: Software = Software(), strategies: tuple = SHARDING_STRATEGIES,
                  schedules: tuple = DEFAULT_SCHEDULES) -> list:
-    """All candidate layouts, fastest first; layouts that do not fit come after those that do."""
+    """All candidate layouts ranked by `rank_key`: those that fit, fastest first, then those that do not."""
     with pinned(copy.deepcopy(model)) as own:  # a copy no caller can change while the counts are keyed on it
         out = [estimate(own, lay, gpu, global_batch, seq, gpus_per_node, software)
                for lay in candidate_layouts(own, num_gpus, gpus_per_node, global_batch, seq, strategies, schedules)]
-    out.sort(key=lambda e: (not e.fits, round(e.step_time_s, 6), e.memory.total))
+    out.sort(key=rank_key)
     return out
+
+
+def rank_key(e) -> tuple:
+    """Layouts that fit first, fastest first (ties: the lighter); then those that do not fit, nearest to fitting
+    first (least memory), whatever their speed: one that does not fit is never ranked among those that do."""
+    return (0, round(e.step_time_s, 6), e.memory.total) if e.fits else (1, e.memory.total, e.step_time_s)
 
 
 def chinchilla_optimal(compute_flops: float) -> tuple:
