@@ -4,7 +4,7 @@ On the CPU: the flag parses with Megatron-LM's choices and follows the device wh
 line before any process group (tests/test_launcher.py runs it: exit 2); the launcher's device choice, with
 torch's CUDA queries stubbed, gives each rank its own GPU under nccl and shares the GPUs under gloo. What gloo
 cannot carry on CUDA tensors (point-to-point) is staged through host memory: `comm.stages` is checked against
-the table (engine/parallel/comm.py, the README), and on two gloo ranks the staged send and receive, called
+the table (engine/parallel/comm.py, docs/guide.md), and on two gloo ranks the staged send and receive, called
 directly on CPU tensors, deliver bitwise what the unstaged ones do, for every pairing of the two.
 
 On a GPU (`pytest -m gpu`): every collective of comm.py on CUDA tensors under gloo equals, bitwise, the same
@@ -101,8 +101,8 @@ def test_only_point_to_point_stages_and_only_gloo_on_cuda():
                        ("cpu", "cuda") if (backend, device) != ("gloo", "cuda"))
 
 
-def test_the_readme_and_comm_state_the_same_table():
-    readme = open(os.path.join(ROOT, "README.md")).read().splitlines()
+def test_the_guide_and_comm_state_the_same_table():
+    readme = open(os.path.join(ROOT, "docs", "guide.md")).read().splitlines()
     for op, carried in comm.GLOO_CARRIES_CUDA.items():
         rows = [line for line in readme if line.startswith("|") and f"`{FUNCTION[op]}`" in line]
         assert len(rows) == 1, (op, rows)

@@ -4,9 +4,9 @@ schedules) and its one-line errors. The memory model is tested in tests/test_pla
 model against published runs in tests/test_planner_calibration.py."""
 import json
 import os
+import resource
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -35,15 +35,18 @@ def test_gpt3_175b_on_1024_a100_top_layouts_use_tp4_or_8_pp8_to_16_and_fit():
 
 
 def test_cli_175b_json_under_10_seconds():
-    start = time.monotonic()
+    """Under 10 s of CPU (the process's own user + system time, imports included): wall time on a shared machine
+    measures the other jobs (it read 17-23 s at a load of 4-28 on two cores with 2-3 s of CPU)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run([sys.executable, TOOL, "--config", os.path.join(ROOT, "configs", "gpt3-175b.yaml"),
                           "--num-gpus", "1024", "--gpu", "a100-80g", "--global-batch-size", "1536", "--json",
-                          "--top", "20"], capture_output=True, text=True, timeout=60,
+                          "--top", "20"], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=ROOT))  # the tool imports engine from the checkout
-    elapsed = time.monotonic() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)
-    assert elapsed < 10.0
+    assert cpu < 10.0, cpu
     assert len(rows) == 20
     for key in ("tp", "pp", "vpp", "dp", "micro_batch_size", "recompute", "memory_gb_per_gpu", "step_time_s",
                 "tflops_per_gpu", "mfu", "fits"):
@@ -147,7 +150,7 @@ def test_layout_validation_matches_trainer():
         par.virtual_pipeline_model_parallel_size = lay.vpp if lay.vpp > 1 else None
         par.decoder_first_pipeline_num_layers = lay.first_stage_layers
         par.decoder_last_pipeline_num_layers = lay.last_stage_layers
-        par.sequence_parallel = lay.sequence_parallel
+        par.sequence_parallel, par.context_parallel_size = lay.sequence_parallel, lay.cp
         cfg.training.micro_batch_size, cfg.training.global_batch_size = lay.micro_batch_size, 128
         try:
             validate(cfg, 32)
@@ -173,13 +176,16 @@ def test_llama3_405b_published_layout_with_uneven_stages_is_evaluated(capsys):
 
 def test_llama3_405b_search_puts_uneven_stage_layouts_in_its_top_five(capsys):
     """126 layers divide by no power-of-two pp: the search splits them unevenly (fewer layers on the end stages)
-    and such layouts rank in the top five, the published tp 8 x pp 16 with 7/../7 among them."""
+    and such layouts rank in the top five, the published tp 8 x pp 16 with 7/../7 among them -- with cp 2 since
+    the search tries cp at 8K: halving dp doubles the microbatches per pipeline, which the planner prices above
+    the cp exchange (the published run interleaved its stages, which the memory model does not fit at 8K:
+    engine/planner/published.py)."""
     cfg = os.path.join(ROOT, "configs", "llama3-405b.yaml")
     run_cli("--config", cfg, "--num-gpus", "16384", "--gpu", "h100-sxm", "--top", "5", "--json")
     rows = json.loads(capsys.readouterr().out)[:5]
-    uneven = [(r["tp"], r["pp"], r["first_stage_layers"], r["last_stage_layers"]) for r in rows
+    uneven = [(r["tp"], r["cp"], r["pp"], r["first_stage_layers"], r["last_stage_layers"]) for r in rows
               if r["first_stage_layers"] is not None]
-    assert uneven and (8, 16, 7, 7) in uneven, rows
+    assert uneven and (8, 2, 16, 7, 7) in uneven, rows
 
 
 
@@ -265,7 +271,7 @@ def test_moe_search_layouts_pass_the_trainers_validation():
             cfg.parallel, tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
             virtual_pipeline_model_parallel_size=lay.vpp if lay.vpp > 1 else None, sequence_parallel=lay.sequence_parallel,
             expert_model_parallel_size=lay.ep, decoder_first_pipeline_num_layers=lay.first_stage_layers,
-            decoder_last_pipeline_num_layers=lay.last_stage_layers)
+            decoder_last_pipeline_num_layers=lay.last_stage_layers, context_parallel_size=lay.cp)
         c.training = dataclasses.replace(cfg.training, micro_batch_size=lay.micro_batch_size, global_batch_size=64)
         try:
             validate(c, 32)
@@ -273,6 +279,7 @@ def test_moe_search_layouts_pass_the_trainers_validation():
             pytest.fail(f"{lay}: {e}")
         seen_ep.add(lay.ep)
     assert seen_ep == {1, 2, 4, 8}
+    assert {lay.cp for lay in candidate_layouts(cfg.model, 32, 8, 64, 4096)} == {1}  # 4096 tokens: cp 2 keeps 2048
 
 
 def test_cli_verify_moe_at_ep(capsys):

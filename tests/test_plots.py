@@ -159,3 +159,55 @@ def test_plot_pipeline_draws_one_traced_iteration(tmp_path, capsys):
     assert "mean bubble 20.0%" in capsys.readouterr().out  # (p-1)/(m+p-1) of iteration 2 alone
     assert plot_pipeline.main([str(trace), "--out", str(tmp_path / "p.png"), "--iteration", "7"]) == 2
     assert "traced iterations: 1, 2" in capsys.readouterr().err
+
+
+def _engine_trace(name, p, m, vpp=None, t=(1.0, 1.0, 1.0), jitter=0.0, run_stamps=None):
+    """Trace events of the engine's own `name` order on p ranks, replayed at per-pass times t (F, B, W) with
+    free communication; `jitter`: a wait of that long before every other pass of a rank, later passes moved on
+    (a busy CPU); `run_stamps`: one "run" per rank."""
+    from engine.layout import PipelineSchedule
+    from engine.pipeline.replay import replay
+    from engine.pipeline.schedules import schedule_order
+    schedule = PipelineSchedule.of(name, p, vpp)
+    orders = [schedule_order(schedule, r, m) for r in range(p)]
+    times = replay(orders, schedule, dict(zip("FBW", t)))
+    events, passes = [], [0] * p
+    for (kind, r, c, mb), (start, end) in sorted(times.items(), key=lambda kv: kv[1]):
+        shift = jitter * (passes[r] // 2 + passes[r] % 2)
+        passes[r] += 1
+        events.append(dict(iteration=1, rank=r, pp_rank=r, kind=kind, microbatch=mb, chunk=c, start=start + shift,
+                           end=end + shift, run=(run_stamps or [0.0] * p)[r]))
+    return events
+
+
+def test_zero_bubble_traces_are_named_and_compared_with_their_own_ideal(tmp_path, capsys):
+    """The title and the summary name the traced schedule and its own ideal (ZB-V's, not interleaved 1F1B's);
+    --replay redraws the traced order at the mean pass times, which a busy CPU's trace needs to be readable."""
+    zbv = _engine_trace("zb-v", 4, 8)
+    assert plot_pipeline.traced_schedule(zbv).name == "zb-v"
+    assert plot_pipeline.traced_schedule(_engine_trace("zb-h1", 4, 8)).name == "zb-h1"
+    assert plot_pipeline.traced_schedule(simulate(4, 8, chunks=2)).name == "interleaved"
+    assert plot_pipeline.traced_schedule(simulate(4, 8)).name == "1f1b"
+    interleaved_formula = (4 - 1) / (2 * 8 + 4 - 1)
+    assert plot_pipeline.ideal_bubble(zbv) < interleaved_formula / 2  # ZB-V at F = B = W is near zero-bubble
+    noisy = _engine_trace("zb-v", 4, 8, jitter=3.0)
+    trace = tmp_path / "zbv.jsonl"
+    trace.write_text("".join(json.dumps(e) + "\n" for e in noisy))
+    assert plot_pipeline.main([str(trace), "--out", str(tmp_path / "measured.png")]) == 0
+    out = capsys.readouterr().out
+    assert "zb-v" in out and "--replay draws the traced order" in out
+    assert plot_pipeline.main([str(trace), "--out", str(tmp_path / "replayed.png"), "--replay"]) == 0
+    out = capsys.readouterr().out
+    assert "replayed" in out and "--replay draws" not in out
+    assert_png(tmp_path / "replayed.png")
+    replayed = plot_pipeline.bubble_fractions(plot_pipeline.replayed(noisy))
+    assert sum(replayed.values()) / 4 == pytest.approx(plot_pipeline.ideal_bubble(noisy))
+
+
+def test_every_rank_is_drawn_when_each_stamps_its_own_run():
+    """Each rank stamps "run" with its own start time: an iteration keeps every rank's latest run, not only the
+    rank whose stamp is largest (which drew one rank of a two-rank trace)."""
+    events = _engine_trace("1f1b", 2, 4, run_stamps=[100.0, 100.03])
+    resumed_earlier = [dict(e, run=e["run"] - 50.0, start=e["start"] - 60.0) for e in events]
+    chosen, it = plot_pipeline.select_iteration(resumed_earlier + events, None)
+    assert it == 1 and {e["rank"] for e in chosen} == {0, 1} and len(chosen) == len(events)

@@ -17,9 +17,13 @@ strategy is tried (in the one-layout mode too) and the table's "sharding" column
 
 The memory model is engine/planner/memory.py, the time model engine/planner/step_time.py (constants and
 sources documented there and in layer_time.py and links.py, checked against published runs in
-engine/planner/published.py), the search engine/planner/search.py (context parallelism is tried for sequences
-of 16K tokens and more; for a mixture of experts, expert parallelism over the sizes dividing dp and the
-experts, and FLOPs count activated parameters);
+engine/planner/published.py), the search engine/planner/search.py (context parallelism is tried at every
+sequence length, wherever each rank keeps at least 4096 tokens of a sequence; for a mixture of experts, expert
+parallelism over the sizes dividing dp and the experts, and FLOPs count activated parameters).
+After the table: what the search left out and why ("not searched:"), why the pick beats the runner-up (the
+fastest fitting layout with other degrees) with both step times term by term ("why:"), and for a mixture of
+experts that no published MoE run calibrates its step times ("uncalibrated:"; JSON rows: "calibrated").
+Layouts that do not fit come after every one that fits, behind a rule. docs/planner.md explains all of it;
 --mean-document-length L plans for samples packed with documents of L tokens under --reset-attention-mask:
 attention (its time in the fused kernels, which skip other documents' blocks, and its FLOPs) counts each
 document's square, the sum of L_i^2 over a sample's s / L documents, rather than s^2.
@@ -43,7 +47,9 @@ from engine.layout import Layout, Sharding
 from engine.optim.newton_schulz import MuonSettings
 from engine.planner.memory import GIB
 from engine.planner.params import params_per_rank
-from engine.planner.search import DEFAULT_SCHEDULES, chinchilla_optimal, rank_layouts
+from engine.planner.explain import runner_up, why
+from engine.planner.published import calibrated
+from engine.planner.search import DEFAULT_SCHEDULES, chinchilla_optimal, not_searched, rank_key, rank_layouts
 from engine.planner.step_time import Software, estimate
 from engine.precision import precision_name
 from engine.resolve import resolve
@@ -183,13 +189,13 @@ def _given_layout(args, cfg, batch) -> Layout:
 
 def estimate_given(args, cfg, batch, seq, gpu, sw):
     """The given layout's estimate; without --data-parallel-sharding-strategy, the best of the strategies
-    (those that fit first, then the fastest)."""
+    (engine.planner.search.rank_key: the fastest that fits, else the nearest to fitting)."""
     layout = _given_layout(args, cfg, batch)
     strategies = [layout.sharding_strategy] if args.data_parallel_sharding_strategy or layout.shard_group == 1 \
         else SHARDING_STRATEGIES
     ests = [estimate(cfg.model, dataclasses.replace(layout, sharding_strategy=s), gpu, batch, seq, args.gpus_per_node,
                      sw) for s in strategies]
-    return min(ests, key=lambda e: (not e.fits, round(e.step_time_s, 6), e.memory.total))
+    return min(ests, key=rank_key)
 
 
 def torchrun_command(args, layout: Layout, batch: int, seq: int, precision: str) -> str:
@@ -268,7 +274,9 @@ def _table(rows) -> str:
     head = ("tp", "cp", "pp", "vpp", "dp", "ep", "mb", "sp", "dopt", "sharding", "schedule", "recompute", "mem GiB",
             "fits", "step s", "tokens/s", "TFLOP/s", "MFU")
     lines = [head]
-    for e in rows:
+    for i, e in enumerate(rows):
+        if i and rows[i - 1].fits and not e.fits:
+            lines.append(None)  # a rule: the layouts below do not fit, whatever their speed
         lay = e.layout
         vpp = f"{lay.first_stage_layers}/../{lay.last_stage_layers}" if lay.first_stage_layers is not None else lay.vpp
         lines.append((lay.tp, lay.cp, lay.pp, vpp, lay.dp, lay.ep, lay.micro_batch_size, "y" if lay.sequence_parallel else "-",
@@ -277,8 +285,9 @@ def _table(rows) -> str:
                       lay.recompute, f"{e.memory.total / GIB:.1f}",
                       "yes" if e.fits else "NO", f"{e.step_time_s:.3f}", f"{e.tokens_per_s:,.0f}",
                       f"{e.tflops_per_gpu:.1f}", f"{e.mfu * 100:.1f}%"))
-    widths = [max(len(str(r[i])) for r in lines) for i in range(len(head))]
-    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in lines)
+    widths = [max(len(str(r[i])) for r in lines if r) for i in range(len(head))]
+    rule = "-- these do not fit in memory (ranked after every layout that fits) --"
+    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths)) if r else rule for r in lines)
 
 
 def main(argv=None) -> int:
@@ -312,7 +321,8 @@ def main(argv=None) -> int:
     plan = _plan(args, cfg, rows[0], batch, seq) if (args.tokens or args.chinchilla) else None
     shown = rows[:max(1, args.top)]
     if args.json:
-        out = [dict(e.to_dict(), **({"plan": plan} if plan and i == 0 else {})) for i, e in enumerate(shown)]
+        out = [dict(e.to_dict(), calibrated=calibrated(cfg.model), **({"plan": plan} if plan and i == 0 else {}))
+               for i, e in enumerate(shown)]
         print(json.dumps(out, indent=1))
         return _nothing_fits(args, gpu, rows)
     fitting = sum(e.fits for e in rows)
@@ -322,7 +332,17 @@ def main(argv=None) -> int:
           f"({gpu.peak_tflops:.0f} TFLOP/s, {gpu.memory_gib:.0f} GiB); global batch {batch} x {seq} tokens, {precision}")
     print(f"{len(rows)} layout(s) evaluated, {fitting} fit in memory\n")
     print(_table(shown))
+    if not calibrated(cfg.model):
+        print("\nuncalibrated: no published mixture-of-experts run is in the step-time model's calibration set, so "
+              "these step times and MFU are the dense model's constants applied to experts; take them as a ranking, "
+              "not a forecast (docs/planner.md)")
     best = rows[0]
+    if args.tp is None:
+        print("\nnot searched: " + "; ".join(not_searched(cfg.model, args.num_gpus, args.gpus_per_node, seq,
+                                                          schedules)))
+        second = runner_up(rows) if best.fits else None
+        if second is not None:
+            print("\nwhy: " + why(best, second))
     if best.fits:
         print(("\ncommand line:\n  " if args.tp else "\nbest layout:\n  ") + torchrun_command(args, best.layout, batch, seq, precision))
     if plan:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 
-from engine.attention_mask import mean_keys_per_query
+from engine.planner.counts import mean_keys_per_query
 from engine.config import ModelConfig
 from engine.flops import UNIT, Costs
 from engine.layout import Layout, PipelineSchedule

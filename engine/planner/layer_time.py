@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.attention_mask import mean_keys_per_query
+from engine.planner.counts import mean_keys_per_query
 from engine.config import ModelConfig
 from engine.flops import GPUSpec, attention_matrices, mlp_matrices
 from engine.layout import Layout

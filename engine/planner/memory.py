@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from engine.config import ModelConfig
-from engine.flops import split_backward_costs
+from engine.planner.counts import degrees, memoised, param_split_per_rank, split_backward_costs
 from engine.layout import Layout
 from engine.planner.activations import in_flight_bytes, layer_activation_bytes, w_store_bytes
-from engine.planner.params import (ADAM_MOMENT_BYTES, GRAD_BYTES, MASTER_BYTES, MUON_MOMENTUM_BYTES, PARAM_BYTES,
-                                   param_split_per_rank)
+from engine.planner.params import ADAM_MOMENT_BYTES, GRAD_BYTES, MASTER_BYTES, MUON_MOMENTUM_BYTES, PARAM_BYTES
 from engine.planner.sharding import rank_state_bytes, rank_transient_bytes
 from engine.planner.stages import end_ranks, moe_layers_per_rank, stage_layer_counts
 
@@ -101,6 +100,15 @@ def _largest_weight(model: ModelConfig, layout: Layout) -> int:
     return largest
 
 
+@memoised
+def _rank_state(model: ModelConfig, layout: Layout, precision: str, rank: int, bucket_numel: Optional[int],
+                optimizer: str, overlap_grad_reduce: bool, overlap_param_gather: bool) -> tuple:
+    """(rank_state_bytes, rank_transient_bytes) of pipeline rank `rank`: a search meets each few times."""
+    return (rank_state_bytes(model, layout, precision, rank, bucket_numel, optimizer=optimizer),
+            rank_transient_bytes(model, layout, precision, rank, bucket_numel, overlap_grad_reduce,
+                                 overlap_param_gather))
+
+
 def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_microbatches: int,
                    precision: str = "bf16", flash_attention: bool = True, bucket_numel: Optional[int] = None,
                    overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
@@ -138,9 +146,8 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
         if cls in classes and not layout.schedule.split_backward:
             continue
         if cls not in classes:
-            classes[cls] = rank_state_bytes(model, layout, precision, r, bucket_numel, splits[r], optimizer), \
-                rank_transient_bytes(model, layout, precision, r, bucket_numel, overlap_grad_reduce,
-                                     overlap_param_gather)
+            classes[cls] = _rank_state(model, degrees(layout), precision, r, bucket_numel, optimizer,
+                                       overlap_grad_reduce, overlap_param_gather)
         dense_layers = sum(chunks) - n_moe[r]
         per_chunk = (dense_layers * act_dense + n_moe[r] * act_moe) / len(chunks)
         store_chunk = (dense_layers * store + n_moe[r] * store_moe) / len(chunks)

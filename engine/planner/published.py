@@ -201,7 +201,7 @@ def relative_error(case: Published) -> float:
 
 
 def markdown_table(cases: list = PUBLISHED) -> str:
-    """Case, layout, source, reported and predicted TFLOP/s per GPU, error: for the README."""
+    """Case, layout, source, reported and predicted TFLOP/s per GPU, error: for docs/planner.md."""
     lines = ["| case | GPU | tp | pp | cp | dp | recompute | reported TFLOP/s | predicted | error | fit/held out | source |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
@@ -226,3 +226,10 @@ def case_table(cases: list = PUBLISHED) -> str:
                     f"[{sources.index(c.source) + 1}]")
     rows += [f"[{i + 1}] {s}" for i, s in enumerate(sources)]
     return "\n".join(r.rstrip() for r in rows)
+
+
+def calibrated(model: ModelConfig) -> bool:
+    """Whether a published run of the model's kind (dense, or a mixture of experts) entered the fit of the
+    step-time model's constants; the tool marks the other predictions uncalibrated."""
+    moe = bool(model.num_experts)
+    return any(bool(c.model.num_experts) == moe and not c.held_out for c in PUBLISHED)

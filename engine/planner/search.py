@@ -5,21 +5,26 @@ of experts, ep runs over the sizes dividing both dp and the number of experts (e
 dp), and tp > 1 comes with sequence parallelism (the engine requires it: each tp rank routes its own tokens)."""
 from __future__ import annotations
 
+import copy
 import math
 from typing import Iterator, Optional
 
 from engine.config import SHARDING_STRATEGIES, ModelConfig
 from engine.flops import GPUSpec
 from engine.layout import SCHEDULE_KINDS, Layout, Sharding
+from engine.planner.counts import pinned
 from engine.planner.step_time import Software, estimate
 
 # Search limits: micro batch sizes tried (powers of two up to this), virtual stages per rank, and the
-# largest context-parallel size; cp > 1 is tried only for sequences of at least LONG_SEQUENCE tokens
-# (below that, activations are small enough for tp, pp and recomputation to handle).
+# largest context-parallel size. cp is tried at every sequence length, at every power of two that leaves each
+# rank at least MIN_CP_TOKENS tokens of a sequence: the shortest share published runs back (NVIDIA's Llama 3 8B
+# and 70B recipes run cp 2 at 8K in FP8, NeMo docs/source/performance/performance_summary.md; the calibration's
+# Llama 3 405B cp 16 at 128K keeps 8192). Below it the step-time model is unchecked and leaves out what grows
+# there: attention kernels on short blocks run below their efficiency, and cp ring steps add launches and syncs.
 MAX_MICRO_BATCH = 16
 MAX_VPP = 8
 MAX_CP = 32
-LONG_SEQUENCE = 16384
+MIN_CP_TOKENS = 4096
 # Pipeline schedules searched unless asked otherwise: the engine's defaults (1f1b, interleaved with vpp > 1).
 # The zero-bubble ones are priced by simulating their order (engine.pipeline.schedules.bubble_time), some
 # tens of milliseconds a layout: tools/find_parallelism.py searches them with --pipeline-schedule all.
@@ -48,12 +53,33 @@ def uneven_split(num_layers: int, pp: int) -> Optional[tuple]:
 
 
 def context_sizes(seq: int, room: int) -> list:
-    """cp values worth trying: 1, and for long sequences the powers of two dividing `room` (the GPUs left
-    per tp group) whose 2*cp chunks cut the sequence evenly."""
-    sizes = [1]
-    if seq >= LONG_SEQUENCE:
-        sizes += [c for c in (2 ** i for i in range(1, MAX_CP.bit_length())) if room % c == 0 and seq % (2 * c) == 0]
-    return sizes
+    """cp values worth trying: 1, and the powers of two up to MAX_CP dividing `room` (the GPUs left per tp
+    group) whose 2*cp chunks cut the sequence evenly and leave each rank at least MIN_CP_TOKENS tokens."""
+    powers = (2 ** i for i in range(1, MAX_CP.bit_length()))
+    return [1] + [c for c in powers if room % c == 0 and seq % (2 * c) == 0 and seq // c >= MIN_CP_TOKENS]
+
+
+def not_searched(model: ModelConfig, num_gpus: int, gpus_per_node: int, seq: int, schedules: tuple) -> list:
+    """What candidate_layouts leaves out for this job, each with its reason, one phrase apiece (the tool prints
+    them, so a user knows what to ask for with --tp/--cp/--pp/--vpp)."""
+    out = []
+    over = [c for c in (2 ** i for i in range(1, num_gpus.bit_length())) if num_gpus % c == 0 and seq % (2 * c) == 0]
+    short = [c for c in over if c <= MAX_CP and seq // c < MIN_CP_TOKENS]
+    if short:
+        out.append(f"cp {short[0]} and above (each rank would hold under {MIN_CP_TOKENS} tokens of a sequence, "
+                   "shorter than any published run backs; ask for one with --tp/--cp/--pp)")
+    elif any(c > MAX_CP for c in over):
+        out.append(f"cp above {MAX_CP}")
+    if num_gpus > gpus_per_node:
+        out.append(f"tp above {gpus_per_node} (a tp group stays inside a node: its per-layer all-reduces need NVLink)")
+    out.append(f"vpp above {MAX_VPP} and micro batches above {MAX_MICRO_BATCH}")
+    missing = [name for name in SCHEDULE_KINDS if name not in schedules]
+    if missing:
+        out.append(f"the pipeline schedules {', '.join(missing)} (--pipeline-schedule all searches them)")
+    if model.num_layers > 1:
+        out.append("uneven pipeline stages where pp divides the layers")
+    out.append("partial recomputation (--recompute-num-layers)")
+    return out
 
 
 def _tensor_sizes(model: ModelConfig, num_gpus: int, gpus_per_node: int) -> list:
@@ -101,9 +127,9 @@ def schedules_for(num_layers: int, pp: int, vpp: int, split: Optional[tuple], al
 def candidate_layouts(model: ModelConfig, num_gpus: int, gpus_per_node: int, global_batch: int,
                       seq: int, strategies: tuple = SHARDING_STRATEGIES,
                       schedules: tuple = DEFAULT_SCHEDULES) -> Iterator[Layout]:
-    """Every valid layout: tp inside a node dividing heads, query groups and the MLP widths; cp for long
-    sequences; pp dividing the layers (or an uneven split); vpp for even splits; micro batches dividing
-    the batch; ep dividing dp and the experts; the pipeline `schedules` and data-parallel sharding
+    """Every valid layout: tp inside a node dividing heads, query groups and the MLP widths; cp where each rank
+    keeps MIN_CP_TOKENS of a sequence; pp dividing the layers (or an uneven split); vpp for even splits; micro
+    batches dividing the batch; ep dividing dp and the experts; the pipeline `schedules` and data-parallel sharding
     `strategies` given (default: every strategy, the engine's default schedules; PIPELINE_SCHEDULES for all)."""
     L = model.num_layers
     for tp in _tensor_sizes(model, num_gpus, gpus_per_node):
@@ -128,11 +154,18 @@ def candidate_layouts(model: ModelConfig, num_gpus: int, gpus_per_node: int, glo
 def rank_layouts(model: ModelConfig, num_gpus: int, gpu: GPUSpec, global_batch: int, seq: int,
                  gpus_per_node: int = 8, software: Software = Software(), strategies: tuple = SHARDING_STRATEGIES,
                  schedules: tuple = DEFAULT_SCHEDULES) -> list:
-    """All candidate layouts, fastest first; layouts that do not fit come after those that do."""
-    out = [estimate(model, lay, gpu, global_batch, seq, gpus_per_node, software)
-           for lay in candidate_layouts(model, num_gpus, gpus_per_node, global_batch, seq, strategies, schedules)]
-    out.sort(key=lambda e: (not e.fits, round(e.step_time_s, 6), e.memory.total))
+    """All candidate layouts ranked by `rank_key`: those that fit, fastest first, then those that do not."""
+    with pinned(copy.deepcopy(model)) as own:  # a copy no caller can change while the counts are keyed on it
+        out = [estimate(own, lay, gpu, global_batch, seq, gpus_per_node, software)
+               for lay in candidate_layouts(own, num_gpus, gpus_per_node, global_batch, seq, strategies, schedules)]
+    out.sort(key=rank_key)
     return out
+
+
+def rank_key(e) -> tuple:
+    """Layouts that fit first, fastest first (ties: the lighter); then those that do not fit, nearest to fitting
+    first (least memory), whatever their speed: one that does not fit is never ranked among those that do."""
+    return (0, round(e.step_time_s, 6), e.memory.total) if e.fits else (1, e.memory.total, e.step_time_s)
 
 
 def chinchilla_optimal(compute_flops: float) -> tuple:

@@ -21,7 +21,8 @@ from typing import Optional
 
 from engine.config import ModelConfig
 from engine.attention_mask import packed_lengths
-from engine.flops import Costs, GPUSpec, attention_pairs, flops_per_iteration, split_backward_costs
+from engine.flops import Costs, GPUSpec
+from engine.planner.counts import attention_pairs, flops_per_iteration, param_split_per_rank, split_backward_costs
 from engine.layout import Layout
 from engine.pipeline.schedules import bubble_time
 from engine.planner.layer_time import (GEMM_EFFICIENCY, GEMM_EFFICIENCY_DEFAULT, HBM_EFFICIENCY, LayerCosts,
@@ -29,7 +30,7 @@ from engine.planner.layer_time import (GEMM_EFFICIENCY, GEMM_EFFICIENCY_DEFAULT,
 from engine.planner.links import Link, all_reduce, group_links
 from engine.planner.memory import GIB, Memory, memory_per_gpu
 from engine.planner.muon_step import muon_cost
-from engine.planner.params import PARAM_BYTES, param_split_per_rank
+from engine.planner.params import PARAM_BYTES
 from engine.planner.software import Software
 from engine.planner.stages import end_ranks, moe_layers_per_rank, stage_layer_counts
 
