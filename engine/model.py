@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention_mask import AttentionMask
 from engine.config import ModelConfig, padded_vocab_size
+from engine.latent_attention import LatentAttention
 from engine.moe.layer import MoELayer
 from engine.parallel import mappings
-from engine.parallel.attention import attention_for
+from engine.parallel.attention import AttentionCore
 from engine.parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.parallel.qk_norm import QKNorm
 from engine.parallel.layers import (
@@ -47,24 +47,11 @@ from engine.parallel.layers import (
     mark_tied,
 )
 from engine.parallel.recompute import recompute
+from engine.rope import inverse_frequencies
 from kernels import dispatch
 
 WORD_EMBEDDING_KEY = "embedding.word.weight"  # the random stream both copies of a tied embedding are drawn from
 TIED_EMBEDDING = "word.weight"  # the first stage's embedding: the last stage's tied copy is stored under this name
-
-
-def llama3_scaled(inv: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Llama 3.1's scaling of the RoPE inverse frequencies (HF rope_type "llama3", Megatron --use-rope-scaling).
-
-    Wavelengths longer than original/low_freq_factor are stretched by the factor, those shorter than
-    original/high_freq_factor kept, and those between blended linearly in original/wavelength.
-    """
-    factor, low, high = cfg.rope_scaling_factor, cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor
-    original = cfg.rope_scaling_original_max_position_embeddings
-    wavelen = 2 * math.pi / inv
-    smooth = (original / wavelen - low) / (high - low)
-    blended = (1 - smooth) * inv / factor + smooth * inv
-    return torch.where(wavelen > original / low, inv / factor, torch.where(wavelen < original / high, inv, blended))
 
 
 class Attention(nn.Module):
@@ -83,21 +70,7 @@ class Attention(nn.Module):
         self.qk_norm = QKNorm(cfg, ctx, device, dtype) if cfg.qk_layernorm else None
         self.proj = RowParallelLinear(self.heads * self.head_dim, cfg.hidden_size, ctx, bias=bias, std=out_std,
                                       device=device, dtype=dtype)
-        self.selective = cfg.recompute_granularity == "selective"
-        self.mask = AttentionMask.of(cfg, layer)
-        # The backend is resolved once, for the device and dtype the layer is built on (a model built on the
-        # meta device only describes shapes and never runs).
-        device = torch.device(device) if device is not None else torch.get_default_device()
-        self.attend = None
-        if device.type != "meta":
-            backend = dispatch.resolve_attention_backend(cfg.attention_backend, device, cfg.attention_dropout,
-                                                         dtype or torch.get_default_dtype())
-            self.attend = attention_for(ctx, backend, device)
-
-    def _core(self, q, k, v, mask: AttentionMask):
-        p = self.cfg.attention_dropout if self.training else 0.0
-        with self.ctx.dropout_rng(split_over_tp=True):  # heads are split over TP
-            return self.attend(q, k, v, mask, p)
+        self.core = AttentionCore(cfg, ctx, layer, device, dtype)
 
     def forward(self, x, freqs, documents=None):
         """`documents`: the microbatch's packed documents (engine/documents.py), or None."""
@@ -111,12 +84,7 @@ class Attention(nn.Module):
             q, k = self.qk_norm(q, k)
         if freqs is not None:
             q, k = dispatch.apply_rope(q, freqs), dispatch.apply_rope(k, freqs)
-        # Attention keeps q, k and v for backward: each gets storage of its own (RoPE's output or a copy),
-        # so that no view keeps the whole fused QKV output alive.
-        q, k, v = (t.contiguous().transpose(0, 1) for t in (q, k, v))
-        core = functools.partial(self._core, mask=self.mask.within(documents))
-        out = recompute(core, self.ctx.rng, q, k, v) if self.selective and self.training else core(q, k, v)
-        return self.proj(out.transpose(0, 1).reshape(s, b, -1))
+        return self.proj(self.core(q, k, v, documents, self.training))
 
 
 class MLP(nn.Module):
@@ -154,8 +122,9 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.ctx, self.dropout, self.post_norm = ctx, cfg.hidden_dropout, cfg.norm_placement == "post"
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+        attention = LatentAttention if cfg.multi_latent_attention else Attention
         parts = {"norm1": Norm(cfg.hidden_size, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype),
-                 "attention": Attention(cfg, ctx, out_std, device, dtype, layer),
+                 "attention": attention(cfg, ctx, out_std, device, dtype, layer),
                  "norm2": Norm(cfg.hidden_size, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype),
                  "mlp": moe_block(cfg, ctx, out_std, device, dtype) if moe else MLP(cfg, ctx, out_std, device, dtype)}
         # Registered in the order forward uses them, the order the grad buffer lays parameters out in.
@@ -254,10 +223,7 @@ class GPTModel(nn.Module):
         [s, b, d/2] (s-major, as the activations) of each sample's own ids [b, s]."""
         if self.cfg.position_embedding_type != "rope":
             return None
-        d, device = self.cfg.head_dim(), position_ids.device
-        inv = 1.0 / (self.cfg.rotary_base ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
-        if self.cfg.use_rope_scaling:
-            inv = llama3_scaled(inv, self.cfg)
+        inv = inverse_frequencies(self.cfg, position_ids.device)
         return position_ids.t().to(torch.float32).unsqueeze(-1) * inv
 
     def embed(self, tokens, position_ids):

@@ -97,7 +97,7 @@ def test_run_flags_the_launcher_used_to_check_are_validated_here(tmp_path):
 SECTION_CASES = {
     "parallel-sizes": (lambda **kw: validation._check_parallel_sizes(config.ParallelConfig(**kw)),
                        {"virtual_pipeline_model_parallel_size": 0}, "--virtual-pipeline-model-parallel-size 0"),
-    "model": (lambda **kw: validation._check_model(config.ModelConfig(**kw)), {"hidden_size": 66}, "--hidden-size 66"),
+    "model": (lambda **kw: validation.check_model(config.ModelConfig(**kw)), {"hidden_size": 66}, "--hidden-size 66"),
     "split": (lambda **kw: validation._check_split(config.ModelConfig(seq_length=63), config.ParallelConfig(**kw),
                                                tp=2, pp=1, vpp=1),
               {"sequence_parallel": True}, "--seq-length 63"),
