@@ -35,7 +35,7 @@ def only(key: str, value, why: str) -> Rule:
 
 
 # Layer features a family has only where its shape names them: one that does not computes models without them.
-PLAIN_LAYER = {"qk_layernorm": False, "norm_placement": "pre"}
+PLAIN_LAYER = {"qk_layernorm": False, "norm_placement": "pre", "multi_latent_attention": False, "mtp_num_layers": None}
 
 
 def has_shape(m, shape: dict) -> bool:
