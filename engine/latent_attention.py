@@ -22,23 +22,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.parallel import mappings, weight_grad_store
+from engine.parallel import mappings
 from engine.parallel.attention import AttentionCore
-from engine.parallel.layers import ColumnParallelLinear, Norm, RowParallelLinear, make_param
+from engine.parallel.layers import ColumnParallelLinear, Norm, ReplicatedLinear, RowParallelLinear
 from engine.rope import softmax_scale, yarn_rope_scale
 from kernels import dispatch
-
-
-class ReplicatedLinear(nn.Module):
-    """y = x W^T on this rank's tokens, W whole on every tp rank (a latent's down-projection)."""
-
-    def __init__(self, in_features, out_features, ctx, std, device=None, dtype=None):
-        super().__init__()
-        self.weight = make_param((out_features, in_features), None, ctx, ("normal", std), device, dtype,
-                                 sp_partial_grad=True, matrix="linear")
-
-    def forward(self, x):
-        return weight_grad_store.linear(x, self.weight)
 
 
 class LatentAttention(nn.Module):
@@ -56,12 +44,13 @@ class LatentAttention(nn.Module):
         def column(width_in, width_out):
             return ColumnParallelLinear(width_in, width_out, ctx, bias=False, std=std, device=device, dtype=dtype)
         if self.q_rank:
-            self.q_down = ReplicatedLinear(h, self.q_rank, ctx, std, device, dtype)
+            self.q_down = ReplicatedLinear(h, self.q_rank, ctx, std=std, device=device, dtype=dtype)
             self.q_norm = norm(self.q_rank)
             self.q_up = column(self.q_rank, q_out)
         else:
             self.q = column(h, q_out)
-        self.kv_down = ReplicatedLinear(h, self.kv_rank + self.pos, ctx, std, device, dtype)
+        self.kv_down = ReplicatedLinear(h, self.kv_rank + self.pos, ctx, std=std, device=device,
+                                        dtype=dtype)
         self.kv_norm = norm(self.kv_rank)
         self.kv_up = column(self.kv_rank, heads * (self.nope + self.v))
         self.proj = RowParallelLinear(heads * self.v, h, ctx, bias=False, std=out_std, device=device, dtype=dtype)

@@ -32,7 +32,8 @@ from torch import nn
 
 from engine.config import ModelConfig, padded_vocab_size
 from engine.latent_attention import LatentAttention
-from engine.moe.layer import MoELayer
+from engine.moe.layer import MoELayer, with_aux_loss
+from engine.mtp import MTPModule, module_losses
 from engine.parallel import mappings
 from engine.parallel.attention import AttentionCore
 from engine.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -43,6 +44,7 @@ from engine.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     init_weights,
+    vocab_parallel_lookup,
     make_param,
     mark_tied,
 )
@@ -107,11 +109,11 @@ class MLP(nn.Module):
         return self.fc2(y)
 
 
-def moe_block(cfg: ModelConfig, ctx, out_std, device, dtype) -> MoELayer:
+def moe_block(cfg: ModelConfig, ctx, out_std, device, dtype, layer: int) -> MoELayer:
     """The MoE block of an MoE layer: routed experts, plus the shared expert as a tensor-parallel MLP."""
     shared = cfg.moe_shared_expert_intermediate_size
     shared = MLP(cfg, ctx, out_std, device, dtype, ffn=shared) if shared else None
-    return MoELayer(cfg, ctx, out_std, device, dtype, shared=shared)
+    return MoELayer(cfg, ctx, out_std, device, dtype, shared=shared, layer_id=layer)
 
 
 class TransformerLayer(nn.Module):
@@ -126,7 +128,8 @@ class TransformerLayer(nn.Module):
         parts = {"norm1": Norm(cfg.hidden_size, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype),
                  "attention": attention(cfg, ctx, out_std, device, dtype, layer),
                  "norm2": Norm(cfg.hidden_size, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype),
-                 "mlp": moe_block(cfg, ctx, out_std, device, dtype) if moe else MLP(cfg, ctx, out_std, device, dtype)}
+                 "mlp": moe_block(cfg, ctx, out_std, device, dtype, layer) if moe else MLP(cfg, ctx, out_std, device,
+                                                                                           dtype)}
         # Registered in the order forward uses them, the order the grad buffer lays parameters out in.
         for name in ("attention", "norm1", "mlp", "norm2") if self.post_norm else parts:
             setattr(self, name, parts[name])
@@ -173,9 +176,14 @@ class GPTModel(nn.Module):
             if cfg.position_embedding_type == "learned_absolute":
                 self.position = make_param((cfg.max_position_embeddings or cfg.seq_length, h), None, ctx,
                                            ("normal", std), device, dtype, sp_partial_grad=True)
-        moe = set(cfg.moe_layers())
+        moe = set(cfg.routed_layers())
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, device, dtype, i, moe=i in moe)
                                      for i in self.layer_ids})
+        self.mtp = None
+        if post_process and cfg.mtp_num_layers:
+            self.mtp = nn.ModuleList([MTPModule(cfg, ctx, TransformerLayer(cfg, ctx, device, dtype, i, moe=i in moe),
+                                                device, dtype) for i in cfg.mtp_layers()])
+            self.reset_mtp_measured()
         if post_process:
             self.final_norm = Norm(h, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype)
             if not self.tied:
@@ -187,7 +195,11 @@ class GPTModel(nn.Module):
                 self.output = make_param((self.padded_vocab, h), 0, ctx, ("normal", std), device, dtype,
                                          init_key=WORD_EMBEDDING_KEY, valid_rows=self.vocab_size,
                                          copy_of=TIED_EMBEDDING)
-        if self.tied and ctx.pp_size > 1:
+            if self.mtp is not None and not self.tied and not pre_process:  # MTP's copy of the embedding
+                self.mtp_embedding = make_param((self.padded_vocab, h), 0, ctx, ("normal", std), device, dtype,
+                                                init_key=WORD_EMBEDDING_KEY, valid_rows=self.vocab_size,
+                                                copy_of=TIED_EMBEDDING)
+        if (self.tied or cfg.mtp_num_layers) and ctx.pp_size > 1:
             for p in self._output_weight_candidates():
                 mark_tied(p)
         recompute_layers = cfg.recompute_num_layers if cfg.recompute_num_layers is not None else len(self.layer_ids)
@@ -196,10 +208,14 @@ class GPTModel(nn.Module):
             init_weights(self, ctx, seed)
 
     def _output_weight_candidates(self):
+        """The parameters kept equal across the first and last stage: the word embedding and its copy there."""
         if self.pre_process:
             yield self.word.weight
-        if self.post_process and self.tied and not self.pre_process:
-            yield self.output
+        if self.post_process and not self.pre_process:
+            if self.tied:
+                yield self.output
+            elif self.mtp is not None:
+                yield self.mtp_embedding
 
     def output_weight(self):
         return self.word.weight if self.tied and self.pre_process else self.output
@@ -215,8 +231,24 @@ class GPTModel(nn.Module):
                                                                         else [])))
         units += [Unit(i, self.layers[str(i)], list(self.layers[str(i)].parameters())) for i in self.layer_ids]
         if self.post_process:
-            units.append(Unit("head", self.final_norm, list(self.final_norm.parameters()) + [self.output_weight()]))
+            # MTP's modules run after the main head, with the embedding and the output weight: one unit with it
+            mtp = [] if self.mtp is None else list(self.mtp.parameters()) + [self.mtp_embedding_weight()]
+            params = list(self.final_norm.parameters()) + [self.output_weight()]
+            units.append(Unit("head", self.final_norm, params + [p for p in mtp if all(p is not q for q in params)]))
         return units
+
+    def mtp_embedding_weight(self):
+        """The word embedding MTP reads: the first stage's own, else the last stage's copy."""
+        if self.pre_process:
+            return self.word.weight
+        return self.output if self.tied else self.mtp_embedding
+
+    def mtp_embed(self, tokens):
+        return vocab_parallel_lookup(tokens, self.mtp_embedding_weight(), self.ctx)
+
+    def reset_mtp_measured(self) -> None:
+        """(each MTP module's losses summed over the step's microbatches, microbatches) for engine.mtp.MTPStats."""
+        self.mtp_measured = (torch.zeros(len(self.mtp), dtype=torch.float64), 0)
 
     def rope_freqs(self, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
         """RoPE angles of the given position ids (this rank's, under CP): [s, d/2] of ids [s] shared by the samples,
@@ -237,10 +269,12 @@ class GPTModel(nn.Module):
                 x = F.dropout(x, self.cfg.hidden_dropout, training=True)
         return x
 
-    def forward(self, tokens=None, hidden=None, labels=None, positions=None, position_ids=None, documents=None):
+    def forward(self, tokens=None, hidden=None, labels=None, positions=None, position_ids=None, documents=None,
+                mtp=None):
         """`positions` [s]: where in the sequence the tokens (or the activations `hidden`) are, by index; by default
         all of one whole sequence, 0..s-1. `position_ids`: what RoPE and the learned table read (default
-        `positions`), or [b, s] each sample's own. `documents`: the microbatch's packed documents, or None."""
+        `positions`), or [b, s] each sample's own. `documents`: the microbatch's packed documents, or None. `mtp`:
+        this rank's part of the microbatch's multi-token prediction targets (engine.mtp.targets), or None."""
         if positions is None:
             s = tokens.shape[1] if tokens is not None else hidden.shape[0] * self.ctx.seq_split
             positions = torch.arange(s, device=(tokens if tokens is not None else hidden).device)
@@ -257,7 +291,14 @@ class GPTModel(nn.Module):
                 x = layer(x, freqs, positions, documents)
         if not self.post_process:
             return x
-        return self.head(self.final_norm(x), labels)
+        out = self.head(self.final_norm(x), labels)
+        if self.mtp is None or mtp is None or labels is None:
+            return out
+        losses = module_losses(self, x, mtp, freqs, positions, documents)
+        if self.training and torch.is_grad_enabled():
+            sums, microbatches = self.mtp_measured
+            self.mtp_measured = (sums + losses.detach().double().cpu(), microbatches + 1)
+        return with_aux_loss(out, losses.sum() * (self.cfg.mtp_loss_scaling_factor / len(self.mtp)))
 
     def head(self, x, labels):
         """This rank's vocabulary slice of the logits [b, s, V/tp], or with labels every token's loss [b, s]."""

@@ -197,13 +197,25 @@ class ModelConfig:
         """Whether RoPE is YaRN-scaled (MLA's default form)."""
         return self.multi_latent_attention and self.rope_type in (None, "yarn")
 
+    def mtp_layers(self) -> list:
+        """Global ids of the multi-token prediction modules' transformer layers: after the decoder's."""
+        return list(range(self.num_layers, self.num_layers + (self.mtp_num_layers or 0)))
+
+    def routed_layers(self) -> list:
+        """Global ids of every layer with routed experts: the MoE layers, and the MTP modules' layers when the
+        decoder's last layer is one (they are built like it)."""
+        moe = self.moe_layers()
+        return moe + (self.mtp_layers() if self.num_layers - 1 in moe else [])
+
     def attention_window(self, layer: int) -> Optional[int]:
         """L of layer `layer`'s sliding window (a query sees keys at most L positions before it), or None where the
-        layer attends to every earlier position (no --window-size, an unbounded -1, or a skipped layer)."""
+        layer attends to every earlier position (no --window-size, an unbounded -1, or a skipped layer). An MTP
+        module's layer attends as the decoder's last layer."""
         pair = window_size_pair(self.window_size)
         if pair is None or pair[0] < 0:
             return None
-        return pair[0] if window_layer_pattern(self.window_attn_skip_freq, self.num_layers)[layer] else None
+        pattern = window_layer_pattern(self.window_attn_skip_freq, self.num_layers)
+        return pair[0] if pattern[min(layer, self.num_layers - 1)] else None
 
     def resolved_moe_ffn_hidden_size(self) -> int:
         return self.moe_ffn_hidden_size or self.resolved_ffn_hidden_size()

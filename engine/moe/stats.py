@@ -20,15 +20,14 @@ from engine.parallel import comm
 
 
 def moe_blocks(model_chunks: list) -> list:
-    """(global layer id, MoELayer) of this rank's MoE layers (GPTModel.units)."""
-    return [(u.name, u.module.mlp) for chunk in model_chunks for u in chunk.units()
-            if isinstance(getattr(u.module, "mlp", None), MoELayer)]
+    """(global layer id, MoELayer) of this rank's MoE layers, the MTP modules' included."""
+    return [(m.layer_id, m) for chunk in model_chunks for m in chunk.modules() if isinstance(m, MoELayer)]
 
 
 class MoEStats:
     def __init__(self, cfg, model_chunks: list, ctx, device):
         self.ctx, self.device, self.m = ctx, device, cfg.model
-        self.ids = cfg.model.moe_layers()
+        self.ids = cfg.model.routed_layers()
         self.row = {layer_id: i for i, layer_id in enumerate(self.ids)}
         self.blocks = moe_blocks(model_chunks)
 
