@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from engine.config import ModelConfig
-from engine.flops import split_backward_costs
+from engine.flops import attention_matrices, attention_splits, split_backward_costs
 from engine.layout import Layout
 from engine.planner.activations import in_flight_bytes, layer_activation_bytes, w_store_bytes
 from engine.planner.params import (ADAM_MOMENT_BYTES, GRAD_BYTES, MASTER_BYTES, MUON_MOMENTUM_BYTES, PARAM_BYTES,
@@ -93,8 +93,9 @@ def state_bytes(params: int, layout: Layout, precision: str, experts: int = 0, f
 def _largest_weight(model: ModelConfig, layout: Layout) -> int:
     """Elements of the largest weight inside a layer on one rank (its gradient is briefly whole)."""
     ffn = model.resolved_ffn_hidden_size() * (2 if model.swiglu else 1)
-    largest = max(ffn, (model.num_attention_heads + 2 * model.resolved_query_groups())
-                  * model.head_dim()) * model.hidden_size // layout.tp
+    largest = max([ffn * model.hidden_size // layout.tp]
+                  + [rows * cols // (layout.tp if axis is not None else 1)
+                     for (rows, cols), axis in zip(attention_matrices(model), attention_splits(model))])
     if model.num_experts:
         fc1 = model.resolved_moe_ffn_hidden_size() * (2 if model.swiglu else 1)
         largest = max(largest, model.num_experts // layout.ep * fc1 * model.hidden_size)
