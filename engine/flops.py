@@ -187,10 +187,14 @@ def forward_flops_per_sequence(model: ModelConfig, seq_length: int, tp: int = 1)
 def _layer_flops(model: ModelConfig, s: int) -> dict:
     """Forward FLOPs of all transformer layers for one sequence, the MTP modules' (engine/mtp.py: a layer like the
     last one, and the 2h -> h projection) included: their matrix multiplies and attention cores."""
-    l, moe, mtp = model.num_layers, set(model.routed_layers()), model.mtp_layers()
-    matmul = sum(layer_matmul_params(model, i in moe) for i in list(range(l)) + mtp)
-    matmul += len(mtp) * 2 * model.hidden_size ** 2
-    pairs = attention_pairs(model, [s]) + len(mtp) * AttentionMask.of(model, l - 1).counted_pairs([s])
+    l, n_moe, n_mtp = model.num_layers, len(model.moe_layers()), model.mtp_num_layers or 0
+    dense, moe = layer_matmul_params(model), layer_matmul_params(model, moe=True) if n_moe else 0
+    matmul = (l - n_moe) * dense + n_moe * moe
+    pairs = attention_pairs(model, [s])
+    if n_mtp:
+        last_moe = l - 1 in model.moe_layers()
+        matmul += n_mtp * ((moe if last_moe else dense) + 2 * model.hidden_size ** 2)
+        pairs += n_mtp * AttentionMask.of(model, l - 1).counted_pairs([s])
     return {"linear": 2 * s * matmul, "attention": attention_flops(model, pairs)}
 
 
