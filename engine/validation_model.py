@@ -44,6 +44,10 @@ def check_model(m: ModelConfig) -> None:
     _check_latent_attention(m)
     _check_groups(m)
     at_least_one(m, "mtp_num_layers")
+    if m.mtp_num_layers and m.position_embedding_type != "rope":
+        _err("--mtp-num-layers", m.mtp_num_layers, "multi-token prediction is built with rotary positions here (the "
+                                                   "learned table lives on the first stage); use "
+                                                   "--position-embedding-type rope")
     if m.mtp_loss_scaling_factor < 0:
         _err("--mtp-loss-scaling-factor", m.mtp_loss_scaling_factor, "must be at least 0 (DeepSeek-V3 uses 0.1-0.3)")
 

@@ -88,7 +88,8 @@ def _train(cfg, ctx, microbatches: int, dp_rank: int = 0, dp: int = 1) -> tuple:
         opt.finish_grad_sync()
         metrics = {k: v for s in stats for k, v in s.finish_step().items()}
         if step == 0 and not sharded:
-            first = {n: _whole(p, ctx).clone() for c in chunks for n, p in c.named_parameters() if p.requires_grad}
+            first = {spec_of(p).copy_of or n: _whole(p, ctx).clone()  # the last stage's embedding copy: the sum
+                     for c in chunks for n, p in c.named_parameters() if p.requires_grad}
         result = opt.step(cfg.optim.lr)
         history.append((loss, result.grad_norm, metrics))
     return history, first

@@ -16,7 +16,7 @@ get --moe-router-enable-expert-bias, which is how DeepSeek-V3 balances; a model 
 `mlp.experts.{e}.gate_proj / up_proj / down_proj`, `mlp.shared_experts.*` of n_shared_experts x
 moe_intermediate_size. transformers builds no multi-token-prediction module and its files hold none: an
 imported model gets none (add --mtp-num-layers to train fresh ones); DeepSeek's own files keep theirs as layer
-`num_hidden_layers`, which import leaves out with a note.
+`num_hidden_layers`, tensors the import refuses as having no place (docs/deepseek-v3.md: limits).
 """
 from __future__ import annotations
 
