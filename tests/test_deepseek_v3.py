@@ -7,6 +7,7 @@ expert; weights spread so that routing is far from ties) is imported with tools/
 equal transformers' within 1e-5. Exported back with tools/merge_ckpt.py --format hf, every tensor equals the
 original. A model no HF family computes is refused in one line. Budget: a few seconds.
 """
+import copy
 import os
 
 import pytest
@@ -92,10 +93,17 @@ def test_import_has_transformers_logits_and_export_round_trips(tmp_path, q_lora_
         assert torch.equal(t, original[name]), name
 
 
-def test_group_limited_routing_is_transformers(tmp_path):
-    """The router alone on the same inputs: the same experts and weights as DeepseekV3TopkRouter."""
+@pytest.fixture(scope="module")
+def default_import(tmp_path_factory):
+    """(transformers' model, the run config and model imported from it) of the default tiny DeepSeek-V3."""
+    tmp_path = tmp_path_factory.mktemp("deepseek")
     hf = hf_model(tmp_path)
-    _, model = imported(tmp_path)
+    return (hf,) + imported(tmp_path)
+
+
+def test_group_limited_routing_is_transformers(default_import):
+    """The router alone on the same inputs: the same experts and weights as DeepseekV3TopkRouter."""
+    hf, _, model = default_import
     x = torch.randn(256, 32, generator=torch.Generator().manual_seed(4))
     _, weights, experts = hf.model.layers[2].mlp.gate(x)
     keys = torch.zeros(256, 2, dtype=torch.long)
@@ -112,9 +120,8 @@ def test_group_limited_routing_is_transformers(tmp_path):
     ({"moe_router_score_function": "softmax"}, "the router scores with softmax"),
     ({"mtp_num_layers": 1}, "transformers' DeepseekV3ForCausalLM has no multi-token prediction module"),
 ], ids=["eps", "softmax", "mtp"])
-def test_what_deepseek_v3_does_not_compute_is_refused_in_one_line(tmp_path, capsys, change, why):
-    hf_model(tmp_path)
-    cfg, model = imported(tmp_path)
+def test_what_deepseek_v3_does_not_compute_is_refused_in_one_line(tmp_path, capsys, default_import, change, why):
+    cfg = copy.deepcopy(default_import[1])
     for name, value in change.items():
         setattr(cfg.model, name, value)
     ctx = ParallelContext.virtual()
