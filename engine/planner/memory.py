@@ -128,7 +128,10 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
     if layout.recompute == "full":
         workspace = max(act("none", False), act("none", True) if any(n_moe) else 0.0)
     vocab_shard = model.padded_vocab_size(layout.tp) // layout.tp
-    logits = LOGIT_BYTES * seq_length // layout.cp * layout.micro_batch_size * vocab_shard
+    heads = 1 + (model.mtp_num_layers or 0)  # the output layer's logits, and again for each MTP module
+    logits = LOGIT_BYTES * seq_length // layout.cp * layout.micro_batch_size * vocab_shard * heads
+    # MTP's layers run once a microbatch on the last stage, with its backward right after (never recomputed)
+    mtp = (model.mtp_num_layers or 0) * act("none", model.num_layers - 1 in model.moe_layers())
     largest_layer_weight = _largest_weight(model, layout)
     first, last = end_ranks(layout)
     best, classes = None, {}
@@ -146,7 +149,7 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
         per_chunk = (dense_layers * act_dense + n_moe[r] * act_moe) / len(chunks)
         store_chunk = (dense_layers * store + n_moe[r] * store_moe) / len(chunks)
         acts = in_flight_bytes(layout, r, num_microbatches, per_chunk, store_chunk, costs)
-        acts += workspace if sum(chunks) else 0.0
+        acts += (workspace if sum(chunks) else 0.0) + (mtp if r == last else 0.0)
         ends = r in (first, last)
         largest = max(largest_layer_weight if sum(chunks) else 0, vocab_shard * model.hidden_size if ends else 0)
         state, (staging, gathered) = classes[cls]
