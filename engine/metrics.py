@@ -248,6 +248,8 @@ def format_log_line(record: dict) -> str:
     if have("moe_max_load"):  # MoE runs: the last iteration's (engine.moe.stats)
         parts.append(f"moe aux loss: {r['moe_aux_loss']:.4E} | expert load max/mean: {r['moe_max_load']:.2f} | "
                      f"dropped tokens: {r['moe_dropped']}")
+    if have("moe_node_tokens"):  # expert parallelism over nodes: the tokens each node's experts got
+        parts.append(f"routed tokens per node: {'/'.join(str(n) for n in r['moe_node_tokens'])}")
     if have("skipped_iterations"):
         parts.append(f"number of skipped iterations: {r['skipped_iterations']:3d}")
     if have("eta_s"):

@@ -48,14 +48,14 @@ def global_batch(step: int, n: int):
     return [{"tokens": t[i:i + MICRO, :-1], "labels": t[i:i + MICRO, 1:]} for i in range(0, n, MICRO)]
 
 
-def _config(tp=1, pp=1, cp=1, ep=1, vpp=None, sharding=None) -> Config:
+def _config(tp=1, pp=1, cp=1, ep=1, vpp=None, sharding=None, gpus_per_node=None) -> Config:
     cfg = Config()
     cfg.model = deepseek_model()
     par = cfg.parallel
     par.tensor_model_parallel_size, par.pipeline_model_parallel_size = tp, pp
     par.context_parallel_size, par.expert_model_parallel_size = cp, ep
     par.virtual_pipeline_model_parallel_size, par.sequence_parallel = vpp, tp > 1
-    par.data_parallel_sharding_strategy = sharding
+    par.data_parallel_sharding_strategy, par.gpus_per_node = sharding, gpus_per_node
     cfg.training.seed, cfg.optim.lr, cfg.optim.clip_grad, cfg.optim.weight_decay = 9, 3e-3, 1.0, 0.0
     return cfg
 
@@ -138,7 +138,7 @@ def compare(results, ref) -> list:
 
 LAYOUTS = [  # (name, layout, slow): 8 ranks, dp = 8 / (tp pp cp)
     ("tp2sp-ep2", dict(tp=2, ep=2), True),
-    ("pp2-ep2", dict(pp=2, ep=2), True),
+    ("pp2-ep2-nodes", dict(pp=2, ep=2, gpus_per_node=1), True),  # each rank a node: per-node token counts
     ("cp2-ep2", dict(cp=2, ep=2), True),
     ("zero3-ep2", dict(ep=2, sharding="optim_grads_params"), True),
     ("pp2-vpp2-ep2", dict(pp=2, vpp=2, ep=2), True),
@@ -153,6 +153,10 @@ def test_deepseek_layouts_equal_one_rank(layout):
     results = run_ranks(_layout, 8, layout, microbatches, timeout=300)
     problems = compare(results, reference(microbatches * dp))
     assert not problems, "\n".join(problems[:20])
+    if layout.get("gpus_per_node"):  # every routed assignment of the step (4 routed layers, MTP's included)
+        tokens = SEQ * MICRO * microbatches * dp
+        assert all(len(m["moe_node_tokens"]) == 2 and sum(m["moe_node_tokens"]) == tokens * 2 * 4
+                   for _, _, m in results[0][0])
     assert math.isfinite(results[0][0][-1][0])
 
 
