@@ -132,3 +132,17 @@ def test_what_deepseek_v3_does_not_compute_is_refused_in_one_line(tmp_path, caps
     assert main(["--load", str(tmp_path / "save"), "--out", str(tmp_path / "out"), "--format", "hf"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"merge_ckpt.py: error: --format hf: {why}") and err.count("\n") == 1, err
+
+
+def test_deepseeks_own_mtp_tensors_are_left_out_with_a_note(tmp_path, capsys):
+    """DeepSeek's release keeps its MTP module as layer num_hidden_layers; the import notes and leaves it out."""
+    from safetensors.torch import load_file, save_file
+    hf_model(tmp_path)
+    path = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors |= {"model.layers.3.enorm.weight": torch.ones(32), "model.layers.3.eh_proj.weight": torch.zeros(32, 64)}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    capsys.readouterr()
+    from convert_hf import main
+    assert main(["--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"), "--seq-length", str(SEQ)]) == 0
+    assert "note: left out the tensors model.layers.3.*: DeepSeek's own multi-token prediction" in capsys.readouterr().out

@@ -50,6 +50,10 @@ def _as_written(values: dict) -> dict:
     return values
 
 
+def _nothing_left_out(m) -> tuple:
+    return ()
+
+
 @dataclass(frozen=True)
 class Adapter:
     """One transformers architecture, as export and import see it."""
@@ -64,3 +68,4 @@ class Adapter:
     windows: bool = False              # its rules carry a sliding window (export picks no other for a windowed model)
     prepare: Callable = _as_written    # config.json values (defaults filled in) -> as the rules read them
     moe: bool = False                  # listed in MOE_ARCHITECTURES rather than ARCHITECTURES
+    left_out: Callable = _nothing_left_out  # ModelConfig -> (name prefix, why): tensors import leaves out, noted

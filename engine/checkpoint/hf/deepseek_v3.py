@@ -16,7 +16,7 @@ get --moe-router-enable-expert-bias, which is how DeepSeek-V3 balances; a model 
 `mlp.experts.{e}.gate_proj / up_proj / down_proj`, `mlp.shared_experts.*` of n_shared_experts x
 moe_intermediate_size. transformers builds no multi-token-prediction module and its files hold none: an
 imported model gets none (add --mtp-num-layers to train fresh ones); DeepSeek's own files keep theirs as layer
-`num_hidden_layers`, tensors the import refuses as having no place (docs/deepseek-v3.md: limits).
+`num_hidden_layers`, which the import leaves out with a note (docs/deepseek-v3.md: limits).
 """
 from __future__ import annotations
 
@@ -202,4 +202,6 @@ ADAPTER = Adapter(
      "qk_nope_head_dim": 128, "v_head_dim": 128, "rope_interleave": True, "hidden_act": "silu",
      "num_key_value_heads": None},  # not q_lora_rank: null there means no q latent, and files always write it
     plan, lambda m: m.multi_latent_attention and refusal(m) is None,
-    imports=("deepseek_v3", "kimi_k2"), prepare=_prepare, moe=True)
+    imports=("deepseek_v3", "kimi_k2"), prepare=_prepare, moe=True,
+    left_out=lambda m: ((f"model.layers.{m.num_layers}.", "DeepSeek's own multi-token prediction module, which the "
+                         "import does not carry; add --mtp-num-layers to train fresh ones"),))
