@@ -192,3 +192,22 @@ def test_recomputation_gives_the_same_loss_and_gradients(granularity):
     assert any("kv_up" in n for n in grads) and any(n.startswith("mtp.") for n in grads)
     for name, g in grads.items():
         assert torch.allclose(g, grads_r[name], atol=1e-6, rtol=1e-5), name
+
+
+def test_mla_honours_packed_documents():
+    """A sample packing two documents (--reset-attention-mask --reset-position-ids) through MLA: each document's
+    LM losses are those of the document alone."""
+    from engine.documents import Packing
+    cfg = _config()
+    cfg.model.mtp_num_layers = None
+    model = build_model_chunks(cfg, ParallelContext(), vocab_size=VOCAB)[0].eval()
+    eod, cut = VOCAB - 1, 7
+    t = torch.randint(0, VOCAB - 1, (1, SEQ + 1), generator=torch.Generator().manual_seed(8))
+    t[0, cut - 1] = eod  # the first document ends with its EOD at cut - 1
+    tokens, labels = t[:, :-1], t[:, 1:]
+    ids, documents = Packing(eod, True, True).apply(tokens)
+    with torch.no_grad():
+        packed = model(tokens, labels=labels, position_ids=ids, documents=documents)
+        first = model(tokens[:, :cut], labels=labels[:, :cut])
+        second = model(tokens[:, cut:], labels=labels[:, cut:])
+    assert torch.allclose(packed, torch.cat((first, second), dim=1), atol=1e-5)
