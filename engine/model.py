@@ -4,9 +4,11 @@ One class covers GPT-2/3 (LayerNorm, learned positions, exact or tanh GELU, bias
 Llama 2/3 (RMSNorm, rotary positions with optional Llama 3.1 scaling, SwiGLU, grouped-query attention, no
 biases, untied output); Mistral is Llama-shaped and Qwen2 adds a bias to the QKV projection only; Qwen3
 normalises q and k per head (QK-norm), and OLMo-2 over the whole projection, with its norms on each sublayer's
-output rather than its input. Each layer's attention mask (causal, with the sliding window where --window-size
-gives that layer one) is its engine.attention_mask value, joined in each forward with the microbatch's packed
-documents when it has them (--reset-attention-mask, engine/documents.py).
+output rather than its input; DeepSeek-V2/V3 attend through a low-rank latent (--multi-latent-attention,
+engine/latent_attention.py) and add multi-token prediction modules after the last layer (--mtp-num-layers,
+engine/mtp.py, on the last stage). Each layer's attention mask (causal, with the sliding window where
+--window-size gives that layer one) is its engine.attention_mask value, joined in each forward with the
+microbatch's packed documents when it has them (--reset-attention-mask, engine/documents.py).
 Activations are [s, b, h] between layers, or this rank's slice of the sequence where the parallel context
 splits it (sequence parallelism: the context decides, the model asks it). The model sees whatever positions
 of each sequence it is given (`positions`: the pipeline runner cuts a microbatch for context parallelism
