@@ -6,7 +6,7 @@ the engine's optimizer on tp 2 + SP x ep 2, pp 2 x ep 2, cp 2 x ep 2, ZeRO-3 x e
 step-0 loss and gradients equal one rank's within 1e-5, the LM and MTP loss curves and the gradient norms within
 1e-4, the busiest expert's load exactly (slow); tp 2 + SP on 2 ranks, 4 steps, in every run. The context-parallel
 ring carries the expanded keys and values (see docs/deepseek-v3.md). Budget: the 2-rank check about 5 s on two
-cores, the 8-rank layouts (slow) 20-30 s each.
+cores, the 8-rank layouts (slow) about 80 s together.
 """
 import math
 
@@ -149,7 +149,7 @@ LAYOUTS = [  # (name, layout, slow): 8 ranks, dp = 8 / (tp pp cp)
                                     for c in LAYOUTS], ids=[c[0] for c in LAYOUTS])
 def test_deepseek_layouts_equal_one_rank(layout):
     dp = 8 // (layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1))
-    microbatches = 2
+    microbatches = 2 if layout.get("pp") else 1  # a pipeline's schedule needs several; elsewhere one is cheaper
     results = run_ranks(_layout, 8, layout, microbatches, timeout=300)
     problems = compare(results, reference(microbatches * dp))
     assert not problems, "\n".join(problems[:20])
