@@ -4,7 +4,8 @@ MLA with a q latent and YaRN, the first layer dense, sigmoid routing with an exp
 expert groups, a routing scale, a shared expert, one MTP module (MoE, like the last layer): trained 20 steps with
 the engine's optimizer on tp 2 + SP x ep 2, pp 2 x ep 2, cp 2 x ep 2, ZeRO-3 x ep 2 and pp 2 x vpp 2 x ep 2, the
 step-0 loss and gradients equal one rank's within 1e-5, the LM and MTP loss curves and the gradient norms within
-1e-4, the busiest expert's load exactly (slow); tp 2 + SP on 2 ranks, 4 steps, in every run. The context-parallel
+1e-4, the busiest expert's load exactly (slow); tp 2 + SP on 2 ranks, 4 steps, in every run; on one rank,
+recomputation and packed documents. The context-parallel
 ring carries the expanded keys and values (see docs/deepseek-v3.md). Budget: the 2-rank check about 5 s on two
 cores, the 8-rank layouts (slow) about 80 s together.
 """
