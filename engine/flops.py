@@ -92,12 +92,40 @@ def detect_gpu(device_name: str) -> Optional[GPUSpec]:
 
 
 def attention_matrices(model: ModelConfig) -> tuple:
-    """(rows, columns) of an attention block's two weight matrices, whole (no tp split): the fused QKV
-    (column-parallel in the engine) and the output projection (row-parallel). The planner's parameter
-    inventory (engine/planner/params.py) builds its tensors from these, so a layer's shapes are written once."""
-    h, d = model.hidden_size, model.head_dim()
-    nq, nkv = model.num_attention_heads, model.resolved_query_groups()
+    """(rows, columns) of an attention block's weight matrices, whole (no tp split), in forward order: the fused
+    QKV (column-parallel in the engine) and the output projection (row-parallel); under multi-head latent
+    attention (engine/latent_attention.py) q's down- and up-projection (or q's one projection), kv's down- and
+    up-projection and the output projection. The planner's parameter inventory (engine/planner/params.py) builds
+    its tensors from these, and `attention_splits` says how tp splits each, so a layer's shapes are written once."""
+    h, nq = model.hidden_size, model.num_attention_heads
+    if model.multi_latent_attention:
+        qk, pos, v, q_rank = model.qk_head_dim, model.qk_pos_emb_head_dim, model.v_head_dim, model.q_lora_rank
+        q = ((q_rank, h), (nq * (qk + pos), q_rank)) if q_rank else ((nq * (qk + pos), h),)
+        return q + ((model.kv_lora_rank + pos, h), (nq * (qk + v), model.kv_lora_rank), (h, nq * v))
+    d, nkv = model.head_dim(), model.resolved_query_groups()
     return ((nq + 2 * nkv) * d, h), (h, nq * d)
+
+
+def attention_splits(model: ModelConfig) -> tuple:
+    """The axis tp splits each of `attention_matrices` along: 0 (rows: column-parallel), 1 (columns: row-parallel)
+    or None (replicated: MLA's down-projections to its latents)."""
+    if model.multi_latent_attention:
+        return ((None, 0) if model.q_lora_rank else (0,)) + (None, 0, 1)
+    return 0, 1
+
+
+def latent_norm_sizes(model: ModelConfig) -> tuple:
+    """Channels of MLA's latent norms (--qk-layernorm under --multi-latent-attention): q's (with a q latent), kv's."""
+    if not (model.multi_latent_attention and model.qk_layernorm):
+        return ()
+    return ((model.q_lora_rank,) if model.q_lora_rank else ()) + (model.kv_lora_rank,)
+
+
+def qk_channels(model: ModelConfig) -> tuple:
+    """(q/k channels, v channels) of one head: MLA's qk_head_dim + qk_pos_emb_head_dim and v_head_dim."""
+    if model.multi_latent_attention:
+        return model.qk_head_dim + model.qk_pos_emb_head_dim, model.v_head_dim
+    return model.head_dim(), model.head_dim()
 
 
 def mlp_matrices(model: ModelConfig, ffn: int) -> tuple:
@@ -126,10 +154,11 @@ def activated_params(model: ModelConfig) -> int:
     """Parameters one token uses: per layer the matrices of `layer_matmul_params` and the two norms, plus
     the whole embedding, the final norm and the output layer (once when tied), as published "active
     parameter" figures count them (biases left out). Mixtral 8x7B: 12.9B (Jiang et al. 2024, arXiv:2401.04088);
-    DeepSeek-V3: 37B (arXiv:2412.19437)."""
+    DeepSeek-V3: 37B (arXiv:2412.19437; its multi-token prediction module, which inference drops, not counted)."""
     h, moe = model.hidden_size, set(model.moe_layers())
     norm = h * (2 if model.normalization == "LayerNorm" else 1)
-    layers = sum(layer_matmul_params(model, i in moe) + 2 * norm for i in range(model.num_layers))
+    latent_norms = sum(latent_norm_sizes(model))
+    layers = sum(layer_matmul_params(model, i in moe) + 2 * norm + latent_norms for i in range(model.num_layers))
     embeddings = model.padded_vocab_size() * h * (2 if model.untie_embeddings_and_output_weights else 1)
     return layers + norm + embeddings
 
@@ -142,21 +171,31 @@ def attention_pairs(model: ModelConfig, lengths: Sequence[int]) -> int:
 
 
 def attention_flops(model: ModelConfig, pairs: int) -> int:
-    """Forward FLOPs of the attention cores over `pairs` query-key pairs (QK^T and PV: 2 x 2 per channel)."""
-    return 4 * pairs * model.num_attention_heads * model.head_dim()
+    """Forward FLOPs of the attention cores over `pairs` query-key pairs (QK^T over the q/k channels and PV over
+    the value channels: 2 per channel each)."""
+    qk, v = qk_channels(model)
+    return 2 * pairs * model.num_attention_heads * (qk + v)
 
 
 def forward_flops_per_sequence(model: ModelConfig, seq_length: int, tp: int = 1) -> dict:
     """Forward FLOPs of one sequence, split into the parts recomputation treats differently."""
-    logits = 2 * seq_length * model.hidden_size * model.padded_vocab_size(tp)
+    heads = 1 + (model.mtp_num_layers or 0)  # the output layer, again after each MTP module
+    logits = 2 * seq_length * model.hidden_size * model.padded_vocab_size(tp) * heads
     return {**_layer_flops(model, seq_length), "logits": logits}
 
 
 def _layer_flops(model: ModelConfig, s: int) -> dict:
-    """Forward FLOPs of all transformer layers for one sequence: their matrix multiplies and attention cores."""
-    l, n_moe = model.num_layers, len(model.moe_layers())
-    matmul = (l - n_moe) * layer_matmul_params(model) + (n_moe * layer_matmul_params(model, moe=True) if n_moe else 0)
-    return {"linear": 2 * s * matmul, "attention": attention_flops(model, attention_pairs(model, [s]))}
+    """Forward FLOPs of all transformer layers for one sequence, the MTP modules' (engine/mtp.py: a layer like the
+    last one, and the 2h -> h projection) included: their matrix multiplies and attention cores."""
+    l, n_moe, n_mtp = model.num_layers, len(model.moe_layers()), model.mtp_num_layers or 0
+    dense, moe = layer_matmul_params(model), layer_matmul_params(model, moe=True) if n_moe else 0
+    matmul = (l - n_moe) * dense + n_moe * moe
+    pairs = attention_pairs(model, [s])
+    if n_mtp:
+        last_moe = l - 1 in model.moe_layers()
+        matmul += n_mtp * ((moe if last_moe else dense) + 2 * model.hidden_size ** 2)
+        pairs += n_mtp * AttentionMask.of(model, l - 1).counted_pairs([s])
+    return {"linear": 2 * s * matmul, "attention": attention_flops(model, pairs)}
 
 
 def split_backward_costs(model: ModelConfig, seq_length: int, recompute: Optional[str] = None) -> Costs:

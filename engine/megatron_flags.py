@@ -223,8 +223,6 @@ FLAGS = (
              _expert_tensor_parallel, int),
     Flag("--moe-router-pre-softmax", REFUSED, "the softmax router takes the top-k of the softmax and renormalises "
                                               "them (Mixtral); un-renormalised pre-softmax weights are not implemented"),
-    Flag("--moe-router-num-groups", REFUSED, "group-limited (device-limited) routing is not implemented; drop it"),
-    Flag("--moe-router-group-topk", REFUSED, "group-limited (device-limited) routing is not implemented; drop it"),
     Flag("--moe-input-jitter-eps", REFUSED, "router input jitter is not implemented; drop it"),
     Flag("--moe-pad-expert-input-to-capacity", REFUSED, "expert inputs are not padded: dropped tokens are left out "
                                                         "and the grouped GEMM takes uneven groups; drop it"),

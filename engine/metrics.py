@@ -38,7 +38,8 @@ TRAIN_KEYS = ("iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "lo
 TB_TAGS = {"lm_loss": "lm-loss", "lr": "lr", "grad_norm": "grad-norm", "loss_scale": "loss-scale",
            "tokens_per_sec": "tokens-per-sec", "tflops_per_gpu": "tflops-per-gpu", "mfu": "mfu",
            "mem_peak_gb": "mem-peak-gb", "moe_aux_loss": "moe/aux-loss", "moe_z_loss": "moe/z-loss",
-           "moe_max_load": "moe/max-load", "moe_dropped": "moe/dropped-tokens"}
+           "moe_max_load": "moe/max-load", "moe_dropped": "moe/dropped-tokens",
+           "mtp_loss": "mtp-loss"}
 PPL_MAX_LOSS = 20.0  # exp() of a larger loss is meaningless and overflows fp32 readers
 
 
@@ -236,6 +237,8 @@ def format_log_line(record: dict) -> str:
     if have("lr"):
         parts.append(f"learning rate: {r['lr']:.6E}")
     parts.append(f"lm loss: {r['lm_loss']:.6E}" if have("lm_loss") else "lm loss: nan")
+    if have("mtp_loss"):  # multi-token prediction (engine.mtp): the mean of its modules' losses
+        parts.append(f"mtp loss: {r['mtp_loss']:.6E}")
     if have("loss_scale"):
         parts.append(f"loss scale: {r['loss_scale']:.1f}")
     if have("grad_norm"):
@@ -245,6 +248,8 @@ def format_log_line(record: dict) -> str:
     if have("moe_max_load"):  # MoE runs: the last iteration's (engine.moe.stats)
         parts.append(f"moe aux loss: {r['moe_aux_loss']:.4E} | expert load max/mean: {r['moe_max_load']:.2f} | "
                      f"dropped tokens: {r['moe_dropped']}")
+    if have("moe_node_tokens"):  # expert parallelism over nodes: the tokens each node's experts got
+        parts.append(f"routed tokens per node: {'/'.join(str(n) for n in r['moe_node_tokens'])}")
     if have("skipped_iterations"):
         parts.append(f"number of skipped iterations: {r['skipped_iterations']:3d}")
     if have("eta_s"):

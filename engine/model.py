@@ -4,9 +4,11 @@ One class covers GPT-2/3 (LayerNorm, learned positions, exact or tanh GELU, bias
 Llama 2/3 (RMSNorm, rotary positions with optional Llama 3.1 scaling, SwiGLU, grouped-query attention, no
 biases, untied output); Mistral is Llama-shaped and Qwen2 adds a bias to the QKV projection only; Qwen3
 normalises q and k per head (QK-norm), and OLMo-2 over the whole projection, with its norms on each sublayer's
-output rather than its input. Each layer's attention mask (causal, with the sliding window where --window-size
-gives that layer one) is its engine.attention_mask value, joined in each forward with the microbatch's packed
-documents when it has them (--reset-attention-mask, engine/documents.py).
+output rather than its input; DeepSeek-V2/V3 attend through a low-rank latent (--multi-latent-attention,
+engine/latent_attention.py) and add multi-token prediction modules after the last layer (--mtp-num-layers,
+engine/mtp.py, on the last stage). Each layer's attention mask (causal, with the sliding window where
+--window-size gives that layer one) is its engine.attention_mask value, joined in each forward with the
+microbatch's packed documents when it has them (--reset-attention-mask, engine/documents.py).
 Activations are [s, b, h] between layers, or this rank's slice of the sequence where the parallel context
 splits it (sequence parallelism: the context decides, the model asks it). The model sees whatever positions
 of each sequence it is given (`positions`: the pipeline runner cuts a microbatch for context parallelism
@@ -30,11 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention_mask import AttentionMask
 from engine.config import ModelConfig, padded_vocab_size
-from engine.moe.layer import MoELayer
+from engine.latent_attention import LatentAttention
+from engine.moe.layer import MoELayer, with_aux_loss
+from engine.mtp import MTPModule, module_losses
 from engine.parallel import mappings
-from engine.parallel.attention import attention_for
+from engine.parallel.attention import AttentionCore
 from engine.parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.parallel.qk_norm import QKNorm
 from engine.parallel.layers import (
@@ -43,28 +46,16 @@ from engine.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     init_weights,
+    vocab_parallel_lookup,
     make_param,
     mark_tied,
 )
 from engine.parallel.recompute import recompute
+from engine.rope import inverse_frequencies
 from kernels import dispatch
 
 WORD_EMBEDDING_KEY = "embedding.word.weight"  # the random stream both copies of a tied embedding are drawn from
 TIED_EMBEDDING = "word.weight"  # the first stage's embedding: the last stage's tied copy is stored under this name
-
-
-def llama3_scaled(inv: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Llama 3.1's scaling of the RoPE inverse frequencies (HF rope_type "llama3", Megatron --use-rope-scaling).
-
-    Wavelengths longer than original/low_freq_factor are stretched by the factor, those shorter than
-    original/high_freq_factor kept, and those between blended linearly in original/wavelength.
-    """
-    factor, low, high = cfg.rope_scaling_factor, cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor
-    original = cfg.rope_scaling_original_max_position_embeddings
-    wavelen = 2 * math.pi / inv
-    smooth = (original / wavelen - low) / (high - low)
-    blended = (1 - smooth) * inv / factor + smooth * inv
-    return torch.where(wavelen > original / low, inv / factor, torch.where(wavelen < original / high, inv, blended))
 
 
 class Attention(nn.Module):
@@ -83,21 +74,7 @@ class Attention(nn.Module):
         self.qk_norm = QKNorm(cfg, ctx, device, dtype) if cfg.qk_layernorm else None
         self.proj = RowParallelLinear(self.heads * self.head_dim, cfg.hidden_size, ctx, bias=bias, std=out_std,
                                       device=device, dtype=dtype)
-        self.selective = cfg.recompute_granularity == "selective"
-        self.mask = AttentionMask.of(cfg, layer)
-        # The backend is resolved once, for the device and dtype the layer is built on (a model built on the
-        # meta device only describes shapes and never runs).
-        device = torch.device(device) if device is not None else torch.get_default_device()
-        self.attend = None
-        if device.type != "meta":
-            backend = dispatch.resolve_attention_backend(cfg.attention_backend, device, cfg.attention_dropout,
-                                                         dtype or torch.get_default_dtype())
-            self.attend = attention_for(ctx, backend, device)
-
-    def _core(self, q, k, v, mask: AttentionMask):
-        p = self.cfg.attention_dropout if self.training else 0.0
-        with self.ctx.dropout_rng(split_over_tp=True):  # heads are split over TP
-            return self.attend(q, k, v, mask, p)
+        self.core = AttentionCore(cfg, ctx, layer, device, dtype)
 
     def forward(self, x, freqs, documents=None):
         """`documents`: the microbatch's packed documents (engine/documents.py), or None."""
@@ -111,12 +88,7 @@ class Attention(nn.Module):
             q, k = self.qk_norm(q, k)
         if freqs is not None:
             q, k = dispatch.apply_rope(q, freqs), dispatch.apply_rope(k, freqs)
-        # Attention keeps q, k and v for backward: each gets storage of its own (RoPE's output or a copy),
-        # so that no view keeps the whole fused QKV output alive.
-        q, k, v = (t.contiguous().transpose(0, 1) for t in (q, k, v))
-        core = functools.partial(self._core, mask=self.mask.within(documents))
-        out = recompute(core, self.ctx.rng, q, k, v) if self.selective and self.training else core(q, k, v)
-        return self.proj(out.transpose(0, 1).reshape(s, b, -1))
+        return self.proj(self.core(q, k, v, documents, self.training))
 
 
 class MLP(nn.Module):
@@ -139,11 +111,11 @@ class MLP(nn.Module):
         return self.fc2(y)
 
 
-def moe_block(cfg: ModelConfig, ctx, out_std, device, dtype) -> MoELayer:
+def moe_block(cfg: ModelConfig, ctx, out_std, device, dtype, layer: int) -> MoELayer:
     """The MoE block of an MoE layer: routed experts, plus the shared expert as a tensor-parallel MLP."""
     shared = cfg.moe_shared_expert_intermediate_size
     shared = MLP(cfg, ctx, out_std, device, dtype, ffn=shared) if shared else None
-    return MoELayer(cfg, ctx, out_std, device, dtype, shared=shared)
+    return MoELayer(cfg, ctx, out_std, device, dtype, shared=shared, layer_id=layer)
 
 
 class TransformerLayer(nn.Module):
@@ -154,10 +126,12 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.ctx, self.dropout, self.post_norm = ctx, cfg.hidden_dropout, cfg.norm_placement == "post"
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+        attention = LatentAttention if cfg.multi_latent_attention else Attention
         parts = {"norm1": Norm(cfg.hidden_size, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype),
-                 "attention": Attention(cfg, ctx, out_std, device, dtype, layer),
+                 "attention": attention(cfg, ctx, out_std, device, dtype, layer),
                  "norm2": Norm(cfg.hidden_size, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype),
-                 "mlp": moe_block(cfg, ctx, out_std, device, dtype) if moe else MLP(cfg, ctx, out_std, device, dtype)}
+                 "mlp": moe_block(cfg, ctx, out_std, device, dtype, layer) if moe else MLP(cfg, ctx, out_std, device,
+                                                                                           dtype)}
         # Registered in the order forward uses them, the order the grad buffer lays parameters out in.
         for name in ("attention", "norm1", "mlp", "norm2") if self.post_norm else parts:
             setattr(self, name, parts[name])
@@ -204,9 +178,14 @@ class GPTModel(nn.Module):
             if cfg.position_embedding_type == "learned_absolute":
                 self.position = make_param((cfg.max_position_embeddings or cfg.seq_length, h), None, ctx,
                                            ("normal", std), device, dtype, sp_partial_grad=True)
-        moe = set(cfg.moe_layers())
+        moe = set(cfg.routed_layers())
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, device, dtype, i, moe=i in moe)
                                      for i in self.layer_ids})
+        self.mtp = None
+        if post_process and cfg.mtp_num_layers:
+            self.mtp = nn.ModuleList([MTPModule(cfg, ctx, TransformerLayer(cfg, ctx, device, dtype, i, moe=i in moe),
+                                                device, dtype) for i in cfg.mtp_layers()])
+            self.reset_mtp_measured()
         if post_process:
             self.final_norm = Norm(h, ctx, cfg.normalization, cfg.norm_epsilon, device, dtype)
             if not self.tied:
@@ -218,7 +197,11 @@ class GPTModel(nn.Module):
                 self.output = make_param((self.padded_vocab, h), 0, ctx, ("normal", std), device, dtype,
                                          init_key=WORD_EMBEDDING_KEY, valid_rows=self.vocab_size,
                                          copy_of=TIED_EMBEDDING)
-        if self.tied and ctx.pp_size > 1:
+            if self.mtp is not None and not self.tied and not pre_process:  # MTP's copy of the embedding
+                self.mtp_embedding = make_param((self.padded_vocab, h), 0, ctx, ("normal", std), device, dtype,
+                                                init_key=WORD_EMBEDDING_KEY, valid_rows=self.vocab_size,
+                                                copy_of=TIED_EMBEDDING)
+        if (self.tied or cfg.mtp_num_layers) and ctx.pp_size > 1:
             for p in self._output_weight_candidates():
                 mark_tied(p)
         recompute_layers = cfg.recompute_num_layers if cfg.recompute_num_layers is not None else len(self.layer_ids)
@@ -227,10 +210,14 @@ class GPTModel(nn.Module):
             init_weights(self, ctx, seed)
 
     def _output_weight_candidates(self):
+        """The parameters kept equal across the first and last stage: the word embedding and its copy there."""
         if self.pre_process:
             yield self.word.weight
-        if self.post_process and self.tied and not self.pre_process:
-            yield self.output
+        if self.post_process and not self.pre_process:
+            if self.tied:
+                yield self.output
+            elif self.mtp is not None:
+                yield self.mtp_embedding
 
     def output_weight(self):
         return self.word.weight if self.tied and self.pre_process else self.output
@@ -246,18 +233,31 @@ class GPTModel(nn.Module):
                                                                         else [])))
         units += [Unit(i, self.layers[str(i)], list(self.layers[str(i)].parameters())) for i in self.layer_ids]
         if self.post_process:
-            units.append(Unit("head", self.final_norm, list(self.final_norm.parameters()) + [self.output_weight()]))
+            # MTP's modules run after the main head, with the embedding and the output weight: one unit with it
+            mtp = [] if self.mtp is None else list(self.mtp.parameters()) + [self.mtp_embedding_weight()]
+            params = list(self.final_norm.parameters()) + [self.output_weight()]
+            units.append(Unit("head", self.final_norm, params + [p for p in mtp if all(p is not q for q in params)]))
         return units
+
+    def mtp_embedding_weight(self):
+        """The word embedding MTP reads: the first stage's own, else the last stage's copy."""
+        if self.pre_process:
+            return self.word.weight
+        return self.output if self.tied else self.mtp_embedding
+
+    def mtp_embed(self, tokens):
+        return vocab_parallel_lookup(tokens, self.mtp_embedding_weight(), self.ctx)
+
+    def reset_mtp_measured(self) -> None:
+        """(each MTP module's losses summed over the step's microbatches, microbatches) for engine.mtp.MTPStats."""
+        self.mtp_measured = (torch.zeros(len(self.mtp), dtype=torch.float64), 0)
 
     def rope_freqs(self, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
         """RoPE angles of the given position ids (this rank's, under CP): [s, d/2] of ids [s] shared by the samples,
         [s, b, d/2] (s-major, as the activations) of each sample's own ids [b, s]."""
         if self.cfg.position_embedding_type != "rope":
             return None
-        d, device = self.cfg.head_dim(), position_ids.device
-        inv = 1.0 / (self.cfg.rotary_base ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
-        if self.cfg.use_rope_scaling:
-            inv = llama3_scaled(inv, self.cfg)
+        inv = inverse_frequencies(self.cfg, position_ids.device)
         return position_ids.t().to(torch.float32).unsqueeze(-1) * inv
 
     def embed(self, tokens, position_ids):
@@ -271,10 +271,12 @@ class GPTModel(nn.Module):
                 x = F.dropout(x, self.cfg.hidden_dropout, training=True)
         return x
 
-    def forward(self, tokens=None, hidden=None, labels=None, positions=None, position_ids=None, documents=None):
+    def forward(self, tokens=None, hidden=None, labels=None, positions=None, position_ids=None, documents=None,
+                mtp=None):
         """`positions` [s]: where in the sequence the tokens (or the activations `hidden`) are, by index; by default
         all of one whole sequence, 0..s-1. `position_ids`: what RoPE and the learned table read (default
-        `positions`), or [b, s] each sample's own. `documents`: the microbatch's packed documents, or None."""
+        `positions`), or [b, s] each sample's own. `documents`: the microbatch's packed documents, or None. `mtp`:
+        this rank's part of the microbatch's multi-token prediction targets (engine.mtp.targets), or None."""
         if positions is None:
             s = tokens.shape[1] if tokens is not None else hidden.shape[0] * self.ctx.seq_split
             positions = torch.arange(s, device=(tokens if tokens is not None else hidden).device)
@@ -291,7 +293,14 @@ class GPTModel(nn.Module):
                 x = layer(x, freqs, positions, documents)
         if not self.post_process:
             return x
-        return self.head(self.final_norm(x), labels)
+        out = self.head(self.final_norm(x), labels)
+        if self.mtp is None or mtp is None or labels is None:
+            return out
+        losses = module_losses(self, x, mtp, freqs, positions, documents)
+        if self.training and torch.is_grad_enabled():
+            sums, microbatches = self.mtp_measured
+            self.mtp_measured = (sums + losses.detach().double().cpu(), microbatches + 1)
+        return with_aux_loss(out, losses.sum() * (self.cfg.mtp_loss_scaling_factor / len(self.mtp)))
 
     def head(self, x, labels):
         """This rank's vocabulary slice of the logits [b, s, V/tp], or with labels every token's loss [b, s]."""

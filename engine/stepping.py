@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from engine.moe.stats import MoEStats
+from engine.mtp import MTPStats
 from engine.parallel import comm
 from engine.optim.optimizer import StepResult
 from engine.optim.post_validation import PostValidator
@@ -29,7 +30,7 @@ class Outcome:
     lr: float
     result: Optional[StepResult]
     global_batch: int
-    routing: dict  # the MoE routing statistics of its step (engine.moe.stats), or {}
+    routing: dict  # the MoE routing statistics (engine.moe.stats) and MTP loss (engine.mtp) of its step, or {}
     pairs: Optional[int] = None  # its attention pairs over the global batch (packed documents), else None
 
 
@@ -39,7 +40,8 @@ class Stepper:
         self.ctx, self.pairs = ctx, None  # the attention pairs of the last step run (packed documents)
         self.phase, self.trace, self.log = phase, trace, log
         self.validator = PostValidator(optimizer, ctx) if ctx.layout.schedule.split_backward else None
-        self.stats = MoEStats(cfg, pipeline.chunks, ctx, pipeline.device) if cfg.model.num_experts else None
+        self.stats = [stats(cfg, pipeline.chunks, ctx, pipeline.device) for stats, wanted in
+                      ((MoEStats, cfg.model.num_experts), (MTPStats, cfg.model.mtp_num_layers)) if wanted]
         self.routing: dict = {}  # the statistics of the last gradient reduction
         self.pending: Optional[Outcome] = None  # the iteration whose step awaits its check
         self.asked_to_stop = False  # the pre-emption flags of the step settled last, summed over every rank
@@ -93,9 +95,9 @@ class Stepper:
                                                               shared=self.validator is None))
         with self.phase(f"gradient reduction of iteration {n}", "dp"):
             self.optimizer.finish_grad_sync()
-        if self.stats is not None:
-            with self.phase(f"MoE routing statistics of iteration {n}", "all"):
-                self.routing = self.stats.finish_step()
+        if self.stats:
+            with self.phase(f"MoE routing and MTP statistics of iteration {n}", "all"):
+                self.routing = {k: v for stats in self.stats for k, v in stats.finish_step().items()}
         self.pairs = self._global_pairs(n)
         return loss
 

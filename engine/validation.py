@@ -13,13 +13,13 @@ import os
 from typing import Optional
 
 from engine.config import (CheckpointConfig, Config, ConfigError, LoggingConfig, ModelConfig, OptimizerConfig,
-                           ParallelConfig, StabilityConfig, TrainingConfig, _err, window_layer_pattern,
-                           window_size_pair)
+                           ParallelConfig, StabilityConfig, TrainingConfig, _err)
 from engine.config.fields import MUON_COEFFICIENTS
 from engine.data.build import check_data, check_document_ends, data_prefixes, document_flags, end_of_document
 from engine.data.tokenizer_spec import data_vocab_size, tokenizer_of, vocab_source
 from engine.flags import flag_of
 from engine.layout import PipelineSchedule, Sharding
+from engine.validation_model import at_least_one as _at_least_one, check_model
 
 TP_FLAG, PP_FLAG, CP_FLAG = "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"
 FAULT_KINDS = ("nan", "spike")  # --inject-fault drills
@@ -31,7 +31,7 @@ def validate(cfg: Config, world_size: int) -> None:
     _check_pipeline_schedule(cfg.parallel, cfg.model.num_layers)
     par = cfg.parallel
     schedule = PipelineSchedule.of(par.pipeline_schedule, cfg.pp, par.virtual_pipeline_model_parallel_size)
-    _check_model(cfg.model)
+    check_model(cfg.model)
     # The split before the world size: a tp that the heads reject is the more useful line to print.
     _check_split(cfg.model, cfg.parallel, cfg.tp, cfg.pp, schedule.vpp)
     _check_parallel(cfg.parallel, world_size)
@@ -101,12 +101,6 @@ def check_spike_window(window: int) -> None:
         _err("--spike-window", window, "needs at least 2 iterations to measure a spread; use e.g. 50")
 
 
-def _at_least_one(section, *names: str) -> None:
-    for name in names:
-        if getattr(section, name) is not None and getattr(section, name) < 1:  # None: unset, a default applies
-            _err(flag_of(name), getattr(section, name), "must be at least 1")
-
-
 def _check_parallel_sizes(par: ParallelConfig) -> None:
     """First of all: every later check divides by these sizes."""
     _at_least_one(par, "tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -157,47 +151,6 @@ def _check_pipeline_schedule(par: ParallelConfig, layers: int) -> None:
     if (kind.chunks or 1) > 1 and layers % (kind.chunks * pp):
         _err(flag, name, f"needs --num-layers {layers} divisible by {kind.chunks} x pp = {kind.chunks * pp} "
                          f"({kind.chunks} equal chunks per rank); change --num-layers or --pp")
-
-
-def _check_model(m: ModelConfig) -> None:
-    """The model on its own, before it is split."""
-    _at_least_one(m, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
-    heads, groups = m.num_attention_heads, m.resolved_query_groups()
-    if heads % groups:
-        _err("--num-query-groups", groups, f"must divide --num-attention-heads {heads}")
-    if not m.kv_channels and m.hidden_size % heads:
-        _err("--hidden-size", m.hidden_size, f"must be a multiple of --num-attention-heads {heads}")
-    if m.position_embedding_type == "rope" and m.head_dim() % 2:
-        _err("--kv-channels", m.head_dim(), "rotary embeddings need an even head dimension")
-    if m.position_embedding_type == "learned_absolute" and (m.max_position_embeddings or m.seq_length) < m.seq_length:
-        _err("--max-position-embeddings", m.max_position_embeddings, f"must be at least --seq-length {m.seq_length}")
-    if m.attention_backend == "triton" and m.attention_dropout > 0:
-        _err("--attention-backend", "triton", "the Triton flash kernel has no dropout; use --attention-dropout 0 "
-                                              "or --attention-backend sdpa")
-    if window_size_pair(m.window_size) is None and m.window_attn_skip_freq is not None:
-        _err("--window-attn-skip-freq", m.window_attn_skip_freq, "picks the layers without --window-size, which is "
-                                                                 "not given; add --window-size L,0 or drop it")
-    window_layer_pattern(m.window_attn_skip_freq, m.num_layers)  # one line where it does not parse
-    if m.openai_gelu and m.swiglu:
-        _err("--openai-gelu", "with --swiglu", "the GELU form applies to the GELU MLP only; drop one of them")
-    if m.qk_layernorm_scope == "projection" and not (m.qk_layernorm and m.normalization == "RMSNorm"):
-        _err("--qk-layernorm-scope", "projection", "is RMSNorm over the whole q and k projections (OLMo-2): add "
-                                                   "--qk-layernorm and --normalization RMSNorm")
-    if m.use_rope_scaling:
-        _check_rope_scaling(m)
-
-
-def _check_rope_scaling(m: ModelConfig) -> None:
-    """Llama 3's scaling needs rotary positions and 0 < low freq factor < high freq factor."""
-    if m.position_embedding_type != "rope":
-        _err("--use-rope-scaling", "with --position-embedding-type learned_absolute", "needs rotary positions: add "
-                                                                                    "--position-embedding-type rope")
-    if m.rope_scaling_factor < 1:
-        _err("--rope-scaling-factor", m.rope_scaling_factor, "must be at least 1 (Llama 3.1 uses 8)")
-    if not 0 < m.rope_scaling_low_freq_factor < m.rope_scaling_high_freq_factor:
-        _err("--rope-scaling-low-freq-factor", m.rope_scaling_low_freq_factor,
-             f"must be positive and below --rope-scaling-high-freq-factor {m.rope_scaling_high_freq_factor}")
-    _at_least_one(m, "rope_scaling_original_max_position_embeddings")
 
 
 def _check_split(m: ModelConfig, par: ParallelConfig, tp: int, pp: int, vpp: int) -> None:

@@ -97,7 +97,7 @@ def test_run_flags_the_launcher_used_to_check_are_validated_here(tmp_path):
 SECTION_CASES = {
     "parallel-sizes": (lambda **kw: validation._check_parallel_sizes(config.ParallelConfig(**kw)),
                        {"virtual_pipeline_model_parallel_size": 0}, "--virtual-pipeline-model-parallel-size 0"),
-    "model": (lambda **kw: validation._check_model(config.ModelConfig(**kw)), {"hidden_size": 66}, "--hidden-size 66"),
+    "model": (lambda **kw: validation.check_model(config.ModelConfig(**kw)), {"hidden_size": 66}, "--hidden-size 66"),
     "split": (lambda **kw: validation._check_split(config.ModelConfig(seq_length=63), config.ParallelConfig(**kw),
                                                tp=2, pp=1, vpp=1),
               {"sequence_parallel": True}, "--seq-length 63"),
@@ -262,7 +262,7 @@ def test_every_shipped_mock_config_trains_on_data_when_given(tmp_path):
     import glob
     shipped = [p for p in sorted(glob.glob("configs/*.yaml")) if parse_config(["--config", p]).data.mock_data]
     # gpt2-125m, gpt3-175b, llama2-70b, llama3-1b, llama3-8b, llama3-8b-128k, llama3-405b, mixtral-8x7b,
-    # deepseek-v3-like
+    # deepseek-v3
     assert len(shipped) == 9, shipped
     for path in shipped:
         cfg = parse_config(["--config", path, "--data-path", "corpus_text_document", "--tokenizer-model", "t.model"])

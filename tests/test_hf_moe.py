@@ -141,7 +141,7 @@ def test_mixtral_config_rules_read_back_what_they_write():
     m = cfg.model
     assert kind == "mixtral" and fields["ffn_hidden_size"] == 24 and fields["num_experts"] == 4
     assert all(fields[k] == getattr(m, k) for k in ("moe_router_topk", "num_layers", "rotary_base", "swiglu"))
-    assert set(MOE_ARCHITECTURES) == {"mixtral", "qwen2_moe", "qwen3_moe"}
+    assert set(MOE_ARCHITECTURES) == {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"}
 
 
 def test_a_transformers_mixtral_converts_with_its_logits(tmp_path):

@@ -71,7 +71,7 @@ def test_config_rules_read_back_what_they_write(kind):
     if kind == "qwen3_moe":
         assert m.moe_layers() == [1] and written["mlp_only_layers"] == [0] and written["num_experts"] == 4
         assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.ffn_hidden_size) == (4, 2, 24, 96)
-        assert set(MOE_ARCHITECTURES) == {"mixtral", "qwen2_moe", "qwen3_moe"}
+        assert set(MOE_ARCHITECTURES) == {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"}
         # decoder_sparse_step counts too: with step 2 and no list, layer 0 is dense and layer 1 MoE
         every_other = hf_config_dict(kind, mlp_only_layers=[], decoder_sparse_step=2, num_hidden_layers=4)
         assert model_fields(every_other)[1]["moe_layer_freq"] == "[0,1,0,1]"

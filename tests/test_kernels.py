@@ -211,6 +211,30 @@ def test_flash_attention_matches_reference(causal, shape):
              lambda *t: reference.attention(*t, causal=causal, softmax_scale=0.3), [q, k, v])
 
 
+def _narrow_values_by_hand(q, k, v, scale):
+    """Causal attention written out, values narrower than q and k (multi-head latent attention's shape)."""
+    s = q.shape[1]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1).to(q.device), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("backend", ["local", "sdpa", pytest.param("triton", marks=needs_triton)])
+def test_values_narrower_than_queries_and_keys_through_the_entry_point(backend):
+    """The attention entry point (engine.parallel.attention) takes v with fewer channels than q and k (MLA: 128
+    against 192 in DeepSeek-V3) on every kernel: values and gradients equal attention written out."""
+    from engine.attention_mask import AttentionMask
+    from engine.parallel.attention import attention_for
+    if backend == "triton" and not CUDA:
+        attend = attention_for(ParallelContext.virtual(), "triton", "cpu")  # the kernel under the interpreter
+    else:
+        attend = attention_for(ParallelContext.virtual(), backend, DEVICE)
+    g = torch.Generator().manual_seed(11)
+    q, k = (torch.randn(2, 24, 4, 24, generator=g).to(DEVICE) for _ in range(2))
+    v = torch.randn(2, 24, 4, 16, generator=g).to(DEVICE)
+    _compare(lambda *t: attend(*t, AttentionMask(), 0.0, 0.3), lambda *t: _narrow_values_by_hand(*t, 0.3), [q, k, v])
+
+
 def _blockwise(q, k, v, chunks: int, backend: str):
     """Causal attention as the context-parallel ring computes it, on one process: the sequence in `chunks`
     chunks, every (query chunk, earlier-or-same key chunk) block by the block kernels, merged by lse."""

@@ -85,7 +85,8 @@ def test_records_and_tensorboard_tags(tmp_path):
     assert [s for s, _ in scalars["lm-loss"]] == [1, 2, 3]  # the NaN loss is not plotted
     assert scalars["valid/ppl"][0][1] == pytest.approx(math.exp(2.5))
     moe = {"moe/aux-loss", "moe/z-loss", "moe/max-load", "moe/dropped-tokens"}  # written by MoE runs only
-    assert set(TB_TAGS.values()) | {"valid/lm-loss", "valid/ppl"} == CONTRACT_TAGS | moe
+    mtp = {"mtp-loss"}  # by runs with --mtp-num-layers only
+    assert set(TB_TAGS.values()) | {"valid/lm-loss", "valid/ppl"} == CONTRACT_TAGS | moe | mtp
 
 
 def test_other_ranks_write_nothing_and_resume_appends(tmp_path):

@@ -33,6 +33,9 @@ CASES = [
     ("gpt2-125m", GPT2, Layout(pp=2, pipeline_schedule="zb-v")),
     ("moe-tiny", MOE, Layout(tp=2, pp=2, dp=2, ep=2, vpp=2)),
     ("moe-tiny", {}, Layout(tp=2, pp=1, dp=4, ep=4)),
+    ("deepseek-v3-tiny", {}, Layout(tp=2, pp=2, dp=2, ep=2)),  # MLA, MTP and its copy of the embedding
+    ("deepseek-v3-tiny", dict(q_lora_rank=None, untie_embeddings_and_output_weights=False), Layout(tp=2, pp=1)),
+    ("deepseek-v3-tiny", dict(mtp_num_layers=2, moe_layer_freq="[1,1,1,0]"), Layout(pp=2, vpp=2, dp=2, ep=2)),
 ]
 
 
@@ -49,7 +52,7 @@ def _config(name: str, model: dict):
 def test_chunk_tensors_are_what_the_engine_builds_in_forward_order(name, model, layout):
     cfg = _config(name, model)
     m = cfg.model
-    moe = set(m.moe_layers()) if m.num_experts else set()
+    moe = set(m.moe_layers()) if m.num_experts else set()  # (an MTP module's layer is the head's: listed there)
     first, last = end_ranks(layout)
     grid = dataclasses.replace(layout, dp=layout.ep, cp=1)  # the smallest grid holding the ep ranks
     for r, ids in enumerate(stage_layer_ids(m.num_layers, layout)):

@@ -85,6 +85,8 @@ def main(argv=None) -> int:
     print(f"converted {args.hf} into {args.out} (iteration 0; loads at any tp/pp layout)")
     if note:
         print(f"tokenizer: {note}")
+    for line in cfg.notices:
+        print(f"note: {line}")
     print(f"flags: {command_line(values)}")
     print(f"config: {path} (use --config {path} --load {args.out} --finetune)")
     return 0

@@ -159,6 +159,29 @@ class ModelConfig:
                                     choices=("probs", "position"))
     moe_router_dtype: Optional[str] = _f(None, "dtype of the router's computation (default: fp32 always here)",
                                          choices=("fp32", "fp64"))
+    moe_router_num_groups: Optional[int] = _f(None, "group-limited routing: the experts form this many equal groups "
+                                                    "(by id; DeepSeek-V3: one per node), default none")
+    moe_router_group_topk: Optional[int] = _f(None, "with --moe-router-num-groups: each token's experts come from this "
+                                                    "many groups, ranked by the sum of each group's top-2 scores")
+    # Multi-head latent attention (engine/latent_attention.py) and multi-token prediction (engine/mtp.py):
+    # Megatron-LM's flags
+    multi_latent_attention: bool = _f(False, "multi-head latent attention (DeepSeek-V2/V3): keys and values from a "
+                                             "low-rank latent, a decoupled RoPE part shared by the heads")
+    q_lora_rank: Optional[int] = _f(None, "with MLA: rank of the query latent (default none: one q projection)")
+    kv_lora_rank: int = _f(32, "with MLA: rank of the key/value latent")
+    qk_head_dim: int = _f(128, "with MLA: per-head q/k channels without position encoding")
+    qk_pos_emb_head_dim: int = _f(64, "with MLA: per-head q/k channels with RoPE (the key's shared by all heads)")
+    v_head_dim: int = _f(128, "with MLA: per-head value channels")
+    rope_type: Optional[str] = _f(None, "RoPE form of MLA: yarn (default with MLA) or rope", choices=("rope", "yarn"))
+    rotary_scaling_factor: float = _f(1.0, "YaRN: context extension factor (DeepSeek-V3: 40; 1 is plain RoPE)")
+    original_max_position_embeddings: int = _f(4096, "YaRN: the context length the model was pretrained with")
+    beta_fast: float = _f(32.0, "YaRN: rotations above which frequencies are kept (extrapolated)")
+    beta_slow: float = _f(1.0, "YaRN: rotations below which frequencies are divided by the factor (interpolated)")
+    mscale: float = _f(1.0, "YaRN: scale of log(factor) in the RoPE part's magnitude (numerator)")
+    mscale_all_dim: float = _f(0.0, "YaRN: the same for the softmax scale and the denominator (DeepSeek-V3: 1)")
+    mtp_num_layers: Optional[int] = _f(None, "multi-token prediction: sequential modules after the decoder, module k "
+                                             "predicting the token k+1 ahead (DeepSeek-V3: 1)")
+    mtp_loss_scaling_factor: float = _f(0.1, "weight of the mean MTP loss added to the LM loss")
 
     def moe_layers(self) -> list:
         """Global ids of the MoE layers (empty without --num-experts)."""
@@ -166,13 +189,33 @@ class ModelConfig:
             return []
         return [i for i, moe in enumerate(moe_layer_pattern(self.moe_layer_freq, self.num_layers)) if moe]
 
+    def rope_dim(self) -> int:
+        """Channels RoPE rotates in each head: the decoupled part under MLA, else the whole head."""
+        return self.qk_pos_emb_head_dim if self.multi_latent_attention else self.head_dim()
+
+    def yarn(self) -> bool:
+        """Whether RoPE is YaRN-scaled (MLA's default form)."""
+        return self.multi_latent_attention and self.rope_type in (None, "yarn")
+
+    def mtp_layers(self) -> list:
+        """Global ids of the multi-token prediction modules' transformer layers: after the decoder's."""
+        return list(range(self.num_layers, self.num_layers + (self.mtp_num_layers or 0)))
+
+    def routed_layers(self) -> list:
+        """Global ids of every layer with routed experts: the MoE layers, and the MTP modules' layers when the
+        decoder's last layer is one (they are built like it)."""
+        moe = self.moe_layers()
+        return moe + (self.mtp_layers() if self.num_layers - 1 in moe else [])
+
     def attention_window(self, layer: int) -> Optional[int]:
         """L of layer `layer`'s sliding window (a query sees keys at most L positions before it), or None where the
-        layer attends to every earlier position (no --window-size, an unbounded -1, or a skipped layer)."""
+        layer attends to every earlier position (no --window-size, an unbounded -1, or a skipped layer). An MTP
+        module's layer attends as the decoder's last layer."""
         pair = window_size_pair(self.window_size)
         if pair is None or pair[0] < 0:
             return None
-        return pair[0] if window_layer_pattern(self.window_attn_skip_freq, self.num_layers)[layer] else None
+        pattern = window_layer_pattern(self.window_attn_skip_freq, self.num_layers)
+        return pair[0] if pattern[min(layer, self.num_layers - 1)] else None
 
     def resolved_moe_ffn_hidden_size(self) -> int:
         return self.moe_ffn_hidden_size or self.resolved_ffn_hidden_size()

@@ -60,11 +60,16 @@ class _AuxLossGradient(torch.autograd.Function):
         return grad, torch.full(ctx.aux_shape, _aux_loss_scale, dtype=ctx.aux_dtype, device=grad.device)
 
 
+def with_aux_loss(out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    """`out` unchanged, with `aux` joining backward scaled like the LM loss (the MoE losses, MTP's)."""
+    return _AuxLossGradient.apply(out, aux)
+
+
 class MoELayer(nn.Module):
-    def __init__(self, cfg, ctx, out_std: float, device=None, dtype=None, shared=None):
-        """`shared`: the shared expert (a tensor-parallel MLP module), or None."""
+    def __init__(self, cfg, ctx, out_std: float, device=None, dtype=None, shared=None, layer_id: int = 0):
+        """`shared`: the shared expert (a tensor-parallel MLP module), or None; `layer_id`: its layer's global id."""
         super().__init__()
-        self.ctx, self.cfg = ctx, cfg
+        self.ctx, self.cfg, self.layer_id = ctx, cfg, layer_id
         self.router = Router(cfg, ctx, device, dtype)
         self.experts = Experts(cfg, ctx, out_std, device, dtype)
         self.shared = shared
@@ -86,7 +91,7 @@ class MoELayer(nn.Module):
         routing = self.router(tokens, self._token_keys(positions, b), (s_local, b))
         out = dispatch_combine(tokens, routing, self.experts, self.ctx)
         if routing.aux_loss is not None and torch.is_grad_enabled():
-            out = _AuxLossGradient.apply(out, routing.aux_loss)
+            out = with_aux_loss(out, routing.aux_loss)
         if self.training and torch.is_grad_enabled():
             self.stats.add(routing)
         out = out.view(s_local, b, h)

@@ -4,6 +4,11 @@ The router computes fp32 logits [T, E] for this rank's tokens and picks each tok
 - softmax: scores = softmax(logits); weights = the chosen scores renormalised over the top k (the same as
   a softmax over the top-k logits: Mixtral, Megatron-LM's default);
 - sigmoid: scores = sigmoid(logits); weights = the chosen scores over their sum when k > 1 (DeepSeek-V3).
+Group-limited routing (--moe-router-num-groups G, --moe-router-group-topk M; DeepSeek-V3's node-limited routing)
+picks each token's experts among M of the G equal groups of consecutive expert ids only, the groups ranked by
+the sum of their two best choice scores (as DeepSeek-V3's code and transformers rank them; Megatron-Core sums
+the top k/M, the same at V3's k = 8, M = 4), so its all-to-all reaches at most M groups (nodes, when each
+node's experts make one group).
 An expert bias (aux-loss-free balancing, `--moe-router-enable-expert-bias`) is added to the scores for the
 choice only, never to the weights; `engine.moe.stats` moves it towards balance after every step.
 
@@ -86,7 +91,7 @@ class Router(nn.Module):
         logits = F.linear(x.to(dtype), self.weight.to(dtype))
         scores = logits.softmax(-1) if cfg.moe_router_score_function == "softmax" else logits.sigmoid()
         choice = scores if self.expert_bias is None else scores + self.expert_bias.to(dtype)
-        experts = choice.detach().topk(k, dim=-1).indices
+        experts = self._within_groups(choice.detach()).topk(k, dim=-1).indices
         weights = scores.gather(1, experts)
         if cfg.moe_router_score_function == "softmax" or k > 1:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -97,6 +102,18 @@ class Router(nn.Module):
         aux, aux_value, z_value, counts = self._losses(logits, scores, experts, counts_local, seq_shape)
         kept, dropped = self._capacity(experts, weights.detach(), token_keys, counts)
         return Routing(experts, weights.float() * kept, kept, aux, counts, aux_value, z_value, dropped)
+
+    def _within_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """The choice scores [T, E] with -inf outside each token's --moe-router-group-topk best groups (unchanged
+        without --moe-router-num-groups)."""
+        groups = self.cfg.moe_router_num_groups
+        if not groups:
+            return choice
+        per_group = choice.view(choice.shape[0], groups, -1)
+        ranked = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(-1)  # [T, groups]
+        best = ranked.topk(self.cfg.moe_router_group_topk, dim=-1).indices
+        keep = torch.zeros_like(ranked, dtype=torch.bool).scatter_(1, best, True)
+        return per_group.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
 
     # ------------------------------------------------------------------ balancing and z losses
     def _losses(self, logits, scores, experts, counts_local, seq_shape) -> tuple:

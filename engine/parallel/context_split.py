@@ -39,7 +39,8 @@ def positions(seq_length: int, cp: int, cp_rank: int, device=None) -> torch.Tens
     return split(torch.arange(seq_length, device=device), 0, cp, cp_rank)
 
 
-SEQUENCE_KEYS = ("tokens", "labels", "loss_mask")  # [b, s] tensors of a microbatch, cut along the sequence
+# [b, s] tensors of a microbatch, and multi-token prediction's [b, s, D] (engine.mtp.KEYS), cut along the sequence
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "mtp_tokens", "mtp_labels", "mtp_mask")
 
 
 def shard_batch(batch: dict, ctx, packing: Packing = Packing()) -> dict:

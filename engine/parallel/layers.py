@@ -134,6 +134,19 @@ class ColumnParallelLinear(nn.Module):
         return mappings.enter_tp_linear(x, self.weight, self.bias, self.ctx)  # stacked blocks become output rows
 
 
+class ReplicatedLinear(nn.Module):
+    """y = x W^T on the tokens this rank holds, W whole on every tp rank (MLA's latent down-projections, MTP's
+    projection): no communication; under sequence parallelism each rank's gradient covers its own tokens."""
+
+    def __init__(self, in_features, out_features, ctx, *, std=0.02, device=None, dtype=None):
+        super().__init__()
+        self.weight = make_param((out_features, in_features), None, ctx, ("normal", std), device, dtype,
+                                 sp_partial_grad=True, matrix="linear")
+
+    def forward(self, x):
+        return weight_grad_store.linear(x, self.weight)
+
+
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by input columns; the partial sums leave the tensor-parallel region."""
 
@@ -157,19 +170,25 @@ class VocabParallelEmbedding(nn.Module):
         self.ctx = ctx
         self.weight = make_param((vocab_padded, hidden), 0, ctx, ("normal", std), device, dtype, init_key=init_key,
                                  valid_rows=vocab)
-        self.per_rank = vocab_padded // ctx.tp_size
-        self.start = ctx.tp_rank * self.per_rank
 
     def forward(self, tokens):
         """tokens [b, s] -> [s, b, h] ([s/tp, b, h] where the context splits the sequence)."""
-        tokens = tokens.t()
-        if self.ctx.tp_size > 1:
-            outside = (tokens < self.start) | (tokens >= self.start + self.per_rank)
-            local = (tokens - self.start).masked_fill(outside, 0)
-            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        else:
-            out = F.embedding(tokens, self.weight)
-        return mappings.exit_tp(out, self.ctx)
+        return vocab_parallel_lookup(tokens, self.weight, self.ctx)
+
+
+def vocab_parallel_lookup(tokens, weight, ctx):
+    """Rows of the vocabulary-parallel table `weight` (this rank's V/tp rows) for tokens [b, s]: [s, b, h] ([s/tp,
+    b, h] where the context splits the sequence); each rank looks up its own range, the results are summed."""
+    tokens = tokens.t()
+    if ctx.tp_size > 1:
+        per_rank = weight.shape[0]
+        start = ctx.tp_rank * per_rank
+        outside = (tokens < start) | (tokens >= start + per_rank)
+        local = (tokens - start).masked_fill(outside, 0)
+        out = F.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    else:
+        out = F.embedding(tokens, weight)
+    return mappings.exit_tp(out, ctx)
 
 
 class Norm(nn.Module):

@@ -148,10 +148,12 @@ class _Pass:
     steps: tuple
     dropout_p: float
     seeds: Optional[list]
+    softmax_scale: Optional[float] = None  # None: 1/sqrt(head channels)
 
     def block_args(self, blk: Block, n: int) -> dict:
         """The block kernels' keyword arguments for block `blk`, the call's `n`-th."""
-        return dict(softmax_scale=None, dropout_p=self.dropout_p, seed=self.seeds[n] if self.seeds else None,
+        return dict(softmax_scale=self.softmax_scale, dropout_p=self.dropout_p,
+                    seed=self.seeds[n] if self.seeds else None,
                     window=self.mask.window, q_offset=blk.queries[0], k_offset=blk.keys[0],
                     doc_bounds=self.mask.bounds)
 
@@ -167,13 +169,13 @@ class ContextAttention:
             raise ValueError(f"--cp-comm-type {self.comm_type!r}: choose one of {', '.join(COMM_TYPES)}")
         self.block_forward, self.block_backward = dispatch.attention_block_fns(block_backend)
 
-    def __call__(self, q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
+    def __call__(self, q, k, v, mask: AttentionMask, dropout_p: float = 0.0, softmax_scale=None):
         steps = plan(self.cp, self.rank, q.shape[1] // 2, mask, q.shape[0])
         seeds = None
         if dropout_p > 0.0:
             n = sum(len(blocks) for _, _, blocks in steps)
             seeds = torch.randint(0, 2 ** 62, (n,), device=q.device).tolist()
-        return _ContextAttentionFn.apply(q, k, v, self, _Pass(mask, steps, dropout_p, seeds))
+        return _ContextAttentionFn.apply(q, k, v, self, _Pass(mask, steps, dropout_p, seeds, softmax_scale))
 
     # ------------------------------------------------------------------ moving K/V
     def _shift(self, send: list, recv: list, hop: int) -> list:

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
+from engine import mtp
 from engine.documents import Packing
 from engine.flops import UNIT, Costs, attention_pairs, split_backward_costs
 from engine.loss import microbatch_loss, step_loss, token_count
@@ -67,7 +68,7 @@ class PipelineRunner:
         """
         ctx, m, schedule = self.ctx, len(microbatches), self.schedule
         check_schedule(schedule, m)
-        microbatches = [dict(shard_batch(batch, ctx, self.packing), count=token_count(batch)) for batch in microbatches]
+        microbatches = [self._at_the_door(batch) for batch in microbatches]
         if not forward_only:
             self.attention_pairs = self._pairs(microbatches)
             unit = torch.ones((), dtype=torch.float64)  # (float64: a static --loss-scale as given)
@@ -86,6 +87,15 @@ class PipelineRunner:
                 if self.trace is not None and not forward_only:  # evaluation passes are not traced
                     self.trace.record(kind, mb, chunk, start, time.time())
         return self._share_loss(losses) if shared else self.loss_share(losses)
+
+    def _at_the_door(self, batch: dict) -> dict:
+        """This rank's part of a microbatch of whole sequences, with its token count and, for a model with
+        multi-token prediction, its targets (engine.mtp.targets: from the whole sequences, then cut)."""
+        depth = self.chunks[0].cfg.mtp_num_layers
+        extra = mtp.targets(batch, depth) if depth and batch.get("labels") is not None else {}
+        mine = shard_batch(batch | extra, self.ctx, self.packing)
+        return dict(mine, count=token_count(batch), mtp=None if not extra else
+                    {k: mine[k] for k in mtp.KEYS} | {"mtp_count": extra["mtp_count"]})
 
     def _pairs(self, microbatches: list) -> Optional[int]:
         """The attention pairs engine.flops counts for the microbatches' packed documents, summed over their
@@ -121,7 +131,7 @@ class PipelineRunner:
         model = self.chunks[chunk]
         x = None if received is None else received.requires_grad_()
         out = model(tokens=batch["tokens"], hidden=x, labels=batch.get("labels"), positions=batch["positions"],
-                    position_ids=batch["position_ids"], documents=batch["documents"])
+                    position_ids=batch["position_ids"], documents=batch["documents"], mtp=batch["mtp"])
         if model.post_process:
             out = microbatch_loss(out, batch.get("loss_mask"), batch["count"])
             losses.append(out.detach())

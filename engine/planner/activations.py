@@ -43,11 +43,11 @@ def layer_activation_bytes(model: ModelConfig, seq_length: int, micro_batch: int
     Under context parallelism a rank holds seq_length/cp tokens of each sequence and saves only its own
     Q, K, V (the ring re-sends the other ranks' K/V in backward), so every term is divided by cp.
     An MoE layer (`moe`) replaces the MLP term with `moe_mlp_activation_bytes`."""
-    s, b, h = seq_length // cp, micro_batch, model.hidden_size
+    s, b, h = seq_length // cp, micro_batch, model.hidden_size  # (MLA: `_latents` and its projections' outputs)
     sp = tp if sequence_parallel else 1
     if recompute == "full":
         return 2 * s * b * h / sp
-    d, nq, nkv = model.head_dim(), model.num_attention_heads, model.resolved_query_groups()
+    nq = model.num_attention_heads
     ffn = model.resolved_ffn_hidden_size()
     # Not split by tp (split by sp): two norm inputs (4), QKV input (2), MLP input (2), and with residual
     # dropout its two 1-byte masks (2).
@@ -55,15 +55,30 @@ def layer_activation_bytes(model: ModelConfig, seq_length: int, micro_batch: int
     # Split by tp: Q and K for the scores, V, the attention output (projection input), the MLP
     # hidden activations (GELU: fc1 output and GELU output; SwiGLU: gate+up output and their product).
     mlp = (6 if model.swiglu else 4) * ffn * s * b if not moe else 0
-    split = 2 * s * b * (nq * d + nkv * d) + 2 * s * b * nkv * d + 2 * s * b * nq * d + mlp
-    if model.qk_layernorm:  # QK-norm's inputs (its outputs are the Q and K above); its 1/rms not counted
-        split += 2 * s * b * (nq * d + nkv * d)
+    if model.multi_latent_attention:
+        replicated += _latents(model) * s * b
+        qk, v = model.qk_head_dim + model.qk_pos_emb_head_dim, model.v_head_dim
+        split = 2 * s * b * nq * (2 * qk + max(qk, v) + v) + mlp  # the values padded to q/k's channels
+    else:
+        d, nkv = model.head_dim(), model.resolved_query_groups()
+        split = 2 * s * b * (nq * d + nkv * d) + 2 * s * b * nkv * d + 2 * s * b * nq * d + mlp
+        if model.qk_layernorm:  # QK-norm's inputs (its outputs are the Q and K above); its 1/rms not counted
+            split += 2 * s * b * (nq * d + nkv * d)
     # Softmax output (2) per score, and with attention dropout its mask (1) and the dropout output (2).
     per_score = 2 + 3 * (model.attention_dropout > 0)
     keys = mean_keys_per_query(model, s * cp)  # each local query against the whole sequence (or window)
     scores = 0 if (flash_attention or recompute == "selective") else per_score * nq * s * keys * b
     routed = moe_mlp_activation_bytes(model, s * b, tp, sp) if moe else 0.0
     return replicated / sp + (split + scores) / tp + routed
+
+
+def _latents(model: ModelConfig) -> int:
+    """Bytes per token MLA's latents keep, split by sp like the hidden states: the q latent's norm input and the
+    up-projection's input (its norm output), the kv down-projection's output (the norm's input, with the RoPE
+    key's channels) and the kv up-projection's input."""
+    norms = 2 if model.qk_layernorm else 1
+    return 2 * (norms * (model.q_lora_rank or 0) + model.kv_lora_rank + model.qk_pos_emb_head_dim
+                + (norms - 1) * model.kv_lora_rank)
 
 
 def moe_mlp_activation_bytes(model: ModelConfig, tokens: float, tp: int = 1, sp: int = 1) -> float:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from engine.planner.counts import mean_keys_per_query
 from engine.config import ModelConfig
-from engine.flops import GPUSpec, attention_matrices, mlp_matrices
+from engine.flops import GPUSpec, attention_matrices, attention_splits, mlp_matrices, qk_channels
 from engine.layout import Layout
 from engine.planner.activations import layer_activation_bytes
 from engine.planner.links import Link, Links, all_reduce, all_to_all
@@ -77,15 +77,15 @@ def _attention_seconds(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpe
     """(forward, backward) seconds of one layer's attention core for one microbatch on one GPU. Under cp
     each rank computes 1/cp of the (load-balanced) score blocks."""
     b, t, cp = layout.micro_batch_size, layout.tp, layout.cp
-    d, heads = model.head_dim(), model.num_attention_heads / t
+    (qk, v), heads = qk_channels(model), model.num_attention_heads / t
     keys = mean_keys_per_query(model, seq)  # the layers' average: windowed layers count their window
     if sw.flash_attention:  # which skips the blocks of other documents too (the materialised scores do not)
         eff = sw.attention_efficiency or FLASH_ATTENTION_EFFICIENCY.get(gpu.name, FLASH_ATTENTION_DEFAULT)
         keys = mean_keys_per_query(model, seq, sw.document_length)
-        fwd = 4 * b * seq * keys * heads * d / cp / (gpu.peak_tflops * 1e12 * eff)
+        fwd = 2 * b * seq * keys * heads * (qk + v) / cp / (gpu.peak_tflops * 1e12 * eff)
         return fwd, FLASH_BACKWARD_RATIO * fwd
     s_local = seq / cp
-    per_head = gemm_seconds(s_local, keys, d, gpu) + gemm_seconds(s_local, d, keys, gpu)
+    per_head = gemm_seconds(s_local, keys, qk, gpu) + gemm_seconds(s_local, v, keys, gpu)
     softmax = UNFUSED_SCORE_TRAFFIC * heads * b * s_local * keys / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
     fwd = b * heads * per_head + softmax
     return fwd, 2 * fwd
@@ -93,13 +93,14 @@ def _attention_seconds(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpe
 
 def _cp_comm(model: ModelConfig, layout: Layout, seq: int, sw: Software, link: Link, attn: tuple) -> float:
     """Exposed seconds of the K/V exchange of one layer, forward and backward. Forward: every rank sends
-    cp - 1 blocks of K and V ((s/cp) b (groups/tp) d elements each); backward sends K/V again plus their
+    cp - 1 blocks of K and V ((s/cp) b (groups/tp) d elements each; under MLA every head's, the values padded to
+    the q/k channels as the ring carries them); backward sends K/V again plus their
     gradients (2x). The ring overlaps each step's transfer with the attention of the block in hand;
     all_gather gathers K/V before attention (Llama 3's choice), so nothing hides it."""
     cp = layout.cp
     if cp == 1:
         return 0.0
-    block = 2 * (seq / cp) * layout.micro_batch_size * model.resolved_query_groups() / layout.tp * model.head_dim()
+    block = (seq / cp) * layout.micro_batch_size * model.resolved_query_groups() / layout.tp * 2 * qk_channels(model)[0]
     fwd = (cp - 1) * (link.seconds(2 * block) - link.latency) + (cp - 1) * link.latency
     bwd = 2 * fwd
     if sw.cp_comm_type == "all_gather":
@@ -129,8 +130,7 @@ def layer_costs(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: 
     pipeline send, for one microbatch on one GPU."""
     t, h = layout.tp, model.hidden_size
     tokens = layout.micro_batch_size * seq / layout.cp  # this rank's share of the microbatch
-    (qkv_rows, qkv_cols), (proj_rows, proj_cols) = attention_matrices(model)  # QKV split by rows, proj by columns
-    attn_gemm = gemm_seconds(tokens, qkv_rows / t, qkv_cols, gpu) + gemm_seconds(tokens, proj_rows, proj_cols / t, gpu)
+    attn_gemm = _attention_gemm(model, layout, tokens, gpu)
     gemm = attn_gemm + _mlp_gemm(model, tokens, model.resolved_ffn_hidden_size() / t, gpu)
     attn_fwd, attn_bwd = _attention_seconds(model, layout, seq, gpu, sw)
     stored = layer_activation_bytes(model, seq, layout.micro_batch_size, t, layout.sequence_parallel, "none",
@@ -149,6 +149,17 @@ def layer_costs(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: 
     cp_comm = _cp_comm(model, layout, seq, sw, links.cp, (attn_fwd, attn_bwd))
     moe = _moe_layer(model, layout, seq, gpu, sw, links, (attn_gemm, attn_fwd, attn_bwd)) if model.num_experts else ()
     return LayerCosts(fwd, bwd, recompute, embed, head, p2p, cp_comm, *moe)
+
+
+def _attention_gemm(model: ModelConfig, layout: Layout, tokens: float, gpu: GPUSpec) -> float:
+    """Forward seconds of the attention's projections over this rank's `tokens`: column-parallel ones split by
+    rows, row-parallel ones by columns, replicated ones (MLA's latent down-projections) whole, on 1/tp of the
+    tokens under sequence parallelism."""
+    t, seconds = layout.tp, 0.0
+    for (rows, cols), axis in zip(attention_matrices(model), attention_splits(model)):
+        mine = tokens / t if axis is None and layout.sequence_parallel else tokens
+        seconds += gemm_seconds(mine, rows / t if axis == 0 else rows, cols / t if axis == 1 else cols, gpu)
+    return seconds
 
 
 def _mlp_gemm(model: ModelConfig, rows: float, ffn: float, gpu: GPUSpec) -> float:

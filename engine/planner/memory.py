@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from engine.config import ModelConfig
+from engine.flops import attention_matrices, attention_splits
 from engine.planner.counts import degrees, memoised, param_split_per_rank, split_backward_costs
 from engine.layout import Layout
 from engine.planner.activations import in_flight_bytes, layer_activation_bytes, w_store_bytes
@@ -92,8 +93,9 @@ def state_bytes(params: int, layout: Layout, precision: str, experts: int = 0, f
 def _largest_weight(model: ModelConfig, layout: Layout) -> int:
     """Elements of the largest weight inside a layer on one rank (its gradient is briefly whole)."""
     ffn = model.resolved_ffn_hidden_size() * (2 if model.swiglu else 1)
-    largest = max(ffn, (model.num_attention_heads + 2 * model.resolved_query_groups())
-                  * model.head_dim()) * model.hidden_size // layout.tp
+    largest = max([ffn * model.hidden_size // layout.tp]
+                  + [rows * cols // (layout.tp if axis is not None else 1)
+                     for (rows, cols), axis in zip(attention_matrices(model), attention_splits(model))])
     if model.num_experts:
         fc1 = model.resolved_moe_ffn_hidden_size() * (2 if model.swiglu else 1)
         largest = max(largest, model.num_experts // layout.ep * fc1 * model.hidden_size)
@@ -135,7 +137,10 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
     if layout.recompute == "full":
         workspace = max(act("none", False), act("none", True) if any(n_moe) else 0.0)
     vocab_shard = model.padded_vocab_size(layout.tp) // layout.tp
-    logits = LOGIT_BYTES * seq_length // layout.cp * layout.micro_batch_size * vocab_shard
+    heads = 1 + (model.mtp_num_layers or 0)  # the output layer's logits, and again for each MTP module
+    logits = LOGIT_BYTES * seq_length // layout.cp * layout.micro_batch_size * vocab_shard * heads
+    # MTP's layers run once a microbatch on the last stage, with its backward right after (never recomputed)
+    mtp = (model.mtp_num_layers or 0) * act("none", model.num_layers - 1 in model.moe_layers())
     largest_layer_weight = _largest_weight(model, layout)
     first, last = end_ranks(layout)
     best, classes = None, {}
@@ -152,7 +157,7 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
         per_chunk = (dense_layers * act_dense + n_moe[r] * act_moe) / len(chunks)
         store_chunk = (dense_layers * store + n_moe[r] * store_moe) / len(chunks)
         acts = in_flight_bytes(layout, r, num_microbatches, per_chunk, store_chunk, costs)
-        acts += workspace if sum(chunks) else 0.0
+        acts += (workspace if sum(chunks) else 0.0) + (mtp if r == last else 0.0)
         ends = r in (first, last)
         largest = max(largest_layer_weight if sum(chunks) else 0, vocab_shard * model.hidden_size if ends else 0)
         state, (staging, gathered) = classes[cls]

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from engine.config import ModelConfig
-from engine.flops import attention_matrices, mlp_matrices
+from engine.flops import attention_matrices, attention_splits, mlp_matrices
 from engine.layout import Layout
 from engine.optim.newton_schulz import MuonSettings, newton_schulz_flops
 from engine.planner.stages import moe_layers_per_rank, stage_layer_counts
@@ -41,11 +41,13 @@ class MuonCost(NamedTuple):
 def _dense_matrices(model: ModelConfig, settings: MuonSettings, moe: bool) -> list:
     """(rows, columns, split axis) of a layer's tensor-parallel matrices, whole: column-parallel ones split
     their rows over tp (axis 0), row-parallel ones their columns (axis 1)."""
+    ffn = model.moe_shared_expert_intermediate_size if moe else model.resolved_ffn_hidden_size()
+    mlp = [(*m, axis) for m, axis in zip(mlp_matrices(model, ffn), (0, 1))] if ffn else []
+    if model.multi_latent_attention:  # each projection a matrix (the replicated ones whole on every rank)
+        return [(*m, axis) for m, axis in zip(attention_matrices(model), attention_splits(model))] + mlp
     (qkv_rows, h), proj = attention_matrices(model)
     d, nq, nkv = model.head_dim(), model.num_attention_heads, model.resolved_query_groups()
     qkv = [(nq * d, h, 0), (nkv * d, h, 0), (nkv * d, h, 0)] if settings.split_qkv else [(qkv_rows, h, 0)]
-    ffn = model.moe_shared_expert_intermediate_size if moe else model.resolved_ffn_hidden_size()
-    mlp = [(*m, axis) for m, axis in zip(mlp_matrices(model, ffn), (0, 1))] if ffn else []
     return qkv + [(*proj, 1)] + mlp
 
 
@@ -54,7 +56,7 @@ def _flops(matrices: list, tp: int, settings: MuonSettings) -> float:
     steps, out = len(settings.coefficients), 0
     for rows, cols, axis in matrices:
         if not settings.whole_over_tp:
-            rows, cols = (rows // tp, cols) if axis == 0 else (rows, cols // tp)
+            rows, cols = (rows // tp, cols) if axis == 0 else (rows, cols // tp) if axis == 1 else (rows, cols)
         out += newton_schulz_flops(rows, cols, steps)
     return out
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from engine.config import ModelConfig
-from engine.flops import attention_matrices, mlp_matrices
+from engine.flops import attention_matrices, attention_splits, latent_norm_sizes, mlp_matrices
 from engine.layout import Layout
 from engine.planner.stages import end_ranks, moe_layers_per_rank, stage_layer_counts
 
@@ -61,6 +61,18 @@ def _linear(matrix: tuple, tp: int, column: bool, bias: bool) -> list:
     rows, cols = matrix
     bias_numel = rows // tp if column else rows
     return [Tensor(rows * cols // tp, "weight")] + ([Tensor(bias_numel, "bias")] if bias else [])
+
+
+def _latent_attention(model: ModelConfig, tp: int) -> list:
+    """MLA's projections in forward order, each latent's norm after its down-projection (replicated, as the
+    down-projections are)."""
+    norms = list(latent_norm_sizes(model))
+    out = []
+    for matrix, axis in zip(attention_matrices(model), attention_splits(model)):
+        out += [Tensor(matrix[0] * matrix[1], "weight")] if axis is None else _linear(matrix, tp, axis == 0, False)
+        if axis is None and norms:
+            out += _norm(model, norms.pop(0))
+    return out
 
 
 def _mlp(model: ModelConfig, ffn: int, tp: int) -> list:
@@ -103,10 +115,13 @@ def layer_tensors(model: ModelConfig, tp: int, ep: int = 1, moe: bool = False) -
     """One transformer layer's tensors on one (tp, ep) rank, in engine/model.py's order: norm1, QKV (its q and k
     norms), output projection, norm2, then the MLP or (`moe`) the MoE block; each norm after its sublayer
     under --norm-placement post."""
-    qkv, proj = attention_matrices(model)
     bias = not model.disable_bias_linear
-    attention = (_linear(qkv, tp, True, bias or model.add_qkv_bias) + _qk_norm(model, tp)
-                 + _linear(proj, tp, False, bias))
+    if model.multi_latent_attention:
+        attention = _latent_attention(model, tp)
+    else:
+        qkv, proj = attention_matrices(model)
+        attention = (_linear(qkv, tp, True, bias or model.add_qkv_bias) + _qk_norm(model, tp)
+                     + _linear(proj, tp, False, bias))
     mlp = _moe_block(model, tp, ep) if moe else _mlp(model, model.resolved_ffn_hidden_size(), tp)
     if model.norm_placement == "post":
         return attention + _norm(model) + mlp + _norm(model)
@@ -115,36 +130,45 @@ def layer_tensors(model: ModelConfig, tp: int, ep: int = 1, moe: bool = False) -
 
 def embedding_tensors(model: ModelConfig, tp: int, pp: int) -> list:
     """The first stage's: the word embedding and, with learned positions, their table."""
-    h, tied = model.hidden_size, not model.untie_embeddings_and_output_weights
-    out = [Tensor(model.padded_vocab_size(tp) * h // tp, "word", tied=tied and pp > 1)]
+    h, tied = model.hidden_size, not model.untie_embeddings_and_output_weights or bool(model.mtp_num_layers)
+    out = [Tensor(model.padded_vocab_size(tp) * h // tp, "word", tied=tied and pp > 1)]  # (the last stage's copy)
     if model.position_embedding_type == "learned_absolute":
         out.append(Tensor((model.max_position_embeddings or model.seq_length) * h, "position"))
     return out
 
 
-def head_tensors(model: ModelConfig, tp: int, pp: int) -> list:
+def head_tensors(model: ModelConfig, tp: int, pp: int, ep: int = 1) -> list:
     """The last stage's: the final norm and the output layer, or with a tied embedding at pp > 1 its copy (at
-    pp 1 the embedding itself serves; validation keeps pp 1 to one chunk)."""
+    pp 1 the embedding itself serves; validation keeps pp 1 to one chunk); then the MTP modules (engine/mtp.py:
+    two norms, the replicated 2h -> h projection, a layer like the decoder's last, a final norm), and at pp > 1
+    with an untied embedding MTP's copy of it."""
     tied = not model.untie_embeddings_and_output_weights
-    if tied and pp == 1:
-        return _norm(model)
-    return _norm(model) + [Tensor(model.padded_vocab_size(tp) * model.hidden_size // tp, "output", tied=tied)]
+    vocab = model.padded_vocab_size(tp) * model.hidden_size // tp
+    out = _norm(model) + ([] if tied and pp == 1 else [Tensor(vocab, "output", tied=tied)])
+    moe = model.num_layers - 1 in model.moe_layers()
+    for _ in model.mtp_layers():
+        out += (_norm(model) + _norm(model) + [Tensor(2 * model.hidden_size ** 2, "weight")]
+                + layer_tensors(model, tp, ep, moe) + _norm(model))
+    if model.mtp_num_layers and not tied and pp > 1:
+        out.append(Tensor(vocab, "word", tied=True))
+    return out
 
 
 def chunk_tensors(model: ModelConfig, tp: int, ep: int, kinds: tuple, pre: bool, post: bool, pp: int) -> list:
     """(unit, Tensor) of one model chunk in forward order (engine.optim.param_shard.forward_order): the
     embedding's when it holds the first stage (`pre`), its layers (`kinds`: True for an MoE layer), the head's
     when it holds the last (`post`). `unit` is the gathered unit (GPTModel.units) the grad buffer files the
-    tensor under: "embedding", the layer's index in the chunk, "head"; the tied word embedding at pp 1, the
-    head's output weight too, under the head (the last unit holding it)."""
-    word_unit = "head" if post and not model.untie_embeddings_and_output_weights else "embedding"
+    tensor under: "embedding", the layer's index in the chunk, "head"; the word embedding at pp 1 when the head
+    reads it too (tied, or MTP's embedding), under the head (the last unit holding it)."""
+    word_unit = "head" if post and (not model.untie_embeddings_and_output_weights or model.mtp_num_layers) \
+        else "embedding"
     out = []
     if pre:
         out += [(word_unit if t.tag == "word" else "embedding", t) for t in embedding_tensors(model, tp, pp)]
     for i, moe in enumerate(kinds):
         out += [(i, t) for t in layer_tensors(model, tp, ep, moe)]
     if post:
-        out += [("head", t) for t in head_tensors(model, tp, pp)]
+        out += [("head", t) for t in head_tensors(model, tp, pp, ep)]
     return out
 
 
@@ -163,14 +187,15 @@ def param_split_per_rank(model: ModelConfig, layout: Layout, muon: bool = False)
     dense = _split(layer_tensors(model, tp), muon)[0]
     moe = _split(layer_tensors(model, tp, ep, True), muon) if model.num_experts else (0, 0, 0)
     embedding = _split(embedding_tensors(model, tp, layout.pp), muon)[0]
-    head = _split(head_tensors(model, tp, layout.pp), muon)[0]
+    head = _split(head_tensors(model, tp, layout.pp, ep), muon)
     n_moe = moe_layers_per_rank(model, layout)
     first, last = end_ranks(layout)
     out = []
     for r, chunks in enumerate(stage_layer_counts(model.num_layers, layout)):
         n = (sum(chunks) - n_moe[r]) * dense + n_moe[r] * moe[0]
-        n += (embedding if r == first else 0) + (head if r == last else 0)
-        out.append((n, n_moe[r] * moe[1], n_moe[r] * moe[2]))
+        n += (embedding if r == first else 0) + (head[0] if r == last else 0)
+        out.append((n, n_moe[r] * moe[1] + (head[1] if r == last else 0), n_moe[r] * moe[2] + (head[2] if r == last
+                                                                                             else 0)))
     return out
 
 

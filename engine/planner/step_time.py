@@ -74,18 +74,22 @@ class Estimate:
 
 def _stage_times(model: ModelConfig, layout: Layout, c: LayerCosts) -> tuple:
     """(forward+backward seconds of one microbatch on each pipeline rank, backward seconds of each); ZB-V's V
-    puts the output layer on rank 0, beside the embedding (stages.end_ranks)."""
+    puts the output layer (and the MTP modules after it) on rank 0, beside the embedding (stages.end_ranks)."""
     embed_rank, head_rank = end_ranks(layout)
     layer = c.layer_fwd + c.layer_bwd + c.layer_recompute + c.cp_comm
     moe_layer = c.moe_fwd + c.moe_bwd + c.moe_recompute + c.cp_comm
     n_moe = moe_layers_per_rank(model, layout) if model.num_experts else None
+    # MTP's modules on the head's rank: a layer like the last (never recomputed) and the output layer again each
+    mtp_moe = model.num_layers - 1 in model.moe_layers()
+    mtp = (model.mtp_num_layers or 0) * ((c.moe_fwd + c.moe_bwd if mtp_moe else c.layer_fwd + c.layer_bwd)
+                                         + c.cp_comm + c.head)
     times, bwd, seen = [], [], {}
     for r, chunks in enumerate(stage_layer_counts(model.num_layers, layout)):
         k = (sum(chunks), len(chunks), n_moe[r] if n_moe else 0, r == embed_rank, r == head_rank)
         if k not in seen:  # ranks alike cost alike: most of a deep pipeline is its middle stages
             n, moe = k[0] - k[2], k[2]
             seen[k] = (n * layer + moe * moe_layer + 2 * k[1] * c.p2p + (c.embed if k[3] else 0.0)
-                       + (c.head if k[4] else 0.0),
+                       + (c.head + mtp if k[4] else 0.0),
                        n * (c.layer_bwd + c.layer_recompute) + moe * (c.moe_bwd + c.moe_recompute))
         times.append(seen[k][0])
         bwd.append(seen[k][1])

@@ -35,7 +35,7 @@ def only(key: str, value, why: str) -> Rule:
 
 
 # Layer features a family has only where its shape names them: one that does not computes models without them.
-PLAIN_LAYER = {"qk_layernorm": False, "norm_placement": "pre"}
+PLAIN_LAYER = {"qk_layernorm": False, "norm_placement": "pre", "multi_latent_attention": False, "mtp_num_layers": None}
 
 
 def has_shape(m, shape: dict) -> bool:
@@ -48,6 +48,10 @@ def has_shape(m, shape: dict) -> bool:
 
 def _as_written(values: dict) -> dict:
     return values
+
+
+def _nothing_left_out(m) -> tuple:
+    return ()
 
 
 @dataclass(frozen=True)
@@ -64,3 +68,4 @@ class Adapter:
     windows: bool = False              # its rules carry a sliding window (export picks no other for a windowed model)
     prepare: Callable = _as_written    # config.json values (defaults filled in) -> as the rules read them
     moe: bool = False                  # listed in MOE_ARCHITECTURES rather than ARCHITECTURES
+    left_out: Callable = _nothing_left_out  # ModelConfig -> (name prefix, why): tensors import leaves out, noted

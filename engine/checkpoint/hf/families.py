@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-from engine.checkpoint.hf import gpt2, llama, mistral, mixtral, moe, olmo2, qwen2, qwen2_moe, qwen3, qwen3_moe
+from engine.checkpoint.hf import (deepseek_v3, gpt2, llama, mistral, mixtral, moe, olmo2, qwen2, qwen2_moe, qwen3,
+                                  qwen3_moe)
 from engine.config import ConfigError
 
 FAMILIES = {a.model_type: a for a in (llama.ADAPTER, mistral.ADAPTER, qwen2.ADAPTER, gpt2.ADAPTER, mixtral.ADAPTER,
-                                      qwen2_moe.ADAPTER, qwen3.ADAPTER, qwen3_moe.ADAPTER, olmo2.ADAPTER)}
+                                      qwen2_moe.ADAPTER, qwen3.ADAPTER, qwen3_moe.ADAPTER, olmo2.ADAPTER,
+                                      deepseek_v3.ADAPTER)}
 ARCHITECTURES = {key: a for key, a in FAMILIES.items() if not a.moe}
 MOE_ARCHITECTURES = {key: a for key, a in FAMILIES.items() if a.moe}
 
@@ -23,6 +25,10 @@ def export_family(m) -> str:
     for key, adapter in FAMILIES.items():
         if adapter.fits(m) and (adapter.windows or not windowed):
             return key
+    if m.multi_latent_attention:
+        why = deepseek_v3.refusal(m) or f"the model has a sliding window (--window-size {m.window_size})"
+        raise ConfigError(f"--format hf: {why}; transformers' DeepSeek-V3 cannot express it "
+                          "exactly, use --format native")
     shaped = next((adapter.name for adapter in FAMILIES.values() if adapter.fits(m)), None)
     if shaped:
         raise ConfigError(f"--format hf: the model has a sliding window (--window-size {m.window_size}), which "

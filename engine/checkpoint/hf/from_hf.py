@@ -31,7 +31,10 @@ def import_hf(hf_dir: str, out_dir: str, seq_length: Optional[int] = None, data:
         setattr(cfg.data, name, value)
     m, weights, ctx = cfg.model, HFWeights(hf_dir), ParallelContext.virtual()
     tensors = [lt for lt in local_tensors(build_model_chunks(cfg, ctx, device="meta"), ctx) if lt.writer]
-    sources = _sources(FAMILIES[arch].plan(m), tensors, weights, m, hf_dir)
+    sources = _sources(FAMILIES[arch].plan(m), tensors, weights, m, hf_dir, FAMILIES[arch].left_out(m))
+    for prefix, why in FAMILIES[arch].left_out(m):
+        if any(k.startswith(prefix) for k in weights.where):
+            cfg.notices.append(f"left out the tensors {prefix}*: {why}")
     dtypes = {lt.name: weights.dtype(sources[lt.name][0][0]) for lt in tensors}
     if files.read_latest(out_dir) is not None or files.list_iterations(out_dir):
         raise ConfigError(f"--out {out_dir}: already holds a checkpoint; give a new directory")
@@ -49,7 +52,7 @@ def import_hf(hf_dir: str, out_dir: str, seq_length: Optional[int] = None, data:
     return cfg, names
 
 
-def _sources(plan: list, tensors: list, weights: HFWeights, m, hf_dir: str) -> dict:
+def _sources(plan: list, tensors: list, weights: HFWeights, m, hf_dir: str, left_out: tuple = ()) -> dict:
     """Our name -> [(HF key, Transform)]; every HF tensor present with the shape config.json implies, none left
     over."""
     sources, used = {}, set()
@@ -68,7 +71,8 @@ def _sources(plan: list, tensors: list, weights: HFWeights, m, hf_dir: str) -> d
                                   f"implies {want}")
     if not m.untie_embeddings_and_output_weights:
         used.add("lm_head.weight")  # the tied output layer: some files hold a copy of the embedding
-    left = [k for k in weights.where if k not in used and not k.endswith(_UNUSED)]
+    left = [k for k in weights.where if k not in used and not k.endswith(_UNUSED)
+            and not k.startswith(tuple(prefix for prefix, _ in left_out))]
     if left:
         raise ConfigError(f"--hf {hf_dir}: tensor {left[0]} has no place in a Ternion model of its config.json")
     return sources

@@ -34,6 +34,8 @@ def router_refusal(m) -> Optional[str]:
     if m.moe_router_score_function != "softmax":
         return (f"the router scores with {m.moe_router_score_function} (--moe-router-score-function); "
                 "the HF families use softmax")
+    if m.moe_router_num_groups:
+        return f"the router limits each token to {m.moe_router_group_topk} of {m.moe_router_num_groups} expert groups"
     if m.moe_router_enable_expert_bias:
         return "the router adds an expert bias to its choice (--moe-router-enable-expert-bias)"
     if m.moe_expert_capacity_factor is not None:

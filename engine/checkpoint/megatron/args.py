@@ -32,13 +32,22 @@ def _on(args, name) -> bool:
     return bool(value.value if isinstance(value, Opaque) else value)
 
 
+def _groups_by_top2(a) -> bool:
+    """Whether a group-limited router ranks its groups by their top 2 scores (k = 2 x group top-k)."""
+    topk, best = (v.value if isinstance(v, Opaque) else v
+                  for v in (getattr(a, "moe_router_topk", None), getattr(a, "moe_router_group_topk", None)))
+    return topk == 2 * (best or 0)
+
+
 # (argument, is it set to something Ternion lacks, what to say)
 REFUSED = (
     ("use_legacy_models", lambda a: _on(a, "use_legacy_models"),
      "a model of Megatron-LM's legacy code (megatron.legacy); only megatron-core GPT models are read"),
     ("fp8", lambda a: _on(a, "fp8"), "FP8 training state (scales, amax histories) has no place in a Ternion run yet"),
-    ("multi_latent_attention", lambda a: _on(a, "multi_latent_attention"), "multi-latent attention is not built here"),
-    ("mtp_num_layers", lambda a: _on(a, "mtp_num_layers"), "multi-token prediction layers are not built here"),
+    ("multi_latent_attention", lambda a: _on(a, "multi_latent_attention"),
+     "its multi-latent attention tensors are not converted yet (Ternion trains MLA; DeepSeek-V3 checkpoints import "
+     "through Hugging Face: docs/deepseek-v3.md)"),
+    ("mtp_num_layers", lambda a: _on(a, "mtp_num_layers"), "its multi-token prediction layers are not converted yet"),
     ("apply_residual_connection_post_layernorm", lambda a: _on(a, "apply_residual_connection_post_layernorm"),
      "residuals taken after the norm are not built here"),
     ("apply_layernorm_1p", lambda a: _on(a, "apply_layernorm_1p"),
@@ -49,7 +58,9 @@ REFUSED = (
     ("moe_router_pre_softmax", lambda a: _on(a, "moe_router_pre_softmax"),
      "un-renormalised pre-softmax routing weights are not built here"),
     ("moe_shared_expert_gate", lambda a: _on(a, "moe_shared_expert_gate"), "a gated shared expert is not built here"),
-    ("moe_router_num_groups", lambda a: _on(a, "moe_router_num_groups"), "group-limited routing is not built here"),
+    ("moe_router_num_groups", lambda a: _on(a, "moe_router_num_groups") and not _groups_by_top2(a),
+     "Megatron-Core ranks expert groups by the sum of their top k/M scores, Ternion (as DeepSeek-V3) by their top "
+     "2: the same only when --moe-router-topk is twice --moe-router-group-topk"),
     ("decoupled_lr", lambda a: getattr(a, "decoupled_lr", None) is not None, "a separate LR for the embedding and "
                                                                                 "output layer is not built here"),
     ("position_embedding_type", lambda a: getattr(a, "position_embedding_type", "learned_absolute") not in
@@ -119,6 +130,13 @@ def args_from_config(cfg: Config, tp: int, pp: int, extra: dict) -> argparse.Nam
     if m.qk_layernorm and m.qk_layernorm_scope != "head" or m.norm_placement != "pre":
         raise ConfigError("--to-megatron: the model has QK-norm over whole projections or norms after the sublayers "
                           "(OLMo-2), which Megatron-LM's GPT model does not build")
+    if m.multi_latent_attention or m.mtp_num_layers:
+        raise ConfigError("--to-megatron: multi-latent attention and multi-token prediction tensors are not converted "
+                          "yet; use --format hf (tools/merge_ckpt.py) for a DeepSeek-V3-shaped model")
+    if m.moe_router_num_groups and m.moe_router_topk != 2 * m.moe_router_group_topk:
+        raise ConfigError(f"--to-megatron: Megatron-Core ranks expert groups by their top k/M scores, not their top 2 "
+                          f"as here: the same only when --moe-router-topk {m.moe_router_topk} is twice "
+                          f"--moe-router-group-topk {m.moe_router_group_topk}")
     values = {n: getattr(getattr(cfg, s), n) for s, names in COPIED.items() for n in names}
     heads_per_group = m.num_attention_heads // m.resolved_query_groups()
     values.update(
