@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from engine import fp8
 from engine.moe.stats import MoEStats
 from engine.parallel import comm
 from engine.optim.optimizer import StepResult
@@ -40,6 +41,7 @@ class Stepper:
         self.phase, self.trace, self.log = phase, trace, log
         self.validator = PostValidator(optimizer, ctx) if ctx.layout.schedule.split_backward else None
         self.stats = MoEStats(cfg, pipeline.chunks, ctx, pipeline.device) if cfg.model.num_experts else None
+        self.fp8_delayed = fp8.delayed(pipeline.chunks)  # the amax histories move once per step
         self.routing: dict = {}  # the statistics of the last gradient reduction
         self.pending: Optional[Outcome] = None  # the iteration whose step awaits its check
         self.asked_to_stop = False  # the pre-emption flags of the step settled last, summed over every rank
@@ -93,6 +95,9 @@ class Stepper:
                                                               shared=self.validator is None))
         with self.phase(f"gradient reduction of iteration {n}", "dp"):
             self.optimizer.finish_grad_sync()
+        if self.fp8_delayed:
+            with self.phase(f"FP8 amax reduction of iteration {n}", "all"):
+                fp8.finish_step(self.pipeline.chunks, self.ctx)
         if self.stats is not None:
             with self.phase(f"MoE routing statistics of iteration {n}", "all"):
                 self.routing = self.stats.finish_step()
