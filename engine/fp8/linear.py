@@ -55,9 +55,13 @@ class Fp8Linear:
         """One operand: `role` input | weight | grad; `transposed`: x^T for the weight gradient (tokens last)."""
         scaler = getattr(self, role)
         if not self.recipe.blockwise:
-            return scaler.tensor(x, self.group)
-        tile = WEIGHT_TILE if role == "weight" else ACTIVATION_TILE
-        return scaler.tiles(x, tile, None if transposed else self.splits.get(role))
+            q = scaler.tensor(x, self.group)
+        else:
+            q = scaler.tiles(x, WEIGHT_TILE if role == "weight" else ACTIVATION_TILE,
+                             None if transposed else self.splits.get(role))
+        if not transposed:
+            scaler.last = q.scale_inv  # the full tensor's scale(s), the same under every layout
+        return q
 
     def __call__(self, x, weight, bias=None):
         deferral = deferral_of(weight)

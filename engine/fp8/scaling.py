@@ -54,6 +54,7 @@ class Scaler:
         self.steps = 0                                  # entries pushed into the history
         self.seen = torch.zeros((), device=device)      # this step's amax so far, this rank's
         self.scale = torch.ones((), device=device)      # the history's scale
+        self.last = None                                # the decode scale(s) it last quantized with
 
     def tensor(self, x: torch.Tensor, group=None) -> Quantized:
         """x [M, K] with one scale; `group`: the other ranks holding parts of x (current scaling reduces over it)."""
