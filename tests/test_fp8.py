@@ -129,7 +129,7 @@ def test_delayed_scaling_follows_the_history():
         fp8.finish_step([layer], ctx)
         assert lin.input.steps == step + 1 and lin.input.history[0] == amaxes[-1]
     state = fp8.state_dict([layer])
-    assert torch.equal(state["lin.input"]["history"], torch.tensor(amaxes[::-1][:3]))
+    assert torch.equal(torch.tensor(state["lin.input"]["history"]), torch.tensor(amaxes[::-1][:3]))
 
 
 def test_experts_scale_per_token_and_per_expert():

@@ -5,7 +5,8 @@ On CUDA, tensor-scaled operands whose sizes suit the tensor cores (multiples of 
 multiplied at fp32, b laid out [K, N] contiguous: that is what torch's CPU `_scaled_mm` does (bitwise equal at
 every shape tried, tests/test_fp8.py; with b^T left a strided view the BLAS sums some small shapes in another
 order), so the CPU path computes the oracle's numbers without its per-call overhead. Tile-scaled
-operands are dequantized on CUDA too (exact: power-of-two scales), which is correct but not faster than bf16.
+operands are dequantized on CUDA too, to bf16 in a bf16 run (exact: FP8 values times power-of-two scales), so
+those GEMMs run at the bf16 rate with FP8's numbers, not faster.
 """
 from __future__ import annotations
 
@@ -20,8 +21,15 @@ def _tensor_cores(a: Quantized, b: Quantized) -> bool:
     return all(n % 16 == 0 for n in (*a.data.shape, b.data.shape[0])) and a.data.shape[0] > 0
 
 
+def operand(q: Quantized, out_dtype) -> torch.Tensor:
+    """The dequantized values to multiply: fp32, or on CUDA for a bf16 result bf16 when that is exact (FP8 values
+    times power-of-two tile scales fit bf16's 8 bits), so cuBLAS multiplies them at the bf16 rate."""
+    exact_bf16 = q.data.is_cuda and out_dtype == torch.bfloat16 and q.tile_of is not None
+    return q.dequantize().to(torch.bfloat16) if exact_bf16 else q.dequantize()
+
+
 def mm(a: Quantized, b: Quantized, out_dtype) -> torch.Tensor:
     """a [M, K] @ b [N, K]^T -> [M, N] in `out_dtype`."""
     if _tensor_cores(a, b):
         return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv, out_dtype=out_dtype)
-    return a.dequantize().matmul(b.dequantize().t().contiguous()).to(out_dtype)
+    return operand(a, out_dtype).matmul(operand(b, out_dtype).t().contiguous()).to(out_dtype)

@@ -79,11 +79,12 @@ class Scaler:
         self.scale = scale_of(use, self.dtype, self.recipe.margin)
 
     def state(self) -> dict:
-        return {"history": self.history.detach().cpu().clone(), "steps": self.steps}
+        """What a checkpoint keeps (JSON: fp32 values are exact as Python floats)."""
+        return {"history": self.history.tolist(), "steps": self.steps}
 
     def load(self, state: dict) -> None:
         """A saved history; one of another length keeps its most recent entries (zeros beyond them)."""
-        saved = state["history"].to(self.history.device, torch.float32)
+        saved = torch.tensor(state["history"], dtype=torch.float32, device=self.history.device)
         self.history = torch.zeros_like(self.history)
         n = min(len(saved), len(self.history))
         self.history[:n] = saved[:n]

@@ -120,6 +120,7 @@ class ColumnParallelLinear(nn.Module):
     `stack` > 1 keeps `stack` independent output blocks (SwiGLU's gate and up) as one parameter of
     full shape [stack, out, in] split on axis 1, so every rank holds matching slices of each block.
     """
+    fp8 = None
 
     def __init__(self, in_features, out_features, ctx, *, bias=True, std=0.02, stack=1, row_blocks=None, device=None,
                  dtype=None):
