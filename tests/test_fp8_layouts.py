@@ -1,10 +1,11 @@
-"""Issue 34, distributed: FP8 runs are layout-invariant. A tiny Llama (GQA, SwiGLU, RMSNorm, RoPE; fp32 outside
-the GEMMs, --fp8-format hybrid) trained 20 steps under tp 2 + SP, pp 2, dp 2 with the distributed optimizer,
-cp 2 and ep 2 (the MoE model) quantizes every tensor with the scales one rank uses (checked directly: the last
-scale of each linear's input, weight and output gradient, and under delayed scaling the amax histories), its
+"""Issue 34, distributed: FP8 runs are layout-invariant. A tiny Llama (2 layers, GQA, SwiGLU, RMSNorm, RoPE; fp32
+outside the GEMMs, --fp8-format hybrid) trained 20 steps of 2 microbatches under tp 2 + SP, pp 2, dp 2 with the
+distributed optimizer, cp 2 and ep 2 (the MoE model) quantizes every tensor with the scales one rank uses
+(checked directly: the last scale of each linear's input, weight and output gradient, and under delayed scaling the amax histories), its
 first loss within 1e-4 of one rank's and its curve within 3e-3, for tensorwise, delayed and blockwise scaling.
-Blockwise under cp is the exception, as docs/fp8.md says: its weight-gradient tiles run along the tokens, which
-cp splits (here 8 of 16 per rank), so its curve is only compared loosely. All layouts run in one spawned pair.
+Blockwise under cp quantizes along the tokens cp splits (1x128 tiles of this rank's tokens), so its scales are
+not compared there (docs/fp8.md); its curve is. All layouts run in one spawned pair; `-s` prints each layout's
+distance from one rank.
 """
 import pytest
 import torch
@@ -21,14 +22,14 @@ from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
 from harness import run_ranks
 
-VOCAB, SEQ, MICROBATCHES, STEPS = 96, 16, 4, 20
+VOCAB, SEQ, MICROBATCHES, STEPS = 96, 16, 2, 20
 RECIPES = ("tensorwise", "delayed", "blockwise")
 SAME = 1e-6  # scales and amaxes of the first step: tp sums partial products in another order (a few fp32 ulps)
 
 
 def _cfg(recipe, tp=1, pp=1, cp=1, ep=1, strategy="no_shard", moe=False):
     cfg = Config()
-    cfg.model = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=8, num_query_groups=4, seq_length=SEQ,
+    cfg.model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4, seq_length=SEQ,
                             vocab_size=VOCAB, make_vocab_size_divisible_by=8, swiglu=True, normalization="RMSNorm",
                             position_embedding_type="rope", disable_bias_linear=True,
                             untie_embeddings_and_output_weights=True)
@@ -122,17 +123,15 @@ def references():
 
 def _problems(run, ref) -> list:
     name, out = run["name"], []
-    loose = run["recipe"] == "blockwise" and run["cp"] > 1
-    tol = 3e-2 if loose else 3e-3
-    if not loose and abs(run["curve"][0] - ref["curve"][0]) > 1e-4:
+    if abs(run["curve"][0] - ref["curve"][0]) > 1e-4:
         out.append(f"{name}: first loss {run['curve'][0]:.7f} vs {ref['curve'][0]:.7f}")
     out += [f"{name} step {i}: loss {a:.6f} vs {b:.6f}" for i, (a, b) in enumerate(zip(run["curve"], ref["curve"]))
-            if abs(a - b) > tol]
+            if abs(a - b) > 3e-3]
     # A replica's loss counts its own microbatches (engine/loss.py), so under dp its gradients are dp times one
     # rank's until the reduction averages them: their amaxes and scales are too, exactly (a power of two here).
     def like_one_rank(key, value):
         return value / run["dp"] if key.endswith(".grad") else value
-    if run["last"] and not loose:
+    if run["last"] and not (run["recipe"] == "blockwise" and run["cp"] > 1):  # its token tiles are cp's own
         out += [f"{name}: {key} scales {s.flatten()[:4].tolist()} vs {ref['scales'][key].flatten()[:4].tolist()}"
                 for key, s in run["scales"].items()
                 if not torch.allclose(like_one_rank(key, s), ref["scales"][key], rtol=SAME, atol=0)]
