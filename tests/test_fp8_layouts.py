@@ -1,11 +1,11 @@
 """Issue 34, distributed: FP8 runs are layout-invariant. A tiny Llama (2 layers, GQA, SwiGLU, RMSNorm, RoPE; fp32
 outside the GEMMs, --fp8-format hybrid) trained 20 steps of 2 microbatches under tp 2 + SP, pp 2, dp 2 with the
-distributed optimizer, cp 2 and ep 2 (the MoE model) quantizes every tensor with the scales one rank uses
-(checked directly: the last scale of each linear's input, weight and output gradient, and under delayed
-scaling the amax histories), its first loss within 1e-4 of one rank's and its curve within 3e-3, for tensorwise, delayed and blockwise scaling.
-Blockwise under cp quantizes along the tokens cp splits (1x128 tiles of this rank's tokens), so its scales are
-not compared there (docs/fp8.md); its curve is. All layouts run in one spawned pair; `-s` prints each layout's
-distance from one rank.
+distributed optimizer, cp 2 and ep 2 (the MoE model) quantizes every tensor with the scales one rank uses (checked
+directly: the last scale of each linear's input, weight and output gradient, and under delayed scaling the amax
+histories), its first loss within 1e-4 of one rank's and its curve within 3e-3, for tensorwise, delayed and
+blockwise scaling. Blockwise under cp quantizes along the tokens cp splits (1x128 tiles of this rank's tokens), so
+its scales are not compared there (docs/fp8.md); its curve is. All layouts run in one spawned pair; `-s` prints
+each layout's distance from one rank.
 """
 import pytest
 import torch
