@@ -17,8 +17,14 @@ from engine.fp8.experts import Fp8Experts
 from engine.fp8.linear import Fp8Linear
 from engine.fp8.quantize import E4M3, E5M2, quantize, quantize_tiles, scale_of
 from engine.fp8.scaling import Recipe
+from engine.flops import GPU_PRESETS
+from engine.layout import Layout
 from engine.parallel.layers import make_param
 from engine.parallel.topology import ParallelContext
+from engine.planner.layer_time import FP8_GEMM_SPEEDUP, gemm_seconds
+from engine.planner.software import Software
+from engine.planner.step_time import estimate
+from engine.report import fp8_lines
 from engine.validation import validate
 
 SHAPES = [(37, 200, 130), (256, 128, 384), (5, 17, 3), (130, 300, 129)]  # tokens, in, out
@@ -162,3 +168,29 @@ def test_fp8_flags():
             validate(parse_config(["--fp8-format", "e4m3", "--mock-data", *flags]), 1)
     with pytest.raises(ConfigError, match="--fp8-param-gather.*not implemented"):
         parse_config(["--fp8-format", "e4m3", "--fp8-param-gather"])
+
+
+def test_the_planner_prices_fp8_gemms_and_casts():
+    """Tensor-scaled recipes run the hidden GEMMs at FP8_GEMM_SPEEDUP x the bf16 rate, less the casts' traffic:
+    a 1.3B Llama step is faster, though not by the whole factor; blockwise (dequantized, bf16 rate) only pays
+    the casts."""
+    gpu = GPU_PRESETS["h100-sxm"]
+    assert math.isclose(gemm_seconds(4096, 4096, 4096, gpu, FP8_GEMM_SPEEDUP) * FP8_GEMM_SPEEDUP,
+                        gemm_seconds(4096, 4096, 4096, gpu))
+    cfg = parse_config(["--config", "configs/llama3-1b.yaml", "--seq-length", "2048",
+                        "--max-position-embeddings", "2048"])
+    layout = Layout(micro_batch_size=2)
+    step = {r: estimate(cfg.model, layout, gpu, 16, 2048, software=Software(fp8=r)).step_time_s
+            for r in (None, "tensorwise", "delayed", "blockwise")}
+    assert step["tensorwise"] == step["delayed"] < step[None] / 1.1, step
+    assert step[None] / step["tensorwise"] < FP8_GEMM_SPEEDUP, step
+    assert step["blockwise"] > step[None], step
+
+
+def test_the_banner_says_what_runs_in_fp8_and_what_mfu_is_against():
+    assert fp8_lines(parse_config([])) == []
+    line, = fp8_lines(parse_config(["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
+                                    "--fp8-amax-history-len", "16"]))
+    for words in ("hybrid", "e5m2 gradients", "delayed", "history of 16", "output layer", "in bf16",
+                  "MFU is against the dense bf16 peak"):
+        assert words in line, (words, line)
