@@ -4,6 +4,7 @@ are and are not multiples of the 128 tile; the CPU GEMM equals torch._scaled_mm 
 and within fp32 accumulation order (1x128 / 128x128 tiles, summed per K block of row-scaled _scaled_mm);
 delayed scaling follows its amax history; the experts scale per token and per expert; the flags.
 """
+import contextlib
 import math
 
 import pytest
@@ -21,6 +22,7 @@ from engine.flops import GPU_PRESETS
 from engine.layout import Layout
 from engine.parallel.layers import make_param
 from engine.parallel.topology import ParallelContext
+from engine.parallel.weight_grad_store import deferring_weight_grads, weight_grads
 from engine.planner.layer_time import FP8_GEMM_SPEEDUP, gemm_seconds
 from engine.planner.software import Software
 from engine.planner.step_time import estimate
@@ -194,3 +196,22 @@ def test_the_banner_says_what_runs_in_fp8_and_what_mfu_is_against():
     for words in ("hybrid", "e5m2 gradients", "delayed", "history of 16", "output layer", "in bf16",
                   "MFU is against the dense bf16 peak"):
         assert words in line, (words, line)
+
+
+def test_a_split_backward_defers_the_fp8_weight_gradient():
+    """Under the zero-bubble schedules' split backward the FP8 weight gradient waits for the W pass and is the
+    same number."""
+    g = torch.Generator().manual_seed(9)
+    x, dy = torch.randn(40, 24, generator=g), torch.randn(40, 16, generator=g)
+    grads = []
+    for split in (False, True):
+        w, lin = _linear(Recipe("hybrid", "blockwise"), 16, 24)
+        xg = x.clone().requires_grad_()
+        store = []
+        with deferring_weight_grads(store) if split else contextlib.nullcontext():
+            y = lin(xg, w)
+        y.backward(dy)
+        assert (w.grad is None) == split and len(store) == split
+        weight_grads(store)
+        grads.append((xg.grad, w.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
