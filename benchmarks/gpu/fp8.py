@@ -59,9 +59,10 @@ def gemm_rates(opts, record) -> None:
     fp8 = flop / (median_ms(lambda: gemm.mm(qa, qb, dtype), reps, opts.cuda) * 1e-3)
     with_casts = flop / (median_ms(lambda: gemm.mm(cast(a), cast(b), dtype), reps, opts.cuda) * 1e-3)
     what = f"{n}^3, {str(dtype).removeprefix('torch.')} vs e4m3 tensor-scaled, median"
-    record.figure("bf16_gemm_tflops", round(bf16, 1), "TFLOP/s", note=what)
-    record.figure("fp8_gemm_tflops", round(fp8, 1), "TFLOP/s", GEMM_ANCHOR if opts.cuda else "", what)
-    record.figure("fp8_gemm_with_casts_tflops", round(with_casts, 1), "TFLOP/s", note="both operands cast per call")
+    record.figure("bf16_gemm_tflops", float(f"{bf16:.4g}"), "TFLOP/s", note=what)
+    record.figure("fp8_gemm_tflops", float(f"{fp8:.4g}"), "TFLOP/s", GEMM_ANCHOR if opts.cuda else "", what)
+    record.figure("fp8_gemm_with_casts_tflops", float(f"{with_casts:.4g}"), "TFLOP/s",
+                  note="both operands cast per call")
     record.figure("fp8_over_bf16_gemm", round(fp8 / bf16, 3), "x", "~1.5-2x" if opts.cuda else "")
 
 
@@ -101,7 +102,9 @@ def steps(opts, record) -> None:
                                   ["--fp8-format", "hybrid", "--fp8-recipe", recipe])
     base = runs["bf16"]
     for name, r in runs.items():
-        row = {"precision": "bf16" if name == "bf16" else f"fp8 hybrid {name}", "micro_batch": micro,
+        base_name = "bf16" if opts.cuda else "fp32 (CPU)"
+        row = {"precision": base_name if name == "bf16" else f"fp8 hybrid {name}", "fp8": name != "bf16",
+               "micro_batch": micro,
                "microbatches": MICROBATCHES, "steps": iters, "step_s": r["step_s"], "tokens_per_s": r["tokens_per_s"],
                "speedup_vs_bf16": round(base["step_s"] / r["step_s"], 3), "final_loss": r["final_loss"],
                "loss_rel_diff_vs_bf16": round(abs(r["final_loss"] - base["final_loss"]) / base["final_loss"], 5)}

@@ -96,7 +96,7 @@ def memory_goals(sections: dict) -> list:
 
 
 def fp8_goals(sections: dict) -> list:
-    rows = [r for r in _rows(sections, "fp8", "fp8_step") if r["precision"] != "bf16"]
+    rows = [r for r in _rows(sections, "fp8", "fp8_step") if r["fp8"]]
     if not rows:
         return [goal("FP8 1.3B step vs bf16", None, ">= 1.2x", None, "no FP8 step row"),
                 goal("FP8 1.3B loss vs bf16", None, "within 1%", None, "no FP8 step row")]
