@@ -193,12 +193,12 @@ def _leg(rank, world, cfg, load, save, start, stop) -> dict:
 
 
 def test_resume_with_delayed_scaling_is_bitwise(tmp_path):
-    """Saved after 5 steps with an amax history of 4, resumed: the curve and the histories of the uninterrupted
+    """Saved after 4 steps with an amax history of 4, resumed: the curve and the histories of the uninterrupted
     run, bit for bit (one spawned rank)."""
     cfg = _cfg("delayed")
     leg = lambda *args: run_ranks(_leg, 1, cfg, *args, timeout=300)[0]  # noqa: E731
-    whole, first = leg(None, None, 0, 8), leg(None, str(tmp_path), 0, 5)
-    second = leg(str(tmp_path), None, 5, 8)
+    whole, first = leg(None, None, 0, 6), leg(None, str(tmp_path), 0, 4)
+    second = leg(str(tmp_path), None, 4, 6)
     assert second["state"] != first["end"]  # the histories move every step: a lost history would show
     assert first["curve"] + second["curve"] == whole["curve"]
     assert second["end"] == whole["end"]
