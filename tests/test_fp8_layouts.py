@@ -3,9 +3,10 @@ outside the GEMMs, --fp8-format hybrid) trained 20 steps of 2 microbatches under
 distributed optimizer, cp 2 and ep 2 (the MoE model) quantizes every tensor with the scales one rank uses (checked
 directly: the last scale of each linear's input, weight and output gradient, and under delayed scaling the amax
 histories), its first loss within 1e-4 of one rank's and its curve within 3e-3, for tensorwise, delayed and
-blockwise scaling. Blockwise under cp quantizes along the tokens cp splits (1x128 tiles of this rank's tokens), so
-its scales are not compared there (docs/fp8.md); its curve is. All layouts run in one spawned pair; `-s` prints
-each layout's distance from one rank.
+blockwise scaling (and tensorwise at tp 2 without SP, delayed at pp 2 under zb-h1's split backward). Blockwise
+under cp quantizes along the tokens cp splits (1x128 tiles of this rank's tokens), so its scales are not compared
+there (docs/fp8.md); its curve is. All layouts run in one spawned pair; `-s` prints each layout's distance from one
+rank.
 """
 import pytest
 import torch
@@ -27,7 +28,7 @@ RECIPES = ("tensorwise", "delayed", "blockwise")
 SAME = 1e-6  # scales and amaxes of the first step: tp sums partial products in another order (a few fp32 ulps)
 
 
-def _cfg(recipe, tp=1, pp=1, cp=1, ep=1, strategy="no_shard", moe=False):
+def _cfg(recipe, tp=1, pp=1, cp=1, ep=1, strategy="no_shard", moe=False, sp=True, schedule=None):
     cfg = Config()
     cfg.model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4, seq_length=SEQ,
                             vocab_size=VOCAB, make_vocab_size_divisible_by=8, swiglu=True, normalization="RMSNorm",
@@ -38,7 +39,7 @@ def _cfg(recipe, tp=1, pp=1, cp=1, ep=1, strategy="no_shard", moe=False):
         m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_aux_loss_coeff = 4, 2, 32, 0.01
     par = cfg.parallel
     par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size = tp, pp, cp
-    par.sequence_parallel, par.expert_model_parallel_size = tp > 1, ep
+    par.sequence_parallel, par.expert_model_parallel_size, par.pipeline_schedule = tp > 1 and sp, ep, schedule
     par.data_parallel_sharding_strategy = strategy
     tr = cfg.training
     tr.seed, tr.train_iters, tr.fp8_format, tr.fp8_recipe, tr.fp8_amax_history_len = 5, STEPS, "hybrid", recipe, 4
@@ -97,7 +98,9 @@ def _layouts(rank, world, layouts):
 def _name(cfg) -> str:
     par = cfg.parallel
     return (f"{cfg.training.fp8_recipe} tp{par.tensor_model_parallel_size} pp{par.pipeline_model_parallel_size} "
-            f"cp{par.context_parallel_size} ep{par.expert_model_parallel_size} {par.data_parallel_sharding_strategy}")
+            f"cp{par.context_parallel_size} ep{par.expert_model_parallel_size} {par.data_parallel_sharding_strategy}"
+            f"{'' if par.sequence_parallel or par.tensor_model_parallel_size == 1 else ' no SP'}"
+            f"{' ' + par.pipeline_schedule if par.pipeline_schedule else ''}")
 
 
 def _reference(recipe, moe):
@@ -171,8 +174,10 @@ def test_delayed_at_tp2_sp_follows_one_rank(references):
 
 @pytest.mark.slow
 def test_every_recipe_under_tp_pp_dp_cp_and_ep_follows_one_rank(references):
+    # and two more: tp 2 without SP (replicated inputs), and zero-bubble's split backward (deferred FP8 wgrads)
+    extra = [("tensorwise", _cfg("tensorwise", tp=2, sp=False)), ("delayed", _cfg("delayed", pp=2, schedule="zb-h1"))]
     problems = _check([row for recipe in RECIPES for row in _all(recipe) if row[1].parallel.tensor_model_parallel_size
-                       == 1 or recipe != "delayed"], references)
+                       == 1 or recipe != "delayed"] + extra, references)
     assert not problems, "\n".join(problems)
 
 
