@@ -1,6 +1,6 @@
 """The first real GPU run in one prepared, unattended command (issue 31): the card's roofs, correctness on the
 device, the kernels, one-GPU training against plain PyTorch, transformers and torch.compile, memory against the
-planner, and the goals table.
+planner, FP8 (the GEMM against bf16, the 1.3B step in FP8 against bf16), and the goals table.
 
     PYTHONPATH=. python -m benchmarks.gpu_check [--quick] [--out DIR] [--device cuda|cpu] [--dry-run]
     python -m benchmarks.gpu_check --table RESULTS.json      # the README's "Measured on GPU" table
@@ -9,7 +9,7 @@ Run from the repository's root as a module: the checkout's engine is used whethe
 (PYTHONPATH=. carries that to the processes it starts: pytest -m gpu's torchrun jobs)
 
 Needs only torch (a CUDA build), triton and transformers, and installs nothing: a lease's machine reaches no
-registry. Full: within 8 minutes; --quick: 4. Each section runs in its own process under a time budget
+registry. Full: within 10 minutes; --quick: 5. Each section runs in its own process under a time budget
 (benchmarks/gpu/runner.py); one that fails, crashes or runs out of time is recorded with its error and the
 rest go on. Writes gpu_check.json and gpu_check.md into --out (default $OUT, else ./gpu_check_out) and prints
 the Markdown table last, since a lease returns only the output's tail. The JSON names the file it is to be
@@ -28,18 +28,19 @@ import re
 import sys
 import time
 
-from benchmarks.gpu import card, correctness, goals, kernels, memory_check, report, training
+from benchmarks.gpu import card, correctness, fp8, goals, kernels, memory_check, report, training
 from benchmarks.gpu.context import Options, say
 from benchmarks.gpu.runner import Section, cuda_visible, run_sections
 
 PROG = "benchmarks/gpu_check.py"
-TOTAL = {"full": 480, "quick": 240, "dry-run": 290}  # seconds the whole check may take
+TOTAL = {"full": 600, "quick": 310, "dry-run": 330}  # seconds the whole check may take
 SECTIONS = (  # budgets in seconds; with runner.GRACE each, they fit TOTAL
     Section("card", card.run, {"full": 25, "quick": 15, "dry-run": 10}),
     Section("correctness", correctness.run, {"full": 90, "quick": 40, "dry-run": 45}),
     Section("kernels", kernels.run, {"full": 80, "quick": 40, "dry-run": 20}),
     Section("training", training.run, {"full": 195, "quick": 70, "dry-run": 120}),
     Section("memory", memory_check.run, {"full": 20, "quick": 15, "dry-run": 20}),
+    Section("fp8", fp8.run, {"full": 110, "quick": 60, "dry-run": 35}),
 )
 
 

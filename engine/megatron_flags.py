@@ -120,7 +120,6 @@ def _meaning(name, text, apply, value_type=None, choices=()):
 
 
 _FUSION, _CKPT = "kernel fusion", "Ternion's own format, loadable at any layout"
-_FP8 = "FP8 training (Transformer Engine) is not supported; use --bf16"
 _PER_SPLIT = "separate datasets per split are not supported; give --data-path and --split (e.g. --split 949,50,1)"
 _DECOUPLED = ("a separate LR for the embedding and output layers is not supported: one --lr/--min-lr schedule drives "
               "every parameter; drop it")
@@ -212,9 +211,9 @@ FLAGS = (
     Flag("--squared-relu", REFUSED, "the squared-ReLU MLP is not implemented; use the GELU MLP (default) or --swiglu"),
     Flag("--rotary-interleaved", REFUSED, "interleaved rotary pairs (GPT-J style) are not implemented: RoPE rotates "
                                           "the two halves of each head (Llama style); drop it"),
-    *(Flag(name, REFUSED, _FP8) for name in ("--fp8-format", "--fp8-recipe", "--fp8-param-gather",
-                                             "--fp8-amax-history-len", "--fp8-amax-compute-algo")),
     *(Flag(name, REFUSED, _PER_SPLIT) for name in ("--train-data-path", "--valid-data-path", "--test-data-path")),
+    Flag("--fp8-param-gather", REFUSED, "FP8 weight gathering is not implemented: ZeRO-3 and the distributed optimizer "
+                                        "gather weights in the run's precision and each GEMM quantizes them; drop it"),
     Flag("--use-checkpoint-args", REFUSED, "the model flags are not read from the checkpoint; pass those of the run "
                                            "that saved it (its metrics.args.json is a --config file holding all)"),
     Flag("--hierarchical-context-parallel-sizes", REFUSED, "context parallelism is one ring (or one all-gather) "

@@ -102,6 +102,19 @@ def optimizer_lines(cfg, ctx, chunks) -> list:
     return lines
 
 
+def fp8_lines(cfg) -> list:
+    """What runs in FP8 and what MFU is measured against (nothing without --fp8-format)."""
+    tr = cfg.training
+    if tr.fp8_format is None:
+        return []
+    scaling = {"tensorwise": "each tensor's current amax", "blockwise": "1x128 activation / 128x128 weight tiles",
+               "delayed": f"amax history of {tr.fp8_amax_history_len} steps ({tr.fp8_amax_compute_algo})"}
+    return [f"fp8: {tr.fp8_format} ({'e4m3 forward, e5m2 gradients' if tr.fp8_format == 'hybrid' else 'e4m3'}), "
+            f"{tr.fp8_recipe} scaling ({scaling[tr.fp8_recipe]}, margin {tr.fp8_margin}) in the QKV, projection, MLP "
+            f"and expert GEMMs; the output layer, attention core and the rest in {precision_name(cfg)}; MFU is "
+            "against the dense bf16 peak (--peak-tflops), the FP8 peak being twice it"]
+
+
 def banner(cfg, ctx, chunks, device, layout: str) -> str:
     """Start-up summary (rank 0 prints it): layout, parameters per stage, batch arithmetic, memory, kernels.
 
@@ -129,6 +142,7 @@ def banner(cfg, ctx, chunks, device, layout: str) -> str:
              f"{gbs}{ramp}; {gbs * cfg.model.seq_length:,} tokens per iteration",
              _memory_line(mem, precision_name(cfg), torch.device(device).type == "cuda"),
              *optimizer_lines(cfg, ctx, chunks),
+             *fp8_lines(cfg),
              f"kernels: {json.dumps(kernels)}",
              *_documents_line(cfg.data),
              f"device: {device}" + (f", {torch.get_num_threads()} CPU threads per process"

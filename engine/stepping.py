@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from engine import fp8
 from engine.moe.stats import MoEStats
 from engine.mtp import MTPStats
 from engine.parallel import comm
@@ -42,6 +43,7 @@ class Stepper:
         self.validator = PostValidator(optimizer, ctx) if ctx.layout.schedule.split_backward else None
         self.stats = [stats(cfg, pipeline.chunks, ctx, pipeline.device) for stats, wanted in
                       ((MoEStats, cfg.model.num_experts), (MTPStats, cfg.model.mtp_num_layers)) if wanted]
+        self.fp8_delayed = fp8.delayed(pipeline.chunks)  # the amax histories move once per step
         self.routing: dict = {}  # the statistics of the last gradient reduction
         self.pending: Optional[Outcome] = None  # the iteration whose step awaits its check
         self.asked_to_stop = False  # the pre-emption flags of the step settled last, summed over every rank
@@ -95,6 +97,9 @@ class Stepper:
                                                               shared=self.validator is None))
         with self.phase(f"gradient reduction of iteration {n}", "dp"):
             self.optimizer.finish_grad_sync()
+        if self.fp8_delayed:
+            with self.phase(f"FP8 amax reduction of iteration {n}", "all"):
+                fp8.finish_step(self.pipeline.chunks, self.ctx)
         if self.stats:
             with self.phase(f"MoE routing and MTP statistics of iteration {n}", "all"):
                 self.routing = {k: v for stats in self.stats for k, v in stats.finish_step().items()}

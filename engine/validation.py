@@ -14,7 +14,7 @@ from typing import Optional
 
 from engine.config import (CheckpointConfig, Config, ConfigError, LoggingConfig, ModelConfig, OptimizerConfig,
                            ParallelConfig, StabilityConfig, TrainingConfig, _err)
-from engine.config.fields import MUON_COEFFICIENTS
+from engine.config.fields import FP8_BLACKWELL_RECIPES, MUON_COEFFICIENTS
 from engine.data.build import check_data, check_document_ends, data_prefixes, document_flags, end_of_document
 from engine.data.tokenizer_spec import data_vocab_size, tokenizer_of, vocab_source
 from engine.flags import flag_of
@@ -214,7 +214,7 @@ def _check_moe(m: ModelConfig, par: ParallelConfig, dp: int) -> None:
 
 def _check_training(tr: TrainingConfig, dp: int, pp: int, vpp: int) -> None:
     """Batch sizes in whole microbatches for every dp rank (and pp-sized groups when interleaved); one precision."""
-    _at_least_one(tr, "micro_batch_size", "train_iters", "train_samples")
+    _at_least_one(tr, "micro_batch_size", "train_iters", "train_samples", "fp8_amax_history_len")
     per_step = tr.micro_batch_size * dp
     gbs = tr.global_batch_size or per_step
     if tr.train_samples is not None and not tr.rampup_batch_size and tr.train_samples < gbs:
@@ -235,6 +235,8 @@ def _check_training(tr: TrainingConfig, dp: int, pp: int, vpp: int) -> None:
         check_interleaved_microbatches(pp, vpp, size // per_step, flag, size)
     if tr.bf16 and tr.fp16:
         _err("--bf16", "with --fp16", "choose one precision")
+    if tr.fp8_recipe in FP8_BLACKWELL_RECIPES:
+        _err("--fp8-recipe", tr.fp8_recipe, "needs Blackwell tensor cores; use tensorwise, delayed or blockwise")
 
 
 def _check_optim(opt: OptimizerConfig, tr: Optional[TrainingConfig] = None) -> None:

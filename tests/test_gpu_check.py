@@ -13,7 +13,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECTIONS = ["card", "correctness", "kernels", "training", "memory"]
+SECTIONS = ["card", "correctness", "kernels", "training", "memory", "fp8"]
 
 
 @pytest.fixture(scope="module")

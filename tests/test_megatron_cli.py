@@ -8,8 +8,8 @@ iterations on CPU in one process, the LR of each step equal to Megatron-LM's for
 
 - GPT-3 175B: trains unchanged, --fp16 included (it works on CPU), ramp-up, --lr-warmup-fraction and the
   `--save X --load X` idiom with X not made yet.
-- Llama 3 8B, with the script's DTYPE switch at bf16 (its fp8 flags stop a run with one line naming
-  --fp8-format): --decoupled-lr truly cannot be honoured (one LR schedule drives every parameter here), so the
+- Llama 3 8B, with the script's DTYPE switch at bf16 (its fp8 branch's --fp8-param-gather stops a run with one
+  line naming it: FP8 weight gathering is not implemented; docs/fp8.md): --decoupled-lr truly cannot be honoured (one LR schedule drives every parameter here), so the
   command stops with one line naming it; with --decoupled-lr and --decoupled-min-lr dropped it trains,
   --train-samples/--lr-decay-samples/--lr-warmup-samples included. --context-parallel-size 1 is passed once the
   parser knows it (the context-parallel issue adds it).

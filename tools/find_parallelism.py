@@ -306,7 +306,8 @@ def main(argv=None) -> int:
     gpu, precision = _gpu(args), precision_name(cfg)
     cfg.optim.optimizer = args.optimizer or cfg.optim.optimizer
     muon = MuonSettings.of(cfg.optim) if cfg.optim.optimizer == "muon" else None
-    sw = Software(precision=precision, document_length=args.mean_document_length, muon=muon)
+    sw = Software(precision=precision, document_length=args.mean_document_length, muon=muon,
+                  fp8=cfg.training.fp8_recipe if cfg.training.fp8_format else None)
     if args.tp is not None:
         rows = [estimate_given(args, cfg, batch, seq, gpu, sw)]
     else:

@@ -6,6 +6,7 @@
     cross-entropy at V = 128k (best Triton row, fwd+bwd) >= 1.45 TB/s
     attention fwd+bwd (Triton) >= SDPA-flash, per shape
     planner memory within 10% of the measured peak, per engine training case
+    FP8 1.3B step >= 1.2x the bf16 step, its loss after the same steps within 1% of bf16's, per recipe
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def _figure(sections: dict, section: str, key: str):
 
 def evaluate(sections: dict, mode: str) -> list:
     """Every goal; in a dry run the figures are computed (the code stays exercised) but judge nothing."""
-    found = [*training_goals(sections), *kernel_goals(sections), *attention_goals(sections), *memory_goals(sections)]
+    found = [*training_goals(sections), *kernel_goals(sections), *attention_goals(sections), *memory_goals(sections),
+             *fp8_goals(sections)]
     if mode == "dry-run":
         for g in found:
             g.update(verdict=UNMEASURED, note="dry run: tiny sizes, not the goal's")
@@ -91,3 +93,17 @@ def memory_goals(sections: dict) -> list:
                         f"{ratio:.3f} of measured" if ratio else None, "within 10%",
                         abs(ratio - 1) <= 0.10 if ratio else None, "" if ratio else "peak needs CUDA"))
     return out or [goal("planner memory", None, "within 10%", None, "no engine training row")]
+
+
+def fp8_goals(sections: dict) -> list:
+    rows = [r for r in _rows(sections, "fp8", "fp8_step") if r["fp8"]]
+    if not rows:
+        return [goal("FP8 1.3B step vs bf16", None, ">= 1.2x", None, "no FP8 step row"),
+                goal("FP8 1.3B loss vs bf16", None, "within 1%", None, "no FP8 step row")]
+    out = []
+    for r in rows:
+        out.append(goal(f"{r['precision']} 1.3B step vs bf16", f"{r['speedup_vs_bf16']:.2f}x", ">= 1.2x",
+                        r["speedup_vs_bf16"] >= 1.2))
+        out.append(goal(f"{r['precision']} 1.3B loss after {r['steps']} steps vs bf16",
+                        f"{100 * r['loss_rel_diff_vs_bf16']:.2f}%", "within 1%", r["loss_rel_diff_vs_bf16"] <= 0.01))
+    return out

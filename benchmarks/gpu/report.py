@@ -38,7 +38,7 @@ def markdown(result: dict) -> str:
     lines += _t(["section", "status", "seconds", "budget", "error / skipped"],
                 [[name, r["status"], r["seconds"], r["budget_s"], _problems(r)] for name, r in s.items()])
     for title, part in (("card", card), ("correctness", correctness), ("kernels, forward + backward", kernels),
-                        ("training", training), ("memory", memory), ("goals", goals)):
+                        ("training", training), ("memory", memory), ("fp8", fp8), ("goals", goals)):
         body = part(result)
         if body:
             lines += ["", f"### {title}", *body]
@@ -107,6 +107,19 @@ def memory(result: dict) -> list:
               _n(r["peak"])] for r in rows]
     return _t(["tp", "sp", "recompute", "saved B", "expected B", "ratio (<= 1.05)", "cuda growth B"], table) \
         if table else []
+
+
+def fp8(result: dict) -> list:
+    sec = result["sections"].get("fp8", {})
+    figs, tables = sec.get("figures", {}), sec.get("tables", {})
+    rows = [[k, _n(f["value"], 4), f["unit"], f["anchor"] or f["note"]] for k, f in figs.items()]
+    rows += [[f"linear {r['recipe']} {r['shape']}: device vs CPU",
+              f"y {r['y_rel_diff']:.1e}, dx {r['dx_rel_diff']:.1e}, dw {r['dw_rel_diff']:.1e}", "max |Δ| / max", ""]
+             for r in tables.get("fp8_linear", [])]
+    rows += [[f"llama step {r['precision']}", f"{r['step_s'] * 1e3:.1f} ms, {r['speedup_vs_bf16']:.2f}x bf16, loss "
+              f"{r['final_loss']:.4f} ({100 * r['loss_rel_diff_vs_bf16']:.2f}%)", f"{r['steps']} steps",
+              ">= 1.2x, within 1%"] for r in tables.get("fp8_step", [])]
+    return _t(["figure", "value", "unit", "anchor"], rows) if rows else []
 
 
 def goals(result: dict) -> list:

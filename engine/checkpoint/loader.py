@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from engine import fp8
 from engine.checkpoint import files, rng
 from engine.checkpoint.layout import local_tensors
 from engine.checkpoint.metadata import OPTIMIZER_KEYS
@@ -67,6 +68,7 @@ def load_checkpoint(load_dir: str, model_chunks: list, optimizer, ctx, fallback:
         problems = [p for p in all_gather_object(problem) if p]
         if not problems:
             _same_everywhere(reader, path)
+            fp8.load_state_dict(model_chunks, reader.meta.extra_state.get("fp8", {}))
             return _load(reader, tensors, optimizer, ranges, ctx)
         model_mismatch = problems[0].startswith(MISMATCH)
         if n + 1 == len(candidates) or model_mismatch:

@@ -107,6 +107,7 @@ class RankPart:
     files: list = field(default_factory=list)
     optimizer: Optional[OptimizerMeta] = None
     rng: dict = field(default_factory=dict)
+    fp8: dict = field(default_factory=dict)  # FP8 amax histories by linear name (engine.fp8.state_dict)
 
 
 @dataclass
@@ -171,6 +172,9 @@ class CheckpointMeta:
             for shard in entry.shards:
                 shard.sort(key=lambda piece: piece.range[0])
         extra = json.loads(json.dumps(extra_state or {}))  # a JSON round trip: fail now, not in the writer thread
+        histories = {name: h for part in parts for name, h in part.fp8.items()}  # each stage's, by global name
+        if histories:
+            extra["fp8"] = histories
         opt = next((p.optimizer for p in parts if p.optimizer is not None), None)
         layout = SavedLayout(ctx.tp_size, ctx.pp_size, ctx.vpp_size, ctx.dp_size, ctx.world_size,
                              bool(opt and opt.distributed), _stage_layers(tensors, ctx.pp_size), ctx.cp_size,

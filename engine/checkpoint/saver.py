@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from engine import fp8
 from engine.checkpoint import files, rng
 from engine.checkpoint.layout import local_tensors, model_shard, optim_shard, shard_file
 from engine.checkpoint.metadata import OPTIMIZER_KEYS, CheckpointMeta, FileRecord, OptimizerMeta, RankPart
@@ -46,7 +47,7 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks: list, optimizer
     sharded = getattr(optimizer, "sharder", None) is not None
     with optimizer.full_weights() if optimizer is not None else contextlib.nullcontext():
         shards, part = _snapshot(model_chunks, optimizer, ctx, copy=async_save or sharded)
-    part.rng = rng.capture(ctx.rng)
+    part.rng, part.fp8 = rng.capture(ctx.rng), fp8.state_dict(model_chunks)
     everyone = all_gather_object(part)
     meta = CheckpointMeta.build(everyone, iteration, ctx, cfg.to_dict(), extra_state) if ctx.rank == 0 else None
     writers = sorted(p.rank for p in everyone if p.files)

@@ -29,6 +29,13 @@ MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
 MUON_MATMUL_PRECISIONS = ("low", "medium", "high")
 MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
 
+# FP8 training, Megatron-LM's names (what each means is engine/fp8/'s); the Blackwell recipes are named to be
+# refused in one line
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("tensorwise", "delayed", "blockwise")
+FP8_BLACKWELL_RECIPES = ("mxfp8", "nvfp4")
+FP8_AMAX_ALGOS = ("max", "most_recent")
+
 
 def _f(default, help, *, aliases=(), choices=None, nargs=None, action=None, type=None, yaml_only=False):
     """A config field. `yaml_only`: a structured value (e.g. a list of mappings) with no command-line form."""

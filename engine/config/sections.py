@@ -6,6 +6,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from engine.config.fields import (
+    FP8_AMAX_ALGOS,
+    FP8_BLACKWELL_RECIPES,
+    FP8_FORMATS,
+    FP8_RECIPES,
     MUON_COEFFICIENTS,
     MUON_MATMUL_PRECISIONS,
     MUON_SCALE_MODES,
@@ -65,6 +69,17 @@ class TrainingConfig:
     fp16: bool = _f(False, "fp16 parameters and compute with loss scaling")
     loss_scale: Optional[float] = _f(None, "static loss scale for fp16 (default: dynamic)")
     initial_loss_scale: float = _f(2.0 ** 16, "first dynamic loss scale for fp16")
+    fp8_format: Optional[str] = _f(None, "FP8 GEMMs in every hidden linear (QKV, projection, MLP, experts; the output "
+                                         "layer stays in the run's precision): e4m3 everywhere, or hybrid (e4m3 "
+                                         "forward, e5m2 gradients); the rest runs at --bf16/--fp16/fp32",
+                                   choices=FP8_FORMATS)
+    fp8_recipe: str = _f("delayed", "FP8 scaling: tensorwise (each tensor's amax now), delayed (from the amax "
+                                    "history), blockwise (1x128 activation and 128x128 weight tiles)",
+                         choices=FP8_RECIPES + FP8_BLACKWELL_RECIPES)
+    fp8_margin: int = _f(0, "FP8: scale down by 2^margin below the format's maximum")
+    fp8_amax_history_len: int = _f(1, "FP8 delayed scaling: steps of amax history kept per tensor")
+    fp8_amax_compute_algo: str = _f("most_recent", "FP8 delayed scaling: the history's max or its most recent amax",
+                                    choices=FP8_AMAX_ALGOS)
     hysteresis: int = _f(1, "fp16: overflowing steps before the dynamic scale halves (Megatron-LM's default is 2)")
     seed: int = _f(1234, "random seed for weights, data order and dropout")
     device: str = _f("auto", "auto: cuda when GPUs are visible, else cpu (nccl and gloo by default; see "

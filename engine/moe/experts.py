@@ -40,6 +40,8 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, sizes: list, grouped: bool 
 
 
 class Experts(nn.Module):
+    fp8 = None  # the FP8 grouped GEMM (engine.fp8.attach gives it when a run trains in FP8)
+
     def __init__(self, cfg, ctx, out_std: float, device=None, dtype=None):
         super().__init__()
         E, h, f = cfg.num_experts, cfg.hidden_size, cfg.resolved_moe_ffn_hidden_size()
@@ -54,12 +56,13 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, sizes: list) -> torch.Tensor:
         """x [N, h]: tokens grouped by local expert, sizes[i] of them for expert i."""
-        y = grouped_matmul(x, self.fc1, sizes, self.grouped)
+        mm = self.fp8 or (lambda a, w, n: grouped_matmul(a, w, n, self.grouped))
+        y = mm(x, self.fc1, sizes)
         if self.swiglu:
             y = dispatch.swiglu(y[:, :self.ffn], y[:, self.ffn:])
         else:
             y = F.gelu(y, approximate=self.gelu_form)
-        return grouped_matmul(y, self.fc2, sizes, self.grouped)
+        return mm(y, self.fc2, sizes)
 
     def flops_per_token(self) -> int:
         """Multiply-adds x 2 of one token through one expert (the planner counts top-k of these)."""

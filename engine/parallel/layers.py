@@ -115,9 +115,12 @@ def init_weights(module: nn.Module, ctx, seed: int) -> None:
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by output rows; the input enters the tensor-parallel region first.
 
+    `fp8`: the layer's FP8 GEMMs when a run trains in FP8 (engine.fp8.attach gives it), else None.
+
     `stack` > 1 keeps `stack` independent output blocks (SwiGLU's gate and up) as one parameter of
     full shape [stack, out, in] split on axis 1, so every rank holds matching slices of each block.
     """
+    fp8 = None
 
     def __init__(self, in_features, out_features, ctx, *, bias=True, std=0.02, stack=1, row_blocks=None, device=None,
                  dtype=None):
@@ -131,6 +134,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = make_param(shape[:-1], axis, ctx, ("zeros",), device, dtype) if bias else None
 
     def forward(self, x):
+        if self.fp8 is not None:  # FP8 GEMMs (engine.fp8): the entered input is quantized whole
+            return self.fp8(mappings.enter_tp(x, self.ctx), self.weight, self.bias)
         return mappings.enter_tp_linear(x, self.weight, self.bias, self.ctx)  # stacked blocks become output rows
 
 
@@ -148,7 +153,9 @@ class ReplicatedLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T + b with W split by input columns; the partial sums leave the tensor-parallel region."""
+    """y = x W^T + b with W split by input columns; the partial sums leave the tensor-parallel region
+    (`fp8`: as the column-parallel linear's)."""
+    fp8 = None
 
     def __init__(self, in_features, out_features, ctx, *, bias=True, std=0.02, device=None, dtype=None):
         super().__init__()
@@ -158,7 +165,8 @@ class RowParallelLinear(nn.Module):
             if bias else None
 
     def forward(self, x):
-        y = mappings.exit_tp(weight_grad_store.linear(x, self.weight), self.ctx)
+        y = self.fp8(x, self.weight) if self.fp8 is not None else weight_grad_store.linear(x, self.weight)
+        y = mappings.exit_tp(y, self.ctx)
         return y + self.bias if self.bias is not None else y
 
 

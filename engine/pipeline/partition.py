@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from engine import fp8
+from engine.fp8.scaling import Recipe
 from engine.model import GPTModel
 
 
@@ -24,5 +26,6 @@ def build_model_chunks(cfg, ctx, *, vocab_size: Optional[int] = None, device=Non
                                post_process=stage == layout.schedule.stages - 1, vocab_size=vocab_size,
                                z_loss_weight=cfg.optim.z_loss_weight, seed=cfg.training.seed, device=device,
                                dtype=dtype))
+        fp8.attach(chunks[-1], Recipe.of(cfg.training), ctx)
     return chunks
 

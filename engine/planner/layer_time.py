@@ -5,7 +5,9 @@ A layer sums: the matrix multiplies at a fraction of peak that grows with the pe
 differs by GPU generation), the attention core, memory-bound element-wise work, the tensor-parallel
 collectives over NVLink (less the share a TP-overlapping engine hides), and with context parallelism the part
 of the K/V exchange the attention does not hide; beside the layers, the pipeline point-to-point sends, the
-embedding and the output layer. Under cp every rank holds s/cp tokens of each sequence. Every constant is
+embedding and the output layer. Under cp every rank holds s/cp tokens of each sequence. With FP8 (Software.fp8)
+the hidden linears' GEMMs run at FP8_GEMM_SPEEDUP times the bf16 rate where the engine uses FP8 tensor cores,
+and their operands' casts add memory traffic. Every constant is
 named below with where it comes from; the ones marked "fitted" were fitted to the held-in published runs of
 engine/planner/published.py (listed with their errors in tests/test_planner_calibration.py). Compute is
 costed at the tensor-core (bf16) peak whatever the precision; fp32 changes only the bytes.
@@ -64,13 +66,41 @@ HBM_EFFICIENCY = 0.8          # achievable fraction of HBM bandwidth for streami
 # The MoE router runs in fp32 (engine/moe/router.py) on CUDA cores, not tensor cores: their fp32 peak is
 # 1/16 (A100: 19.5 of 312 TFLOP/s) to 1/15 (H100 SXM: 67 of 989) of the dense bf16 peak (NVIDIA data sheets).
 FP32_SLOWDOWN = 15.0
+# FP8 (engine/fp8): the dense FP8 tensor-core peak is twice the bf16 one on Hopper (H100 SXM: 1,979 vs 989
+# TFLOP/s, NVIDIA data sheet), and FP8 GEMMs reach a smaller share of theirs: assumed 0.8 of the bf16 GEMM
+# efficiency (torchao's float8 GEMM benchmarks on H100: 1.5-1.8x over bf16 at large shapes), so tensor-scaled
+# hidden GEMMs (tensorwise, delayed) run 1.6x faster. Blockwise and the experts' GEMMs run dequantized at the
+# bf16 rate in this engine (engine/fp8/gemm.py); the output layer and the attention core stay in bf16.
+FP8_GEMM_SPEEDUP = 2.0 * 0.8
+# Quantizing: each FP8 operand but the weights (the GEMMs' inputs and output gradients) is read for its amax (2
+# bytes an element), read again and written in FP8 (3 more): 5 bytes per element, forward and backward.
+FP8_CAST_TRAFFIC = 5
 
 
-def gemm_seconds(m: float, n: float, k: float, gpu: GPUSpec) -> float:
-    eff = GEMM_EFFICIENCY.get(gpu.name, GEMM_EFFICIENCY_DEFAULT)
+def gemm_seconds(m: float, n: float, k: float, gpu: GPUSpec, speedup: float = 1.0) -> float:
+    """`speedup`: over the bf16 rate (FP8_GEMM_SPEEDUP for an FP8 GEMM)."""
+    eff = GEMM_EFFICIENCY.get(gpu.name, GEMM_EFFICIENCY_DEFAULT) * speedup
     for x in (m, n, k):
         eff *= x / (x + GEMM_HALF_DIM)
     return 2 * m * n * k / (gpu.peak_tflops * 1e12 * eff)
+
+
+def fp8_speedup(sw: Software) -> float:
+    """The hidden dense GEMMs' rate over bf16: FP8 tensor cores for tensor-scaled recipes, else 1."""
+    return FP8_GEMM_SPEEDUP if sw.fp8 in ("tensorwise", "delayed") else 1.0
+
+
+def _fp8_casts(model: ModelConfig, tokens: float, t: int, gpu: GPUSpec, sw: Software) -> float:
+    """Seconds of one dense layer's FP8 casts, forward and backward: the four linears' inputs and output
+    gradients (their tp shares) for this rank's tokens."""
+    if sw.fp8 is None:
+        return 0.0
+    (fc1_rows, fc1_cols), (fc2_rows, fc2_cols) = mlp_matrices(model, model.resolved_ffn_hidden_size() / t)
+    width = fc1_cols + fc1_rows + fc2_cols + fc2_rows
+    for (rows, cols), axis in zip(attention_matrices(model), attention_splits(model)):
+        if axis is not None:  # the tensor-parallel linears are FP8 ones (MLA's replicated latents are not)
+            width += (cols / t if axis == 1 else cols) + (rows / t if axis == 0 else rows)
+    return FP8_CAST_TRAFFIC * tokens * width / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
 
 
 def _attention_seconds(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: Software) -> tuple:
@@ -130,12 +160,14 @@ def layer_costs(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: 
     pipeline send, for one microbatch on one GPU."""
     t, h = layout.tp, model.hidden_size
     tokens = layout.micro_batch_size * seq / layout.cp  # this rank's share of the microbatch
-    attn_gemm = _attention_gemm(model, layout, tokens, gpu)
-    gemm = attn_gemm + _mlp_gemm(model, tokens, model.resolved_ffn_hidden_size() / t, gpu)
+    fast = fp8_speedup(sw)
+    attn_gemm = _attention_gemm(model, layout, tokens, gpu, fast)
+    gemm = attn_gemm + _mlp_gemm(model, tokens, model.resolved_ffn_hidden_size() / t, gpu, fast)
     attn_fwd, attn_bwd = _attention_seconds(model, layout, seq, gpu, sw)
     stored = layer_activation_bytes(model, seq, layout.micro_batch_size, t, layout.sequence_parallel, "none",
                                     flash_attention=True, cp=layout.cp)
-    elementwise = ELEMENTWISE_TRAFFIC * stored / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
+    elementwise = ELEMENTWISE_TRAFFIC * stored / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY) + \
+        _fp8_casts(model, tokens, t, gpu, sw) / 3  # forward's third; backward's two thirds come with 2 x elementwise
     tp_comm = 2 * all_reduce(2 * tokens * h, t, links.tp) * (1 - sw.tp_comm_overlap)
     fwd = gemm + attn_fwd + elementwise + tp_comm
     bwd = 2 * gemm + attn_bwd + 2 * elementwise + tp_comm
@@ -151,23 +183,26 @@ def layer_costs(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: 
     return LayerCosts(fwd, bwd, recompute, embed, head, p2p, cp_comm, *moe)
 
 
-def _attention_gemm(model: ModelConfig, layout: Layout, tokens: float, gpu: GPUSpec) -> float:
+def _attention_gemm(model: ModelConfig, layout: Layout, tokens: float, gpu: GPUSpec,
+                    speedup: float = 1.0) -> float:
     """Forward seconds of the attention's projections over this rank's `tokens`: column-parallel ones split by
     rows, row-parallel ones by columns, replicated ones (MLA's latent down-projections) whole, on 1/tp of the
-    tokens under sequence parallelism."""
+    tokens under sequence parallelism. `speedup` (FP8) applies to the tensor-parallel ones; the replicated
+    latent projections are not FP8 linears and run at the bf16 rate."""
     t, seconds = layout.tp, 0.0
     for (rows, cols), axis in zip(attention_matrices(model), attention_splits(model)):
         mine = tokens / t if axis is None and layout.sequence_parallel else tokens
-        seconds += gemm_seconds(mine, rows / t if axis == 0 else rows, cols / t if axis == 1 else cols, gpu)
+        seconds += gemm_seconds(mine, rows / t if axis == 0 else rows, cols / t if axis == 1 else cols, gpu,
+                                1.0 if axis is None else speedup)
     return seconds
 
 
-def _mlp_gemm(model: ModelConfig, rows: float, ffn: float, gpu: GPUSpec) -> float:
+def _mlp_gemm(model: ModelConfig, rows: float, ffn: float, gpu: GPUSpec, speedup: float = 1.0) -> float:
     """Forward seconds of an MLP of width ffn (this rank's share) over `rows` tokens: fc1 and fc2."""
     if rows == 0 or ffn == 0:
         return 0.0
     (fc1_rows, fc1_cols), (fc2_rows, fc2_cols) = mlp_matrices(model, ffn)
-    return gemm_seconds(rows, fc1_rows, fc1_cols, gpu) + gemm_seconds(rows, fc2_rows, fc2_cols, gpu)
+    return gemm_seconds(rows, fc1_rows, fc1_cols, gpu, speedup) + gemm_seconds(rows, fc2_rows, fc2_cols, gpu, speedup)
 
 
 def _moe_layer(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: Software, links: Links,
@@ -180,9 +215,9 @@ def _moe_layer(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: S
     routed = tokens / (t if layout.sequence_parallel else 1)  # each tp rank routes its own tokens under SP
     rows = k * routed * ep / E  # per expert, balanced routing over the EP group
     experts = E / ep * _mlp_gemm(model, rows, model.resolved_moe_ffn_hidden_size(), gpu)
-    shared = _mlp_gemm(model, tokens, (model.moe_shared_expert_intermediate_size or 0) / t, gpu)
+    shared = _mlp_gemm(model, tokens, (model.moe_shared_expert_intermediate_size or 0) / t, gpu, fp8_speedup(sw))
     router = FP32_SLOWDOWN * gemm_seconds(routed, E, h, gpu)
-    gemm = attn_gemm + experts + shared + router
+    gemm = attn_gemm + experts + shared + router  # the experts' FP8 GEMMs run at the bf16 rate (engine/fp8)
     stored = layer_activation_bytes(model, seq, layout.micro_batch_size, t, layout.sequence_parallel, "none",
                                     flash_attention=True, cp=layout.cp, moe=True)
     elementwise = ELEMENTWISE_TRAFFIC * stored / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)

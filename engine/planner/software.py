@@ -18,7 +18,8 @@ class Software:
     (layer_time.FLASH_ATTENTION_EFFICIENCY), e.g. an older kernel. document_length: samples packed with
     documents of this mean length under --reset-attention-mask, whose attention the kernels skip but for each
     document's own square (engine/attention_mask.py counts it; None: each sample one sequence). muon: the step
-    is Muon's (engine/planner/muon_step.py prices its Newton-Schulz work and exchanges; its state is smaller).
+    is Muon's (engine/planner/muon_step.py prices its Newton-Schulz work and exchanges; its state is smaller). fp8:
+    the FP8 recipe of the hidden linears (layer_time prices their GEMMs and the casts).
     """
     flash_attention: bool = True
     overlap_grad_reduce: bool = True
@@ -30,3 +31,4 @@ class Software:
     attention_efficiency: Optional[float] = None
     document_length: Optional[int] = None
     muon: Optional[MuonSettings] = None   # --optimizer muon's settings (None: Adam)
+    fp8: Optional[str] = None             # --fp8-recipe when --fp8-format is given (None: no FP8)

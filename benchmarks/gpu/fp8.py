@@ -1,0 +1,138 @@
+"""Section 6, FP8 (issue 34): the FP8 GEMM's rate on the card against bf16's, the FP8 linear on the device
+against its CPU numbers, and the ~1.3B Llama's step in FP8 against bf16 with the loss after the same steps.
+
+The GEMM: an 8192^3 product, e4m3 operands with one scale each through `torch._scaled_mm` (engine.fp8.gemm)
+against the bf16 matmul, then the same with both operands' casts (amax, scale, convert) counted. The linear:
+engine.fp8's three GEMMs (forward, input and weight gradients) on the device and on the CPU for each recipe,
+as the largest difference over the largest value (tensor cores sum in another order than the CPU's BLAS; the
+CPU numbers are torch._scaled_mm's, tests/test_fp8.py). The step: the engine's own iteration, bf16 then FP8
+(hybrid; tensorwise and delayed), on the same mock batches, median step after warm-up and the mean loss of
+the last 10 steps; the issue's goals are FP8 >= 1.2x bf16's step and the loss within 1% of bf16's.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from benchmarks.gpu import models
+from benchmarks.gpu.bench import MICROBATCHES, release
+from benchmarks.gpu.context import NEEDS_CUDA
+from benchmarks.kernel_speed import median_ms
+from benchmarks.train import engine_trainer, process_group
+from engine.fp8 import gemm
+from engine.fp8.linear import Fp8Linear
+from engine.fp8.quantize import E4M3, quantize, scale_of
+from engine.fp8.scaling import Recipe
+from engine.parallel.layers import make_param
+from engine.parallel.topology import ParallelContext
+
+GEMM_ANCHOR = "FP8 peak 2x bf16's (H100 SXM 1,979 vs 989 TFLOP/s); torchao measures 1.5-1.8x at large shapes"
+STEP_ANCHOR = "torchtitan Llama 3 8B: 6,667 -> 8,532 tokens/s/GPU (1.28x) with FP8"
+STEP_RECIPES = ("tensorwise", "delayed")
+
+
+def run(opts, record, earlier) -> None:
+    gemm_rates(opts, record)
+    if opts.cuda:
+        linear_on_device(opts, record)
+    else:
+        record.skip("fp8 linear on the device vs the CPU", NEEDS_CUDA)
+    if record.has_time("fp8 1.3B step", opts.pick(90, 50, 5)):
+        with process_group(opts.cuda):
+            steps(opts, record)
+
+
+def gemm_rates(opts, record) -> None:
+    n, dtype = opts.pick(8192, 8192, 256), torch.bfloat16 if opts.cuda else torch.float32
+    g = torch.Generator(device=opts.device).manual_seed(0)
+    a, b = (torch.randn(n, n, generator=g, device=opts.device, dtype=dtype) for _ in range(2))
+    reps = opts.pick(30, 15, 3)
+    flop = 2 * n**3 / 1e12
+
+    def cast(x):
+        return quantize(x, scale_of(x.abs().amax(), E4M3), E4M3)
+
+    qa, qb = cast(a), cast(b)
+    bf16 = flop / (median_ms(lambda: a @ b.t(), reps, opts.cuda) * 1e-3)
+    fp8 = flop / (median_ms(lambda: gemm.mm(qa, qb, dtype), reps, opts.cuda) * 1e-3)
+    with_casts = flop / (median_ms(lambda: gemm.mm(cast(a), cast(b), dtype), reps, opts.cuda) * 1e-3)
+    what = f"{n}^3, {str(dtype).removeprefix('torch.')} vs e4m3 tensor-scaled, median"
+    record.figure("bf16_gemm_tflops", float(f"{bf16:.4g}"), "TFLOP/s", note=what)
+    record.figure("fp8_gemm_tflops", float(f"{fp8:.4g}"), "TFLOP/s", GEMM_ANCHOR if opts.cuda else "", what)
+    record.figure("fp8_gemm_with_casts_tflops", float(f"{with_casts:.4g}"), "TFLOP/s",
+                  note="both operands cast per call")
+    record.figure("fp8_over_bf16_gemm", round(fp8 / bf16, 3), "x", "~1.5-2x" if opts.cuda else "")
+
+
+def linear_on_device(opts, record) -> None:
+    t, k, n = opts.pick((4096, 2048, 2048), (2048, 1024, 1024), (256, 192, 128))
+    g = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(t, k, generator=g), torch.randn(t, n, generator=g) * 1e-3
+    w0 = torch.randn(n, k, generator=g) * 0.02
+    for recipe in ("tensorwise", "delayed", "blockwise"):
+        got = {dev: _linear_grads(Recipe("hybrid", recipe), x, w0, dy, dev) for dev in ("cpu", opts.device)}
+        row = {"recipe": recipe, "shape": [t, k, n]}
+        for i, name in enumerate(("y", "dx", "dw")):
+            ref, dev = got["cpu"][i], got[opts.device][i].cpu()
+            row[f"{name}_rel_diff"] = float((dev - ref).abs().max() / ref.abs().max())
+        record.row("fp8_linear", row, f"{recipe}: device vs CPU, largest difference over largest value: " +
+                   ", ".join(f"{k} {v:.1e}" for k, v in row.items() if k.endswith("rel_diff")))
+
+
+def _linear_grads(recipe, x, w0, dy, device) -> tuple:
+    ctx = ParallelContext()
+    w = make_param(tuple(w0.shape), 0, ctx, ("normal", 0.02), device=device)
+    with torch.no_grad():
+        w.copy_(w0)
+    xd = x.to(device).requires_grad_()
+    y = Fp8Linear(recipe, w, ctx)(xd, w)
+    y.backward(dy.to(device))
+    return y.detach(), xd.grad, w.grad
+
+
+def steps(opts, record) -> None:
+    size, micro, iters = opts.pick(("full", 2, 100), ("full", 2, 40), ("tiny", 2, 6))
+    device, warm = ("cuda:0" if opts.cuda else "cpu"), opts.pick(5, 5, 1)
+    runs = {"bf16": _train(size, micro, iters, opts.cuda, device, warm, [])}
+    for recipe in STEP_RECIPES:
+        if record.has_time(f"fp8 {recipe} step", runs["bf16"]["seconds"] * 1.2):
+            runs[recipe] = _train(size, micro, iters, opts.cuda, device, warm,
+                                  ["--fp8-format", "hybrid", "--fp8-recipe", recipe])
+    base = runs["bf16"]
+    for name, r in runs.items():
+        base_name = "bf16" if opts.cuda else "fp32 (CPU)"
+        row = {"precision": base_name if name == "bf16" else f"fp8 hybrid {name}", "fp8": name != "bf16",
+               "micro_batch": micro,
+               "microbatches": MICROBATCHES, "steps": iters, "step_s": r["step_s"], "tokens_per_s": r["tokens_per_s"],
+               "speedup_vs_bf16": round(base["step_s"] / r["step_s"], 3), "final_loss": r["final_loss"],
+               "loss_rel_diff_vs_bf16": round(abs(r["final_loss"] - base["final_loss"]) / base["final_loss"], 5)}
+        record.row("fp8_step", row, f"llama {size} {row['precision']}: {r['step_s'] * 1e3:.1f} ms/step "
+                   f"({row['speedup_vs_bf16']:.2f}x bf16), loss after {iters} steps {r['final_loss']:.4f} "
+                   f"({100 * row['loss_rel_diff_vs_bf16']:.2f}% from bf16) (anchor {STEP_ANCHOR})")
+
+
+def _train(size, micro, iters, cuda, device, warm, extra) -> dict:
+    cfg = models.config("llama", size, micro, MICROBATCHES, iters, bf16=cuda, extra=extra)
+    started = time.time()
+    ctx, trainer = engine_trainer(cfg, device)
+    try:
+        times, losses = [], []
+        for i in range(iters):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            trainer.iterate()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            losses.append(trainer.last_record["lm_loss"])
+        step = statistics.median(times[warm:] or times)
+        tokens = micro * MICROBATCHES * cfg.model.seq_length
+        return {"step_s": round(step, 5), "tokens_per_s": round(tokens / step, 1),
+                "final_loss": round(statistics.mean(losses[-10:]), 5), "seconds": time.time() - started}
+    finally:
+        del trainer
+        ctx.destroy()
+        release(cuda)

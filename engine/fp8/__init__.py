@@ -1,0 +1,69 @@
+"""FP8 training (Megatron-LM's recipes): which GEMMs run in FP8, and the per-step life of their scales.
+
+`attach` gives every column- and row-parallel linear of a model chunk (QKV, projection, MLP) an
+`Fp8Linear` and the routed experts an `Fp8Experts`; the output layer and the router stay in the run's
+precision, as in Megatron-LM. `finish_step` ends a step of delayed scaling: every tensor's amax of the step
+is reduced over the pipeline stage's ranks (tp x cp, then dp x cp) in one all-reduce each and pushed into its
+history. `state_dict`/`load_state_dict` carry the histories in checkpoints, keyed by layer name (global layer
+numbers), so they reshard to any layout.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from engine.fp8.experts import Fp8Experts
+from engine.fp8.linear import Fp8Linear
+from engine.fp8.scaling import Recipe
+from engine.moe.experts import Experts
+from engine.parallel import comm
+from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+ROLES = ("input", "weight", "grad")
+
+
+def attach(chunk, recipe: Optional[Recipe], ctx) -> None:
+    """Give the chunk's hidden linears and experts their FP8 GEMMs (nothing when `recipe` is None)."""
+    if recipe is None:
+        return
+    for module in chunk.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.fp8 = Fp8Linear(recipe, module.weight, ctx)
+        elif isinstance(module, Experts):
+            module.fp8 = Fp8Experts(recipe)
+
+
+def linears(chunks) -> dict:
+    """name -> Fp8Linear over this rank's chunks, in one order on every rank of a stage."""
+    return {name: m.fp8 for chunk in chunks for name, m in chunk.named_modules()
+            if isinstance(getattr(m, "fp8", None), Fp8Linear)}
+
+
+def delayed(chunks) -> bool:
+    return any(lin.recipe.delayed for lin in linears(chunks).values())
+
+
+def finish_step(chunks, ctx) -> None:
+    """Delayed scaling: the step's amaxes, reduced over the stage (tp, cp, dp), enter the histories."""
+    found = [getattr(lin, role) for lin in linears(chunks).values() for role in ROLES]
+    if not found or not found[0].recipe.delayed:
+        return
+    step = torch.stack([s.seen for s in found])
+    for group, size in ((ctx.tp_cp_group, ctx.tp_size * ctx.cp_size), (ctx.dp_cp_group, ctx.dp_cp_size)):
+        if size > 1:
+            comm.all_reduce(step, group, op=comm.ReduceOp.MAX)
+    for scaler, a in zip(found, step):
+        scaler.push(a)
+
+
+def state_dict(chunks) -> dict:
+    """'<linear>.<role>' -> {'history', 'steps'} for this rank's linears (the same on every rank of a stage)."""
+    return {f"{name}.{role}": getattr(lin, role).state() for name, lin in linears(chunks).items() for role in ROLES}
+
+
+def load_state_dict(chunks, state: dict) -> None:
+    for name, lin in linears(chunks).items():
+        for role in ROLES:
+            if f"{name}.{role}" in state:
+                getattr(lin, role).load(state[f"{name}.{role}"])

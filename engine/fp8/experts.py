@@ -1,0 +1,52 @@
+"""FP8 for the routed experts' grouped GEMM: one scale per expert for its weights, one per token for the inputs.
+
+An expert's inputs come from every rank of its expert-parallel group at once, from several microbatches, so a
+scale over its whole input would change with the layout. Its inputs and output gradients are therefore scaled
+per token (a row: one scale under tensor scaling, 1x128 tiles under blockwise), which no layout changes, and
+its weights per expert (one scale, or 128x128 tiles; delayed scaling uses the expert's current amax: its
+weights are whole on every rank that holds them). The weight gradient contracts over tokens and reuses the
+per-token operands. The GEMMs run dequantized (engine.fp8.gemm.operand: fp32, or bf16 on CUDA in a bf16 run,
+both exact), so on a GPU they run at the bf16 rate with FP8's numbers.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.fp8.gemm import operand
+from engine.fp8.quantize import fp8_dtype, quantize_tiles
+from engine.fp8.scaling import ACTIVATION_TILE, WEIGHT_TILE, Recipe
+
+
+class Fp8Experts:
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+
+    def rows(self, x: torch.Tensor, gradient: bool):
+        tile = ACTIVATION_TILE if self.recipe.blockwise else (1, max(x.shape[1], 1))
+        return quantize_tiles(x, tile, fp8_dtype(self.recipe.fmt, gradient), self.recipe.margin)
+
+    def weight(self, w: torch.Tensor):
+        tile = WEIGHT_TILE if self.recipe.blockwise else tuple(max(n, 1) for n in w.shape)
+        return quantize_tiles(w, tile, fp8_dtype(self.recipe.fmt, False), self.recipe.margin)
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, sizes: list) -> torch.Tensor:
+        """Rows of x [N, K] grouped in len(sizes) runs; run i times w[i] [K, M] -> [N, M]."""
+        return _GroupedFn.apply(x, w, list(sizes), self)
+
+
+class _GroupedFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, sizes, fp8: Fp8Experts):
+        xq = [fp8.rows(part, False) for part in x.split(sizes)]
+        wq = [fp8.weight(w[i]) for i in range(len(sizes))]
+        ctx.saved, ctx.fp8, ctx.sizes, ctx.w_dtype = (xq, wq), fp8, sizes, w.dtype
+        out = [operand(a, x.dtype).matmul(operand(b, x.dtype)) for a, b in zip(xq, wq)]
+        return torch.cat(out).to(x.dtype) if out else x.new_empty((0, w.shape[-1]))
+
+    @staticmethod
+    def backward(ctx, dy):
+        (xq, wq), fp8 = ctx.saved, ctx.fp8
+        dyq = [operand(fp8.rows(part, True), dy.dtype) for part in dy.split(ctx.sizes)]
+        dx = [g.matmul(operand(b, dy.dtype).t()) for g, b in zip(dyq, wq)]
+        dw = torch.stack([operand(a, dy.dtype).t().matmul(g) for a, g in zip(xq, dyq)])
+        return torch.cat(dx).to(dy.dtype), dw.to(ctx.w_dtype), None, None

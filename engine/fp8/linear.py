@@ -1,0 +1,102 @@
+"""The FP8 linear: y = x W^T + b with its three GEMMs (forward, input gradient, weight gradient) in FP8.
+
+Each GEMM quantizes its two operands along their contraction dimension: forward x [T, K] and W [N, K]; input
+gradient dy [T, N] and W^T; weight gradient dy^T [N, T] and x^T [K, T]. Under tensor scaling x, W and dy are
+quantized once and transposed for the later GEMMs; under blockwise scaling x and dy are quantized again along
+the tokens for the weight gradient (1x128 tiles along the contraction, as DeepSeek-V3 does), W's 128x128 tiles
+serve both of its GEMMs. Biases and everything outside the GEMMs stay in the run's precision.
+
+`Fp8Linear` is what a column- or row-parallel layer calls when FP8 is on (engine.fp8.attach gives it one). It
+knows where the layer's tensors are split: under tp the weight (and a row-parallel input, a column-parallel
+output gradient) is one part of a full tensor, whose amax (tensor scaling) or tiles (blockwise) the tp group
+shares; under cp and sequence parallelism the tokens are. Under a split backward (zero-bubble schedules) the
+weight gradient is left to engine.parallel.weight_grad_store like any linear's.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.fp8 import gemm
+from engine.fp8.quantize import Split
+from engine.fp8.scaling import ACTIVATION_TILE, WEIGHT_TILE, Recipe, Scaler
+from engine.parallel.weight_grad_store import bias_grad, deferral_of, rows
+
+
+def _split_positions(spec, ctx) -> tuple:
+    """(the axis of rows(W) split over tp, its local rows' or columns' places in the full rows(W), full count)."""
+    full = spec.full_shape
+    if spec.tp_axis == len(full) - 1:  # row-parallel: input columns
+        n = full[-1] // ctx.tp_size
+        return 1, torch.arange(n) + ctx.tp_rank * n, full[-1]
+    out = full[spec.tp_axis]  # column-parallel, blocks stacked on axis 0 when [stack, out, in]
+    n, stack = out // ctx.tp_size, (full[0] if len(full) == 3 else 1)
+    local = torch.arange(n) + ctx.tp_rank * n
+    return 0, torch.cat([local + b * out for b in range(stack)]), stack * out
+
+
+class Fp8Linear:
+    """The FP8 GEMMs of one tensor-parallel linear: its scalers and where its tensors are split."""
+
+    def __init__(self, recipe: Recipe, weight, ctx):
+        device = weight.device if weight.device.type != "meta" else None
+        self.recipe = recipe
+        self.input, self.weight, self.grad = (Scaler(recipe, False, device), Scaler(recipe, False, device),
+                                              Scaler(recipe, True, device))
+        self.group = ctx.tp_cp_group if ctx.tp_size * ctx.cp_size > 1 else None
+        self.split_axis, self.splits = None, {}
+        if ctx.tp_size > 1:
+            axis, positions, full = _split_positions(weight.spec, ctx)
+            self.split_axis = axis
+            # row-parallel: W's and x's columns; column-parallel: W's rows and dy's columns
+            self.splits = {"weight": Split(axis, positions, full, ctx.tp_group),
+                           ("input" if axis == 1 else "grad"): Split(1, positions, full, ctx.tp_group)}
+
+    def quantize(self, role: str, x: torch.Tensor, transposed: bool = False):
+        """One operand: `role` input | weight | grad; `transposed`: x^T for the weight gradient (tokens last)."""
+        scaler = getattr(self, role)
+        if not self.recipe.blockwise:
+            q = scaler.tensor(x, self.group)
+        else:
+            q = scaler.tiles(x, WEIGHT_TILE if role == "weight" else ACTIVATION_TILE,
+                             None if transposed else self.splits.get(role))
+        if not transposed:
+            scaler.last = q.scale_inv  # the full tensor's scale(s), the same under every layout
+        return q
+
+    def __call__(self, x, weight, bias=None):
+        deferral = deferral_of(weight)
+        return _Fp8LinearFn.apply(x, weight if deferral is None else weight.detach(), bias, self, deferral)
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, lin: Fp8Linear, deferral):
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, wq = lin.quantize("input", x2), lin.quantize("weight", rows(weight))
+        y = gemm.mm(xq, wq, x.dtype)
+        if bias is not None:
+            y = y + bias.reshape(-1)
+        # what the weight gradient contracts over the tokens: x^T quantized along them
+        ctx.xt = lin.quantize("input", x2.t(), transposed=True) if lin.recipe.blockwise else xq.t()
+        ctx.wq, ctx.lin, ctx.deferral = wq, lin, deferral
+        ctx.shapes = (x.shape, weight.shape, weight.dtype, None if bias is None else bias.shape)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        lin, (x_shape, w_shape, w_dtype, b_shape) = ctx.lin, ctx.shapes
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dyq = lin.quantize("grad", dy2)
+        dx = gemm.mm(dyq, ctx.wq.t(), dy.dtype).view(x_shape) if ctx.needs_input_grad[0] else None
+        dyt = lin.quantize("grad", dy2.t(), transposed=True) if lin.recipe.blockwise else dyq.t()
+        xt = ctx.xt
+
+        def weight_grad():
+            return gemm.mm(dyt, xt, w_dtype).view(w_shape)
+
+        dw = weight_grad() if ctx.needs_input_grad[1] else None
+        if ctx.deferral is not None:
+            param, store = ctx.deferral
+            store.append((param, weight_grad))
+        db = bias_grad(dy, b_shape) if b_shape is not None and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None

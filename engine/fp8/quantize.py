@@ -1,0 +1,114 @@
+"""FP8 numbers: the two formats, scales from amaxes, and tensors quantized with one scale or one per tile.
+
+A `Quantized` tensor is the FP8 data and the decode scale (`scale_inv`, what `torch._scaled_mm` takes): one
+scalar, or one per tile of `tile` = (rows, cols) (1x128 activation and gradient tiles, 128x128 weight tiles,
+DeepSeek-V3's and Megatron-LM's blockwise recipe; a last partial tile holds what is left). Scales follow
+Transformer Engine: scale = fp8_max / amax / 2^margin (an amax of zero or not finite scales by 1); tile scales
+are rounded down to a power of two, so dequantizing them is exact. Values beyond the format's range saturate.
+
+A tiled tensor may be one rank's part of a tensor split over a group along `split.axis` (tp): its tiles are
+then counted from the full tensor's origin and each tile's amax is the maximum over every rank holding a part
+of it, so every layout quantizes the full tensor exactly as one rank does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from engine.parallel import comm
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def fp8_dtype(fmt: str, gradient: bool):
+    """e4m3 everywhere, or under `hybrid` e4m3 forward and e5m2 for the gradients (wider range, less precision)."""
+    return E5M2 if gradient and fmt == "hybrid" else E4M3
+
+
+def fp8_max(dtype) -> float:
+    return torch.finfo(dtype).max
+
+
+def scale_of(amax: torch.Tensor, dtype, margin: int = 0, pow2: bool = False) -> torch.Tensor:
+    """The encode scale for an amax (any shape): fp8_max / amax / 2^margin, 1 where amax is 0 or not finite."""
+    amax = amax.float()
+    ok = (amax > 0) & torch.isfinite(amax)
+    scale = torch.where(ok, fp8_max(dtype) / torch.where(ok, amax, 1.0), 1.0) / (2.0 ** margin)
+    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+
+
+@dataclass(frozen=True)
+class Split:
+    """This rank's part of a tensor split over `group` along `axis`: `positions` [n] are its rows' (axis 0) or
+    columns' (axis 1) places in the full tensor, which has `full` of them."""
+    axis: int
+    positions: torch.Tensor
+    full: int
+    group: object
+
+
+@dataclass
+class Quantized:
+    data: torch.Tensor                      # FP8, 2-D
+    scale_inv: torch.Tensor                 # fp32: a scalar, or one per tile [tile rows, tile columns]
+    tile_of: Optional[tuple] = None         # per-tile: (each row's tile row [M], each column's tile column [K])
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 values (exactly data x scale_inv; with power-of-two tile scales no rounding at all)."""
+        if self.tile_of is None:
+            return self.data.float() * self.scale_inv
+        return self.data.float() * self.scale_inv[self.tile_of[0]][:, self.tile_of[1]]
+
+    def t(self) -> "Quantized":
+        """The transpose (its tiles transposed with it), contiguous: the layout a GEMM wants."""
+        if self.tile_of is None:
+            return Quantized(self.data.t().contiguous(), self.scale_inv)
+        return Quantized(self.data.t().contiguous(), self.scale_inv.t(), self.tile_of[::-1])
+
+
+def _cast(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
+    m = fp8_max(dtype)
+    return (x.float() * scale).clamp_(-m, m).to(dtype)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype) -> Quantized:
+    """x [M, K] with one encode scale."""
+    scale = scale.float().reshape(())
+    return Quantized(_cast(x, scale, dtype), scale.reciprocal())
+
+
+def amax(x: torch.Tensor, group=None) -> torch.Tensor:
+    """max |x| over this tensor, and over `group` when its ranks hold the other parts of it (fp32, a scalar)."""
+    a = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+    if group is not None:
+        a = a.reshape(1)
+        comm.all_reduce(a, group, op=comm.ReduceOp.MAX)
+        a = a.reshape(())
+    return a
+
+
+def _tile_amax(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, grid_shape: tuple) -> torch.Tensor:
+    """max |x| per tile, element (i, j) in tile (rows[i], cols[j]) of a grid `grid_shape` (untouched tiles 0)."""
+    a = x.detach().abs().float()
+    by_col = torch.zeros((a.shape[0], grid_shape[1]), device=a.device)
+    by_col.scatter_reduce_(1, cols.unsqueeze(0).expand_as(a), a, "amax")
+    grid = torch.zeros(grid_shape, device=a.device)
+    grid.scatter_reduce_(0, rows.unsqueeze(1).expand_as(by_col), by_col, "amax")
+    return grid
+
+
+def quantize_tiles(x: torch.Tensor, tile: tuple, dtype, margin: int = 0, split: Optional[Split] = None) -> Quantized:
+    """x [M, K] with one power-of-two scale per `tile` (rows, cols) of the full tensor (a last partial tile
+    holds what is left); `split`: x is one rank's part of the full tensor, whose tiles its group shares."""
+    places = [torch.arange(n, device=x.device) for n in x.shape]
+    full = list(x.shape)
+    if split is not None:
+        places[split.axis], full[split.axis] = split.positions.to(x.device), split.full
+    tile_of = tuple(p // t for p, t in zip(places, tile))
+    grid = _tile_amax(x, *tile_of, tuple((n + t - 1) // t for n, t in zip(full, tile)))
+    if split is not None and comm.world_size(split.group) > 1:
+        comm.all_reduce(grid, split.group, op=comm.ReduceOp.MAX)
+    scale = scale_of(grid, dtype, margin, pow2=True)
+    return Quantized(_cast(x, scale[tile_of[0]][:, tile_of[1]], dtype), scale.reciprocal(), tile_of)

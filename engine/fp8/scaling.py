@@ -1,0 +1,93 @@
+"""A recipe and the scaler of one tensor: how a linear's input, weight or output gradient gets its FP8 scale.
+
+tensorwise (Megatron-LM's current scaling): the amax of this tensor now, taken over every rank holding a part
+of it (the linear's `group`: tp and cp; never dp, whose ranks hold other microbatches). delayed: the scale of
+the amax history (its max or most recent entry, Transformer Engine's rule) with no communication in the step;
+each tensor's amax is kept over the step's microbatches, reduced once per step over every rank of the pipeline
+stage (tp, cp and dp: Megatron-LM's amax reduction group) and pushed into the history, so every layout sees
+the same history. A history still empty (the first step) scales like tensorwise. blockwise: tiles (see
+engine.fp8.quantize), no state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from engine.fp8.quantize import Quantized, Split, amax, fp8_dtype, quantize, quantize_tiles, scale_of
+
+ACTIVATION_TILE, WEIGHT_TILE = (1, 128), (128, 128)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    fmt: str                  # e4m3 | hybrid
+    kind: str                 # tensorwise | delayed | blockwise
+    history_len: int = 1
+    algo: str = "most_recent"
+    margin: int = 0
+
+    @classmethod
+    def of(cls, training) -> Optional["Recipe"]:
+        """The run's recipe from its training section, None without --fp8-format."""
+        if training.fp8_format is None:
+            return None
+        return cls(training.fp8_format, training.fp8_recipe, training.fp8_amax_history_len,
+                   training.fp8_amax_compute_algo, training.fp8_margin)
+
+    @property
+    def blockwise(self) -> bool:
+        return self.kind == "blockwise"
+
+    @property
+    def delayed(self) -> bool:
+        return self.kind == "delayed"
+
+
+class Scaler:
+    """Quantizes one tensor of one linear (its input, weight or output gradient), keeping its history."""
+
+    def __init__(self, recipe: Recipe, gradient: bool, device=None):
+        self.recipe, self.dtype = recipe, fp8_dtype(recipe.fmt, gradient)
+        self.history = torch.zeros(recipe.history_len, device=device)
+        self.steps = 0                                  # entries pushed into the history
+        self.seen = torch.zeros((), device=device)      # this step's amax so far, this rank's
+        self.scale = torch.ones((), device=device)      # the history's scale
+        self.last = None                                # the decode scale(s) it last quantized with
+
+    def tensor(self, x: torch.Tensor, group=None) -> Quantized:
+        """x [M, K] with one scale; `group`: the other ranks holding parts of x (current scaling reduces over it)."""
+        if self.recipe.delayed and self.steps:
+            self.seen = torch.maximum(self.seen, amax(x))
+            return quantize(x, self.scale, self.dtype)
+        now = amax(x, group)
+        if self.recipe.delayed:
+            self.seen = torch.maximum(self.seen, now)
+        return quantize(x, scale_of(now, self.dtype, self.recipe.margin), self.dtype)
+
+    def tiles(self, x: torch.Tensor, tile: tuple, split: Optional[Split] = None) -> Quantized:
+        return quantize_tiles(x, tile, self.dtype, self.recipe.margin, split)
+
+    def push(self, step_amax: torch.Tensor) -> None:
+        """End of step: the step's amax (reduced over the stage's ranks) enters the history; the scale follows."""
+        self.history = torch.roll(self.history, 1)
+        self.history[0] = step_amax
+        self.steps += 1
+        self.seen = torch.zeros_like(self.seen)
+        use = self.history.max() if self.recipe.algo == "max" else self.history[0]
+        self.scale = scale_of(use, self.dtype, self.recipe.margin)
+
+    def state(self) -> dict:
+        """What a checkpoint keeps (JSON: fp32 values are exact as Python floats)."""
+        return {"history": self.history.tolist(), "steps": self.steps}
+
+    def load(self, state: dict) -> None:
+        """A saved history; one of another length keeps its most recent entries (zeros beyond them)."""
+        saved = torch.tensor(state["history"], dtype=torch.float32, device=self.history.device)
+        self.history = torch.zeros_like(self.history)
+        n = min(len(saved), len(self.history))
+        self.history[:n] = saved[:n]
+        self.steps, self.seen = int(state["steps"]), torch.zeros_like(self.seen)
+        use = self.history.max() if self.recipe.algo == "max" else self.history[0]
+        self.scale = scale_of(use, self.dtype, self.recipe.margin)

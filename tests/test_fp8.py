@@ -1,0 +1,217 @@
+"""Issue 34, one rank: the FP8 linear's three GEMMs equal the emulation oracle (quantize, dequantize, fp32
+matmul, written here independently of engine/fp8) bit for bit, for every recipe and format, at shapes that
+are and are not multiples of the 128 tile; the CPU GEMM equals torch._scaled_mm bit for bit (tensor scales)
+and within fp32 accumulation order (1x128 / 128x128 tiles, summed per K block of row-scaled _scaled_mm);
+delayed scaling follows its amax history; the experts scale per token and per expert; the flags.
+"""
+import contextlib
+import math
+
+import pytest
+import torch
+
+from engine import fp8
+from engine.cli import parse_config
+from engine.config import ConfigError
+from engine.fp8 import gemm
+from engine.fp8.experts import Fp8Experts
+from engine.fp8.linear import Fp8Linear
+from engine.fp8.quantize import E4M3, E5M2, quantize, quantize_tiles, scale_of
+from engine.fp8.scaling import Recipe
+from engine.flops import GPU_PRESETS
+from engine.layout import Layout
+from engine.parallel.layers import make_param
+from engine.parallel.topology import ParallelContext
+from engine.parallel.weight_grad_store import deferring_weight_grads, weight_grads
+from engine.planner.layer_time import FP8_GEMM_SPEEDUP, gemm_seconds
+from engine.planner.software import Software
+from engine.planner.step_time import estimate
+from engine.report import fp8_lines
+from engine.validation import validate
+
+SHAPES = [(37, 200, 130), (256, 128, 384), (5, 17, 3), (130, 300, 129)]  # tokens, in, out
+RECIPES = [(fmt, kind) for fmt in ("e4m3", "hybrid") for kind in ("tensorwise", "delayed", "blockwise")]
+
+
+# ------------------------------------------------------------------ the oracle, independent of engine/fp8
+def _oracle_q(x, dtype, tile=None):
+    """quantize -> dequantize: one scale 2^-0 * max/amax, or per-tile power-of-two scales."""
+    top = torch.finfo(dtype).max
+    if tile is None:
+        a = x.abs().max()
+        s = top / a if a > 0 else torch.tensor(1.0)
+        return (x * s).clamp(-top, top).to(dtype).float() * (1 / s)
+    out = torch.empty_like(x)
+    r, c = tile
+    for i in range(0, x.shape[0], r):
+        for j in range(0, x.shape[1], c):
+            block = x[i:i + r, j:j + c]
+            a = block.abs().max()
+            s = 2.0 ** math.floor(math.log2(top / a.item())) if a > 0 else 1.0
+            out[i:i + r, j:j + c] = (block * s).clamp(-top, top).to(dtype).float() * (1 / s)
+    return out
+
+
+def _oracle(x, w, dy, fmt, blockwise):
+    g = E5M2 if fmt == "hybrid" else E4M3
+    act, wt = ((1, 128), (128, 128)) if blockwise else (None, None)
+    xq, wq, dyq = _oracle_q(x, E4M3, act), _oracle_q(w, E4M3, wt), _oracle_q(dy, g, act)
+    # each product with both operands contiguous: a strided operand makes the BLAS sum some shapes in
+    # another order (one fp32 ulp), and _scaled_mm's operands are contiguous
+    y = xq @ wq.t().contiguous()
+    dx = dyq @ wq
+    if blockwise:  # the weight gradient contracts over tokens: tiles along them
+        a, b = _oracle_q(dy.t().contiguous(), g, act), _oracle_q(x.t().contiguous(), E4M3, act).t().contiguous()
+    else:
+        a, b = dyq.t().contiguous(), xq
+    return y, dx, a @ b
+
+
+def _linear(recipe, n_out, n_in):
+    ctx = ParallelContext()
+    w = make_param((n_out, n_in), 0, ctx, ("normal", 0.02))
+    with torch.no_grad():
+        w.normal_(0, 0.05, generator=torch.Generator().manual_seed(n_out * n_in))
+    return w, Fp8Linear(recipe, w, ctx)
+
+
+@pytest.mark.parametrize("fmt,kind", RECIPES)
+def test_linear_equals_the_emulation_oracle_bitwise(fmt, kind):
+    for t, k, n in SHAPES:
+        g = torch.Generator().manual_seed(t + k + n)
+        x = (torch.randn(t, k, generator=g) * 3).requires_grad_()
+        dy = torch.randn(t, n, generator=g) * 1e-3
+        w, lin = _linear(Recipe(fmt, kind), n, k)
+        y = lin(x, w)
+        y.backward(dy)
+        ry, rdx, rdw = _oracle(x.detach(), w.detach(), dy, fmt, kind == "blockwise")
+        for name, got, want in (("y", y, ry), ("dx", x.grad, rdx), ("dw", w.grad, rdw)):
+            assert torch.equal(got, want), f"{fmt} {kind} {(t, k, n)} {name}: {(got - want).abs().max()}"
+
+
+def test_tensor_scaled_gemm_is_scaled_mm_bitwise():
+    for t, k, n in SHAPES:
+        g = torch.Generator().manual_seed(k)
+        a, b = torch.randn(t, k, generator=g), torch.randn(n, k, generator=g) * 1e-4
+        for da, db in ((E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)):
+            qa, qb = quantize(a, scale_of(a.abs().max(), da), da), quantize(b, scale_of(b.abs().max(), db), db)
+            want = torch._scaled_mm(qa.data, qb.data.t(), scale_a=qa.scale_inv, scale_b=qb.scale_inv,
+                                    out_dtype=torch.float32)
+            assert torch.equal(gemm.mm(qa, qb, torch.float32), want), (t, k, n, da, db)
+
+
+def test_tile_scaled_gemm_is_scaled_mm_per_block_within_accumulation_order():
+    """_scaled_mm takes no 1x128 x 128x128 scales on the CPU: per 128-wide K block it is a row-scaled GEMM
+    (a's rows, b's 128-row tiles as rows), and the blocks are summed; only the summation order differs."""
+    for t, k, n in SHAPES:
+        g = torch.Generator().manual_seed(n)
+        a, b = torch.randn(t, k, generator=g), torch.randn(n, k, generator=g)
+        qa, qb = quantize_tiles(a, (1, 128), E4M3), quantize_tiles(b, (128, 128), E4M3)
+        want = torch.zeros(t, n)
+        for j in range(0, k, 128):
+            kb = j // 128
+            sa = qa.scale_inv[:, kb:kb + 1].contiguous()
+            sb = qb.scale_inv[qb.tile_of[0], kb].reshape(1, n).contiguous()
+            want += torch._scaled_mm(qa.data[:, j:j + 128].contiguous(), qb.data[:, j:j + 128].contiguous().t(),
+                                     scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+        got = gemm.mm(qa, qb, torch.float32)
+        bound = k * 2.0 ** -23 * (qa.dequantize().abs() @ qb.dequantize().abs().t())
+        assert ((got - want).abs() <= bound).all(), (t, k, n, (got - want).abs().max())
+
+
+def test_delayed_scaling_follows_the_history():
+    ctx = ParallelContext()
+    recipe = Recipe("hybrid", "delayed", history_len=3, algo="max", margin=1)
+    layer = torch.nn.Module()
+    layer.lin = torch.nn.Linear(1, 1)  # a holder; the real model attaches to its parallel linears
+    w, lin = _linear(recipe, 8, 16)
+    layer.lin.fp8 = lin
+    amaxes = []
+    for step in range(4):
+        x = torch.randn(4, 16) * (step + 1)
+        first = lin.input.steps == 0
+        q = lin.quantize("input", x)
+        want = scale_of(x.abs().max(), E4M3, 1) if first else scale_of(torch.tensor(max(amaxes[-3:])), E4M3, 1)
+        assert torch.equal(q.scale_inv, want.reciprocal()), step
+        amaxes.append(x.abs().max().item())
+        fp8.finish_step([layer], ctx)
+        assert lin.input.steps == step + 1 and lin.input.history[0] == amaxes[-1]
+    state = fp8.state_dict([layer])
+    assert torch.equal(torch.tensor(state["lin.input"]["history"]), torch.tensor(amaxes[::-1][:3]))
+
+
+def test_experts_scale_per_token_and_per_expert():
+    """One expert's rows quantized per row: a token's output does not depend on the other tokens."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(10, 24, generator=g), torch.randn(2, 24, 16, generator=g) * 0.1
+    for kind in ("tensorwise", "blockwise"):
+        ex = Fp8Experts(Recipe("e4m3", kind))
+        xg = x.clone().requires_grad_()
+        wg = w.clone().requires_grad_()
+        y = ex(xg, wg, [6, 4])
+        alone = ex(x[7:8], w[1:2], [1])
+        assert torch.equal(y[7:8], alone), kind
+        rows, whole = ((1, 128), (128, 128)) if kind == "blockwise" else ((1, 24), (24, 16))  # power-of-two scales
+        want = torch.cat([_oracle_q(x[:6], E4M3, rows) @ _oracle_q(w[0], E4M3, whole),
+                          _oracle_q(x[6:], E4M3, rows) @ _oracle_q(w[1], E4M3, whole)])
+        assert torch.equal(y, want), kind
+        y.sum().backward()
+        assert xg.grad is not None and wg.grad.shape == w.shape
+
+
+def test_fp8_flags():
+    cfg = parse_config(["--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--fp8-amax-history-len", "16",
+                        "--fp8-amax-compute-algo", "max", "--fp8-margin", "1"])
+    assert Recipe.of(cfg.training) == Recipe("hybrid", "blockwise", 16, "max", 1)
+    assert Recipe.of(parse_config([]).training) is None
+    for flags, words in ((["--fp8-recipe", "mxfp8"], "Blackwell"), (["--fp8-recipe", "nvfp4"], "Blackwell"),
+                         (["--fp8-amax-history-len", "0"], "at least")):
+        with pytest.raises(ConfigError, match=words):
+            validate(parse_config(["--fp8-format", "e4m3", "--mock-data", *flags]), 1)
+    with pytest.raises(ConfigError, match="--fp8-param-gather.*not implemented"):
+        parse_config(["--fp8-format", "e4m3", "--fp8-param-gather"])
+
+
+def test_the_planner_prices_fp8_gemms_and_casts():
+    """Tensor-scaled recipes run the hidden GEMMs at FP8_GEMM_SPEEDUP x the bf16 rate, less the casts' traffic:
+    a 1.3B Llama step is faster, though not by the whole factor; blockwise (dequantized, bf16 rate) only pays
+    the casts."""
+    gpu = GPU_PRESETS["h100-sxm"]
+    assert math.isclose(gemm_seconds(4096, 4096, 4096, gpu, FP8_GEMM_SPEEDUP) * FP8_GEMM_SPEEDUP,
+                        gemm_seconds(4096, 4096, 4096, gpu))
+    cfg = parse_config(["--config", "configs/llama3-1b.yaml", "--seq-length", "2048",
+                        "--max-position-embeddings", "2048"])
+    layout = Layout(micro_batch_size=2)
+    step = {r: estimate(cfg.model, layout, gpu, 16, 2048, software=Software(fp8=r)).step_time_s
+            for r in (None, "tensorwise", "delayed", "blockwise")}
+    assert step["tensorwise"] == step["delayed"] < step[None] / 1.1, step
+    assert step[None] / step["tensorwise"] < FP8_GEMM_SPEEDUP, step
+    assert step["blockwise"] > step[None], step
+
+
+def test_the_banner_says_what_runs_in_fp8_and_what_mfu_is_against():
+    assert fp8_lines(parse_config([])) == []
+    line, = fp8_lines(parse_config(["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
+                                    "--fp8-amax-history-len", "16"]))
+    for words in ("hybrid", "e5m2 gradients", "delayed", "history of 16", "output layer", "in bf16",
+                  "MFU is against the dense bf16 peak"):
+        assert words in line, (words, line)
+
+
+def test_a_split_backward_defers_the_fp8_weight_gradient():
+    """Under the zero-bubble schedules' split backward the FP8 weight gradient waits for the W pass and is the
+    same number."""
+    g = torch.Generator().manual_seed(9)
+    x, dy = torch.randn(40, 24, generator=g), torch.randn(40, 16, generator=g)
+    grads = []
+    for split in (False, True):
+        w, lin = _linear(Recipe("hybrid", "blockwise"), 16, 24)
+        xg = x.clone().requires_grad_()
+        store = []
+        with deferring_weight_grads(store) if split else contextlib.nullcontext():
+            y = lin(xg, w)
+        y.backward(dy)
+        assert (w.grad is None) == split and len(store) == split
+        weight_grads(store)
+        grads.append((xg.grad, w.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
