@@ -266,15 +266,22 @@ def refusals() -> dict:
     return {f.name: f"{f.name}: {f.text}" for f in FLAGS if f.kind == REFUSED}
 
 
-def translate(values: dict) -> list:
+def translate(values: dict, problems: Optional[list] = None) -> list:
     """Take the Megatron-LM flags out of `values` (parsed flags and YAML keys by field name), set the config
-    values they mean, settle Megatron spellings of values; return the notes to print (one line per kind)."""
+    values they mean, settle Megatron spellings of values; return the notes to print (one line per kind). A flag
+    whose value cannot be honoured is a line in `problems` (raised at once without it)."""
     given = [(BY_NAME["--" + key[len(DEST):]], values.pop(key)) for key in list(values) if key.startswith(DEST)]
     given.sort(key=lambda fv: FLAGS.index(fv[0]))  # table order: --use-rotary-... before --no-position-embedding
     lines, listed = [], {kind: [] for kind in _NOTE_HEADS}
     for flag, value in given:
         if flag.kind == MEANING:
-            line = flag.apply(value, values)
+            try:
+                line = flag.apply(value, values)
+            except ConfigError as e:
+                if problems is None:
+                    raise
+                problems.append(str(e))
+                continue
             lines += [line] if line else []
         else:
             shown = flag.name if flag.type is None else f"{flag.name} {value}"

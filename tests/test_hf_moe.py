@@ -32,6 +32,7 @@ def moe_config(**changes) -> Config:
     """2 layers, hidden 32, 4 heads in 2 query groups, 4 experts of width 24, top-2: Mixtral-shaped."""
     cfg = Config()
     m = cfg.model
+    m.hidden_dropout = m.attention_dropout = 0.0  # Megatron-LM's 0.1 is the default
     m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.seq_length = 2, 32, 4, 2, SEQ
     m.vocab_size, m.make_vocab_size_divisible_by, m.ffn_hidden_size = VOCAB, 16, 48
     m.normalization, m.position_embedding_type, m.swiglu = "RMSNorm", "rope", True

@@ -48,7 +48,7 @@ SAVES = {  # name: (shape, megatron-core's tp, format, iteration)
     "gpt-legacy-tp1": ("gpt", 1, "torch", 3), "llama-legacy-tp1": ("llama", 1, "torch", 3),
     "llama-legacy-tp2": ("llama", 2, "torch", 3),
 }
-LLAMA_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96", "--num-attention-heads", "8",
+LLAMA_FLAGS = ["--hidden-dropout", "0", "--attention-dropout", "0", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96", "--num-attention-heads", "8",
                "--group-query-attention", "--num-query-groups", "2", "--seq-length", "32", "--max-position-embeddings",
                "64", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
                "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--vocab-size", "256"]
