@@ -239,9 +239,9 @@ def parse_config(argv: Optional[list] = None, problems: Optional[Problems] = Non
     for settle in (_iters_or_samples, _mock_or_data):
         problems.check(lambda: notices.extend(settle(values, set(ns), cfg_file)))
     kept = kept_defaults(values)
-    cfg = Config(config_file=cfg_file, notices=notices, defaults_note=kept and (
+    cfg = Config(config_file=cfg_file, notices=notices, defaults_note=(
         "defaults that are not Megatron-LM's, for flags not given: " + ", ".join(
-            f"{flag} {ours} (Megatron-LM: {theirs})" for flag, ours, theirs in kept)))
+            f"{flag} {ours} (Megatron-LM: {theirs})" for flag, ours, theirs in kept)) if kept else None)
     for name, value in values.items():
         setattr(getattr(cfg, FIELD_SECTION[name]), name, value)
     if own:

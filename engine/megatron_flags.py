@@ -122,8 +122,6 @@ def _meaning(name, text, apply, value_type=None, choices=()):
 _FUSION, _CKPT = "kernel fusion", "Ternion's own format, loadable at any layout"
 _FP8 = "FP8 training (Transformer Engine) is not supported; use --bf16"
 _PER_SPLIT = "separate datasets per split are not supported; give --data-path and --split (e.g. --split 949,50,1)"
-_DECOUPLED = ("a separate LR for the embedding and output layers is not supported: one --lr/--min-lr schedule drives "
-              "every parameter; drop it")
 FLAGS = (
     # accepted with Megatron-LM's meaning
     _meaning("--group-query-attention", "grouped-query attention; --num-query-groups defaults to 1 with it",
@@ -228,8 +226,6 @@ FLAGS = (
     Flag("--moe-input-jitter-eps", REFUSED, "router input jitter is not implemented; drop it"),
     Flag("--moe-pad-expert-input-to-capacity", REFUSED, "expert inputs are not padded: dropped tokens are left out "
                                                         "and the grouped GEMM takes uneven groups; drop it"),
-    Flag("--decoupled-lr", REFUSED, _DECOUPLED),
-    Flag("--decoupled-min-lr", REFUSED, _DECOUPLED),
 )
 BY_NAME = {f.name: f for f in FLAGS}
 _NOTE_HEADS = {IMPLEMENTATION: "Megatron-LM implementation choices, nothing to choose here (Ternion has one of each)",

@@ -1,10 +1,9 @@
 """Every check of a run's configuration that needs no process group, one function per section.
 
-`validate(cfg, world_size)` runs them in order; each failure is one `ConfigError` naming the flag, the
-value and the fix (engine.config's `_err`). Rules that library code enforces again on its own path are the
-public `check_*` functions (the topology, the pipeline and the planner call them) and `parse_faults` (the
-fault drills read it), so each rule has one message. The checks of files (the data, the tokenizer's) read
-them through engine/data.
+`validate(cfg, world_size)` runs them all; each failure is a line naming the flag, the value and the fix
+(engine.config's `_err`), and one ConfigError holds every line. Rules that library code enforces again on its own
+path are the public `check_*` functions (the topology, the pipeline and the planner call them) and
+`parse_faults` (the fault drills read it), so each rule has one message. Files are read through engine/data.
 """
 from __future__ import annotations
 
@@ -19,6 +18,7 @@ from engine.data.build import check_data, check_document_ends, data_prefixes, do
 from engine.data.tokenizer_spec import data_vocab_size, tokenizer_of, vocab_source
 from engine.flags import flag_of
 from engine.layout import PipelineSchedule, Sharding
+from engine.optim.schedule import check_decoupled
 
 TP_FLAG, PP_FLAG, CP_FLAG = "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"
 FAULT_KINDS = ("nan", "spike")  # --inject-fault drills
@@ -42,6 +42,7 @@ def validate(cfg: Config, world_size: int, problems: Optional[Problems] = None) 
             check(_check_training, cfg.training, cfg.dp(world_size), cfg.pp,
                   schedule.vpp if schedule.interleaved else 1)
     check(_check_optim, cfg.optim, cfg.training)
+    check(check_decoupled, cfg.optim)
     check(_check_logging, cfg.logging)
     check(_check_files, cfg)
     check(_check_checkpoint, cfg.checkpoint)

@@ -77,6 +77,10 @@ class TrainingConfig:
 class OptimizerConfig:
     lr: float = _f(3e-4, "peak learning rate", megatron=MEGATRON_REQUIRED)
     min_lr: float = _f(0.0, "learning rate at the end of decay")
+    decoupled_lr: Optional[float] = _f(None, "peak LR of the word embedding and the output layer, on a schedule of "
+                                             "their own of the same shape (default: --lr)")
+    decoupled_min_lr: Optional[float] = _f(None, "with --decoupled-lr: their LR at the end of decay (default: "
+                                                 "--min-lr)")
     lr_decay_style: str = _f("linear", "decay after warm-up (WSD: Megatron-LM's spelling of wsd)",
                              choices=("constant", "linear", "cosine", "inverse-square-root", "wsd", "WSD"))
     lr_warmup_iters: int = _f(0, "linear warm-up iterations")
