@@ -399,3 +399,29 @@ def test_both_directions_stream_tensor_by_tensor(tmp_path, monkeypatch):
     first = CheckpointReader(str(tmp_path / "ternion" / "iter_0000000"))
     for name in ("output", "layers.3.mlp.fc1.weight", "layers.0.attention.qkv.weight"):
         assert torch.equal(back.full(name), first.full(name))
+
+
+def test_megatron_optimizer_arguments_become_ternion_flags():
+    """--optimizer (dist_muon is Muon sharded), Muon's arguments by their dest names, --decoupled-lr; what has no
+    Ternion counterpart (SGD, a weight decay that changes over the run) is one line."""
+    from engine.checkpoint.megatron.args import args_from_config, config_from_args
+    from engine.config import ConfigError
+    from megatron_oracle import SHAPES, megatron_args
+    args = megatron_args(SHAPES["llama"], 1, 1, optimizer="dist_muon", muon_momentum=0.95, muon_split_qkv=False,
+                         muon_use_nesterov=True, muon_num_ns_steps=4, muon_scale_mode="unit_rms_norm",
+                         muon_tp_mode="duplicated", muon_extra_scale_factor=0.2, decoupled_lr=5e-4,
+                         decoupled_min_lr=4.5e-5)
+    o = config_from_args(args, "SAVE").optim
+    assert (o.optimizer, o.muon_momentum, o.muon_no_split_qkv, o.muon_nesterov, o.muon_num_ns_steps) == \
+        ("muon", 0.95, True, True, 4)
+    assert (o.muon_scale_mode, o.muon_tp_mode, o.muon_extra_scale_factor) == ("unit_rms_norm", "duplicated", 0.2)
+    assert (o.decoupled_lr, o.decoupled_min_lr) == (5e-4, 4.5e-5)
+    cfg = config_from_args(args, "SAVE")
+    back = args_from_config(cfg, 1, 1, {})
+    assert (back.optimizer, back.muon_split_qkv, back.muon_use_nesterov, back.decoupled_lr) == ("muon", False, True, 5e-4)
+    for extra, line in (({"optimizer": "sgd"}, "SAVE: the run was saved with optimizer='sgd': only Adam(W) and Muon"),
+                        ({"weight_decay_incr_style": "linear", "start_weight_decay": 0.0},
+                         "SAVE: the run was saved with start_weight_decay=0.0: a weight decay that changes")):
+        with pytest.raises(ConfigError) as info:
+            config_from_args(megatron_args(SHAPES["llama"], 1, 1, **extra), "SAVE")
+        assert str(info.value).startswith(line), str(info.value)

@@ -105,7 +105,7 @@ class OptimizerConfig:
     adam_eps: float = _f(1e-8, "Adam epsilon")
     muon_momentum: float = _f(0.9, "Muon: the momentum's decay (an exponential moving average of the gradients)")
     muon_nesterov: bool = _f(False, "Muon: orthogonalise the Nesterov look-ahead (gradient moved toward the "
-                                    "momentum) instead of the momentum", megatron=OWN)
+                                    "momentum) instead of the momentum", aliases=("--muon-use-nesterov",))
     muon_num_ns_steps: int = _f(5, "Muon: Newton-Schulz iterations per matrix and step")
     muon_coefficient_type: str = _f("quintic", "Muon: the Newton-Schulz coefficients: quintic, Megatron-Core's "
                                                "schedule of five (a, b, c); simple, (3.4445, -4.775, 2.0315) at every "
