@@ -213,6 +213,8 @@ FLAGS = (
     *(Flag(name, REFUSED, _FP8) for name in ("--fp8-format", "--fp8-recipe", "--fp8-param-gather",
                                              "--fp8-amax-history-len", "--fp8-amax-compute-algo")),
     *(Flag(name, REFUSED, _PER_SPLIT) for name in ("--train-data-path", "--valid-data-path", "--test-data-path")),
+    Flag("--step-batch-size-schedule", REFUSED, "batch sizes by consumed tokens (Megatron-LM after core 0.16) are not "
+                                                "implemented; use --rampup-batch-size START INCR SAMPLES"),
     Flag("--use-checkpoint-args", REFUSED, "the model flags are not read from the checkpoint; pass those of the run "
                                            "that saved it (its metrics.args.json is a --config file holding all)"),
     Flag("--hierarchical-context-parallel-sizes", REFUSED, "context parallelism is one ring (or one all-gather) "

@@ -110,7 +110,8 @@ def test_gpt3_175b_example_trains_unchanged_on_megatrons_defaults(tmp_path):
     records = train_records(tmp_path / "tb" / "metrics.jsonl")
     consumed = [2, 4] + [4 + 4 * k for k in range(1, 19)]  # ramp-up 2 2 4 to the global batch 4
     assert [r["consumed_samples"] for r in records] == consumed
-    # Iteration-based: decay 20 x 4 samples, warm-up .001 of it; the LR position is the samples consumed.
+    # Iteration-based: decay 20 x 4 samples, warm-up .001 of it; the LR position is the samples consumed, skipped
+    # steps included (Megatron-LM's scheduler does not advance on a skipped step: docs/from-megatron.md).
     assert [r["lr"] for r in records] == [megatron_lr(s, 6.0e-5, 6.0e-6, 0.001 * 80, 80) for s in [0] + consumed[:-1]]
     # fp16 from 2^32: the first overflow spends the hysteresis, each further one halves the scale, until it fits
     scales = [r["loss_scale"] for r in records]
@@ -299,3 +300,16 @@ def test_eod_mask_loss_drops_the_loss_on_the_token_after_each_end_of_document():
     assert end_of_document(cfg) == 100  # NullTokenizer: --vocab-size N ends documents with id N
     with pytest.raises(ConfigError, match="--eod-mask-loss with --mock-data: synthetic tokens have no end-of-document"):
         validate(cfg, 1)
+
+
+def test_docs_from_megatron_name_every_refused_flag_and_every_default_kept():
+    import os
+    import re
+
+    from engine.flags import kept_defaults
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                             "from-megatron.md")).read()
+    named = set(re.findall(r"`(--[a-z0-9-]+)", text))
+    refused = {f.name for f in megatron_flags.FLAGS if f.kind == megatron_flags.REFUSED}
+    kept = {flag for flag, _, _ in kept_defaults({"num_experts": 4})}
+    assert not (refused | kept) - named, sorted((refused | kept) - named)
