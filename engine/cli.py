@@ -23,15 +23,17 @@ from engine.flags import FIELD_SECTION, FIELDS, all_fields, default_help, field_
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse that answers a mistake with one line, never the whole usage; an unknown flag names the nearest
-    known one. With `raise_errors` the line is raised as a ConfigError (the launcher prints it from rank 0
-    only); otherwise it is printed as `PROG: error: ...` and the process exits 2, as argparse does.
+    """argparse that answers the mistakes of a command line with one line each, all of them in one message, never
+    the whole usage; an unknown flag names the nearest known one. With `raise_errors` the message is raised as a
+    ConfigError (the launcher prints it from rank 0 only); otherwise it is printed as `PROG: error: ...` and the
+    process exits 2, as argparse does.
     `script` is how the help is asked for in the hint; `elsewhere` maps a flag that exists in another form
     (e.g. a YAML-only key) to the line that says so."""
 
     def __init__(self, *args, raise_errors: bool = False, script: Optional[str] = None,
                  elsewhere: Optional[dict] = None, **kwargs):
         kwargs.setdefault("allow_abbrev", False)  # `--seq-len 32` is a mistake to name, not --seq-length
+        kwargs.setdefault("exit_on_error", False)  # a wrong value comes back to parse_collecting, which goes on
         super().__init__(*args, **kwargs)
         self.raise_errors, self.elsewhere = raise_errors, elsewhere or {}
         self.script = script or self.prog
@@ -52,7 +54,6 @@ class OneLineParser(argparse.ArgumentParser):
         with the namespace of the rest (a flag with a wrong value is left out of it and parsing goes on)."""
         args = list(sys.argv[1:] if args is None else args)
         lines = []
-        self.exit_on_error = False  # an ArgumentError comes back here instead of ending the process
         while True:
             try:
                 ns, extras = self.parse_known_args(args, namespace)
@@ -187,8 +188,11 @@ def _load_yaml(path: str, problems: Problems) -> dict:
             near = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
             hint = f"; did you mean '{near[0].replace('_', '-')}'?" if near else "; see pretrain_gpt.py --help for valid names"
             problems.append(f"--config: unknown key '{key}' in {path}{hint}")
-        elif problems.check(_coerce, name, value):
+            continue
+        try:
             out[name] = _coerce(name, value)
+        except ConfigError as e:
+            problems.append(str(e))
     return out
 
 
