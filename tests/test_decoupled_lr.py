@@ -23,6 +23,7 @@ from engine.optim import build_optimizer
 from engine.optim.schedule import rates_at_sample
 from engine.parallel.topology import ParallelContext
 from engine.pipeline.partition import build_model_chunks
+from engine.report import optimizer_lines
 from engine.resolve import resolve
 from engine.validation import validate
 
@@ -121,6 +122,9 @@ def test_the_step_gives_the_tables_the_decoupled_rate():
         assert moved == ({"word.weight", "output"} if decoupled else set())
         step = (before["word.weight"] - model.word.weight).abs()
         assert not decoupled or torch.allclose(step, torch.full_like(step, 1e-2), rtol=0.15)
+        lines = optimizer_lines(cfg, ctx, [model])
+        assert lines[1:] == (["  the word embedding and output layer on their own LR schedule: --decoupled-lr 0.01 "
+                              "down to 0 (the others: --lr 0.01 down to 0)"] if decoupled else [])
 
 
 @pytest.mark.slow

@@ -30,9 +30,9 @@ from engine.config import ConfigError
 
 # The OptimizerConfig fields that shape the LR curve, all but lr_decay_iters, whose default is --train-iters and
 # which is read through `decay_iters`. A resumed run is checked on both (engine.resolve.check_resumed).
-SCHEDULE_FIELDS = ("lr", "min_lr", "decoupled_lr", "decoupled_min_lr", "lr_decay_style", "lr_warmup_iters", "lr_wsd_decay_iters", "lr_wsd_decay_style",
-                   "lr_warmup_fraction", "lr_warmup_init", "lr_warmup_samples", "lr_decay_samples",
-                   "lr_wsd_decay_samples")
+SCHEDULE_FIELDS = ("lr", "min_lr", "decoupled_lr", "decoupled_min_lr", "lr_decay_style", "lr_warmup_iters",
+                   "lr_wsd_decay_iters", "lr_wsd_decay_style", "lr_warmup_fraction", "lr_warmup_init",
+                   "lr_warmup_samples", "lr_decay_samples", "lr_wsd_decay_samples")
 
 
 class StepLR(float):
@@ -52,14 +52,19 @@ class StepLR(float):
         return StepLR, (float(self), self.decoupled)
 
 
+def decoupled_floor(opt) -> float:
+    """The embedding and output layer's LR at the end of decay: --decoupled-min-lr, default --min-lr."""
+    return opt.min_lr if opt.decoupled_min_lr is None else opt.decoupled_min_lr
+
+
 def check_decoupled(opt) -> None:
     """--decoupled-min-lr needs --decoupled-lr (Megatron-LM would ignore it) and may not exceed it."""
     if opt.decoupled_min_lr is not None and opt.decoupled_lr is None:
         raise ConfigError(f"--decoupled-min-lr {opt.decoupled_min_lr}: applies with --decoupled-lr only; give "
                           "--decoupled-lr (the embedding and output layer's peak LR) or drop it")
-    if opt.decoupled_lr is not None and not 0 <= (opt.decoupled_min_lr or opt.min_lr) <= opt.decoupled_lr:
+    if opt.decoupled_lr is not None and not 0 <= decoupled_floor(opt) <= opt.decoupled_lr:
         raise ConfigError(f"--decoupled-lr {opt.decoupled_lr}: must be at least its minimum, --decoupled-min-lr or "
-                          f"--min-lr ({opt.decoupled_min_lr or opt.min_lr})")
+                          f"--min-lr ({decoupled_floor(opt)})")
 
 
 def decay_iters(lr_decay_iters: Optional[int], train_iters: Optional[int]) -> Optional[int]:
@@ -88,8 +93,7 @@ def rates_at_sample(samples: int, opt, training, factor: float = 1.0) -> StepLR:
     main = _lr(samples, opt, *lengths)
     if opt.decoupled_lr is None:
         return StepLR(main * factor)
-    floor = opt.min_lr if opt.decoupled_min_lr is None else opt.decoupled_min_lr
-    return StepLR(main * factor, _lr(samples, opt, *lengths, peak=opt.decoupled_lr, floor=floor) * factor)
+    return StepLR(main * factor, _lr(samples, opt, *lengths, peak=opt.decoupled_lr, floor=decoupled_floor(opt)) * factor)
 
 
 def _lengths(opt, train_iters: int, train_samples, per_iteration: int) -> tuple:
