@@ -162,7 +162,7 @@ def test_help_gives_megatrons_default_and_a_note_lists_the_unset_flags_whose_def
     assert note.startswith("defaults that are not Megatron-LM's, for flags not given: --hidden-size 64 (Megatron-LM: "
                            "required), ") and note.endswith("--eval-iters 10 (Megatron-LM: 100)")
     assert "--num-layers" not in note and "--log-interval" not in note and "--moe-router-dtype" not in note
-    assert "--moe-router-dtype None (Megatron-LM: None (the model's dtype))" in \
+    assert "--moe-router-dtype fp32 (Megatron-LM: unset, the model's dtype)" in \
         parse_config(["--mock-data", "--num-experts", "4"]).defaults_note  # MoE flags for an MoE model
     given = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
              "--micro-batch-size", "1", "--train-samples", "64", "--lr", "1e-3", "--log-interval", "100",

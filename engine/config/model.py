@@ -157,8 +157,8 @@ class ModelConfig:
     moe_token_drop_policy: str = _f("probs", "over capacity, drop the tokens with the lowest routing weight "
                                              "(probs) or the latest in the batch (position)",
                                     choices=("probs", "position"))
-    moe_router_dtype: Optional[str] = _f(None, "dtype of the router's computation (default: fp32 always here)",
-                                         choices=("fp32", "fp64"), megatron="None (the model's dtype)")
+    moe_router_dtype: str = _f("fp32", "dtype of the router's logits, scores and routing decisions (at least fp32 "
+                                       "here)", choices=("fp32", "fp64"), megatron="unset, the model's dtype")
 
     def moe_layers(self) -> list:
         """Global ids of the MoE layers (empty without --num-experts)."""

@@ -20,7 +20,7 @@ from engine.config import Config, ConfigError, moe_layer_pattern, window_layer_p
 
 SECTIONS = ("model", "optim", "training", "data")
 NOT_COPIED = {"vocab_size", "num_query_groups", "disable_bias_linear", "attention_backend", "recompute_granularity",
-              "recompute_num_layers", "moe_router_dtype", "z_loss_weight", "qk_layernorm_scope", "norm_placement",
+              "recompute_num_layers", "z_loss_weight", "qk_layernorm_scope", "norm_placement",
               "mock_data", "data_phases", "device", "eod_mask_loss", "muon_no_split_qkv", "muon_nesterov"}
 COPIED = {s: tuple(f.name for f in dataclasses.fields(type(getattr(Config(), s))) if f.name not in NOT_COPIED)
           for s in SECTIONS}
