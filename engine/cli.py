@@ -92,7 +92,7 @@ class OneLineParser(argparse.ArgumentParser):
         line = f"{message} (python {self.script} {hint})"
         if self.raise_errors:
             raise ConfigError(line)
-        self.exit(2, f"{self.prog}: error: {line}\n")
+        self.exit(2, "".join(f"{self.prog}: error: {part}\n" for part in line.splitlines()))
 
 
 def _is_flag(token: str) -> bool:
