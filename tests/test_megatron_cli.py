@@ -313,3 +313,14 @@ def test_docs_from_megatron_name_every_refused_flag_and_every_default_kept():
     refused = {f.name for f in megatron_flags.FLAGS if f.kind == megatron_flags.REFUSED}
     kept = {flag for flag, _, _ in kept_defaults({"num_experts": 4})}
     assert not (refused | kept) - named, sorted((refused | kept) - named)
+
+
+def test_a_tool_lists_every_unknown_flag_and_wrong_value_each_on_its_own_line(capsys):
+    from engine.cli import OneLineParser
+    p = OneLineParser(prog="t.py")
+    p.add_argument("--steps", type=int)
+    with pytest.raises(SystemExit) as info:
+        p.parse_args(["--frobnicate", "3", "--steps", "x", "--bogus"])
+    assert info.value.code == 2 and capsys.readouterr().err.splitlines() == [
+        "t.py: error: argument --steps: invalid int value: 'x'", "t.py: error: unknown flag --frobnicate",
+        "t.py: error: unknown flag --bogus (python t.py --help lists them)"]
