@@ -65,7 +65,7 @@ TARGET = 1.05
 
 
 def llama_config(recompute: str) -> ModelConfig:
-    return ModelConfig(num_layers=2, hidden_size=128, num_attention_heads=8, num_query_groups=2, seq_length=SEQ,
+    return ModelConfig(hidden_dropout=0.0, attention_dropout=0.0, num_layers=2, hidden_size=128, num_attention_heads=8, num_query_groups=2, seq_length=SEQ,
                        vocab_size=256, normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
                        ffn_hidden_size=352, untie_embeddings_and_output_weights=True, disable_bias_linear=True,
                        attention_backend="sdpa", recompute_granularity=None if recompute == "none" else recompute)

@@ -9,7 +9,8 @@ launch/pretrain_gpt.py as one CPU process from the same weights on the same batc
 (10 warm-up steps, down to a tenth of the peak) and clipping at 1.0. Each optimizer runs at every learning rate
 of its grid, and its best (lowest mean training loss over the last 20 steps) is kept:
 - adam: AdamW (betas 0.9, 0.999; weight decay 0.01);
-- muon: Megatron-LM's defaults (quintic Newton-Schulz in bf16, spectral scale, momentum 0.95, no Nesterov) with
+- muon: Megatron-LM's defaults (quintic Newton-Schulz in bf16, spectral scale, no Nesterov) but momentum 0.95
+  (torch.optim.Muon's; Megatron-LM's is 0.9), with
   --muon-extra-scale-factor 0.2, the factor that gives its updates AdamW's size (Liu et al. 2025, "Muon is
   scalable"), so that one --lr also serves the embedding and norms, which AdamW trains under Muon.
 The target is the tuned AdamW's loss at the last step (mean of its last 20 steps); the answer is the first step
@@ -33,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # best 8e-3; Muon 2e-3 to 3.2e-2, best 1.6e-2).
 GRIDS = {"adam": (2e-3, 2.8e-3, 4e-3, 5.7e-3, 8e-3, 1.1e-2, 1.6e-2),
          "muon": (4e-3, 5.7e-3, 8e-3, 1.1e-2, 1.6e-2, 2.3e-2, 3.2e-2)}
-FLAGS = {"adam": [], "muon": ["--optimizer", "muon", "--muon-extra-scale-factor", "0.2"]}
+FLAGS = {"adam": [], "muon": ["--optimizer", "muon", "--muon-momentum", "0.95", "--muon-extra-scale-factor", "0.2"]}
 WINDOW = 20  # steps a smoothed training loss averages
 
 

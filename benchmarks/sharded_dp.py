@@ -50,7 +50,7 @@ CASES = [("no_shard", False), ("optim", False), ("optim_grads", False), ("optim_
 
 def config(strategy: str, prefetch: bool) -> Config:
     cfg = Config()
-    cfg.model = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+    cfg.model = ModelConfig(hidden_dropout=0.0, attention_dropout=0.0, num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                             ffn_hidden_size=176, seq_length=SEQ, vocab_size=VOCAB, normalization="RMSNorm",
                             swiglu=True, position_embedding_type="rope", disable_bias_linear=True,
                             untie_embeddings_and_output_weights=True)

@@ -13,54 +13,112 @@ import argparse
 import dataclasses
 import difflib
 import os
+import sys
 from typing import Any, Optional
 
 from engine import megatron_flags
 from engine.config import SECTIONS, Config, ConfigError
-from engine.flags import FIELD_SECTION, FIELDS, all_fields, default_of, field_type, flag_of
+from engine.config.fields import Problems
+from engine.flags import FIELD_SECTION, FIELDS, all_fields, default_help, field_type, flag_of, kept_defaults
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse that answers a mistake with one line, never the whole usage; an unknown flag names the nearest
-    known one. With `raise_errors` the line is raised as a ConfigError (the launcher prints it from rank 0
-    only); otherwise it is printed as `PROG: error: ...` and the process exits 2, as argparse does.
+    """argparse that answers the mistakes of a command line with one line each, all of them in one message, never
+    the whole usage; an unknown flag names the nearest known one. With `raise_errors` the message is raised as a
+    ConfigError (the launcher prints it from rank 0 only); otherwise it is printed as `PROG: error: ...` and the
+    process exits 2, as argparse does.
     `script` is how the help is asked for in the hint; `elsewhere` maps a flag that exists in another form
     (e.g. a YAML-only key) to the line that says so."""
 
     def __init__(self, *args, raise_errors: bool = False, script: Optional[str] = None,
                  elsewhere: Optional[dict] = None, **kwargs):
         kwargs.setdefault("allow_abbrev", False)  # `--seq-len 32` is a mistake to name, not --seq-length
+        kwargs.setdefault("exit_on_error", False)  # a wrong value comes back to parse_collecting, which goes on
         super().__init__(*args, **kwargs)
         self.raise_errors, self.elsewhere = raise_errors, elsewhere or {}
         self.script = script or self.prog
 
     def parse_args(self, args=None, namespace=None):
-        ns, extras = self.parse_known_args(args, namespace)
-        if extras:
-            message = self._unknown(extras)
-            self.error(message, hint="--help lists them" if message.startswith("unknown flag") else "--help")
+        ns, lines = self.parse_collecting(args, namespace)
+        if lines:
+            self.error("\n".join(lines), hint=self.hint(lines))
         return ns
 
-    def _unknown(self, extras: list) -> str:
-        first = extras[0]
-        if not first.startswith("-") or len(first) < 2:
-            return f"unexpected argument {first!r}: it follows no flag that takes it"
-        flag = first.split("=", 1)[0]
-        if flag in self.elsewhere:
-            return self.elsewhere[flag]
+    @staticmethod
+    def hint(lines: list) -> str:
+        """What ends the message: where the flags are listed (after an unknown flag) or the help."""
+        return "--help lists them" if lines[-1].startswith("unknown flag") else "--help"
+
+    def parse_collecting(self, args=None, namespace=None) -> tuple:
+        """(namespace, lines): every unknown, refused or wrongly valued flag of the command line, one line each,
+        with the namespace of the rest (a flag with a wrong value is left out of it and parsing goes on)."""
+        args = list(sys.argv[1:] if args is None else args)
+        lines = []
+        while True:
+            try:
+                ns, extras = self.parse_known_args(args, namespace)
+                break
+            except argparse.ArgumentError as e:
+                lines.append(str(e))
+                rest = _without(args, (e.argument_name or "").split("/"))
+                if rest == args:  # nothing to leave out: no further flag can be read
+                    self.error("\n".join(lines))
+                args = rest
+        return ns, lines + self._unknown(extras)
+
+    def _unknown(self, extras: list) -> list:
+        """One line per flag that is not this parser's (its values skipped) and per stray value."""
         known = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
-        near = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
-        return f"unknown flag {flag}" + (f"; did you mean {near[0]}?" if near else "")
+        lines, after_flag = [], False
+        for token in extras:
+            if not _is_flag(token):
+                if not after_flag:
+                    lines.append(f"unexpected argument {token!r}: it follows no flag that takes it")
+                continue
+            after_flag, flag = True, token.split("=", 1)[0]
+            if flag in self.elsewhere:
+                lines.append(self.elsewhere[flag])
+                continue
+            near = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            lines.append(f"unknown flag {flag}" + (f"; did you mean {near[0]}?" if near else ""))
+        return lines
 
     def print_help(self, file=None):
         if os.environ.get("RANK", "0") == "0":  # under torchrun, once (rank 0) rather than on every process
             super().print_help(file)
 
     def error(self, message: str, hint: str = "--help lists the flags"):
+        """`message`: one line per problem; the hint ends the last."""
         line = f"{message} (python {self.script} {hint})"
         if self.raise_errors:
             raise ConfigError(line)
-        self.exit(2, f"{self.prog}: error: {line}\n")
+        self.exit(2, "".join(f"{self.prog}: error: {part}\n" for part in line.splitlines()))
+
+
+def _is_flag(token: str) -> bool:
+    """A token that names a flag rather than a value (a negative number, e.g. a window's -1, is a value)."""
+    if not token.startswith("-") or len(token) < 2:
+        return False
+    try:
+        float(token.split(",")[0])
+        return False
+    except ValueError:
+        return True
+
+
+def _without(args: list, flags: list) -> list:
+    """`args` without each occurrence of `flags` and the values that follow it."""
+    out, skipping = [], False
+    for token in args:
+        if _is_flag(token):
+            name = token.split("=", 1)[0]
+            skipping = name in flags and "=" not in token
+            if name in flags:
+                continue
+        elif skipping:
+            continue
+        out.append(token)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
             if m["yaml_only"]:
                 continue
             names = [flag_of(f.name), *m["aliases"]]
-            kw: dict[str, Any] = dict(dest=f.name, help=f"{m['help']} (default: {default_of(f)})")
+            kw: dict[str, Any] = dict(dest=f.name, help=f"{m['help']} {default_help(f)}")
             if m["action"] == "append":
                 kw["action"] = "append"
             elif field_type(f) is bool and f.name.startswith("no_"):
@@ -108,7 +166,8 @@ def _scalar_type(f):
     return t if t in (int, float) else str
 
 
-def _load_yaml(path: str) -> dict:
+def _load_yaml(path: str, problems: Problems) -> dict:
+    """The file's values by field name; an unknown key or a wrong value is a line in `problems`."""
     import yaml
     if not os.path.isfile(path):
         raise ConfigError(f"--config: file {path!r} does not exist; pass the path of a YAML file such as configs/gpt-tiny.yaml")
@@ -128,8 +187,12 @@ def _load_yaml(path: str) -> dict:
         if name not in FIELD_SECTION:
             near = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
             hint = f"; did you mean '{near[0].replace('_', '-')}'?" if near else "; see pretrain_gpt.py --help for valid names"
-            raise ConfigError(f"--config: unknown key '{key}' in {path}{hint}")
-        out[name] = value
+            problems.append(f"--config: unknown key '{key}' in {path}{hint}")
+            continue
+        try:
+            out[name] = _coerce(name, value)
+        except ConfigError as e:
+            problems.append(str(e))
     return out
 
 
@@ -159,18 +222,34 @@ def _coerce(name: str, value):
                           "fix the config file") from None
 
 
-def parse_config(argv: Optional[list] = None) -> Config:
-    """Flags (and the YAML they name) -> Config. Raises ConfigError, bad syntax and unknown flags included."""
-    ns = vars(build_parser().parse_args(argv))
+def parse_config(argv: Optional[list] = None, problems: Optional[Problems] = None) -> Config:
+    """Flags (and the YAML they name) -> Config. Every mistake found (unknown and refused flags, wrong values,
+    flags that contradict each other) is a line: in `problems` when given (the caller adds its own checks and
+    raises them all), else raised together as one ConfigError."""
+    own = problems is None
+    problems = Problems() if own else problems
+    parser = build_parser()
+    ns, lines = parser.parse_collecting(argv)
+    if lines:
+        lines[-1] += f" (python {parser.script} {parser.hint(lines)})"
+    problems.extend(lines)
+    ns = vars(ns)
     values = {}
     cfg_file = ns.pop("config", None)
     if cfg_file:
-        values.update({k: _coerce(k, v) for k, v in _load_yaml(cfg_file).items()})
+        problems.check(lambda: values.update(_load_yaml(cfg_file, problems)))
     values.update(ns)
-    notices = megatron_flags.translate(values) + _iters_or_samples(values, set(ns), cfg_file)
-    cfg = Config(config_file=cfg_file, notices=notices + _mock_or_data(values, set(ns), cfg_file))
+    notices = megatron_flags.translate(values, problems)
+    for settle in (_iters_or_samples, _mock_or_data):
+        problems.check(lambda: notices.extend(settle(values, set(ns), cfg_file)))
+    kept = kept_defaults(values)
+    cfg = Config(config_file=cfg_file, notices=notices, defaults_note=(
+        "defaults that are not Megatron-LM's, for flags not given: " + ", ".join(
+            f"{flag} {ours} (Megatron-LM: {theirs})" for flag, ours, theirs in kept)) if kept else None)
     for name, value in values.items():
         setattr(getattr(cfg, FIELD_SECTION[name]), name, value)
+    if own:
+        problems.raise_all()
     return cfg
 
 

@@ -12,6 +12,7 @@ import typing
 from typing import Union
 
 from engine.config import SECTIONS
+from engine.config.fields import AS_MEGATRON, MEGATRON_REQUIRED, OWN
 
 
 def all_fields():
@@ -52,3 +53,38 @@ def field_type(f) -> type:
 
 def default_of(f):
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def default_help(f) -> str:
+    """The default as --help shows it, with Megatron-LM's beside it: '(default: 0.1, as Megatron-LM)',
+    '(default: 1; Megatron-LM: 100)', or '(default: X)' for a flag of Ternion's own."""
+    mark, ours = f.metadata["megatron"], default_of(f)
+    if mark is OWN:
+        return f"(default: {ours})"
+    if mark is AS_MEGATRON:
+        return f"(default: {ours}, as Megatron-LM)"
+    return f"(default: {ours}; Megatron-LM: {mark})"
+
+
+# the fields only multi-head latent attention reads (its YaRN included)
+LATENT_ATTENTION_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+                           "rope_type", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                           "mscale", "mscale_all_dim")
+
+
+def kept_defaults(values: dict) -> list:
+    """(flag, Ternion's default, Megatron-LM's) for each flag whose default here is not Megatron-LM's and which
+    `values` (the flags and YAML keys given, by field name) leaves unset; MoE flags only for a MoE model, latent attention's only for an MLA model."""
+    out = []
+    for _, f in all_fields():
+        mark = f.metadata["megatron"]
+        if mark is OWN or mark is AS_MEGATRON or f.name in values:
+            continue
+        if f.name.startswith("moe_") and not values.get("num_experts"):
+            continue
+        if f.name in LATENT_ATTENTION_FIELDS and not values.get("multi_latent_attention"):
+            continue
+        if f.name == "train_iters" and values.get("train_samples"):
+            continue  # the run's length is given in samples
+        out.append((flag_of(f.name), default_of(f), "required" if mark is MEGATRON_REQUIRED else mark))
+    return out

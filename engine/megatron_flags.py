@@ -121,8 +121,6 @@ def _meaning(name, text, apply, value_type=None, choices=()):
 
 _FUSION, _CKPT = "kernel fusion", "Ternion's own format, loadable at any layout"
 _PER_SPLIT = "separate datasets per split are not supported; give --data-path and --split (e.g. --split 949,50,1)"
-_DECOUPLED = ("a separate LR for the embedding and output layers is not supported: one --lr/--min-lr schedule drives "
-              "every parameter; drop it")
 FLAGS = (
     # accepted with Megatron-LM's meaning
     _meaning("--group-query-attention", "grouped-query attention; --num-query-groups defaults to 1 with it",
@@ -214,6 +212,8 @@ FLAGS = (
     *(Flag(name, REFUSED, _PER_SPLIT) for name in ("--train-data-path", "--valid-data-path", "--test-data-path")),
     Flag("--fp8-param-gather", REFUSED, "FP8 weight gathering is not implemented: ZeRO-3 and the distributed optimizer "
                                         "gather weights in the run's precision and each GEMM quantizes them; drop it"),
+    Flag("--step-batch-size-schedule", REFUSED, "batch sizes by consumed tokens (Megatron-LM after core 0.16) are not "
+                                                "implemented; use --rampup-batch-size START INCR SAMPLES"),
     Flag("--use-checkpoint-args", REFUSED, "the model flags are not read from the checkpoint; pass those of the run "
                                            "that saved it (its metrics.args.json is a --config file holding all)"),
     Flag("--hierarchical-context-parallel-sizes", REFUSED, "context parallelism is one ring (or one all-gather) "
@@ -225,8 +225,6 @@ FLAGS = (
     Flag("--moe-input-jitter-eps", REFUSED, "router input jitter is not implemented; drop it"),
     Flag("--moe-pad-expert-input-to-capacity", REFUSED, "expert inputs are not padded: dropped tokens are left out "
                                                         "and the grouped GEMM takes uneven groups; drop it"),
-    Flag("--decoupled-lr", REFUSED, _DECOUPLED),
-    Flag("--decoupled-min-lr", REFUSED, _DECOUPLED),
 )
 BY_NAME = {f.name: f for f in FLAGS}
 _NOTE_HEADS = {IMPLEMENTATION: "Megatron-LM implementation choices, nothing to choose here (Ternion has one of each)",
@@ -263,15 +261,22 @@ def refusals() -> dict:
     return {f.name: f"{f.name}: {f.text}" for f in FLAGS if f.kind == REFUSED}
 
 
-def translate(values: dict) -> list:
+def translate(values: dict, problems: Optional[list] = None) -> list:
     """Take the Megatron-LM flags out of `values` (parsed flags and YAML keys by field name), set the config
-    values they mean, settle Megatron spellings of values; return the notes to print (one line per kind)."""
+    values they mean, settle Megatron spellings of values; return the notes to print (one line per kind). A flag
+    whose value cannot be honoured is a line in `problems` (raised at once without it)."""
     given = [(BY_NAME["--" + key[len(DEST):]], values.pop(key)) for key in list(values) if key.startswith(DEST)]
     given.sort(key=lambda fv: FLAGS.index(fv[0]))  # table order: --use-rotary-... before --no-position-embedding
     lines, listed = [], {kind: [] for kind in _NOTE_HEADS}
     for flag, value in given:
         if flag.kind == MEANING:
-            line = flag.apply(value, values)
+            try:
+                line = flag.apply(value, values)
+            except ConfigError as e:
+                if problems is None:
+                    raise
+                problems.append(str(e))
+                continue
             lines += [line] if line else []
         else:
             shown = flag.name if flag.type is None else f"{flag.name} {value}"

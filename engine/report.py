@@ -17,6 +17,7 @@ import torch
 from engine.metrics import arguments_path
 from engine.optim.muon import classify, summary
 from engine.optim.newton_schulz import MuonSettings
+from engine.optim.schedule import decoupled_floor
 from engine.parallel import comm
 from engine.parallel.layers import spec_of
 from engine.planner.memory import GIB, memory_per_gpu
@@ -86,9 +87,12 @@ def optimizer_lines(cfg, ctx, chunks) -> list:
     the scalar optimizer takes, with why (engine.optim.muon.summary). Collective under Muon (the parameters of
     every stage are gathered): every rank calls it."""
     o = cfg.optim
+    decoupled = [] if o.decoupled_lr is None else [
+        f"  the word embedding and output layer on their own LR schedule: --decoupled-lr {o.decoupled_lr:g} down to "
+        f"{decoupled_floor(o):g} (the others: --lr {o.lr:g} down to {o.min_lr:g})"]
     if o.optimizer == "adam":
         return [f"optimizer: adam (AdamW: betas ({o.adam_beta1}, {o.adam_beta2}), eps {o.adam_eps:g}, decoupled weight "
-                f"decay {o.weight_decay:g} on the 2-D parameters)"]
+                f"decay {o.weight_decay:g} on the 2-D parameters)"] + decoupled
     mine = [(name, spec_of(p).full_shape, classify(name, p)) for c in chunks for name, p in c.named_parameters()
             if p.requires_grad and spec_of(p).copy_of is None]
     named = {}
@@ -99,7 +103,7 @@ def optimizer_lines(cfg, ctx, chunks) -> list:
         lines.append(f"  --muon-tp-mode blockwise: each of the {ctx.tp_size} tp ranks orthogonalises its own shard of "
                      "a tp-split matrix, so the updates (and the loss curve) depend on tp; duplicated or distributed "
                      "orthogonalise whole matrices")
-    return lines
+    return lines + decoupled
 
 
 def fp8_lines(cfg) -> list:

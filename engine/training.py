@@ -22,7 +22,7 @@ from engine.checkpoint import Checkpointer
 from engine.data import BatchSampler, BatchSizeSchedule, build_datasets, make_batch
 from engine.metrics import MetricsWriter, peak_tflops, perplexity, save_report, train_record
 from engine.optim import build_optimizer
-from engine.optim.schedule import lr_at_sample
+from engine.optim.schedule import rates_at_sample
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
 from engine.pipeline.trace import PipelineTrace
@@ -139,7 +139,7 @@ class Trainer:
         (engine.stepping: this iteration's, or under post-validation the previous one's)."""
         n, tr = self.iteration + 1, self.cfg.training
         position = self.batch_sizes.lr_samples(self.consumed, self.iteration)  # Megatron-LM's unit: samples
-        lr = lr_at_sample(position, self.cfg.optim, tr) * self.guard.lr_multiplier(n)
+        lr = rates_at_sample(position, self.cfg.optim, tr, self.guard.lr_multiplier(n))
         gbs = self.sampler.batch_size
         mbs, scale_loss = self.drill.arm(n, self._tensors(self.train_ds, next(self.sampler)), self.optimizer.scale_loss)
         for model in self.chunks:

@@ -1,10 +1,9 @@
 """Every check of a run's configuration that needs no process group, one function per section.
 
-`validate(cfg, world_size)` runs them in order; each failure is one `ConfigError` naming the flag, the
-value and the fix (engine.config's `_err`). Rules that library code enforces again on its own path are the
-public `check_*` functions (the topology, the pipeline and the planner call them) and `parse_faults` (the
-fault drills read it), so each rule has one message. The checks of files (the data, the tokenizer's) read
-them through engine/data.
+`validate(cfg, world_size)` runs them all; each failure is a line naming the flag, the value and the fix
+(engine.config's `_err`), and one ConfigError holds every line. Rules that library code enforces again on its own
+path are the public `check_*` functions (the topology, the pipeline and the planner call them) and
+`parse_faults` (the fault drills read it), so each rule has one message. Files are read through engine/data.
 """
 from __future__ import annotations
 
@@ -13,35 +12,45 @@ import os
 from typing import Optional
 
 from engine.config import (CheckpointConfig, Config, ConfigError, LoggingConfig, ModelConfig, OptimizerConfig,
-                           ParallelConfig, StabilityConfig, TrainingConfig, _err)
-from engine.config.fields import FP8_BLACKWELL_RECIPES, MUON_COEFFICIENTS
+                           ParallelConfig, TrainingConfig, _err)
+from engine.config.fields import FP8_BLACKWELL_RECIPES, MUON_COEFFICIENTS, Problems
 from engine.data.build import check_data, check_document_ends, data_prefixes, document_flags, end_of_document
 from engine.data.tokenizer_spec import data_vocab_size, tokenizer_of, vocab_source
 from engine.flags import flag_of
 from engine.layout import PipelineSchedule, Sharding
+from engine.optim.schedule import check_decoupled
 from engine.validation_model import at_least_one as _at_least_one, check_model
 
 TP_FLAG, PP_FLAG, CP_FLAG = "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"
 FAULT_KINDS = ("nan", "spike")  # --inject-fault drills
 
 
-def validate(cfg: Config, world_size: int) -> None:
-    """Every check that needs no process group, section by section. Raises ConfigError with one line."""
-    _check_parallel_sizes(cfg.parallel)
-    _check_pipeline_schedule(cfg.parallel, cfg.model.num_layers)
-    par = cfg.parallel
-    schedule = PipelineSchedule.of(par.pipeline_schedule, cfg.pp, par.virtual_pipeline_model_parallel_size)
-    check_model(cfg.model)
-    # The split before the world size: a tp that the heads reject is the more useful line to print.
-    _check_split(cfg.model, cfg.parallel, cfg.tp, cfg.pp, schedule.vpp)
-    _check_parallel(cfg.parallel, world_size)
-    _check_moe(cfg.model, cfg.parallel, cfg.dp(world_size))
-    _check_training(cfg.training, cfg.dp(world_size), cfg.pp, schedule.vpp if schedule.interleaved else 1)
-    _check_optim(cfg.optim, cfg.training)
-    _check_logging(cfg.logging)
-    _check_files(cfg)
-    _check_checkpoint(cfg.checkpoint)
-    _check_stability(cfg.stability)
+def validate(cfg: Config, world_size: int, problems: Optional[Problems] = None) -> None:
+    """Every check that needs no process group, section by section. Each mistake is a line: in `problems` when
+    given, else all raised together as one ConfigError. A check whose input an earlier one refused is left out
+    (a world that is not tp x cp x pp x dp leaves no dp to check the batch against)."""
+    own = problems is None
+    problems = Problems() if own else problems
+    check, par = problems.check, cfg.parallel
+    model_ok = check(check_model, cfg.model)
+    if check(_check_parallel_sizes, par) and check(_check_pipeline_schedule, par, cfg.model.num_layers):
+        schedule = PipelineSchedule.of(par.pipeline_schedule, cfg.pp, par.virtual_pipeline_model_parallel_size)
+        if model_ok:
+            check(_check_split, cfg.model, par, cfg.tp, cfg.pp, schedule.vpp)
+        if check(_check_parallel, par, world_size):
+            if model_ok:
+                check(_check_moe, cfg.model, par, cfg.dp(world_size))
+            check(_check_training, cfg.training, cfg.dp(world_size), cfg.pp,
+                  schedule.vpp if schedule.interleaved else 1)
+    check(_check_optim, cfg.optim, cfg.training)
+    check(check_decoupled, cfg.optim)
+    check(_check_logging, cfg.logging)
+    check(_check_files, cfg)
+    check(_check_checkpoint, cfg.checkpoint)
+    check(check_spike_window, cfg.stability.spike_window)
+    check(parse_faults, cfg.stability.inject_fault)
+    if own:
+        problems.raise_all()
 
 
 def check_world_size(world_size: int, tp: int, pp: int, cp: int = 1) -> None:
@@ -327,11 +336,6 @@ def _check_checkpoint(ck: CheckpointConfig) -> None:
     if ck.finetune and not (ck.load or ck.pretrained_checkpoint):
         _err("--finetune", "without --load", "give --load DIR (or --pretrained-checkpoint DIR): the checkpoint whose "
                                              "weights to start from")
-
-
-def _check_stability(st: StabilityConfig) -> None:
-    check_spike_window(st.spike_window)
-    parse_faults(st.inject_fault)
 
 
 def parse_faults(specs: list) -> dict:

@@ -1,6 +1,6 @@
 """Pretrain a GPT/Llama model: `torchrun [torchrun flags] launch/pretrain_gpt.py [--config F.yaml] [flags]`.
 
-Order of work: parse and validate every flag (a user mistake ends here with one line and exit 2,
+Order of work: parse and validate every flag (user mistakes end here, one line each, exit 2,
 before any process group exists), pick the device and backend, build the process groups, then hand
 over to engine.training.Trainer (build, start = resume from the latest checkpoint, banner, train).
 Teardown is ordered (barrier, destroy) so gloo exits cleanly. Under torchrun every restart attempt
@@ -16,6 +16,7 @@ import warnings
 
 from engine.cli import parse_config
 from engine.config import ConfigError
+from engine.config.fields import Problems
 from engine.resolve import resolve
 from engine.run.device import device_and_backend, gpu_index
 from engine.run.guard import Guard, fail, restart_store
@@ -43,12 +44,14 @@ def _pick_device(cfg, world: int) -> tuple:
 
 
 def _configure(argv, world: int) -> tuple:
-    """Flags -> (resolved config, device, backend); a mistake is a ConfigError raised before any process group
-    exists."""
-    cfg = parse_config(argv)
+    """Flags -> (resolved config, device, backend); the mistakes are one ConfigError, a line each, raised before
+    any process group exists: those of the command line and those of the settings together."""
+    problems = Problems()
+    cfg = parse_config(argv, problems)
     if cfg.parallel.gpus_per_node is None and "LOCAL_WORLD_SIZE" in os.environ:
         cfg.parallel.gpus_per_node = _env_int("LOCAL_WORLD_SIZE", world)
-    validate(cfg, world)
+    validate(cfg, world, problems)
+    problems.raise_all()
     resolve(cfg, world)
     device, backend = _pick_device(cfg, world)
     return cfg, device, backend
@@ -90,7 +93,8 @@ def main(argv=None) -> int:
         guard = Guard(rank, cfg.parallel.distributed_timeout_minutes).take_lock(cfg.checkpoint.save)
     except ConfigError as e:
         return fail(str(e), rank, before_groups=True)
-    for note in cfg.notices if rank == 0 else ():  # choices made for the user (e.g. --data-path over mock data)
+    # choices made for the user (e.g. --data-path over mock data), then the defaults that are not Megatron-LM's
+    for note in [*cfg.notices, *filter(None, [cfg.defaults_note])] if rank == 0 else ():
         print(f"pretrain_gpt.py: note: {note}", flush=True)
     guard.watch_parent()
 

@@ -30,6 +30,9 @@ import time
 import traceback
 
 DEFAULT_TIMEOUT = float(os.environ.get("TERNION_TEST_TIMEOUT", "180"))
+# The defaults are Megatron-LM's dropout of 0.1; tests that compare numbers across layouts or with an oracle
+# train without it, and say so with these ModelConfig fields.
+NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
 
 
 def grad_buffer(chunks: list, ctx, num_microbatches: int = 1):

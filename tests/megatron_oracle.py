@@ -1,4 +1,5 @@
-"""megatron-core 0.16.1 as the oracle of tests/test_megatron_checkpoint.py, run in processes of its own.
+"""megatron-core 0.16.1 as the oracle of tests/test_megatron_checkpoint.py and tests/test_decoupled_lr.py, run in
+processes of its own.
 
     python tests/megatron_oracle.py SPEC.json
 
@@ -8,7 +9,9 @@ save_checkpoint does (torch_dist through dist_checkpointing.save with generate_s
 mp_rank_XX/model_optim_rng.pt) and its full logits on fixed tokens; `load` reads a torch_dist save into a fresh
 model and writes its logits; `train` trains with megatron-core's DDP + DistributedOptimizer + OptimizerParamScheduler
 on an indexed dataset read by megatron-core's GPTDataset (Megatron-LM's sampler: consecutive samples), saves at
-`save_at` and writes the losses of the iterations after it.
+`save_at` and writes the losses of the iterations after it; `groups` writes the LR and weight decay its optimizer
+param groups and OptimizerParamScheduler give each parameter (--decoupled-lr); `defaults` writes the defaults of its
+config dataclasses.
 
 Megatron-LM's training package is not installed (megatron-core is): the checkpoint's common state is assembled
 here as megatron/training/checkpointing.py (core_v0.16.1) does. megatron-core runs on the CPU once its CUDA calls
@@ -322,12 +325,58 @@ def train_job(rank: int, world: int, job: dict) -> None:
         torch.save({"losses": losses, "consumed": job["save_at"] * gbs}, job["losses"])
 
 
+def groups_job(rank: int, world: int, job: dict) -> None:
+    """megatron-core's optimizer param groups of the model (_get_param_groups with Megatron-LM's overrides: no
+    weight decay on biases and 1-D tensors, --decoupled-lr on the embedding and output layer) and the LR and
+    weight decay its OptimizerParamScheduler gives each parameter at each of `positions` (samples)."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    model, _ = build(job["shape"], 1, 1, seed=1)
+    config = OptimizerConfig(lr=job["lr"], min_lr=job["min_lr"], decoupled_lr=job["decoupled_lr"],
+                             decoupled_min_lr=job["decoupled_min_lr"], weight_decay=job["weight_decay"])
+    groups = _get_param_groups([model], config, None)
+    scheduler = OptimizerParamScheduler(SimpleNamespace(param_groups=groups), init_lr=job["init_lr"],
+                                        max_lr=job["lr"], min_lr=job["min_lr"], lr_warmup_steps=job["warmup"],
+                                        lr_decay_steps=job["decay"], lr_decay_style=job["style"],
+                                        start_wd=job["weight_decay"], end_wd=job["weight_decay"],
+                                        wd_incr_steps=job["decay"], wd_incr_style="constant")
+    group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+    names = {name: group_of[id(p)] for name, p in model.named_parameters()}
+    rates = []
+    for position in job["positions"]:
+        scheduler.num_steps = 0
+        scheduler.step(position)
+        rates.append([(g["lr"], g["weight_decay"]) for g in groups])
+    if rank == 0:
+        json.dump({name: [rates[k][i] for k in range(len(rates))] for name, i in names.items()}, open(job["out"], "w"))
+
+
+def defaults_job(rank: int, world: int, job: dict) -> None:
+    """The defaults of megatron-core's config dataclasses (the model's, the optimizer's, DDP's), by field name."""
+    import dataclasses
+    import enum
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    out = {}
+    for cls in (TransformerConfig, OptimizerConfig, DistributedDataParallelConfig):
+        for f in dataclasses.fields(cls):
+            value = f.default.name if isinstance(f.default, enum.Enum) else f.default
+            if value is not dataclasses.MISSING and isinstance(value, (bool, int, float, str, type(None))):
+                out.setdefault(f.name, value)
+    if rank == 0:
+        json.dump(out, open(job["out"], "w"))
+
+
 def main_rank(rank: int, world: int, spec: dict, port: int) -> None:
     patch_cuda()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    jobs = {"save": save_job, "load": load_job, "train": train_job}
+    jobs = {"save": save_job, "load": load_job, "train": train_job, "groups": groups_job, "defaults": defaults_job}
     from megatron.core import parallel_state as ps
     for phase in phases(spec):
         for job in phase:

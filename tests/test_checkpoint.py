@@ -30,6 +30,7 @@ VOCAB = 100  # padded to 108, 120 or 144 for tp 1, 2, 4 (multiples of 12 * tp)
 def make_config(style: str, tp=1, pp=1, vpp=None, distributed=False) -> Config:
     cfg = Config()
     m = cfg.model
+    m.hidden_dropout = m.attention_dropout = 0.0  # Megatron-LM's 0.1 is the default
     m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 4, 64, 4, 16
     m.vocab_size, m.make_vocab_size_divisible_by = VOCAB, 12
     if style == "llama":

@@ -193,6 +193,7 @@ def test_merge_streams_tensor_by_tensor(tmp_path):
     """Peak resident-set growth of a fresh merge process, sampled every millisecond."""
     cfg = Config()
     m = cfg.model
+    m.hidden_dropout = m.attention_dropout = 0.0  # Megatron-LM's 0.1 is the default
     m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 6, 1024, 8, 64, 8000
     ctx = ParallelContext.virtual()
     chunks = build_model_chunks(cfg, ctx, vocab_size=m.vocab_size)

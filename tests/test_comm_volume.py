@@ -37,7 +37,7 @@ from engine.parallel import comm
 from engine.parallel.topology import context_for, coords
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
-from harness import run_ranks
+from harness import NO_DROPOUT, run_ranks
 
 WORLD = 8
 L, H, HEADS, S, B, VOCAB, DIVISIBLE_BY = 4, 64, 8, 32, 2, 200, 16
@@ -75,7 +75,7 @@ LAYOUTS = [
 
 def _config(lay: Layout) -> Config:
     cfg = Config()
-    cfg.model = ModelConfig(num_layers=L, hidden_size=H, num_attention_heads=HEADS, seq_length=S, vocab_size=VOCAB,
+    cfg.model = ModelConfig(**NO_DROPOUT, num_layers=L, hidden_size=H, num_attention_heads=HEADS, seq_length=S, vocab_size=VOCAB,
                             make_vocab_size_divisible_by=DIVISIBLE_BY, untie_embeddings_and_output_weights=not lay.tied)
     par = cfg.parallel
     par.tensor_model_parallel_size, par.pipeline_model_parallel_size = lay.tp, lay.pp

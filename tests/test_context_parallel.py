@@ -15,7 +15,7 @@ from engine.parallel.topology import ParallelContext, build_context, grid_coords
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
 from engine.validation import validate
-from harness import SGD_LR, full_grad, grad_buffer, run_ranks, sgd_reference
+from harness import NO_DROPOUT, SGD_LR, full_grad, grad_buffer, run_ranks, sgd_reference
 from kernels import reference
 
 VOCAB, SEQ, MICRO = 64, 16, 2
@@ -72,7 +72,7 @@ def test_ring_plan_computes_every_causal_block_once_with_equal_work(cp):
 
 def _cfg(**par) -> Config:
     cfg = Config()
-    cfg.model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB)
+    cfg.model = ModelConfig(**NO_DROPOUT, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB)
     cfg.data.mock_data = True
     for k, v in par.items():
         setattr(cfg.parallel, k, v)
@@ -176,8 +176,8 @@ def test_ring_and_all_gather_attention_equal_one_rank_with_balanced_flops(cp):
 def model_cfg(style: str) -> ModelConfig:
     common = dict(num_layers=4, hidden_size=32, seq_length=SEQ, vocab_size=VOCAB, make_vocab_size_divisible_by=16)
     if style == "gpt2":  # learned positions, multi-head attention, LayerNorm, tied embeddings
-        return ModelConfig(num_attention_heads=4, **common)
-    return ModelConfig(num_attention_heads=4, num_query_groups=2, normalization="RMSNorm",  # rope, GQA
+        return ModelConfig(**NO_DROPOUT, num_attention_heads=4, **common)
+    return ModelConfig(**NO_DROPOUT, num_attention_heads=4, num_query_groups=2, normalization="RMSNorm",  # rope, GQA
                        position_embedding_type="rope", swiglu=True, disable_bias_linear=True,
                        untie_embeddings_and_output_weights=True, **common)
 

@@ -117,21 +117,23 @@ def test_compute_planning(capsys):
     assert plan["tokens"] == pytest.approx(20 * plan["params"])
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--config", "configs/nope.yaml", "--num-gpus", "8"], "nope.yaml"),
-    (["--config", "configs/llama3-8b.yaml", "--num-gpus", "12"], "--gpus-per-node"),
-    (["--config", "configs/llama3-8b.yaml", "--num-gpus", "6", "--tp", "3", "--pp", "2"], "--tensor-model-parallel-size"),
-    (["--config", "configs/llama3-8b.yaml", "--num-gpus", "8", "--tp", "3", "--pp", "1"], "does not divide --num-gpus"),
-    (["--config", "configs/llama3-8b.yaml", "--num-gpus", "8", "--tp", "2"], "--pp"),
-    (["--config", "configs/llama3-8b.yaml"], "--num-gpus"),
-    (["--config", "configs/llama3-8b.yaml", "--num-gpus", "8", "--gpu", "tpu"], "--gpu"),
-    (["--config", "configs/llama3-8b.yaml", "--num-gpus", "8", "--gpu-tflops", "-3"], "--gpu-tflops"),
+@pytest.mark.parametrize("argv,needles", [
+    (["--config", "configs/nope.yaml", "--num-gpus", "8"], ["nope.yaml"]),
+    (["--config", "configs/llama3-8b.yaml", "--num-gpus", "12"], ["--gpus-per-node"]),
+    (["--config", "configs/llama3-8b.yaml", "--num-gpus", "6", "--tp", "3", "--pp", "2"],
+     ["--tensor-model-parallel-size 3: must divide", "--tensor-model-parallel-size 3: a TP group would span nodes"]),
+    (["--config", "configs/llama3-8b.yaml", "--num-gpus", "8", "--tp", "3", "--pp", "1"], ["does not divide --num-gpus"]),
+    (["--config", "configs/llama3-8b.yaml", "--num-gpus", "8", "--tp", "2"], ["--pp"]),
+    (["--config", "configs/llama3-8b.yaml"], ["--num-gpus"]),
+    (["--config", "configs/llama3-8b.yaml", "--num-gpus", "8", "--gpu", "tpu"], ["--gpu"]),
+    (["--config", "configs/llama3-8b.yaml", "--num-gpus", "8", "--gpu-tflops", "-3"], ["--gpu-tflops"]),
 ])
-def test_cli_mistakes_one_line_exit_2(argv, needle, capsys, monkeypatch):
+def test_cli_mistakes_one_line_each_exit_2(argv, needles, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert run_cli(*argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and needle in err and "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == len(needles) and all(n in line for n, line in zip(needles, lines)) and "Traceback" not in err
 
 
 def test_cli_verify_passes(capsys):

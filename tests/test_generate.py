@@ -25,6 +25,7 @@ TEXT = ["the cat sat on the mat and the dog ran after the cat",
 def tiny_config(tokenizer_model, vocab_size):
     cfg = Config()
     m = cfg.model
+    m.hidden_dropout = m.attention_dropout = 0.0  # Megatron-LM's 0.1 is the default
     m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 2, 32, 4, 16
     m.vocab_size, m.make_vocab_size_divisible_by = vocab_size, 64
     cfg.data.tokenizer_model = tokenizer_model

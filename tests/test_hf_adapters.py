@@ -83,6 +83,7 @@ def test_a_family_registered_at_run_time_round_trips_bitwise(tmp_path, monkeypat
     monkeypatch.setitem(FAMILIES, "toy", TOY)
     cfg = Config()
     m = cfg.model
+    m.hidden_dropout = m.attention_dropout = 0.0  # Megatron-LM's 0.1 is the default
     m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.seq_length = 2, 32, 4, 2, SEQ
     m.vocab_size, m.ffn_hidden_size = VOCAB, 48
     for name, value in TOY_SHAPE.items():

@@ -87,6 +87,7 @@ def loaded(ckpt: str, cfg):
 def test_every_config_rule_reads_back_what_it_writes(arch):
     cfg = Config()
     m = cfg.model
+    m.hidden_dropout = m.attention_dropout = 0.0  # Megatron-LM's 0.1 is the default
     m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 3, 64, 8, 32, 500
     for name, value in ARCHITECTURES[arch].shape.items():
         setattr(m, name, value)

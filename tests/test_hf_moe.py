@@ -32,6 +32,7 @@ def moe_config(**changes) -> Config:
     """2 layers, hidden 32, 4 heads in 2 query groups, 4 experts of width 24, top-2: Mixtral-shaped."""
     cfg = Config()
     m = cfg.model
+    m.hidden_dropout = m.attention_dropout = 0.0  # Megatron-LM's 0.1 is the default
     m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.seq_length = 2, 32, 4, 2, SEQ
     m.vocab_size, m.make_vocab_size_divisible_by, m.ffn_hidden_size = VOCAB, 16, 48
     m.normalization, m.position_embedding_type, m.swiglu = "RMSNorm", "rope", True
@@ -164,3 +165,32 @@ def test_a_transformers_mixtral_converts_with_its_logits(tmp_path):
     model = build_model_chunks(cfg, ctx)[0]
     load_checkpoint(str(tmp_path / "ckpt"), [model], None, ctx, model_cfg=m)
     assert_same_logits(model.eval(), hf)
+
+
+def test_a_mixtral_keeps_its_aux_loss_coefficient_through_import_training_and_export(tmp_path):
+    """router_aux_loss_coef 0.02 becomes --moe-aux-loss-coeff 0.02 in model.yaml, the run trains with it (the log
+    line's aux loss is not zero) and the export writes 0.02 back, with output_router_logits so that transformers
+    adds the loss when it trains."""
+    t = pytest.importorskip("transformers")
+    from convert_hf import main
+    from test_launcher import launch
+    from test_trainer import read_records
+    torch.manual_seed(0)
+    t.MixtralForCausalLM(t.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02)
+    ).save_pretrained(str(tmp_path / "hf"))
+    assert main(["--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"), "--seq-length", str(SEQ)]) == 0
+    model_yaml = os.path.join(tmp_path / "ckpt", "model.yaml")
+    assert parse_config(["--config", model_yaml, "--mock-data"]).model.moe_aux_loss_coeff == 0.02
+    proc, _ = launch(["--config", model_yaml, "--mock-data", "--load", str(tmp_path / "ckpt"), "--save",
+                      str(tmp_path / "run"), "--train-iters", "2", "--global-batch-size", "2", "--log-interval", "1"],
+                     timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [r for r in read_records(str(tmp_path / "run" / "metrics.jsonl")) if "moe_aux_loss" in r]
+    assert len(records) == 2 and all(r["moe_aux_loss"] > 0 for r in records)
+    assert "moe aux loss: " in proc.stdout and "moe aux loss: 0.0000E+00" not in proc.stdout
+    assert _merge_main(["--load", str(tmp_path / "run"), "--out", str(tmp_path / "back"), "--format", "hf"]) == 0
+    written = json.load(open(tmp_path / "back" / "config.json"))
+    assert (written["router_aux_loss_coef"], written["output_router_logits"]) == (0.02, True)
+    assert t.AutoConfig.from_pretrained(str(tmp_path / "back")).router_aux_loss_coef == 0.02

@@ -69,6 +69,7 @@ def test_windowed_models_import_with_transformers_logits_and_export_back(tmp_pat
 def _llama_shaped(**fields) -> Config:
     cfg = Config()
     m = cfg.model
+    m.hidden_dropout = m.attention_dropout = 0.0  # Megatron-LM's 0.1 is the default
     m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 4, 64, 8, 32, 500
     for name, value in (FAMILIES["llama"].shape | {"disable_bias_linear": True} | fields).items():
         setattr(m, name, value)

@@ -31,11 +31,12 @@ def our_lines(proc):
     return [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith(ERROR)]
 
 
-def test_tp_that_does_not_divide_heads_under_torchrun_fails_fast_with_one_line():
-    proc, _ = launch(["--config", "configs/gpt-tiny.yaml", "--tp", "3"], torchrun_procs=2)
+def test_tp_that_does_not_divide_heads_under_torchrun_fails_fast_with_one_line_per_problem():
+    proc, _ = launch(["--config", "configs/gpt-tiny.yaml", "--mock-data", "--tp", "3"], torchrun_procs=2)
     lines = our_lines(proc)
-    assert len(lines) == 1, proc.stderr
+    assert len(lines) == 2, proc.stderr  # once (rank 0): the heads, and the world of 2
     assert "--tensor-model-parallel-size 3" in lines[0] and "choose a tp among" in lines[0]
+    assert "does not divide the world size 2" in lines[1]
     assert "exitcode  : 2" in proc.stderr, "each worker must exit 2"
     assert proc.returncode != 0
     # torchrun prints its own report; no frame of ours (a traceback from the worker) may appear in it
@@ -45,23 +46,24 @@ def test_tp_that_does_not_divide_heads_under_torchrun_fails_fast_with_one_line()
 def test_direct_launch_mistakes_exit_2_with_their_own_line(tmp_path):
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("num_layers: 2\nhiden_size: 64\n")
-    cases = [
-        (["--config", "configs/gpt-tiny.yaml", "--tp", "3"], "--tensor-model-parallel-size 3"),
-        (["--config", "configs/gpt-tiny.yaml", "--mock-data", "--pp", "4"], "--pipeline-model-parallel-size 4"),
-        (["--config", str(bad_yaml)], "unknown key 'hiden_size'"),
-        (["--config", "configs/gpt-tiny.yaml", "--data-path", str(tmp_path / "corpus")], "--data-path"),
+    cases = [  # every mistake of the command line, a line each
+        (["--config", "configs/gpt-tiny.yaml", "--tp", "3"],
+         ["--tensor-model-parallel-size 3: must divide", "does not divide the world size 1", "--data-path (none)"]),
+        (["--config", "configs/gpt-tiny.yaml", "--mock-data", "--pp", "4"], ["--pipeline-model-parallel-size 4"]),
+        (["--config", str(bad_yaml)], ["unknown key 'hiden_size'", "--data-path (none)"]),
+        (["--config", "configs/gpt-tiny.yaml", "--data-path", str(tmp_path / "corpus")], ["--data-path"]),
         # a run flag checked by engine.validation.validate reaches the user the same way
         (["--config", "configs/gpt-tiny.yaml", "--mock-data", "--distributed-timeout-minutes", "0"],
-         "--distributed-timeout-minutes 0"),
+         ["--distributed-timeout-minutes 0"]),
         # nccl needs CUDA: a CPU run that names it ends before any process group
         (["--config", "configs/gpt-tiny.yaml", "--mock-data", "--device", "cpu", "--distributed-backend", "nccl"],
-         "--distributed-backend nccl: NCCL runs on CUDA devices only"),
+         ["--distributed-backend nccl: NCCL runs on CUDA devices only"]),
     ]
-    for args, needle in cases:
+    for args, needles in cases:
         proc, _ = launch(args)
         assert proc.returncode == 2, (args, proc.returncode, proc.stderr)
         lines = our_lines(proc)
-        assert len(lines) == 1 and needle in lines[0], (args, proc.stderr)
+        assert len(lines) == len(needles) and all(n in line for n, line in zip(needles, lines)), (args, proc.stderr)
         assert "Traceback" not in proc.stderr, proc.stderr
 
 

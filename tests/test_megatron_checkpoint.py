@@ -15,7 +15,9 @@ then continues to iteration 15. Checked here:
 - the grouped experts of an ep 2 save convert in their global order, and megatron-core reads them back in it;
 - bad input (a missing or truncated shard, FP8 or MLA arguments, a missing mp_rank folder, no checkpoint, a taken
   --out) is one line and exit status 2, with nothing written;
-- both directions stream: a 259 MB model converts in and out within a few copies of its largest tensor.
+- both directions stream: a 259 MB model converts in and out within a few copies of its largest tensor;
+- --decoupled-lr: every parameter's LR and weight decay equal those megatron-core's param groups and scheduler give
+  it (tests/test_decoupled_lr.py's check, on this process's output).
 Budget on two cores: about 75 s (the oracle process, once, 35 s; a 4-rank pool run; one launcher run; the two
 streaming conversions, 18 s).
 """
@@ -38,6 +40,8 @@ from engine.config import Config
 from engine.parallel.topology import ParallelContext, build_context
 from engine.pipeline.partition import build_model_chunks
 from harness import run_ranks
+from test_decoupled_lr import SHAPES as DECOUPLED_SHAPES
+from test_decoupled_lr import check_rates, group_jobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORACLE = os.path.join(ROOT, "tests", "megatron_oracle.py")
@@ -48,8 +52,8 @@ SAVES = {  # name: (shape, megatron-core's tp, format, iteration)
     "gpt-legacy-tp1": ("gpt", 1, "torch", 3), "llama-legacy-tp1": ("llama", 1, "torch", 3),
     "llama-legacy-tp2": ("llama", 2, "torch", 3),
 }
-LLAMA_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96", "--num-attention-heads", "8",
-               "--group-query-attention", "--num-query-groups", "2", "--seq-length", "32", "--max-position-embeddings",
+LLAMA_FLAGS = ["--hidden-dropout", "0", "--attention-dropout", "0", "--num-layers", "2", "--hidden-size", "64",
+               "--ffn-hidden-size", "96", "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2", "--seq-length", "32", "--max-position-embeddings",
                "64", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
                "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--vocab-size", "256"]
 
@@ -110,6 +114,7 @@ def megatron(tmp_path_factory):
             in SAVES.items()]
     jobs += [{"op": "save", "shape": "moe", "tp": 1, "ep": 2, "dir": str(root / "moe"), "iteration": 4,
               "experts": str(root / "moe.experts")},
+             *group_jobs(root), {"op": "defaults", "out": str(root / "defaults.json")},
              {"op": "train", "shape": "llama", "tp": 2, "iters": 15, "save_at": 5, "data": corpus,
               "losses": str(root / "train.losses"),
               "saves": {"fully_reshardable": str(root / "train-full"), "dp_reshardable": str(root / "train-dp")}}]
@@ -126,6 +131,32 @@ def megatron(tmp_path_factory):
                 + [{"op": "load", "shape": "moe", "tp": 1, "ep": 2, "dir": str(root / "moe.back"),
                     "experts": str(root / "moe.back.experts")}])
     return root
+
+
+@pytest.mark.parametrize("shape", list(DECOUPLED_SHAPES))
+def test_decoupled_lr_gives_each_parameter_megatron_cores_lr_and_weight_decay(megatron, shape):
+    check_rates(megatron, shape)  # tests/test_decoupled_lr.py: megatron-core's param groups and scheduler
+
+
+# Megatron-LM flags whose default here is Megatron-LM's (its arguments.py, core_v0.16.1) where megatron-core's
+# dataclass says otherwise.
+NOT_CORES = {"muon_momentum": (0.9, 0.95),  # arguments.py's --muon-momentum 0.9; OptimizerConfig 0.95
+             "min_lr": (0.0, None),  # --min-lr 0.0; OptimizerConfig leaves it to the scheduler's caller
+             "cp_comm_type": ("p2p", None),  # --cp-comm-type p2p; TransformerConfig None (p2p)
+             "data_parallel_sharding_strategy": (None, "no_shard")}  # None: optim with the distributed optimizer
+
+
+def test_megatron_named_flags_default_to_megatron_values(megatron):
+    """Every config field that is Megatron-LM's flag with its default (engine/config: `megatron` not marked
+    otherwise) has megatron-core's default where megatron-core's configs hold that field, but for NOT_CORES."""
+    from engine.config.fields import AS_MEGATRON
+    from engine.flags import all_fields, default_of
+    core = json.load(open(megatron / "defaults.json"))
+    shared = {f.name: default_of(f) for _, f in all_fields() if f.metadata["megatron"] is AS_MEGATRON and f.name in core}
+    assert {"hidden_dropout", "attention_dropout", "initial_loss_scale", "hysteresis", "adam_beta2"} <= set(shared)
+    differ = {name: (ours, core[name]) for name, ours in shared.items()
+              if ours != core[name] and str(ours) != str(core[name])}
+    assert differ == NOT_CORES
 
 
 def converted_config(root, name: str) -> Config:
@@ -368,3 +399,29 @@ def test_both_directions_stream_tensor_by_tensor(tmp_path, monkeypatch):
     first = CheckpointReader(str(tmp_path / "ternion" / "iter_0000000"))
     for name in ("output", "layers.3.mlp.fc1.weight", "layers.0.attention.qkv.weight"):
         assert torch.equal(back.full(name), first.full(name))
+
+
+def test_megatron_optimizer_arguments_become_ternion_flags():
+    """--optimizer (dist_muon is Muon sharded), Muon's arguments by their dest names, --decoupled-lr; what has no
+    Ternion counterpart (SGD, a weight decay that changes over the run) is one line."""
+    from engine.checkpoint.megatron.args import args_from_config, config_from_args
+    from engine.config import ConfigError
+    from megatron_oracle import SHAPES, megatron_args
+    args = megatron_args(SHAPES["llama"], 1, 1, optimizer="dist_muon", muon_momentum=0.95, muon_split_qkv=False,
+                         muon_use_nesterov=True, muon_num_ns_steps=4, muon_scale_mode="unit_rms_norm",
+                         muon_tp_mode="duplicated", muon_extra_scale_factor=0.2, decoupled_lr=5e-4,
+                         decoupled_min_lr=4.5e-5)
+    o = config_from_args(args, "SAVE").optim
+    assert (o.optimizer, o.muon_momentum, o.muon_no_split_qkv, o.muon_nesterov, o.muon_num_ns_steps) == \
+        ("muon", 0.95, True, True, 4)
+    assert (o.muon_scale_mode, o.muon_tp_mode, o.muon_extra_scale_factor) == ("unit_rms_norm", "duplicated", 0.2)
+    assert (o.decoupled_lr, o.decoupled_min_lr) == (5e-4, 4.5e-5)
+    cfg = config_from_args(args, "SAVE")
+    back = args_from_config(cfg, 1, 1, {})
+    assert (back.optimizer, back.muon_split_qkv, back.muon_use_nesterov, back.decoupled_lr) == ("muon", False, True, 5e-4)
+    for extra, line in (({"optimizer": "sgd"}, "SAVE: the run was saved with optimizer='sgd': only Adam(W) and Muon"),
+                        ({"weight_decay_incr_style": "linear", "start_weight_decay": 0.0},
+                         "SAVE: the run was saved with start_weight_decay=0.0: a weight decay that changes")):
+        with pytest.raises(ConfigError) as info:
+            config_from_args(megatron_args(SHAPES["llama"], 1, 1, **extra), "SAVE")
+        assert str(info.value).startswith(line), str(info.value)

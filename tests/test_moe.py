@@ -18,7 +18,7 @@ from engine.parallel.topology import ParallelContext, context_for
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
 from engine.validation import validate
-from harness import full_grad, run_ranks
+from harness import NO_DROPOUT, full_grad, run_ranks
 
 VOCAB, SEQ, MICRO = 64, 16, 2
 
@@ -29,7 +29,7 @@ def moe_cfg(**kw) -> ModelConfig:
                 position_embedding_type="rope", swiglu=True, disable_bias_linear=True,
                 untie_embeddings_and_output_weights=True, num_experts=4, moe_ffn_hidden_size=32,
                 moe_layer_freq="[0]*1+[1]*1")
-    return ModelConfig(**{**base, **kw})
+    return ModelConfig(**{**base, **NO_DROPOUT, **kw})
 
 
 # ---------------------------------------------------------------- pieces on one process

@@ -25,13 +25,14 @@ from engine.optim.newton_schulz import COEFFICIENTS, MuonSettings, blocks, newto
 from engine.parallel.layers import ParamSpec
 from engine.parallel.topology import ParallelContext
 from engine.validation import validate
+from harness import NO_DROPOUT
 
 VOCAB, SEQ, STEPS, MICRO = 96, 16, 20, 2
 
 
 def _cfg(**optim):
     cfg = Config()
-    cfg.model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=SEQ,
+    cfg.model = ModelConfig(**NO_DROPOUT, num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=SEQ,
                             vocab_size=VOCAB, make_vocab_size_divisible_by=16, swiglu=True, normalization="RMSNorm",
                             position_embedding_type="rope", disable_bias_linear=True,
                             untie_embeddings_and_output_weights=True)
@@ -232,7 +233,7 @@ def test_every_parameter_is_taken_by_muon_or_listed_with_its_reason():
                                                                                "mlp.fc1", "mlp.fc2"))
     lines = summary(named, MuonSettings())
     assert lines[0].startswith("optimizer: muon on the 8 weights of the hidden layers (30,720 parameters; momentum "
-                               "0.95, 5 Newton-Schulz steps (quintic, bf16)")
+                               "0.9, 5 Newton-Schulz steps (quintic, bf16)")
     assert lines[1] == "  a vocabulary table (embedding or output layer): output [96, 32], word.weight [96, 32]"
     assert lines[2] == "  1-D: layers.*.norm1.weight [32] x2, layers.*.norm2.weight [32] x2, final_norm.weight [32]"
 
@@ -276,7 +277,7 @@ def test_a_checkpoints_optimizer_type_is_checked_on_load(tmp_path):
     assert load_checkpoint(str(tmp_path), [model], opt, ctx, load_optim=False)["iteration"] == 1
 
 
-SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+SMALL = ["--hidden-dropout", "0", "--attention-dropout", "0", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
          "--swiglu", "--vocab-size", "300", "--seq-length", "32", "--mock-data", "--bf16", "--optimizer", "muon"]
 MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2"]
 

@@ -20,7 +20,7 @@ from engine.parallel import comm
 from engine.parallel.topology import ParallelContext, context_for
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
-from harness import run_ranks
+from harness import NO_DROPOUT, run_ranks
 
 VOCAB, SEQ, MICROBATCHES, STEPS = 96, 16, 4, 20
 ZERO1, ZERO2, ZERO3 = "optim", "optim_grads", "optim_grads_params"
@@ -28,7 +28,7 @@ ZERO1, ZERO2, ZERO3 = "optim", "optim_grads", "optim_grads_params"
 
 def _cfg(tp=1, pp=1, cp=1, vpp=None, ep=1, strategy="no_shard", mode="duplicated", moe=False):
     cfg = Config()
-    cfg.model = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=8, num_query_groups=4, seq_length=SEQ,
+    cfg.model = ModelConfig(**NO_DROPOUT, num_layers=4, hidden_size=32, num_attention_heads=8, num_query_groups=4, seq_length=SEQ,
                             vocab_size=VOCAB, make_vocab_size_divisible_by=8, swiglu=True, normalization="RMSNorm",
                             position_embedding_type="rope", disable_bias_linear=True,
                             untie_embeddings_and_output_weights=True)

@@ -13,14 +13,14 @@ from engine.optim import build_optimizer, lr_at
 from engine.parallel.topology import ParallelContext, context_for
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
-from harness import run_ranks
+from harness import NO_DROPOUT, run_ranks
 
 VOCAB, SEQ, MICRO, GLOBAL_MICROBATCHES, STEPS = 100, 16, 2, 4, 20
 
 
 def _cfg(tp=1, pp=1, dp_optimizer=False, overlap=False, sp=False, recompute=None):
     cfg = Config()
-    cfg.model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB,
+    cfg.model = ModelConfig(**NO_DROPOUT, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB,
                             make_vocab_size_divisible_by=16, recompute_granularity=recompute)
     cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = tp, pp
     cfg.parallel.sequence_parallel = sp

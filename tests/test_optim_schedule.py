@@ -11,7 +11,7 @@ from engine.resolve import resolve
 
 
 def _opt(**kw):
-    base = dict(lr=1e-3, min_lr=1e-4, lr_warmup_iters=10, lr_decay_iters=110)
+    base = dict(lr=1e-3, min_lr=1e-4, lr_warmup_iters=10, lr_decay_iters=110, lr_decay_style="cosine")
     base.update(kw)
     return OptimizerConfig(**base)
 
@@ -238,7 +238,7 @@ def test_dynamic_loss_scaler_follows_megatron_rules():
 def test_loss_scaler_from_config():
     assert LossScaler.from_config(TrainingConfig()).scale == 1.0
     dyn = LossScaler.from_config(TrainingConfig(fp16=True))
-    assert dyn.dynamic and dyn.scale == 2.0 ** 16
+    assert dyn.dynamic and dyn.scale == 2.0 ** 32 and dyn.hysteresis == 2  # Megatron-LM's defaults
     static = LossScaler.from_config(TrainingConfig(fp16=True, loss_scale=128.0))
     static.update(True)
     static.load_state_dict({"scale": 4.0})

@@ -170,15 +170,20 @@ def test_fp16_megatron_hysteresis_needs_two_overflows_to_halve():
     assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
 
 
-def test_fp16_default_config_halves_on_the_first_overflow():
+def test_fp16_default_config_halves_on_the_second_overflow():
+    """Megatron-LM's default hysteresis 2: the first overflow only skips, the second halves the scale."""
     model = Tiny(torch.float16)
     opt = build_optimizer(_cfg(fp16=True, initial_loss_scale=256.0), [model], ParallelContext.virtual())
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt.start_step(1)
-    _backward(model, {n: torch.full(p.shape, float("inf")) for n, p in model.named_parameters()})
-    opt.finish_grad_sync()
-    result = opt.step(1e-2)
-    assert not result.updated and result.loss_scale == 128.0
+    scales = []
+    for _ in range(2):
+        opt.start_step(1)
+        _backward(model, {n: torch.full(p.shape, float("inf")) for n, p in model.named_parameters()})
+        opt.finish_grad_sync()
+        result = opt.step(1e-2)
+        assert not result.updated
+        scales.append(result.loss_scale)
+    assert scales == [256.0, 128.0]
     assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
 
 

@@ -34,6 +34,7 @@ from engine.planner.layer_time import _attention_seconds
 from engine.planner.software import Software
 from engine.planner.step_time import estimate
 from engine.validation import validate
+from harness import NO_DROPOUT
 from kernels import dispatch, reference
 
 EOD = 63
@@ -328,7 +329,7 @@ def test_gpu_rope_per_sample_angles():
 
 def _model(**kw) -> ModelConfig:
     return ModelConfig(**{"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 64,
-                          "vocab_size": 64} | kw)
+                          "vocab_size": 64} | NO_DROPOUT | kw)
 
 
 def test_flops_count_the_sum_of_squared_document_lengths():

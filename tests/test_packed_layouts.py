@@ -21,7 +21,7 @@ from engine.parallel import context_split, ring_attention
 from engine.parallel.topology import ParallelContext, build_context
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
-from harness import SGD_LR, full_grad, grad_buffer, run_ranks
+from harness import NO_DROPOUT, SGD_LR, full_grad, grad_buffer, run_ranks
 from test_packed_documents import EOD, packed_tokens
 
 VOCAB, SEQ, MICRO, MICROBATCHES = 64, 32, 2, 2
@@ -32,8 +32,8 @@ def model_cfg(style: str, **kw) -> ModelConfig:
     common = dict(num_layers=2, hidden_size=32, seq_length=SEQ, vocab_size=VOCAB, make_vocab_size_divisible_by=16,
                   init_method_std=0.3) | kw  # large enough that attention across documents would move the loss
     if style == "gpt2":  # learned positions, multi-head attention, LayerNorm, tied embeddings
-        return ModelConfig(num_attention_heads=4, **common)
-    return ModelConfig(num_attention_heads=4, num_query_groups=2, normalization="RMSNorm",  # rope, GQA
+        return ModelConfig(**NO_DROPOUT, num_attention_heads=4, **common)
+    return ModelConfig(**NO_DROPOUT, num_attention_heads=4, num_query_groups=2, normalization="RMSNorm",  # rope, GQA
                        position_embedding_type="rope", swiglu=True, disable_bias_linear=True,
                        untie_embeddings_and_output_weights=True, **common)
 

@@ -12,7 +12,7 @@ from engine.parallel.topology import ParallelContext, build_context
 from engine.pipeline import schedules
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
-from harness import SGD_LR, full_grad, grad_buffer, run_ranks, sgd_reference
+from harness import NO_DROPOUT, SGD_LR, full_grad, grad_buffer, run_ranks, sgd_reference
 
 VOCAB, SEQ, MICRO = 96, 8, 2
 
@@ -167,7 +167,7 @@ def test_impossible_interleaving_rejected_and_few_microbatches_warned():
 # ---------------------------------------------------------------- execution equals the unpipelined run
 
 def model_cfg(tied: bool) -> ModelConfig:
-    return ModelConfig(num_layers=8, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=SEQ,
+    return ModelConfig(**NO_DROPOUT, num_layers=8, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=SEQ,
                        vocab_size=VOCAB, make_vocab_size_divisible_by=16, normalization="RMSNorm",
                        position_embedding_type="rope", swiglu=True, disable_bias_linear=not tied,
                        untie_embeddings_and_output_weights=not tied)

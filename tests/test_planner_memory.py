@@ -108,7 +108,7 @@ def _engine_state_bytes(cfg, layout, pp_rank, dp_rank):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_state_bytes_equal_engine_allocations(precision):
-    argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+    argv = ["--hidden-dropout", "0", "--attention-dropout", "0", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
             "--swiglu", "--vocab-size", "300", "--seq-length", "32", "--mock-data"]
     cfg = parse_config(argv + (["--bf16"] if precision == "bf16" else []))
     for dist in (False, True):
@@ -201,7 +201,7 @@ def test_activation_bytes_within_10_percent_of_measured(recompute):
 
 # --- mixture of experts: expert parallelism, activated FLOPs, all-to-all ---------------------------
 
-MOE_ARGV = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+MOE_ARGV = ["--hidden-dropout", "0", "--attention-dropout", "0", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
             "--swiglu", "--vocab-size", "300", "--seq-length", "32", "--mock-data", "--num-experts", "8",
             "--moe-layer-freq", "[0]*1+[1]*3", "--moe-ffn-hidden-size", "48",
             "--moe-shared-expert-intermediate-size", "32", "--moe-router-enable-expert-bias"]
@@ -290,7 +290,7 @@ def test_moe_activation_bytes_within_10_percent_of_measured():
 
 # --- exact engine bytes per sharding strategy, the ZeRO formulas, zero-bubble peaks ------------------------
 
-SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+SMALL = ["--hidden-dropout", "0", "--attention-dropout", "0", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
          "--swiglu", "--vocab-size", "300", "--seq-length", "32", "--mock-data", "--bf16"]
 
 

@@ -6,7 +6,7 @@ from engine.model import GPTModel
 from engine.optim import build_optimizer, lr_at
 from engine.parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.parallel.topology import ParallelContext, build_context
-from harness import run_ranks
+from harness import NO_DROPOUT, run_ranks
 
 VOCAB = 50
 
@@ -56,7 +56,7 @@ def test_z_loss_vocab_parallel_tp2_equals_full_vocabulary():
 
 def _curve(bf16: bool, steps=20):
     cfg = Config()
-    cfg.model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=VOCAB,
+    cfg.model = ModelConfig(**NO_DROPOUT, num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=VOCAB,
                             make_vocab_size_divisible_by=16, normalization="RMSNorm", position_embedding_type="rope",
                             swiglu=True)
     cfg.training.bf16, cfg.training.train_iters = bf16, steps

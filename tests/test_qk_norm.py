@@ -23,7 +23,7 @@ from engine.model import GPTModel
 from engine.parallel.layers import init_weights, local_slice, spec_of
 from engine.parallel.topology import ParallelContext, build_context
 from engine.validation import validate
-from harness import full_grad, grad_buffer, run_ranks
+from harness import NO_DROPOUT, full_grad, grad_buffer, run_ranks
 
 SEQ, BATCH, VOCAB = 8, 2, 50
 
@@ -34,7 +34,7 @@ def lib():
 
 def _model_cfg(**changes) -> ModelConfig:
     """RMSNorm, rope, SwiGLU, no biases; 4 heads in 2 groups of head_dim 16 (not hidden / heads)."""
-    m = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+    m = ModelConfig(**NO_DROPOUT, num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=16,
                     ffn_hidden_size=48, seq_length=SEQ, vocab_size=VOCAB, normalization="RMSNorm",
                     position_embedding_type="rope", swiglu=True, disable_bias_linear=True, norm_epsilon=1e-6,
                     qk_layernorm=True)

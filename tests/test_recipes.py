@@ -23,10 +23,11 @@ from engine.pipeline.p2p import exchange_plan
 from engine.pipeline.schedules import schedule_steps, simulate
 from engine.planner import memory, search
 from engine.validation import validate
+from harness import NO_DROPOUT
 
 
 def _model(**kw) -> ModelConfig:
-    return ModelConfig(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
+    return ModelConfig(**NO_DROPOUT, num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
                        make_vocab_size_divisible_by=16, **kw)
 
 

@@ -149,7 +149,7 @@ def test_a_changed_lr_schedule_is_refused_unless_overridden_or_taken_from_the_ch
     saved_cfg = {"optim": {"lr": 3e-4, "min_lr": 0.0, "lr_decay_style": "cosine", "lr_warmup_iters": 10,
                            "lr_decay_iters": None, "lr_wsd_decay_iters": None}, "training": {"train_iters": 100}}
     cfg = gpt()
-    cfg.optim.lr, cfg.optim.lr_warmup_iters = 1e-3, 10
+    cfg.optim.lr, cfg.optim.lr_warmup_iters, cfg.optim.lr_decay_style = 1e-3, 10, "cosine"
     with pytest.raises(ConfigError, match=r"LR schedule differs .*\(--lr 0\.0003 -> 0\.001\); .*"
                                           r"--override-opt-param-scheduler"):
         check_resumed(cfg, "ckpt", 5, saved_cfg)

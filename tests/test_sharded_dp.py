@@ -18,7 +18,7 @@ from engine.parallel.topology import ParallelContext, context_for
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
 from engine.validation import validate
-from harness import run_ranks
+from harness import NO_DROPOUT, run_ranks
 
 VOCAB, SEQ, MICRO, MICROBATCHES, STEPS = 100, 16, 1, 8, 20
 ALL = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -26,7 +26,7 @@ ALL = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 def _cfg(strategy="no_shard", tp=1, pp=1, cp=1, vpp=None, overlap=False, recompute=None, fp16=False, schedule=None):
     cfg = Config()
-    cfg.model = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB,
+    cfg.model = ModelConfig(**NO_DROPOUT, num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB,
                             make_vocab_size_divisible_by=16, recompute_granularity=recompute)
     par = cfg.parallel
     par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size = tp, pp, cp

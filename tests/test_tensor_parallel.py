@@ -6,18 +6,18 @@ import torch.distributed as dist
 from engine.config import ModelConfig
 from engine.model import GPTModel
 from engine.parallel.topology import ParallelContext, build_context, coords, layout_table, rank_grid
-from harness import full_grad, grad_buffer, run_ranks
+from harness import NO_DROPOUT, full_grad, grad_buffer, run_ranks
 
 VOCAB = 100  # padded to 128, 256 or 512 depending on tp: the padding must not change the loss
 
 
 def gpt2_style(**kw):
-    return ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=VOCAB,
+    return ModelConfig(**NO_DROPOUT, num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=VOCAB,
                        make_vocab_size_divisible_by=128, **kw)
 
 
 def llama_style(**kw):
-    return ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4, seq_length=16,
+    return ModelConfig(**NO_DROPOUT, num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4, seq_length=16,
                        vocab_size=VOCAB, make_vocab_size_divisible_by=128, normalization="RMSNorm",
                        position_embedding_type="rope", swiglu=True, disable_bias_linear=True,
                        untie_embeddings_and_output_weights=True, **kw)

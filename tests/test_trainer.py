@@ -20,6 +20,8 @@ import uuid
 
 import pytest
 import torch
+from harness import NO_DROPOUT
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config", "configs/gpt-tiny.yaml", "--mock-data", "--num-layers", "2", "--hidden-size", "32",
@@ -158,7 +160,7 @@ def tiny_model():
     from engine.config import ModelConfig
     from engine.model import GPTModel
     from engine.parallel.topology import ParallelContext
-    m = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=32,
+    m = ModelConfig(**NO_DROPOUT, num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=32,
                     vocab_size=256, make_vocab_size_divisible_by=16, normalization="RMSNorm",
                     position_embedding_type="rope", swiglu=True, disable_bias_linear=True)
     return GPTModel(m, ParallelContext.virtual(), device="meta")

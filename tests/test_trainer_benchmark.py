@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from harness import NO_DROPOUT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--config", "configs/gpt-tiny.yaml", "--mock-data", "--num-layers", "2", "--hidden-size", "32",
@@ -27,7 +28,7 @@ def test_benchmark_reports_both_loops_on_the_same_work():
     assert len(r["engine"]["losses"]) == len(r["plain"]["losses"]) == 5
     assert r["max_loss_difference"] < 1e-4, (r["engine"]["losses"], r["plain"]["losses"])
     assert r["engine"]["losses"][-1] < r["engine"]["losses"][0], "neither loop learns"
-    m = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=32,
+    m = ModelConfig(**NO_DROPOUT, num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=32,
                     vocab_size=256, make_vocab_size_divisible_by=16, swiglu=True)
     flops = flops_per_iteration(m, 16, 32)
     for loop in ("engine", "plain"):

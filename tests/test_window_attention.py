@@ -30,7 +30,7 @@ from engine.planner.activations import layer_activation_bytes
 from engine.planner.layer_time import _attention_seconds
 from engine.planner.software import Software
 from engine.validation import validate
-from harness import run_ranks
+from harness import NO_DROPOUT, run_ranks
 from kernels import dispatch, reference
 
 WINDOWS = [0, 1, 5, 17, None]  # in tokens before the query; 17 crosses blocks, None is plain causal
@@ -69,7 +69,7 @@ def qkv(b=2, s=45, nq=4, nkv=2, d=16, seed=5, device="cpu"):
 
 def _model(**kw) -> ModelConfig:
     return ModelConfig(**{"num_layers": 6, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 64,
-                          "vocab_size": 64} | kw)
+                          "vocab_size": 64} | NO_DROPOUT | kw)
 
 
 @pytest.mark.parametrize("skip,windowed", [
@@ -248,7 +248,7 @@ def _attention_cases(ctx, window, causal=True):
 
 
 def _window_model(window_size, skip=None):
-    return ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=SEQ,
+    return ModelConfig(**NO_DROPOUT, num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=SEQ,
                        vocab_size=VOCAB, normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
                        window_size=window_size, window_attn_skip_freq=skip, make_vocab_size_divisible_by=16,
                        init_method_std=0.3)  # large enough that attention, and so the window, moves the loss

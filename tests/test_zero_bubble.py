@@ -24,7 +24,7 @@ from engine.pipeline.replay import replay, steady_period
 from engine.pipeline.runner import PipelineRunner
 from engine.pipeline.trace import PipelineTrace
 from engine.validation import validate
-from harness import SGD_LR, full_grad, run_ranks, sgd_reference
+from harness import NO_DROPOUT, SGD_LR, full_grad, run_ranks, sgd_reference
 
 ZB = ("zb-h1", "zb-v")
 VPP = {"zb-h1": 1, "zb-v": 2}
@@ -230,7 +230,7 @@ def test_split_backward_on_one_rank_gives_autograds_gradients():
 # ---------------------------------------------------------------- execution equals the unpipelined run
 
 def model_cfg(tied: bool, recompute=None) -> ModelConfig:
-    return ModelConfig(num_layers=8, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=SEQ,
+    return ModelConfig(**NO_DROPOUT, num_layers=8, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=SEQ,
                        vocab_size=VOCAB, make_vocab_size_divisible_by=16, normalization="RMSNorm",
                        position_embedding_type="rope", swiglu=True, disable_bias_linear=not tied,
                        untie_embeddings_and_output_weights=not tied, recompute_granularity=recompute)
@@ -361,7 +361,7 @@ def _draw_trace(prefix: str, out, steps: int, operations: int) -> None:
 def test_the_planner_takes_the_schedules_bubble():
     from engine.flops import GPU_PRESETS
     from engine.planner.step_time import estimate
-    cfg = ModelConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=4096, vocab_size=32000)
+    cfg = ModelConfig(**NO_DROPOUT, num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=4096, vocab_size=32000)
     gpu = GPU_PRESETS["h100-sxm"]
     one = estimate(cfg, Layout(tp=8, pp=8, dp=1), gpu, 32, 4096).breakdown["bubble"]
     h1 = estimate(cfg, Layout(tp=8, pp=8, dp=1, pipeline_schedule="zb-h1"), gpu, 32, 4096)

@@ -53,6 +53,8 @@ class Config:
     stability: StabilityConfig = field(default_factory=StabilityConfig)
     config_file: Optional[str] = None
     notices: list = field(default_factory=list)  # lines the launcher prints once (rank 0): choices made for the user
+    # the line that lists the flags left unset whose default here is not Megatron-LM's (engine.flags.kept_defaults)
+    defaults_note: Optional[str] = None
     # --vocab-size as given, kept by resolve() when a NullTokenizer adds its end-of-document id to it (so resolving
     # again does not add a second one)
     given_vocab_size: Optional[int] = None

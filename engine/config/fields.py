@@ -6,7 +6,25 @@ from dataclasses import field
 
 
 class ConfigError(ValueError):
-    """A user mistake in flags or files; the launcher prints it as one line and exits 2."""
+    """A user mistake in flags or files; the launcher prints it (one line per mistake) and exits 2."""
+
+
+class Problems(list):
+    """The lines of every mistake found so far, so that one message lists them all: each check runs through
+    `check`, which keeps its ConfigError's lines and goes on; `raise_all` ends the run with them."""
+
+    def check(self, fn, *args) -> bool:
+        """Run one check; False (its lines kept) when it fails."""
+        try:
+            fn(*args)
+            return True
+        except ConfigError as e:
+            self.extend(str(e).splitlines())
+            return False
+
+    def raise_all(self) -> None:
+        if self:
+            raise ConfigError("\n".join(dict.fromkeys(self)))  # in order, each line once
 
 
 def _err(flag: str, value, fix: str):
@@ -37,10 +55,22 @@ FP8_BLACKWELL_RECIPES = ("mxfp8", "nvfp4")
 FP8_AMAX_ALGOS = ("max", "most_recent")
 
 
-def _f(default, help, *, aliases=(), choices=None, nargs=None, action=None, type=None, yaml_only=False):
-    """A config field. `yaml_only`: a structured value (e.g. a list of mappings) with no command-line form."""
+class _Mark(str):
+    """What a field's `megatron` says besides a value: see `_f`."""
+
+
+AS_MEGATRON = _Mark("as Megatron-LM")       # Megatron-LM's flag, with Megatron-LM's default
+MEGATRON_REQUIRED = _Mark("none, required")  # Megatron-LM's flag with no default there: its runs give it
+OWN = _Mark("Ternion's own flag")           # no flag of Megatron-LM's
+
+
+def _f(default, help, *, aliases=(), choices=None, nargs=None, action=None, type=None, yaml_only=False,
+       megatron=AS_MEGATRON):
+    """A config field. `yaml_only`: a structured value (e.g. a list of mappings) with no command-line form.
+    `megatron`: Megatron-LM's default for the flag of this name where Ternion keeps another one (--help shows
+    both, and the launcher notes each such flag a run leaves unset), or one of the marks above."""
     meta = dict(help=help, aliases=aliases, choices=choices, nargs=nargs, action=action, type=type,
-                yaml_only=yaml_only)
+                yaml_only=yaml_only, megatron=megatron)
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)

@@ -5,7 +5,7 @@ import ast
 from dataclasses import dataclass
 from typing import Optional
 
-from engine.config.fields import _err, _f
+from engine.config.fields import MEGATRON_REQUIRED, OWN, _err, _f
 
 
 def _layer_list(flag: str, freq, num_layers: int, example: str) -> list:
@@ -85,13 +85,13 @@ def window_layer_pattern(freq, num_layers: int) -> list:
 
 @dataclass
 class ModelConfig:
-    num_layers: int = _f(2, "number of transformer layers")
-    hidden_size: int = _f(64, "model width")
+    num_layers: int = _f(2, "number of transformer layers", megatron=MEGATRON_REQUIRED)
+    hidden_size: int = _f(64, "model width", megatron=MEGATRON_REQUIRED)
     ffn_hidden_size: Optional[int] = _f(None, "MLP width (default 4*hidden, or 8/3*hidden rounded to 64 with --swiglu)")
-    num_attention_heads: int = _f(4, "attention heads")
+    num_attention_heads: int = _f(4, "attention heads", megatron=MEGATRON_REQUIRED)
     num_query_groups: Optional[int] = _f(None, "key/value heads for grouped-query attention (default: heads, i.e. MHA)")
     kv_channels: Optional[int] = _f(None, "per-head dimension (default hidden/heads)")
-    seq_length: int = _f(64, "tokens per sample")
+    seq_length: int = _f(64, "tokens per sample", megatron=MEGATRON_REQUIRED)
     max_position_embeddings: Optional[int] = _f(None, "learned position table size (default seq-length)")
     vocab_size: Optional[int] = _f(None, "vocabulary size (default: from the tokenizer, or 256 with --mock-data)")
     make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this times tp")
@@ -102,26 +102,26 @@ class ModelConfig:
     use_rope_scaling: bool = _f(False, "Llama 3.x RoPE frequency scaling (HF rope_type llama3)")
     rope_scaling_factor: float = _f(8.0, "with --use-rope-scaling: divide the low frequencies by this")
     rope_scaling_low_freq_factor: float = _f(1.0, "with --use-rope-scaling: wavelengths above original/this are "
-                                                  "divided by the factor (HF low_freq_factor)")
+                                                  "divided by the factor (HF low_freq_factor)", megatron=OWN)
     rope_scaling_high_freq_factor: float = _f(4.0, "with --use-rope-scaling: wavelengths below original/this are "
-                                                   "kept (HF high_freq_factor); those between are blended")
+                                                   "kept (HF high_freq_factor); those between are blended", megatron=OWN)
     rope_scaling_original_max_position_embeddings: int = _f(8192, "with --use-rope-scaling: the context length "
-                                                                  "the model was pretrained with")
+                                                                  "the model was pretrained with", megatron=OWN)
     qk_layernorm: bool = _f(False, "normalize queries and keys (QK-norm) after the QKV projection, before RoPE, "
                                    "with --normalization and --norm-epsilon (Qwen3, OLMo-2)")
     qk_layernorm_scope: str = _f("head", "with --qk-layernorm: over each head's channels (Qwen3, Megatron-LM's "
                                          "--qk-layernorm) or over the whole q and the whole k projection (OLMo-2; "
-                                         "RMSNorm only)", choices=("head", "projection"))
+                                         "RMSNorm only)", choices=("head", "projection"), megatron=OWN)
     norm_placement: str = _f("pre", "where a layer's two norms sit: on each sublayer's input (pre: GPT-2, Llama) or "
                                     "on its output before the residual add, x + norm(f(x)) (post: OLMo-2; not the "
-                                    "original Transformer's norm(x + f(x)))", choices=("pre", "post"))
+                                    "original Transformer's norm(x + f(x)))", choices=("pre", "post"), megatron=OWN)
     swiglu: bool = _f(False, "SwiGLU MLP instead of GELU")
     openai_gelu: bool = _f(False, "tanh approximation of GELU (HF gelu_new) instead of the exact erf form")
     untie_embeddings_and_output_weights: bool = _f(False, "separate output layer instead of the tied embedding")
     disable_bias_linear: bool = _f(False, "no biases in linear layers")
     add_qkv_bias: bool = _f(False, "a bias in the QKV projection even with --disable-bias-linear (Qwen2)")
-    hidden_dropout: float = _f(0.0, "dropout on the residual branches")
-    attention_dropout: float = _f(0.0, "dropout on attention probabilities")
+    hidden_dropout: float = _f(0.1, "dropout on the residual branches")
+    attention_dropout: float = _f(0.1, "dropout on attention probabilities")
     init_method_std: float = _f(0.02, "std of the normal weight init; output projections use std/sqrt(2*layers)")
     window_size: Optional[str] = _f(None, "sliding-window attention 'L,0': each query sees itself and the L keys "
                                           "before it (transformers' sliding_window W is W-1,0; -1: no bound)")
@@ -157,8 +157,8 @@ class ModelConfig:
     moe_token_drop_policy: str = _f("probs", "over capacity, drop the tokens with the lowest routing weight "
                                              "(probs) or the latest in the batch (position)",
                                     choices=("probs", "position"))
-    moe_router_dtype: Optional[str] = _f(None, "dtype of the router's computation (default: fp32 always here)",
-                                         choices=("fp32", "fp64"))
+    moe_router_dtype: str = _f("fp32", "dtype of the router's logits, scores and routing decisions (at least fp32 "
+                                       "here)", choices=("fp32", "fp64"), megatron="unset, the model's dtype")
     moe_router_num_groups: Optional[int] = _f(None, "group-limited routing: the experts form this many equal groups "
                                                     "(by id; DeepSeek-V3: one per node), default none")
     moe_router_group_topk: Optional[int] = _f(None, "with --moe-router-num-groups: each token's experts come from this "
@@ -174,9 +174,12 @@ class ModelConfig:
     v_head_dim: int = _f(128, "with MLA: per-head value channels")
     rope_type: Optional[str] = _f(None, "RoPE form of MLA: yarn (default with MLA) or rope", choices=("rope", "yarn"))
     rotary_scaling_factor: float = _f(1.0, "YaRN: context extension factor (DeepSeek-V3: 40; 1 is plain RoPE)")
-    original_max_position_embeddings: int = _f(4096, "YaRN: the context length the model was pretrained with")
-    beta_fast: float = _f(32.0, "YaRN: rotations above which frequencies are kept (extrapolated)")
-    beta_slow: float = _f(1.0, "YaRN: rotations below which frequencies are divided by the factor (interpolated)")
+    original_max_position_embeddings: int = _f(4096, "YaRN: the context length the model was pretrained with",
+                                                 megatron="unset (megatron-core's MLA config: 4096)")
+    beta_fast: float = _f(32.0, "YaRN: rotations above which frequencies are kept (extrapolated)",
+                          megatron="unset (megatron-core's MLA config: 32)")
+    beta_slow: float = _f(1.0, "YaRN: rotations below which frequencies are divided by the factor (interpolated)",
+                          megatron="unset (megatron-core's MLA config: 1)")
     mscale: float = _f(1.0, "YaRN: scale of log(factor) in the RoPE part's magnitude (numerator)")
     mscale_all_dim: float = _f(0.0, "YaRN: the same for the softmax scale and the denominator (DeepSeek-V3: 1)")
     mtp_num_layers: Optional[int] = _f(None, "multi-token prediction: sequential modules after the decoder, module k "

@@ -17,6 +17,8 @@ from engine.config.fields import (
     OPTIMIZERS,
     PIPELINE_SCHEDULES,
     SHARDING_STRATEGIES,
+    MEGATRON_REQUIRED,
+    OWN,
     TOKENIZER_TYPES,
     _f,
 )
@@ -26,11 +28,11 @@ from engine.config.fields import (
 class ParallelConfig:
     tensor_model_parallel_size: int = _f(1, "tensor-parallel size", aliases=("--tp",))
     pipeline_model_parallel_size: int = _f(1, "pipeline-parallel size", aliases=("--pp",))
-    virtual_pipeline_model_parallel_size: Optional[int] = _f(None, "model chunks per pipeline rank (interleaved 1F1B)", aliases=("--vpp",))
+    virtual_pipeline_model_parallel_size: Optional[int] = _f(None, "model chunks per pipeline rank (interleaved 1F1B)", aliases=("--vpp",), megatron=OWN)
     sequence_parallel: bool = _f(False, "split norms and dropout over the sequence within the TP group")
     pipeline_schedule: Optional[str] = _f(None, "pipeline schedule (default: 1f1b, interleaved with --vpp); zb-h1 and "
                                                 "zb-v split each backward into input- and weight-gradient parts",
-                                          choices=PIPELINE_SCHEDULES)
+                                          choices=PIPELINE_SCHEDULES, megatron=OWN)
     context_parallel_size: int = _f(1, "context-parallel size: each sequence split over this many ranks "
                                        "(load-balanced causal chunks, ring attention)", aliases=("--cp",))
     cp_comm_type: str = _f("p2p", "how attention sees the other CP ranks' keys and values: p2p passes them round "
@@ -46,7 +48,7 @@ class ParallelConfig:
     overlap_grad_reduce: bool = _f(False, "start each gradient bucket's reduction as soon as backward fills it")
     overlap_param_gather: bool = _f(False, "optim_grads_params: gather the next layer's weights while this one "
                                            "computes (two layers' weights held instead of one)")
-    gpus_per_node: Optional[int] = _f(None, "ranks per node (default: LOCAL_WORLD_SIZE); a TP group may not span nodes")
+    gpus_per_node: Optional[int] = _f(None, "ranks per node (default: LOCAL_WORLD_SIZE); a TP group may not span nodes", megatron=OWN)
     expert_model_parallel_size: int = _f(1, "expert-parallel size: the experts of each MoE layer split over this "
                                             "many data-parallel ranks, tokens exchanged all-to-all", aliases=("--ep",))
     decoder_first_pipeline_num_layers: Optional[int] = _f(None, "layers on the first pipeline stage (uneven split)")
@@ -59,16 +61,16 @@ class ParallelConfig:
 
 @dataclass
 class TrainingConfig:
-    micro_batch_size: int = _f(1, "samples per microbatch per data-parallel rank")
+    micro_batch_size: int = _f(1, "samples per microbatch per data-parallel rank", megatron=MEGATRON_REQUIRED)
     global_batch_size: Optional[int] = _f(None, "samples per iteration over all dp ranks (default micro*dp)")
     rampup_batch_size: Optional[list] = _f(None, "batch ramp-up: START INCREMENT SAMPLES", nargs=3, type=int)
-    train_iters: int = _f(100, "iterations to train")
+    train_iters: int = _f(100, "iterations to train", megatron=MEGATRON_REQUIRED)
     train_samples: Optional[int] = _f(None, "samples to train instead of --train-iters (Megatron-LM's sample-based "
                                             "run: the iterations are derived, the LR schedule counts samples)")
     bf16: bool = _f(False, "bf16 parameters and compute, fp32 master weights")
     fp16: bool = _f(False, "fp16 parameters and compute with loss scaling")
     loss_scale: Optional[float] = _f(None, "static loss scale for fp16 (default: dynamic)")
-    initial_loss_scale: float = _f(2.0 ** 16, "first dynamic loss scale for fp16")
+    initial_loss_scale: float = _f(2.0 ** 32, "first dynamic loss scale for fp16")
     fp8_format: Optional[str] = _f(None, "FP8 GEMMs in every hidden linear (QKV, projection, MLP, experts; the output "
                                          "layer stays in the run's precision): e4m3 everywhere, or hybrid (e4m3 "
                                          "forward, e5m2 gradients); the rest runs at --bf16/--fp16/fp32",
@@ -80,17 +82,21 @@ class TrainingConfig:
     fp8_amax_history_len: int = _f(1, "FP8 delayed scaling: steps of amax history kept per tensor")
     fp8_amax_compute_algo: str = _f("most_recent", "FP8 delayed scaling: the history's max or its most recent amax",
                                     choices=FP8_AMAX_ALGOS)
-    hysteresis: int = _f(1, "fp16: overflowing steps before the dynamic scale halves (Megatron-LM's default is 2)")
+    hysteresis: int = _f(2, "fp16: overflowing steps before the dynamic scale halves")
     seed: int = _f(1234, "random seed for weights, data order and dropout")
     device: str = _f("auto", "auto: cuda when GPUs are visible, else cpu (nccl and gloo by default; see "
-                                 "--distributed-backend)", choices=("auto", "cuda", "cpu"))
+                                 "--distributed-backend)", choices=("auto", "cuda", "cpu"), megatron=OWN)
 
 
 @dataclass
 class OptimizerConfig:
-    lr: float = _f(3e-4, "peak learning rate")
+    lr: float = _f(3e-4, "peak learning rate", megatron=MEGATRON_REQUIRED)
     min_lr: float = _f(0.0, "learning rate at the end of decay")
-    lr_decay_style: str = _f("cosine", "decay after warm-up (WSD: Megatron-LM's spelling of wsd)",
+    decoupled_lr: Optional[float] = _f(None, "peak LR of the word embedding and the output layer, on a schedule of "
+                                             "their own of the same shape (default: --lr)")
+    decoupled_min_lr: Optional[float] = _f(None, "with --decoupled-lr: their LR at the end of decay (default: "
+                                                 "--min-lr)")
+    lr_decay_style: str = _f("linear", "decay after warm-up (WSD: Megatron-LM's spelling of wsd)",
                              choices=("constant", "linear", "cosine", "inverse-square-root", "wsd", "WSD"))
     lr_warmup_iters: int = _f(0, "linear warm-up iterations")
     lr_decay_iters: Optional[int] = _f(None, "iterations over which the LR decays (default train-iters)")
@@ -112,13 +118,13 @@ class OptimizerConfig:
     adam_beta1: float = _f(0.9, "Adam beta1")
     adam_beta2: float = _f(0.999, "Adam beta2")
     adam_eps: float = _f(1e-8, "Adam epsilon")
-    muon_momentum: float = _f(0.95, "Muon: the momentum's decay (an exponential moving average of the gradients)")
+    muon_momentum: float = _f(0.9, "Muon: the momentum's decay (an exponential moving average of the gradients)")
     muon_nesterov: bool = _f(False, "Muon: orthogonalise the Nesterov look-ahead (gradient moved toward the "
-                                    "momentum) instead of the momentum")
+                                    "momentum) instead of the momentum", aliases=("--muon-use-nesterov",))
     muon_num_ns_steps: int = _f(5, "Muon: Newton-Schulz iterations per matrix and step")
     muon_coefficient_type: str = _f("quintic", "Muon: the Newton-Schulz coefficients: quintic, Megatron-Core's "
                                                "schedule of five (a, b, c); simple, (3.4445, -4.775, 2.0315) at every "
-                                               "step (torch.optim.Muon's)", choices=tuple(MUON_COEFFICIENTS))
+                                               "step (torch.optim.Muon's)", choices=tuple(MUON_COEFFICIENTS), megatron=OWN)
     muon_scale_mode: str = _f("spectral", "Muon: the update's scale for an out x in matrix: spectral "
                                           "sqrt(max(out, in)), unit_rms_norm sqrt(out/in), shape_scaling "
                                           "sqrt(max(1, out/in))", choices=MUON_SCALE_MODES)
@@ -133,9 +139,9 @@ class OptimizerConfig:
     muon_no_split_qkv: bool = _f(False, "Muon: orthogonalise the fused QKV weight as one matrix instead of its q, "
                                         "k and v blocks apart")
     muon_scalar_optimizer: str = _f("adam", "Muon: the optimizer of the parameters that are no hidden matrix "
-                                            "(AdamW with the --adam-* flags)", choices=("adam",))
+                                            "(AdamW with the --adam-* flags)", choices=("adam",), megatron=OWN)
     clip_grad: float = _f(1.0, "clip the global gradient L2 norm to this (0: off)")
-    z_loss_weight: float = _f(0.0, "weight of the log-sum-exp auxiliary loss on the logits")
+    z_loss_weight: float = _f(0.0, "weight of the log-sum-exp auxiliary loss on the logits", megatron=OWN)
 
 
 @dataclass
@@ -155,7 +161,7 @@ class DataConfig:
                                          "token (Megatron-LM's)")
     mock_data: bool = _f(False, "synthetic tokens that depend only on --seed and the sample index (a config "
                                 "file's mock_data gives way to --data-path)")
-    data_phases: Optional[list] = _f(None, "blend phases: a list of {start_iter, weights}", yaml_only=True)
+    data_phases: Optional[list] = _f(None, "blend phases: a list of {start_iter, weights}", yaml_only=True, megatron=OWN)
 
 
 @dataclass
@@ -164,9 +170,9 @@ class CheckpointConfig:
     load: Optional[str] = _f(None, "checkpoint directory to resume from (default --save)")
     save_interval: Optional[int] = _f(None, "save every N iterations")
     async_save: bool = _f(False, "write checkpoints in the background")
-    keep_last: Optional[int] = _f(None, "keep only the newest N checkpoints")
-    keep_every: Optional[int] = _f(None, "also keep every checkpoint whose iteration is a multiple of N")
-    ckpt_fallback: bool = _f(False, "if the newest checkpoint is damaged, load the newest complete one")
+    keep_last: Optional[int] = _f(None, "keep only the newest N checkpoints", megatron=OWN)
+    keep_every: Optional[int] = _f(None, "also keep every checkpoint whose iteration is a multiple of N", megatron=OWN)
+    ckpt_fallback: bool = _f(False, "if the newest checkpoint is damaged, load the newest complete one", megatron=OWN)
     no_load_optim: bool = _f(False, "load model weights only")
     finetune: bool = _f(False, "take only the model weights from --load: iteration 0, a fresh optimizer and data "
                                "position, no LR-schedule check (a restart resumes --save as usual)")
@@ -182,13 +188,13 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    log_interval: int = _f(1, "iterations between console lines")
+    log_interval: int = _f(1, "iterations between console lines", megatron=100)
     eval_interval: Optional[int] = _f(None, "iterations between evaluations")
-    eval_iters: int = _f(10, "validation batches per evaluation")
+    eval_iters: int = _f(10, "validation batches per evaluation", megatron=100)
     tensorboard_dir: Optional[str] = _f(None, "TensorBoard event directory")
-    metrics_file: Optional[str] = _f(None, "JSON-lines metrics (default <tensorboard-dir>/metrics.jsonl or <save>/metrics.jsonl)")
-    peak_tflops: Optional[float] = _f(None, "device peak TFLOP/s for MFU (default from the device table)")
-    pipeline_trace: Optional[str] = _f(None, "write each rank's forward/backward events to this file")
+    metrics_file: Optional[str] = _f(None, "JSON-lines metrics (default <tensorboard-dir>/metrics.jsonl or <save>/metrics.jsonl)", megatron=OWN)
+    peak_tflops: Optional[float] = _f(None, "device peak TFLOP/s for MFU (default from the device table)", megatron=OWN)
+    pipeline_trace: Optional[str] = _f(None, "write each rank's forward/backward events to this file", megatron=OWN)
     profile: bool = _f(False, "record a torch.profiler trace")
     profile_step_start: int = _f(10, "first profiled iteration")
     profile_step_end: int = _f(12, "last profiled iteration")
@@ -201,9 +207,9 @@ class LoggingConfig:
 
 @dataclass
 class StabilityConfig:
-    spike_window: int = _f(50, "iterations in the rolling loss window")
-    spike_threshold: float = _f(6.0, "a loss above mean + K std of the window is a spike")
-    spike_rollback_after: int = _f(0, "roll back after N spikes within the window (0: never)")
-    spike_lr_factor: float = _f(0.5, "LR multiplier after a rollback")
-    spike_lr_steps: int = _f(100, "iterations the lowered LR lasts")
-    inject_fault: list = _f([], "KIND@ITER with KIND nan or spike (repeatable; for drills and tests)", action="append")
+    spike_window: int = _f(50, "iterations in the rolling loss window", megatron=OWN)
+    spike_threshold: float = _f(6.0, "a loss above mean + K std of the window is a spike", megatron=OWN)
+    spike_rollback_after: int = _f(0, "roll back after N spikes within the window (0: never)", megatron=OWN)
+    spike_lr_factor: float = _f(0.5, "LR multiplier after a rollback", megatron=OWN)
+    spike_lr_steps: int = _f(100, "iterations the lowered LR lasts", megatron=OWN)
+    inject_fault: list = _f([], "KIND@ITER with KIND nan or spike (repeatable; for drills and tests)", action="append", megatron=OWN)

@@ -1,7 +1,7 @@
 """fp16 loss scaling: a static scale, or Megatron-LM's dynamic scaler with hysteresis.
 
 Dynamic rule (Megatron's DynamicGradScaler: growth interval 1000, factor 2; hysteresis from --hysteresis,
-default 1 here so that an overflow halves the scale at once, 2 in Megatron-LM):
+default 2 as in Megatron-LM; 1 halves the scale at the first overflow):
 a step whose gradients hold inf/nan is skipped; each such step spends one unit of hysteresis and, once
 none is left, halves the scale (never below `min_scale`). After `growth_interval` clean steps in a row
 the scale doubles and the hysteresis is refilled. So with hysteresis 2 the first overflow after a

@@ -21,7 +21,7 @@ import torch
 
 from engine.optim.muon_plan import MuonPlan
 from engine.optim.newton_schulz import MuonSettings
-from engine.parallel.layers import spec_of
+from engine.parallel.layers import is_vocabulary_table, spec_of
 
 
 class Muon:
@@ -68,7 +68,7 @@ def classify(name: str, p) -> str:
         return ""
     if p.dim() < 2:
         return "1-D"
-    if spec.valid_rows is not None:
+    if is_vocabulary_table(p):
         return "a vocabulary table (embedding or output layer)"
     return "2-D but no hidden layer's weight (a position table or a router)"
 

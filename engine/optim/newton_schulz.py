@@ -42,7 +42,7 @@ EPS = 1e-7  # the Frobenius norm is clamped to this before dividing (torch.optim
 @dataclass(frozen=True)
 class MuonSettings:
     """Muon's flags as the step reads them, resolved once (no module compares the flags' names)."""
-    momentum: float = 0.95
+    momentum: float = 0.9
     nesterov: bool = False
     coefficients: tuple = COEFFICIENTS["quintic"]  # one (a, b, c) per Newton-Schulz step
     scale_mode: str = "spectral"

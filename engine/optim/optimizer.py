@@ -40,6 +40,7 @@ from engine.optim.muon import Muon, classify
 from engine.optim.newton_schulz import MuonSettings
 from engine.optim.param_shard import ParamSharder, param_units
 from engine.parallel import comm
+from engine.parallel.layers import is_vocabulary_table
 
 
 @dataclass
@@ -99,8 +100,12 @@ class Optimizer:
         # --optimizer muon: Muon takes the hidden matrices (muon.classify), AdamW the rest.
         takes = {id(e) for e in self._entries if opt.optimizer == "muon" and not classify(e.name, e.param)}
         scalar = [e for e in self._entries if id(e) not in takes]
+        # --decoupled-lr: the vocabulary tables in a group of their own, which update() gives StepLR.decoupled
+        own = [e for e in scalar if opt.decoupled_lr is not None and is_vocabulary_table(e.param)]
+        scalar = [e for e in scalar if not any(e is d for d in own)]
         groups = [dict(params=[e.master for e in scalar if e.param.ndim >= 2], weight_decay=opt.weight_decay),
-                  dict(params=[e.master for e in scalar if e.param.ndim < 2], weight_decay=0.0)]
+                  dict(params=[e.master for e in scalar if e.param.ndim < 2], weight_decay=0.0),
+                  dict(params=[e.master for e in own], weight_decay=opt.weight_decay, decoupled=True)]
         groups = [g for g in groups if g["params"]]
         # A dp rank can own no element at all of a tiny model; it still joins every collective.
         self.adam = adamw.make_adamw(groups, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
@@ -182,13 +187,14 @@ class Optimizer:
         return StepResult(True, norm, self.scaler.scale)
 
     def update(self, lr: float, factor: float) -> None:
-        """AdamW at rate `lr` on the gradients times `factor` (unscaling and clipping), then publish."""
+        """AdamW at rate `lr` on the gradients times `factor` (unscaling and clipping), then publish; a
+        schedule.StepLR gives the vocabulary tables their decoupled rate."""
         if factor != 1.0:
             for buffer in self.buffers:
                 buffer.scale_local_grads(factor)
         if self.adam is not None:
             for group in self.adam.param_groups:
-                group["lr"] = lr
+                group["lr"] = getattr(lr, "decoupled", lr) if group.get("decoupled") else float(lr)
             self.adam.step()
         if self.muon is not None:
             self.muon.step(lr)

@@ -26,11 +26,45 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from engine.config import ConfigError
+
 # The OptimizerConfig fields that shape the LR curve, all but lr_decay_iters, whose default is --train-iters and
 # which is read through `decay_iters`. A resumed run is checked on both (engine.resolve.check_resumed).
-SCHEDULE_FIELDS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_wsd_decay_iters", "lr_wsd_decay_style",
-                   "lr_warmup_fraction", "lr_warmup_init", "lr_warmup_samples", "lr_decay_samples",
-                   "lr_wsd_decay_samples")
+SCHEDULE_FIELDS = ("lr", "min_lr", "decoupled_lr", "decoupled_min_lr", "lr_decay_style", "lr_warmup_iters",
+                   "lr_wsd_decay_iters", "lr_wsd_decay_style", "lr_warmup_fraction", "lr_warmup_init",
+                   "lr_warmup_samples", "lr_decay_samples", "lr_wsd_decay_samples")
+
+
+class StepLR(float):
+    """The learning rates of one step: the main schedule's (this float: what is logged, what every parameter but
+    the vocabulary tables takes) and `decoupled`, the word embedding's and output layer's (Megatron-LM's
+    --decoupled-lr: the same warm-up and decay between --decoupled-lr and --decoupled-min-lr, default --min-lr;
+    the main rate without it)."""
+
+    decoupled: float
+
+    def __new__(cls, lr: float, decoupled: Optional[float] = None):
+        rates = super().__new__(cls, lr)
+        rates.decoupled = float(lr if decoupled is None else decoupled)
+        return rates
+
+    def __reduce__(self):
+        return StepLR, (float(self), self.decoupled)
+
+
+def decoupled_floor(opt) -> float:
+    """The embedding and output layer's LR at the end of decay: --decoupled-min-lr, default --min-lr."""
+    return opt.min_lr if opt.decoupled_min_lr is None else opt.decoupled_min_lr
+
+
+def check_decoupled(opt) -> None:
+    """--decoupled-min-lr needs --decoupled-lr (Megatron-LM would ignore it) and may not exceed it."""
+    if opt.decoupled_min_lr is not None and opt.decoupled_lr is None:
+        raise ConfigError(f"--decoupled-min-lr {opt.decoupled_min_lr}: applies with --decoupled-lr only; give "
+                          "--decoupled-lr (the embedding and output layer's peak LR) or drop it")
+    if opt.decoupled_lr is not None and not 0 <= decoupled_floor(opt) <= opt.decoupled_lr:
+        raise ConfigError(f"--decoupled-lr {opt.decoupled_lr}: must be at least its minimum, --decoupled-min-lr or "
+                          f"--min-lr ({decoupled_floor(opt)})")
 
 
 def decay_iters(lr_decay_iters: Optional[int], train_iters: Optional[int]) -> Optional[int]:
@@ -53,6 +87,15 @@ def lr_at_sample(samples: int, opt, training) -> float:
     return _lr(samples, opt, *_lengths(opt, training.train_iters, training.train_samples, training.global_batch_size))
 
 
+def rates_at_sample(samples: int, opt, training, factor: float = 1.0) -> StepLR:
+    """`lr_at_sample` with the decoupled rate beside it (StepLR), both times `factor`."""
+    lengths = _lengths(opt, training.train_iters, training.train_samples, training.global_batch_size)
+    main = _lr(samples, opt, *lengths)
+    if opt.decoupled_lr is None:
+        return StepLR(main * factor)
+    return StepLR(main * factor, _lr(samples, opt, *lengths, peak=opt.decoupled_lr, floor=decoupled_floor(opt)) * factor)
+
+
 def _lengths(opt, train_iters: int, train_samples, per_iteration: int) -> tuple:
     """(warm-up, decay, WSD anneal) lengths in the schedule's unit, as Megatron-LM's get_optimizer_param_scheduler
     derives them; the anneal is None when not set."""
@@ -68,9 +111,12 @@ def _lengths(opt, train_iters: int, train_samples, per_iteration: int) -> tuple:
     return warmup, decay, wsd
 
 
-def _lr(step, opt, warmup, decay, wsd) -> float:
-    """Megatron-LM's OptimizerParamScheduler.get_lr at `step`, in the same operations and order."""
-    peak, floor, init = opt.lr, opt.min_lr, opt.lr_warmup_init
+def _lr(step, opt, warmup, decay, wsd, peak=None, floor=None) -> float:
+    """Megatron-LM's OptimizerParamScheduler.get_lr at `step`, in the same operations and order; `peak` and
+    `floor`: a param group's own max_lr and min_lr (default --lr and --min-lr)."""
+    peak = opt.lr if peak is None else peak
+    floor = opt.min_lr if floor is None else floor
+    init = opt.lr_warmup_init
     if warmup > 0 and step <= warmup:
         return init + (peak - init) * float(step) / float(warmup)
     style = opt.lr_decay_style.lower()

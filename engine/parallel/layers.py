@@ -52,6 +52,12 @@ def spec_of(p) -> ParamSpec:
     return spec if spec is not None else ParamSpec(tuple(p.shape))
 
 
+def is_vocabulary_table(p) -> bool:
+    """The word embedding or the output layer, whose rows are the padded vocabulary (what Megatron-Core marks
+    is_embedding_or_output_parameter; a learned position table is not one)."""
+    return spec_of(p).valid_rows is not None
+
+
 def make_param(full_shape, tp_axis, ctx, init, device=None, dtype=None, **spec) -> nn.Parameter:
     """This rank's slice of a parameter of `full_shape`; `spec`: the other ParamSpec fields."""
     shape = list(full_shape)

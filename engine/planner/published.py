@@ -90,7 +90,7 @@ def mpt(layers: int, hidden: int, heads: int, seq: int) -> ModelConfig:
     stands in, it has none either), 50368-token vocabulary."""
     return ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=50368,
                        seq_length=seq, max_position_embeddings=seq, disable_bias_linear=True,
-                       position_embedding_type="rope")
+                       position_embedding_type="rope", hidden_dropout=0.0, attention_dropout=0.0)
 
 
 def llama3(layers: int, hidden: int, heads: int, ffn: int, seq: int) -> ModelConfig:
@@ -98,7 +98,8 @@ def llama3(layers: int, hidden: int, heads: int, ffn: int, seq: int) -> ModelCon
     return ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=8,
                        ffn_hidden_size=ffn, vocab_size=128256, seq_length=seq, max_position_embeddings=seq,
                        normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
-                       untie_embeddings_and_output_weights=True, disable_bias_linear=True)
+                       untie_embeddings_and_output_weights=True, disable_bias_linear=True, hidden_dropout=0.0,
+                       attention_dropout=0.0)
 
 
 def _narayanan() -> list:

@@ -27,14 +27,15 @@ _COLLECTIVE_MARKERS = ("gloo", "Gloo", "NCCL", "Connection closed", "Connection 
 
 
 def fail(message: str, rank: int, before_groups: bool = False) -> int:
-    """Rank 0 prints the one line; every rank exits 2.
+    """Rank 0 prints the message, each of its lines a mistake; every rank exits 2.
 
     Before any process group exists the ranks cannot wait for each other, and torchrun stops every
     worker as soon as the first one exits: a rank other than 0 that exited first could have rank 0
     killed before its line is out. So under torchrun those ranks linger (bounded, in case rank 0 is on
     a node whose agent never tells them) and let rank 0's exit end the job."""
     if rank == 0:
-        print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
+        print("\n".join(f"pretrain_gpt.py: error: {line}" for line in message.splitlines()), file=sys.stderr,
+              flush=True)
     elif before_groups and "TORCHELASTIC_RUN_ID" in os.environ:
         time.sleep(_WAIT_FOR_RANK0_S)
     return 2

@@ -37,6 +37,8 @@ def model_fields(hf: dict) -> tuple:
                                   f"{values[set_by[field]]!r}: Ternion has one setting for both "
                                   f"(--{field.replace('_', '-')})")
             fields[field], set_by[field] = value, rule.key
+    for name in ("hidden_dropout", "attention_dropout"):  # none where config.json names none (not Megatron's 0.1)
+        fields.setdefault(name, 0.0)
     return kind, fields
 
 

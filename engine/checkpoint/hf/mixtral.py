@@ -13,7 +13,7 @@ RULES = tuple(r for r in llama.RULES if r.key != "intermediate_size") + (
     Rule("intermediate_size", lambda m: m.resolved_moe_ffn_hidden_size(), lambda v: {"ffn_hidden_size": v}),
     same("num_local_experts", "num_experts"), same("num_experts_per_tok", "moe_router_topk"),
     Rule("router_jitter_noise", lambda m: 0.0, lambda v: {}),  # noise on training inputs only: not kept
-    llama.every_layer_window("MixtralForCausalLM"),
+    llama.every_layer_window("MixtralForCausalLM"), *moe.AUX_LOSS,
 )
 
 
@@ -31,6 +31,6 @@ def _fits(m) -> bool:
 ADAPTER = Adapter(
     "MixtralForCausalLM", "mixtral", SHAPE, RULES,
     {"tie_word_embeddings": False, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "rope_theta": 1e6,
-     "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 14336},
+     "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 14336, **moe.AUX_LOSS_DEFAULT},
     lambda m: moe.plan(m, block), _fits,
     imports=("mixtral",), windows=True, prepare=llama.rope_parameters, moe=True)

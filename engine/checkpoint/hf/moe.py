@@ -17,8 +17,18 @@ from __future__ import annotations
 from typing import Optional
 
 from engine.checkpoint.hf import llama
+from engine.checkpoint.hf.adapter import Rule, same
 from engine.checkpoint.hf.transforms import ExpertIn, ExpertOut
 from engine.config import ConfigError
+
+
+# The load-balancing loss every family's config holds: its coefficient is --moe-aux-loss-coeff both ways (transformers
+# adds the loss in training only with output_router_logits, written true when the run had one). The loss it weighs
+# is Megatron-Core's, per MoE layer and summed over them; transformers' is one over every layer's tokens at once,
+# without the 1/topk (docs/from-megatron.md).
+AUX_LOSS = (same("router_aux_loss_coef", "moe_aux_loss_coeff"),
+            Rule("output_router_logits", lambda m: m.moe_aux_loss_coeff > 0, lambda v: {}))
+AUX_LOSS_DEFAULT = {"router_aux_loss_coef": 0.001}  # transformers' where config.json leaves it out
 
 
 def dense_layers(m) -> list:

@@ -22,7 +22,7 @@ RULES = llama.RULES + (  # `into` is never called: the family is not imported
     only("norm_topk_prob", True, "top-k routing weights are renormalised"),
     only("decoder_sparse_step", 1, "MoE layers are the ones not in mlp_only_layers"),
     only("qkv_bias", True, "zeros are written where the model has no QKV bias"),
-    only("use_sliding_window", False, "attention covers the whole sequence"),
+    only("use_sliding_window", False, "attention covers the whole sequence"), *moe.AUX_LOSS,
 )
 
 

@@ -22,7 +22,7 @@ RULES = qwen3.RULES + (
     only("norm_topk_prob", True, "Ternion's router renormalises the top-k routing weights"),
     Rule("mlp_only_layers", moe.dense_layers, lambda pattern: {"moe_layer_freq": pattern}),  # see _prepare
     Rule("decoder_sparse_step", lambda m: 1, lambda v: {}),  # read with mlp_only_layers
-    qwen2.USE_SLIDING_WINDOW, llama.every_layer_window("Qwen3MoeForCausalLM"),
+    qwen2.USE_SLIDING_WINDOW, llama.every_layer_window("Qwen3MoeForCausalLM"), *moe.AUX_LOSS,
 )
 
 
@@ -54,6 +54,6 @@ ADAPTER = Adapter(
     "Qwen3MoeForCausalLM", "qwen3_moe", SHAPE, RULES,
     {"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "attention_bias": False,
      "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "intermediate_size": 6144,
-     "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
+     "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [], **moe.AUX_LOSS_DEFAULT},
     lambda m: moe.plan(m, block, qwen3.projections), _fits,
     imports=("qwen3_moe",), windows=True, prepare=_prepare, moe=True)

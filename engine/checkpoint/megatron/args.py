@@ -20,8 +20,8 @@ from engine.config import Config, ConfigError, moe_layer_pattern, window_layer_p
 
 SECTIONS = ("model", "optim", "training", "data")
 NOT_COPIED = {"vocab_size", "num_query_groups", "disable_bias_linear", "attention_backend", "recompute_granularity",
-              "recompute_num_layers", "moe_router_dtype", "z_loss_weight", "qk_layernorm_scope", "norm_placement",
-              "mock_data", "data_phases", "device", "eod_mask_loss"}
+              "recompute_num_layers", "z_loss_weight", "qk_layernorm_scope", "norm_placement",
+              "mock_data", "data_phases", "device", "eod_mask_loss", "muon_no_split_qkv", "muon_nesterov"}
 COPIED = {s: tuple(f.name for f in dataclasses.fields(type(getattr(Config(), s))) if f.name not in NOT_COPIED)
           for s in SECTIONS}
 MODEL_FLAGS = COPIED["model"] + ("vocab_size", "num_query_groups", "disable_bias_linear")
@@ -61,8 +61,10 @@ REFUSED = (
     ("moe_router_num_groups", lambda a: _on(a, "moe_router_num_groups") and not _groups_by_top2(a),
      "Megatron-Core ranks expert groups by the sum of their top k/M scores, Ternion (as DeepSeek-V3) by their top "
      "2: the same only when --moe-router-topk is twice --moe-router-group-topk"),
-    ("decoupled_lr", lambda a: getattr(a, "decoupled_lr", None) is not None, "a separate LR for the embedding and "
-                                                                                "output layer is not built here"),
+    ("optimizer", lambda a: getattr(a, "optimizer", "adam") not in ("adam", "muon", "dist_muon"),
+     "only Adam(W) and Muon are built here"),
+    ("start_weight_decay", lambda a: getattr(a, "weight_decay_incr_style", "constant") != "constant",
+     "a weight decay that changes over the run is not built here (one --weight-decay)"),
     ("position_embedding_type", lambda a: getattr(a, "position_embedding_type", "learned_absolute") not in
      ("learned_absolute", "rope"), "only learned absolute and rotary positions are built here"),
 )
@@ -97,6 +99,10 @@ def config_from_args(args: argparse.Namespace, where: str) -> Config:
         for name in names:
             if getattr(args, name, None) is not None:
                 setattr(fields, name, _value(name, getattr(args, name)))
+    o = cfg.optim  # Megatron-LM's Muon arguments by their dest names; its dist_muon is the same update, sharded
+    o.optimizer = "muon" if o.optimizer == "dist_muon" else o.optimizer
+    o.muon_no_split_qkv = not getattr(args, "muon_split_qkv", True)
+    o.muon_nesterov = _on(args, "muon_use_nesterov")
     m = cfg.model
     m.vocab_size = getattr(args, "padded_vocab_size", None) or m.vocab_size
     m.disable_bias_linear = not getattr(args, "add_bias_linear", True)
@@ -155,5 +161,6 @@ def args_from_config(cfg: Config, tp: int, pp: int, extra: dict) -> argparse.Nam
         no_save_rng=True, params_dtype=torch.bfloat16 if tr.bf16 else torch.float16 if tr.fp16 else torch.float32,
         consumed_train_samples=int(extra.get("consumed_samples") or 0), skipped_train_samples=0,
         consumed_valid_samples=0, lr_decay_style="WSD" if o.lr_decay_style == "wsd" else o.lr_decay_style,
+        muon_split_qkv=not o.muon_no_split_qkv, muon_use_nesterov=o.muon_nesterov,
         transformer_impl="transformer_engine", fp8=None, multi_latent_attention=False, mtp_num_layers=None)
     return argparse.Namespace(**values)
