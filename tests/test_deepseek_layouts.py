@@ -23,7 +23,7 @@ from engine.parallel.layers import spec_of
 from engine.parallel.topology import ParallelContext, context_for
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
-from harness import full_grad, run_ranks
+from harness import NO_DROPOUT, full_grad, run_ranks
 
 VOCAB, SEQ, MICRO, HIDDEN, STEPS = 64, 16, 2, 32, 20
 ROUTER_SPREAD = 50.0  # the routers' init std times this: sigmoid scores spread over (0, 1)
@@ -31,7 +31,7 @@ ROUTER_SPREAD = 50.0  # the routers' init std times this: sigmoid scores spread 
 
 def deepseek_model() -> ModelConfig:
     return ModelConfig(
-        num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB,
+        **NO_DROPOUT, num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB,
         make_vocab_size_divisible_by=16, normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
         disable_bias_linear=True, untie_embeddings_and_output_weights=True, ffn_hidden_size=48,
         multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=12, qk_pos_emb_head_dim=8,

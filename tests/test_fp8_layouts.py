@@ -21,7 +21,7 @@ from engine.optim import build_optimizer, lr_at
 from engine.parallel.topology import ParallelContext, context_for
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
-from harness import run_ranks
+from harness import NO_DROPOUT, run_ranks
 
 VOCAB, SEQ, MICROBATCHES, STEPS = 96, 16, 2, 20
 RECIPES = ("tensorwise", "delayed", "blockwise")
@@ -30,7 +30,7 @@ SAME = 1e-6  # scales and amaxes of the first step: tp sums partial products in 
 
 def _cfg(recipe, tp=1, pp=1, cp=1, ep=1, strategy="no_shard", moe=False, sp=True, schedule=None):
     cfg = Config()
-    cfg.model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4, seq_length=SEQ,
+    cfg.model = ModelConfig(**NO_DROPOUT, num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4, seq_length=SEQ,
                             vocab_size=VOCAB, make_vocab_size_divisible_by=8, swiglu=True, normalization="RMSNorm",
                             position_embedding_type="rope", disable_bias_linear=True,
                             untie_embeddings_and_output_weights=True)

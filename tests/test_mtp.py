@@ -31,6 +31,7 @@ def mtp_config(depth=2) -> Config:
     m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_layer_freq = 4, 2, 16, "[0,1]"
     m.moe_router_score_function, m.moe_shared_expert_intermediate_size = "sigmoid", 16
     m.mtp_num_layers, m.mtp_loss_scaling_factor = depth, 0.3
+    m.hidden_dropout = m.attention_dropout = 0.0  # the by-hand rule has no dropout
     return cfg
 
 
