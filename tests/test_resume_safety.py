@@ -127,6 +127,17 @@ def test_ranks_that_see_different_iterations_stop_with_one_line_instead_of_mixin
     assert all("ranks see different checkpoints (rank 0: iteration 5, rank 1: iteration 7)" in e for e in errors)
 
 
+def _rank_zeros_decision(rank, world, save):
+    from engine.checkpoint.resume import resume_point
+    sees = (lambda _d: 5) if rank == 0 else (lambda _d: None)  # only rank 0 sees the checkpoint being published
+    return resume_point(CheckpointConfig(save=save), sees, rank)
+
+
+def test_every_rank_takes_rank_zeros_resume_decision_even_when_it_sees_otherwise(tmp_path):
+    points = run_ranks(_rank_zeros_decision, 2, str(tmp_path), timeout=120)
+    assert points == [ResumePoint(str(tmp_path))] * 2
+
+
 # ------------------------------------------------------------------ may the run go on from it
 
 def test_train_iters_below_the_checkpoint_is_an_error_and_equal_says_nothing_is_left(saved):
