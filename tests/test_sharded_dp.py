@@ -182,6 +182,16 @@ def test_resume_across_strategies_and_dp_sizes_continues_the_curve(reference, tm
     assert len(curve) == STEPS and not problems, "\n".join(problems)
 
 
+def test_a_checkpoint_loaded_into_zero3_becomes_its_weight_shards(reference, tmp_path):
+    """one rank -> ZeRO-3 at dp 2: the loaded weights must be written back into each rank's shards (else the run
+    goes on from its initial weights while its optimizer state says otherwise)."""
+    c = str(tmp_path / "one-rank")
+    curve = run_ranks(_leg, 1, "no_shard", None, c, 0, 5, timeout=300)[0]
+    curve += run_ranks(_leg, 2, ZERO3, c, None, 5, 8, timeout=300)[0]
+    problems = _compare("no_shard dp1 -> zero3 dp2", curve, reference[:8])
+    assert len(curve) == 8 and not problems, "\n".join(problems)
+
+
 @pytest.mark.parametrize("flags, message", [
     (dict(use_distributed_optimizer=True, data_parallel_sharding_strategy="no_shard"),
      "--data-parallel-sharding-strategy no_shard: contradicts --use-distributed-optimizer"),
