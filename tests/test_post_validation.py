@@ -65,7 +65,7 @@ def test_post_validated_steps_equal_the_synchronous_ones_whether_kept_redone_or_
 def _fp16_run(post_validated: bool, steps: int = 6) -> tuple:
     """Six fp16 steps of a tiny model whose dynamic loss scale doubles after every 2 clean steps; post-validated
     as engine.stepping orders it (step n's forward and backward, then step n-1 settled, then step n run again
-    if that says so, then step n speculated) or synchronous. (fp32 master weights, loss scales)."""
+    if that says so, then step n speculated) or synchronous. (the optimizer's state, loss scales, reruns)"""
     import torch
 
     from engine.config import Config, ModelConfig
@@ -107,8 +107,8 @@ def _fp16_run(post_validated: bool, steps: int = 6) -> tuple:
         validator.speculate(1e-3, [loss])
     if post_validated:
         scales.append(validator.settle().result.loss_scale)
-    masters = torch.cat([t.detach().reshape(-1).float() for t in opt.rollback_tensors()[:1]])
-    return masters, scales, reruns
+    state = torch.cat([t.detach().reshape(-1).float() for t in opt.rollback_tensors()])  # masters, grads, moments
+    return state, scales, reruns
 
 
 def test_fp16_post_validation_reruns_the_step_after_a_loss_scale_change_and_equals_the_synchronous_path():
