@@ -109,14 +109,16 @@ class Trainer:
                 save_report(self.checkpointer, self.iteration, self.log):  # "saving ..." and "saved ... in X s"
             self.checkpointer.save(self.iteration, self.chunks, self.optimizer, extra)
 
-    def rollback(self) -> None:
+    def rollback(self, spike_iteration: int, spike_consumed: int) -> None:
         """Reload the newest checkpoint, skip the data the spike came from, lower the LR for a while.
 
-        The live guard is kept (not the checkpoint's): its counts record what happened.
+        `spike_iteration` is the iteration that spiked and `spike_consumed` the samples consumed after it: under
+        post-validation it was settled during the next iteration, whose batch is not skipped (it replays). The
+        live guard is kept (not the checkpoint's): its counts record what happened.
         """
-        spike_iteration, spike_consumed = self.iteration, self.consumed
-        self.stepper.drop()  # the checkpoint replaces what a step in flight changed
         point = self.checkpointer.resume_point()
+        if point is not None:
+            self.stepper.drop()  # the checkpoint replaces what a step in flight changed
         # --no-load-optim is about how the run started; going back within the run restores everything
         if point is None or self._load(point, load_optim=True) is None:
             return self._report(spike_iteration, self.guard.rollback_events(spike_iteration, None, spike_consumed))
@@ -201,7 +203,7 @@ class Trainer:
                 self.log(line)
             self._report(o.iteration, self.guard.events(decision, o.iteration))
             if decision.kind == ROLLBACK:
-                self.rollback()
+                self.rollback(o.iteration, o.consumed)
                 return True
         return False
 
