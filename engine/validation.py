@@ -25,6 +25,13 @@ TP_FLAG, PP_FLAG, CP_FLAG = "--tensor-model-parallel-size", "--pipeline-model-pa
 FAULT_KINDS = ("nan", "spike")  # --inject-fault drills
 
 
+# Megatron-LM overlaps the distributed optimizer's parameter all-gather with the next forward under this flag; here
+# ZeRO-1/2 gather after the step (ZeRO-3 prefetches under it): said once, not silently accepted.
+PARAM_GATHER_NOT_OVERLAPPED = ("--overlap-param-gather under ZeRO-1/2 (optim, optim_grads): the updated parameters are "
+                               "all-gathered at the end of the step, not overlapped with the next forward (not built "
+                               "here yet); the curve is the same")
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Every check that needs no process group, section by section. Raises ConfigError with one line."""
     _check_parallel_sizes(cfg.parallel)
@@ -35,6 +42,9 @@ def validate(cfg: Config, world_size: int) -> None:
     # The split before the world size: a tp that the heads reject is the more useful line to print.
     _check_split(cfg.model, cfg.parallel, cfg.tp, cfg.pp, schedule.vpp)
     _check_parallel(cfg.parallel, world_size)
+    if par.overlap_param_gather and par.data_parallel_sharding_strategy in ("optim", "optim_grads") and \
+            PARAM_GATHER_NOT_OVERLAPPED not in cfg.notices:
+        cfg.notices.append(PARAM_GATHER_NOT_OVERLAPPED)
     _check_moe(cfg.model, cfg.parallel, cfg.dp(world_size))
     _check_training(cfg.training, cfg.dp(world_size), cfg.pp, schedule.vpp if schedule.interleaved else 1)
     _check_optim(cfg.optim, cfg.training)
