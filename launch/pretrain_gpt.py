@@ -103,6 +103,7 @@ def main(argv=None) -> int:
 
     _init_process_group(cfg, backend, rank, world)
     guard.start_heartbeat(world)  # who stopped, and where, when a collective fails
+    guard.log_dir = cfg.logging.tensorboard_dir or cfg.checkpoint.save  # a failing rank's stack goes there
     ctx, par = None, cfg.parallel
     try:
         ctx = context_for(Layout.from_config(cfg, world), rank, gpus_per_node=par.gpus_per_node,

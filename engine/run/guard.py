@@ -81,6 +81,7 @@ class Guard:
         self.rank, self.timeout_minutes = rank, timeout_minutes
         self.where = "building the process groups"
         self.liveness: Optional[Liveness] = None
+        self.log_dir: Optional[str] = None  # where a failing rank writes its stack (stacks/rank<N>.txt)
         self._locks = []
 
     def take_lock(self, save_dir: Optional[str]) -> "Guard":
@@ -110,18 +111,44 @@ class Guard:
         if self.liveness is not None:
             self.liveness.stop()
 
+    def _last_collective(self) -> str:
+        """The collective this rank issued last, with its group (the one that failed, not only the phase's)."""
+        from engine.parallel import comm
+        last = comm.last_collective()
+        if last is None:
+            return ""
+        describe = getattr(self.where, "group_of", None)
+        words = describe(*last) if describe is not None else f"{last[0]} over ranks {last[1]}"
+        return f"; last collective: {words}"
+
+    def _write_stack(self) -> str:
+        """This rank's Python stack (every thread) in <log dir>/stacks/rank<N>.txt; the words saying where."""
+        if not self.log_dir:
+            return ""
+        import faulthandler
+        path = os.path.join(self.log_dir, "stacks", f"rank{self.rank}.txt")
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as fh:
+                faulthandler.dump_traceback(fh, all_threads=True)
+        except OSError:
+            return ""
+        return f"; stack in {path}"
+
     def die(self, error: BaseException, where: Optional[str] = None) -> NoReturn:
-        """One line naming the failed operation (`where`, else where the run is; from the heartbeats, the rank
-        that stopped), then exit 1 at once: no teardown barrier a dead peer would block."""
+        """One line naming the failed operation (`where`, else where the run is; the last collective and its
+        group; from the heartbeats, the rank that stopped first) and where this rank's stack was written, then
+        exit 1 at once: no teardown barrier a dead peer would block."""
         where, first = str(self.where) if where is None else where, _first_sentence(error)
+        stack = self._write_stack()
         if is_collective_failure(error):
             culprits = self.liveness.culprits() if self.liveness is not None else None
-            print(f"pretrain_gpt.py: rank {self.rank}: collective failed during {where}: {first[:300]} "
-                  f"({culprits or 'a peer rank died or stalled'}; --distributed-timeout-minutes "
-                  f"{self.timeout_minutes:g}); stopping", file=sys.stderr, flush=True)
+            print(f"pretrain_gpt.py: rank {self.rank}: collective failed during {where}{self._last_collective()}: "
+                  f"{first[:300]} ({culprits or 'a peer rank died or stalled'}; --distributed-timeout-minutes "
+                  f"{self.timeout_minutes:g}){stack}; stopping", file=sys.stderr, flush=True)
         else:
             traceback.print_exc()
-            print(f"pretrain_gpt.py: rank {self.rank}: {type(error).__name__} during {where}: {first[:300]}; "
+            print(f"pretrain_gpt.py: rank {self.rank}: {type(error).__name__} during {where}: {first[:300]}{stack}; "
                   "stopping", file=sys.stderr, flush=True)
         sys.stdout.flush()
         self.release()
