@@ -92,6 +92,7 @@ def test_the_last_collective_is_named_with_its_real_group():
     assert phase.group_of("all_gather", [0, 2, 4, 6]) == "all_gather over the dp_cp group [0, 2, 4, 6]"
     assert phase.group_of("all_to_all", [0, 4]) == "all_to_all over the dp group [0, 4]"  # dp first when ep = dp
     assert phase.group_of("send/recv", [0, 8]) == "pp send/recv with rank 8"
+    assert phase.group_of("send/recv", [0, 2]) == "cp send/recv with rank 2"  # the context-parallel ring
     assert phase.group_of("all_reduce", [0, 1, 2, 3]) == "all_reduce over ranks [0, 1, 2, 3]"
 
 

@@ -35,7 +35,8 @@ class Phase:
         me = getattr(self.ctx, "rank", None)
         if op == "send/recv":
             peers = [r for r in ranks if r != me]
-            kind = "pp " if sorted(ranks) == sorted(set(ranks) & set(getattr(self.ctx, "pp_ranks", []) or [])) else ""
+            kind = next((k + " " for k in ("pp", "cp", "tp", "dp", "ep")
+                         if set(ranks) <= set(getattr(self.ctx, k + "_ranks", None) or [])), "")
             return f"{kind}send/recv with rank{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))}"
         for kind in ("tp", "cp", "dp", "dp_cp", "ep", "pp"):
             if list(getattr(self.ctx, kind + "_ranks", None) or []) == list(ranks):
