@@ -189,6 +189,9 @@ class Trainer:
         if ck.save and (due or stop) and self.checkpointer.latest(ck.save) != self.iteration:
             self.save()  # (after a rollback the iteration reached is the checkpoint's: no re-save)
         if stop:
+            if ck.save:
+                with self.phase("finishing the checkpoint save before stopping", "all"):
+                    self.checkpointer.finalize()  # an async save is on disk (and said so) before the stop line
             saved = f"; checkpoint saved in {ck.save}; to resume, run the same command (it resumes from --save)" \
                 if ck.save else "; no --save, nothing saved"
             self.log(f"stopping at iteration {self.iteration}: {self.preemption.reason}{saved}")

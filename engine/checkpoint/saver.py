@@ -113,6 +113,7 @@ class PendingSave:
         self.ckpt_cfg, self.timeout = ckpt_cfg, timeout
         self.error: Optional[str] = None
         self.thread: Optional[threading.Thread] = None
+        self.report: Optional[threading.Thread] = None  # rank 0's "saved ... (async)" line (engine.metrics.save_report)
         self.cancelled = threading.Event()
 
     def finish(self) -> None:
