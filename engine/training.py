@@ -110,12 +110,8 @@ class Trainer:
             self.checkpointer.save(self.iteration, self.chunks, self.optimizer, extra)
 
     def rollback(self, spike_iteration: int, spike_consumed: int) -> None:
-        """Reload the newest checkpoint, skip the data the spike came from, lower the LR for a while.
-
-        `spike_iteration` is the iteration that spiked and `spike_consumed` the samples consumed after it: under
-        post-validation it was settled during the next iteration, whose batch is not skipped (it replays). The
-        live guard is kept (not the checkpoint's): its counts record what happened.
-        """
+        """Reload the newest checkpoint, skip the batch of the iteration that spiked (under post-validation the next
+        one, already running, replays), lower the LR for a while. The live guard is kept: its counts record it."""
         point = self.checkpointer.resume_point()
         if point is not None:
             self.stepper.drop()  # the checkpoint replaces what a step in flight changed
@@ -189,9 +185,8 @@ class Trainer:
         if ck.save and (due or stop) and self.checkpointer.latest(ck.save) != self.iteration:
             self.save()  # (after a rollback the iteration reached is the checkpoint's: no re-save)
         if stop:
-            if ck.save:
-                with self.phase("finishing the checkpoint save before stopping", "all"):
-                    self.checkpointer.finalize()  # an async save is on disk (and said so) before the stop line
+            if ck.save:  # an async save on disk (and said so) before the stop line
+                self.checkpointer.finalize()
             saved = f"; checkpoint saved in {ck.save}; to resume, run the same command (it resumes from --save)" \
                 if ck.save else "; no --save, nothing saved"
             self.log(f"stopping at iteration {self.iteration}: {self.preemption.reason}{saved}")

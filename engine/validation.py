@@ -19,17 +19,10 @@ from engine.config.fields import MUON_COEFFICIENTS
 from engine.data.build import check_data, check_document_ends, data_prefixes, document_flags, end_of_document
 from engine.data.tokenizer_spec import data_vocab_size, tokenizer_of, vocab_source
 from engine.flags import flag_of
-from engine.layout import PipelineSchedule, Sharding
+from engine.layout import PARAM_GATHER_NOT_OVERLAPPED, PipelineSchedule, Sharding
 
 TP_FLAG, PP_FLAG, CP_FLAG = "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"
 FAULT_KINDS = ("nan", "spike")  # --inject-fault drills
-
-
-# Megatron-LM overlaps the distributed optimizer's parameter all-gather with the next forward under this flag; here
-# ZeRO-1/2 gather after the step (ZeRO-3 prefetches under it): said once, not silently accepted.
-PARAM_GATHER_NOT_OVERLAPPED = ("--overlap-param-gather under ZeRO-1/2 (optim, optim_grads): the updated parameters are "
-                               "all-gathered at the end of the step, not overlapped with the next forward (not built "
-                               "here yet); the curve is the same")
 
 
 def validate(cfg: Config, world_size: int) -> None:
@@ -42,9 +35,8 @@ def validate(cfg: Config, world_size: int) -> None:
     # The split before the world size: a tp that the heads reject is the more useful line to print.
     _check_split(cfg.model, cfg.parallel, cfg.tp, cfg.pp, schedule.vpp)
     _check_parallel(cfg.parallel, world_size)
-    if par.overlap_param_gather and par.data_parallel_sharding_strategy in ("optim", "optim_grads") and \
-            PARAM_GATHER_NOT_OVERLAPPED not in cfg.notices:
-        cfg.notices.append(PARAM_GATHER_NOT_OVERLAPPED)
+    if par.overlap_param_gather and not Sharding.of(par.data_parallel_sharding_strategy).params:
+        cfg.notices += [] if PARAM_GATHER_NOT_OVERLAPPED in cfg.notices else [PARAM_GATHER_NOT_OVERLAPPED]
     _check_moe(cfg.model, cfg.parallel, cfg.dp(world_size))
     _check_training(cfg.training, cfg.dp(world_size), cfg.pp, schedule.vpp if schedule.interleaved else 1)
     _check_optim(cfg.optim, cfg.training)

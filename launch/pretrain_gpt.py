@@ -96,6 +96,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    from engine.checkpoint.saver import SaveFailed
     from engine.layout import Layout
     from engine.parallel.topology import context_for, layout_table
     from engine.report import banner, report_arguments
@@ -124,6 +125,8 @@ def main(argv=None) -> int:
             trainer.train()
     except ConfigError as e:
         return fail(str(e), rank)
+    except SaveFailed as e:  # every rank raised it after agreeing: one line, and the teardown barrier is safe
+        return guard.save_failed(e)
     except Exception as e:  # noqa: BLE001 - every failure must end this rank now, never hang in teardown
         guard.die(e)
     finally:

@@ -103,3 +103,15 @@ def test_a_failing_rank_writes_its_stack_into_the_log_dir_and_says_where(tmp_pat
     path = tmp_path / "stacks" / "rank3.txt"
     assert said == f"; stack in {path}" and "test_a_failing_rank_writes_its_stack" in path.read_text()
     assert socket.gethostname()  # the heartbeat's host comes from here
+
+
+def test_a_failed_save_is_one_line_from_rank_0_without_a_traceback(capsys):
+    from engine.checkpoint.saver import SaveFailed
+    error = SaveFailed("saving checkpoint iteration 4 to /ckpt failed on rank 1: OSError: [Errno 28] No space left "
+                       "on device")
+    assert Guard(1, 1.0).save_failed(error) == 1 and capsys.readouterr().err == ""
+    assert Guard(0, 1.0).save_failed(error) == 1
+    assert capsys.readouterr().err == (
+        "pretrain_gpt.py: error: saving checkpoint iteration 4 to /ckpt failed on rank 1: OSError: [Errno 28] No "
+        "space left on device; the previous checkpoint stays the latest; free space or fix --save, then run the same "
+        "command to resume\n")

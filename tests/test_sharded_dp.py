@@ -211,7 +211,7 @@ def test_contradicting_sharding_flags_are_one_clear_line(flags, message):
 def test_overlap_param_gather_under_zero_1_2_says_it_is_not_overlapped(strategy, said):
     """Megatron-LM's meaning (the distributed optimizer's all-gather overlapped with the next forward) is not built
     for ZeRO-1/2: the launcher says so once instead of accepting the flag silently; ZeRO-3 prefetches under it."""
-    from engine.validation import PARAM_GATHER_NOT_OVERLAPPED
+    from engine.layout import PARAM_GATHER_NOT_OVERLAPPED
     cfg = _cfg(strategy, overlap=True)
     cfg.data.mock_data = True
     validate(cfg, 2)

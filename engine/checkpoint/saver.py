@@ -104,6 +104,11 @@ def _snapshot(model_chunks: list, optimizer, ctx, copy: bool) -> tuple:
     return shards, part
 
 
+class SaveFailed(RuntimeError):
+    """A save that failed on some rank (a full or read-only disk): raised on every rank alike, so the launcher says
+    it once (rank 0) instead of a traceback per rank."""
+
+
 class PendingSave:
     """The I/O half of one save; runs inline or in a thread, and touches no process group (but `finish`)."""
 
@@ -140,8 +145,8 @@ class PendingSave:
         failed = failed or [(r, e) for r, e in enumerate(errors) if e]
         if failed:
             rank, error = failed[0]
-            raise RuntimeError(f"saving checkpoint iteration {self.iteration} to {self.save_dir} failed on rank "
-                               f"{rank}: {error}")
+            raise SaveFailed(f"saving checkpoint iteration {self.iteration} to {self.save_dir} failed on rank "
+                             f"{rank}: {error}")
 
     def guarded(self, step) -> None:
         """Run one step of the save; an error is kept for agree() (a crashed writer must not kill training

@@ -111,6 +111,14 @@ class Guard:
         if self.liveness is not None:
             self.liveness.stop()
 
+    def save_failed(self, error: BaseException) -> int:
+        """A checkpoint save failed (on every rank alike: the ranks agreed on it): one line from rank 0, no traceback;
+        exit 1. The previous checkpoint stays `latest`."""
+        if self.rank == 0:
+            print(f"pretrain_gpt.py: error: {error}; the previous checkpoint stays the latest; free space or fix "
+                  "--save, then run the same command to resume", file=sys.stderr, flush=True)
+        return 1
+
     def _last_collective(self) -> str:
         """The collective this rank issued last, with its group (the one that failed, not only the phase's)."""
         from engine.parallel import comm
