@@ -41,8 +41,8 @@ class Liveness:
         while not self._stop.wait(self.interval):
             try:
                 self._beat()
-            except Exception:  # noqa: BLE001 - the store is gone with the agent: nothing left to tell
-                return
+            except Exception:  # noqa: BLE001 - a slow store must not make a live rank look dead: beat again later
+                continue
 
     def _beat(self) -> None:
         self.store.set(_KEY.format(self.rank), json.dumps({"t": time.time(), "phase": self.phase(),
