@@ -19,6 +19,10 @@ A group of one rank sends nothing (recorded with 0). Calls are recorded when the
 not; object collectives and barriers (control traffic, outside the training step) are not counted.
 Outside `counting()` the only cost is one module-level None check per call.
 
+Every call also notes itself as the last collective this rank issued (`last_collective()`: the operation and the
+global ranks of its group, or a point-to-point exchange's peers): when one fails, the launcher names it and its
+group (engine/run/guard.py), which may not be the group of the phase the trainer was in.
+
 gloo on CUDA tensors (`--distributed-backend gloo` on GPUs, several ranks sharing one): torch's ProcessGroupGloo
 (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp and ProcessGroupGlooCuda.cpp as read on pytorch's main branch;
 the GPU machines here run torch 2.11) runs its collectives in host memory. Most have a CUDA variant that copies
