@@ -13,12 +13,15 @@ ARGS = ["--config", "configs/gpt-tiny.yaml", "--mock-data", "--num-layers", "4",
         "--seq-length", "32", "--max-position-embeddings", "32", "--log-interval", "1", "--pp", "2",
         "--train-iters", "12", "--lr", "0.02", "--lr-warmup-iters", "0", "--lr-decay-style", "constant",
         "--save-interval", "4", "--inject-fault", "spike@10", "--spike-window", "5", "--spike-threshold", "2",
-        "--spike-rollback-after", "1", "--spike-lr-factor", "0.5", "--spike-lr-steps", "2"]
+        "--spike-rollback-after", "1", "--spike-lr-factor", "0.5", "--spike-lr-steps", "2", "--clip-grad", "0"]
+# No clipping: every zb-v step is speculative (after a clipped one, steps wait for their check until one passes,
+# which would take the spiking step synchronously and test nothing).
 
 
 def _train(rank, world, runs):
     from engine.cli import parse_config
-    from engine.parallel.topology import build_context
+    from engine.layout import Layout
+    from engine.parallel.topology import context_for
     from engine.resolve import resolve
     from engine.training import Trainer
     from engine.validation import validate
@@ -26,7 +29,8 @@ def _train(rank, world, runs):
     for argv in runs:
         cfg = parse_config(argv)
         validate(cfg, world)
-        ctx = build_context(world, rank, 1, 2, seed=resolve(cfg, world).training.seed)
+        ctx = context_for(Layout.from_config(resolve(cfg, world), world), rank, seed=cfg.training.seed)
+        assert ctx.layout.schedule.split_backward == (cfg.parallel.pipeline_schedule == "zb-v")  # zb-v post-validates
         trainer = None
         try:
             trainer = Trainer(cfg, ctx, "cpu", log=lines.append)
