@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import sys
 import warnings
 
@@ -118,6 +119,7 @@ def main(argv=None) -> int:
                 warnings.simplefilter("ignore")
             trainer = Trainer(cfg, ctx, device, log=log)
             guard.where = trainer.phase  # from here on, the failure line names the trainer's phase
+            guard.stacks_on_signal(signal.SIGTERM)  # after the pre-emption handler: a blocked rank's stack too
             trainer.start()
             with trainer.phase("the start-up banner (all_gather_object)", "all"):
                 table = layout_table(world, cfg.tp, cfg.pp, par.gpus_per_node, cfg.cp)

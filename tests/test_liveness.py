@@ -1,8 +1,8 @@
 """Naming the culprit (issue 37), on one process with a dict for the job's store and threads for the other ranks'
 heartbeats: the reporter keeps beating while it reports, survivors that reported (and whose heartbeat then
 stopped) are never suspects, the rank that stopped first is named first with its host, a frozen (SIGSTOPped) rank
-is named like a dead one; the failure line names the last collective's real group, and the failing rank writes its
-stack where it says. About 2 s.
+is named like a dead one; the failure line names the last collective's real group, the failing rank writes its
+stack where it says, and SIGTERM writes a blocked rank's stack. About 3 s.
 """
 import json
 import socket
@@ -115,3 +115,37 @@ def test_a_failed_save_is_one_line_from_rank_0_without_a_traceback(capsys):
         "pretrain_gpt.py: error: saving checkpoint iteration 4 to /ckpt failed on rank 1: OSError: [Errno 28] No "
         "space left on device; the previous checkpoint stays the latest; free space or fix --save, then run the same "
         "command to resume\n")
+
+
+SIGTERM_SCRIPT = """
+import os, signal, sys, threading, time
+from engine.run.guard import Guard
+guard = Guard(2, 1.0)
+guard.log_dir = sys.argv[1]
+got = []
+signal.signal(signal.SIGTERM, lambda s, f: got.append(s))  # the pre-emption handler, installed first
+guard.stacks_on_signal(signal.SIGTERM)
+def blocked_in_a_collective():
+    time.sleep(1.0)
+if sys.argv[2] == "signal":
+    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+blocked_in_a_collective()
+guard.release()
+print("handler ran" if got else "no signal")
+"""
+
+
+def test_sigterm_writes_the_stack_of_a_blocked_rank_and_still_runs_the_preemption_handler(tmp_path):
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = tmp_path / "stacks" / "rank2.SIGTERM.txt"
+    done = subprocess.run([sys.executable, "-c", SIGTERM_SCRIPT, str(tmp_path), "signal"], capture_output=True,
+                          text=True, env=env, timeout=60)
+    assert done.stdout.strip() == "handler ran", done.stderr
+    assert "blocked_in_a_collective" in path.read_text()
+    path.unlink()
+    done = subprocess.run([sys.executable, "-c", SIGTERM_SCRIPT, str(tmp_path), "none"], capture_output=True,
+                          text=True, env=env, timeout=60)
+    assert done.stdout.strip() == "no signal" and not path.exists(), done.stderr  # no signal: no empty file left

@@ -82,6 +82,7 @@ class Guard:
         self.where = "building the process groups"
         self.liveness: Optional[Liveness] = None
         self.log_dir: Optional[str] = None  # where a failing rank writes its stack (stacks/rank<N>.txt)
+        self._signal_stack: Optional[tuple] = None  # (open file, signal) of stacks_on_signal
         self._locks = []
 
     def take_lock(self, save_dir: Optional[str]) -> "Guard":
@@ -104,12 +105,37 @@ class Guard:
         if store is not None:
             self.liveness = Liveness(store, self.rank, world, lambda: str(self.where)).start()
 
+    def stacks_on_signal(self, signum) -> None:
+        """On `signum` (SIGTERM: the launcher stopping the job), write this rank's stack to
+        <log dir>/stacks/rank<N>.<SIGNAL>.txt at once, from C, even while the rank is blocked in a collective where no
+        Python handler runs; then the handler installed before (pre-emption's flag) runs as usual. Call it after
+        that handler is installed. A file left empty (no signal came) goes at release."""
+        if not self.log_dir:
+            return
+        import faulthandler
+        import signal
+        path = os.path.join(self.log_dir, "stacks", f"rank{self.rank}.{signal.Signals(signum).name}.txt")
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._signal_stack = (open(path, "w"), signum)
+        except OSError:
+            return
+        faulthandler.register(signum, file=self._signal_stack[0], all_threads=True, chain=True)
+
     def release(self) -> None:
         """Give back the lock on --save and stop the heartbeat (safe to call again)."""
         while self._locks:
             self._locks.pop().release()
         if self.liveness is not None:
             self.liveness.stop()
+        if self._signal_stack is not None:
+            import faulthandler
+            fh, signum = self._signal_stack
+            self._signal_stack = None
+            faulthandler.unregister(signum)
+            fh.close()
+            if os.path.getsize(fh.name) == 0:
+                os.remove(fh.name)
 
     def save_failed(self, error: BaseException) -> int:
         """A checkpoint save failed (on every rank alike: the ranks agreed on it): one line from rank 0, no traceback;
