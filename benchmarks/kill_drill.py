@@ -1,10 +1,10 @@
 """The kill drill of issue 37: SIGKILL one rank of a cp 2 x dp 2 job, again and again, and time how long the job
 takes to end after the kill, and which ranks left a stack file.
 
-    python benchmarks/kill_drill.py [--repeats 20] [--rank 1] [--timeout-minutes 0.25]
+    python benchmarks/kill_drill.py [--repeats 20] [--rank 1] [--timeout-minutes 0.25] [--signal KILL|STOP]
 
 Each repetition runs a tiny model under torchrun on 4 CPU ranks (gloo) with --distributed-timeout-minutes T,
-SIGKILLs global rank `--rank` once the metrics file reaches iteration 2, and reports per repetition: seconds from
+SIGKILLs (or SIGSTOPs: frozen, its sockets open) global rank `--rank` once the metrics file reaches iteration 2, and reports per repetition: seconds from
 the kill to the job's end, whether that is within T x 60 + BOUND_S, the rank each survivor's line names, and the
 stack files under <save>/stacks/ (rank<N>.txt from a rank's failure line, rank<N>.SIGTERM.txt from torchrun
 stopping a rank). Prints one line per repetition and a summary; exits 1 if any repetition missed the bound.
@@ -46,7 +46,7 @@ def _iteration(metrics: str) -> int:
         return 0
 
 
-def once(n: int, rank: int, minutes: float, work: str) -> dict:
+def once(n: int, rank: int, minutes: float, work: str, sig=signal.SIGKILL) -> dict:
     save, metrics, tag = os.path.join(work, f"save{n}"), os.path.join(work, f"m{n}.jsonl"), f"drill-{os.getpid()}-{n}"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", KILL_DRILL=tag,
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -60,7 +60,7 @@ def once(n: int, rank: int, minutes: float, work: str) -> dict:
         if killed is None and _iteration(metrics) >= 2:
             pid = _rank_pid(tag, rank)
             if pid is not None:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
                 killed = time.monotonic()
         time.sleep(0.05)
     if proc.poll() is None:
@@ -82,11 +82,12 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--timeout-minutes", type=float, default=0.25)
+    p.add_argument("--signal", choices=("KILL", "STOP"), default="KILL")
     args = p.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="kill-drill-") as work:
         for n in range(args.repeats):
-            r = once(n, args.rank, args.timeout_minutes, work)
+            r = once(n, args.rank, args.timeout_minutes, work, signal.Signals["SIG" + args.signal])
             results.append(r)
             print(f"{n:2d}: ended {r['seconds']:.1f} s after the kill ({'within' if r['within'] else 'OVER'} "
                   f"{args.timeout_minutes * 60 + BOUND_S:.0f} s); survivors' lines {r['lines']}, naming ranks "
