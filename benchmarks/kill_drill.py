@@ -2,6 +2,7 @@
 takes to end after the kill, and which ranks left a stack file.
 
     python benchmarks/kill_drill.py [--repeats 20] [--rank 1] [--timeout-minutes 0.25] [--signal KILL|STOP]
+                                    [--nproc 4] [--layout "--cp 2"]
 
 Each repetition runs a tiny model under torchrun on 4 CPU ranks (gloo) with --distributed-timeout-minutes T,
 SIGKILLs (or SIGSTOPs: frozen, its sockets open) global rank `--rank` once the metrics file reaches iteration 2, and reports per repetition: seconds from
@@ -21,9 +22,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOUND_S = 15.0  # beyond the timeout: two heartbeats for the culprit, the stack, torchrun's own reaction
-ARGS = ["--config", "configs/gpt-tiny.yaml", "--mock-data", "--num-layers", "2", "--hidden-size", "32",
-        "--seq-length", "32", "--max-position-embeddings", "32", "--log-interval", "1", "--cp", "2",
-        "--train-iters", "100000", "--micro-batch-size", "2", "--global-batch-size", "4"]
+ARGS = ["--config", "configs/gpt-tiny.yaml", "--mock-data", "--num-layers", "4", "--hidden-size", "32",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--log-interval", "1", "--train-iters", "100000",
+        "--micro-batch-size", "1"]
 
 
 def _rank_pid(tag: str, rank: int):
@@ -46,13 +47,14 @@ def _iteration(metrics: str) -> int:
         return 0
 
 
-def once(n: int, rank: int, minutes: float, work: str, sig=signal.SIGKILL) -> dict:
+def once(n: int, rank: int, minutes: float, work: str, sig=signal.SIGKILL, nproc: int = 4,
+         layout: tuple = ("--cp", "2")) -> dict:
     save, metrics, tag = os.path.join(work, f"save{n}"), os.path.join(work, f"m{n}.jsonl"), f"drill-{os.getpid()}-{n}"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", KILL_DRILL=tag,
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", "--max-restarts",
-           "0", "--monitor-interval", "0.2", "launch/pretrain_gpt.py", *ARGS, "--save", save, "--metrics-file",
-           metrics, "--distributed-timeout-minutes", str(minutes)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "--max-restarts", "0", "--monitor-interval", "0.2", "launch/pretrain_gpt.py", *ARGS, *layout, "--save", save,
+           "--metrics-file", metrics, "--distributed-timeout-minutes", str(minutes)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killed = None
     deadline = time.monotonic() + 600
@@ -83,11 +85,14 @@ def main() -> int:
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--timeout-minutes", type=float, default=0.25)
     p.add_argument("--signal", choices=("KILL", "STOP"), default="KILL")
+    p.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
+    p.add_argument("--layout", default="--cp 2", help="the layout's flags (default: --cp 2, i.e. cp 2 x dp 2 at 4)")
     args = p.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="kill-drill-") as work:
         for n in range(args.repeats):
-            r = once(n, args.rank, args.timeout_minutes, work, signal.Signals["SIG" + args.signal])
+            r = once(n, args.rank, args.timeout_minutes, work, signal.Signals["SIG" + args.signal], args.nproc,
+                     tuple(args.layout.split()))
             results.append(r)
             print(f"{n:2d}: ended {r['seconds']:.1f} s after the kill ({'within' if r['within'] else 'OVER'} "
                   f"{args.timeout_minutes * 60 + BOUND_S:.0f} s); survivors' lines {r['lines']}, naming ranks "
