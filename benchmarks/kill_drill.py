@@ -75,8 +75,9 @@ def once(n: int, rank: int, minutes: float, work: str, sig=signal.SIGKILL, nproc
     stacks = sorted(f for f in os.listdir(folder) if os.path.getsize(os.path.join(folder, f))) \
         if os.path.isdir(folder) else []
     seconds = ended - killed if killed else float("nan")
+    ops = sorted({m.group(1) for line in lines for m in [re.search(r"; last collective: (.+?): ", line)] if m})
     return {"seconds": seconds, "within": bool(killed) and seconds <= minutes * 60 + BOUND_S, "named": named,
-            "lines": len(lines), "stacks": stacks}
+            "lines": len(lines), "stacks": stacks, "ops": ops}
 
 
 def main() -> int:
@@ -96,7 +97,7 @@ def main() -> int:
             results.append(r)
             print(f"{n:2d}: ended {r['seconds']:.1f} s after the kill ({'within' if r['within'] else 'OVER'} "
                   f"{args.timeout_minutes * 60 + BOUND_S:.0f} s); survivors' lines {r['lines']}, naming ranks "
-                  f"{r['named']}; stack files {r['stacks']}", flush=True)
+                  f"{r['named']}; failed collectives {r['ops']}; stack files {r['stacks']}", flush=True)
     late = sum(not r["within"] for r in results)
     only_killed = sum(r["named"] == [args.rank] for r in results)
     print(f"{len(results) - late}/{len(results)} within the bound; {only_killed}/{len(results)} named rank "
