@@ -345,9 +345,10 @@ def save_report(checkpointer, iteration: int, log=print):
         log(f"saved checkpoint at iteration {iteration} in {time.time() - start:.2f} s")
         return
     log(f"checkpoint save at iteration {iteration} scheduled (async) in {time.time() - start:.2f} s")
-    if checkpointer.ctx.rank == 0:
-        threading.Thread(target=_report_written, args=(pending, iteration, start, log), daemon=True,
-                         name=f"checkpoint-report-{iteration}").start()
+    if checkpointer.ctx.rank == 0:  # Checkpointer.finalize waits for this line too, so it precedes the stop line
+        pending.report = threading.Thread(target=_report_written, args=(pending, iteration, start, log), daemon=True,
+                                          name=f"checkpoint-report-{iteration}")
+        pending.report.start()
 
 
 def _report_written(pending, iteration: int, start: float, log) -> None:

@@ -4,11 +4,13 @@ the tokenizer's files, the world size, or the checkpoint the run resumes from.
 - `resolve(cfg, world_size)`, once at start (the launcher, then the trainer: it is idempotent), fills in the
   vocabulary size, the end-of-document id, the global batch size and --train-samples as iterations, so that no
   other module derives them.
-- `check_resumed(...)`, after a load, refuses what would silently go wrong: a `--train-iters` at or below the
-  checkpoint's iteration, and an LR schedule that differs from the one the checkpoint was trained with (unless
-  `--override-opt-param-scheduler` keeps this run's or `--use-checkpoint-opt-param-scheduler` takes the
-  checkpoint's, Megatron-LM's two flags, the latter by `adopt_schedule`, which rewrites cfg.optim). A checkpoint
-  at iteration 0 has taken no step under its schedule, so it is not compared. Where the run resumes from is
+- `check_resumed(...)`, after a load, refuses what would silently go wrong: a model setting that differs from the
+  checkpoint's and keeps every shape (`check_model`; --override-model-config or --finetune accept it and list
+  it), a `--train-iters` at or below the checkpoint's iteration, and an LR schedule that differs from the one the
+  checkpoint was trained with (unless `--override-opt-param-scheduler` keeps this run's or
+  `--use-checkpoint-opt-param-scheduler` takes the checkpoint's, Megatron-LM's two flags, the latter by
+  `adopt_schedule`, which rewrites cfg.optim). A checkpoint at iteration 0 has taken no step under its schedule,
+  so its schedule is not compared (its model is). Where the run resumes from is
   engine/checkpoint/resume.py's choice.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 from typing import Optional
 
 from engine.config import Config, ConfigError, TrainingConfig
+from engine.config.model_changes import listing, model_differences
 from engine.data.build import document_flags, end_of_document
 from engine.data.rampup import BatchSizeSchedule
 from engine.data.tokenizer_spec import data_vocab_size
@@ -81,6 +84,22 @@ def adopt_schedule(saved_cfg: dict, cfg: Config) -> None:
     cfg.optim.lr_decay_iters = _saved_decay_iters(saved_cfg)
 
 
+def check_model(cfg: Config, directory: str, saved_cfg: dict, log=print, finetune: Optional[str] = None) -> None:
+    """The model the checkpoint was trained as must be this run's: a setting that keeps every shape (the loader
+    refused the others) is refused in one line naming the flags and both values, unless --override-model-config
+    or --finetune says the change is meant; then it is listed."""
+    changed = model_differences(saved_cfg.get("model") or {}, cfg.model)
+    if not changed:
+        return
+    if cfg.checkpoint.override_model_config or finetune:
+        why = "--override-model-config" if cfg.checkpoint.override_model_config else "--finetune"
+        log(f"model settings changed from the checkpoint's in {directory} ({why}): {listing(changed)}")
+        return
+    raise ConfigError(f"the model differs from the one the checkpoint in {directory} was trained as: {listing(changed)}"
+                      f"; resume with the checkpoint's values, or pass --override-model-config to train on with "
+                      f"this run's")
+
+
 def check_resumed(cfg: Config, directory: str, iteration: int, saved_cfg: dict, log=print,
                   finetune: Optional[str] = None) -> None:
     """After a load: the run must have iterations left and the LR schedule the checkpoint expects.
@@ -101,6 +120,7 @@ def check_resumed(cfg: Config, directory: str, iteration: int, saved_cfg: dict, 
         log(f"note: the checkpoint was trained with --tokenizer-model {saved_tokenizer}; this run uses "
             f"{cfg.data.tokenizer_model} (same vocabulary size, or loading would have failed): make sure it is the "
             "same tokenizer")
+    check_model(cfg, directory, saved_cfg, log, finetune)
     changed = schedule_differences(saved_cfg, cfg) if iteration > 0 else []
     if not changed:
         return

@@ -109,14 +109,12 @@ class Trainer:
                 save_report(self.checkpointer, self.iteration, self.log):  # "saving ..." and "saved ... in X s"
             self.checkpointer.save(self.iteration, self.chunks, self.optimizer, extra)
 
-    def rollback(self) -> None:
-        """Reload the newest checkpoint, skip the data the spike came from, lower the LR for a while.
-
-        The live guard is kept (not the checkpoint's): its counts record what happened.
-        """
-        spike_iteration, spike_consumed = self.iteration, self.consumed
-        self.stepper.drop()  # the checkpoint replaces what a step in flight changed
+    def rollback(self, spike_iteration: int, spike_consumed: int) -> None:
+        """Reload the newest checkpoint, skip the batch of the iteration that spiked (under post-validation the next
+        one, already running, replays), lower the LR for a while. The live guard is kept: its counts record it."""
         point = self.checkpointer.resume_point()
+        if point is not None:
+            self.stepper.drop()  # the checkpoint replaces what a step in flight changed
         # --no-load-optim is about how the run started; going back within the run restores everything
         if point is None or self._load(point, load_optim=True) is None:
             return self._report(spike_iteration, self.guard.rollback_events(spike_iteration, None, spike_consumed))
@@ -187,6 +185,8 @@ class Trainer:
         if ck.save and (due or stop) and self.checkpointer.latest(ck.save) != self.iteration:
             self.save()  # (after a rollback the iteration reached is the checkpoint's: no re-save)
         if stop:
+            if ck.save:  # an async save on disk (and said so) before the stop line
+                self.checkpointer.finalize()
             saved = f"; checkpoint saved in {ck.save}; to resume, run the same command (it resumes from --save)" \
                 if ck.save else "; no --save, nothing saved"
             self.log(f"stopping at iteration {self.iteration}: {self.preemption.reason}{saved}")
@@ -201,7 +201,7 @@ class Trainer:
                 self.log(line)
             self._report(o.iteration, self.guard.events(decision, o.iteration))
             if decision.kind == ROLLBACK:
-                self.rollback()
+                self.rollback(o.iteration, o.consumed)
                 return True
         return False
 

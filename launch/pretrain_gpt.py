@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import sys
 import warnings
 
@@ -100,6 +101,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    from engine.checkpoint.saver import SaveFailed
     from engine.layout import Layout
     from engine.parallel.topology import context_for, layout_table
     from engine.report import banner, report_arguments
@@ -107,6 +109,7 @@ def main(argv=None) -> int:
 
     _init_process_group(cfg, backend, rank, world)
     guard.start_heartbeat(world)  # who stopped, and where, when a collective fails
+    guard.log_dir = cfg.logging.tensorboard_dir or cfg.checkpoint.save  # a failing rank's stack goes there
     ctx, par = None, cfg.parallel
     try:
         ctx = context_for(Layout.from_config(cfg, world), rank, gpus_per_node=par.gpus_per_node,
@@ -120,6 +123,7 @@ def main(argv=None) -> int:
                 warnings.simplefilter("ignore")
             trainer = Trainer(cfg, ctx, device, log=log)
             guard.where = trainer.phase  # from here on, the failure line names the trainer's phase
+            guard.stacks_on_signal(signal.SIGTERM)  # after the pre-emption handler: a blocked rank's stack too
             trainer.start()
             with trainer.phase("the start-up banner (all_gather_object)", "all"):
                 table = layout_table(world, cfg.tp, cfg.pp, par.gpus_per_node, cfg.cp)
@@ -127,6 +131,8 @@ def main(argv=None) -> int:
             trainer.train()
     except ConfigError as e:
         return fail(str(e), rank)
+    except SaveFailed as e:  # every rank raised it after agreeing: one line, and the teardown barrier is safe
+        return guard.save_failed(e)
     except Exception as e:  # noqa: BLE001 - every failure must end this rank now, never hang in teardown
         guard.die(e)
     finally:

@@ -321,3 +321,19 @@ def test_bad_phase_weights_are_refused(tmp_path):
         cfg = make_cfg(data_path=["1", a, "1", a], data_phases=[{"start_iter": 5, "weights": weights}])
         with pytest.raises(ConfigError, match="data_phases: weights .* with a positive sum"):
             build_datasets(cfg, 100, 0, 0)
+
+
+@pytest.mark.parametrize("from_last_epoch,separate", [(1, True), (79, True), (80, False), (81, False), (100, False)])
+def test_the_last_epoch_is_shuffled_apart_below_megatrons_80_percent_and_not_at_it(from_last_epoch, separate):
+    """1001 tokens an epoch of 10-token samples (plus the extra label token): 100 samples an epoch, so the second
+    epoch is shuffled on its own when fewer than int(0.8 * 100) = 80 of its samples are used (megatron-core's
+    GPTDataset: `num_samples_from_final_epoch < int(0.80 * num_samples_per_epoch)`)."""
+    num_samples = 100 + from_last_epoch
+    assert gpt_dataset.num_epochs(1001, 10, num_samples) == 2
+    assert gpt_dataset.separate_final_epoch(1001, 10, num_samples) is separate
+    lengths = np.full(7, 143, dtype=np.int32)  # 7 documents of 143 tokens: the same 1001 tokens an epoch
+    docs, _, _ = gpt_dataset.build_indices(lengths, np.arange(7), 10, num_samples, seed=3)
+    tail_is_one_epoch = sorted(docs[-7:].tolist()) == list(range(7)) and sorted(docs[:7].tolist()) == list(range(7))
+    if separate:  # the epochs are shuffled apart: each half holds every document once
+        assert tail_is_one_epoch
+    assert len(docs) == 14

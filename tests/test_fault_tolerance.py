@@ -28,7 +28,9 @@ def test_sigkill_of_a_rank_without_restarts_ends_the_job_naming_the_failure(tmp_
     # the line names the operation and the group it was talking to (which one depends on when the kill lands)
     assert re.search(r"during .+ \((.*(pp|tp|dp) group \[[\d, ]+\]|all ranks)", ours[0]), ours[0]
     assert "--distributed-timeout-minutes 0.25" in ours[0]
-    assert re.search(r"\(rank 1 stopped answering \d+ s ago \(during .+\);", ours[0]), "the dead rank is named"
+    assert re.search(r"\(rank 1 on host \S+ stopped answering \d+ s ago \(during .+\);", ours[0]), ours[0]
+    assert "rank 0 " not in ours[0].split("(", 1)[1], "the survivor is not a suspect"
+    assert re.search(r"; last collective: ((pp|cp|tp|dp|ep) )?[\w/]+ (over|with) ", ours[0]), ours[0]
     assert 'pretrain_gpt.py", line' not in output and 'engine/' not in output, "a rank printed a traceback"
     assert "Signal 9 (SIGKILL)" in output, "torchrun's report should name the killed rank"
     assert not survivors, f"processes of the job outlived torchrun: {survivors}"

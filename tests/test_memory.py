@@ -71,6 +71,37 @@ def test_the_sequence_parallel_linear_keeps_the_shard_and_regathers_it_in_backwa
     torch.testing.assert_close((dx, dw, db), (rx, rw, rb))
 
 
+def _saved_by_gather_linear(rank, world):
+    """At tp = world: the numel of each tensor _GatherLinear keeps for backward, and whether its input shard is one
+    of them; and the input's gradient against the unfused gather + linear."""
+    from engine.parallel import mappings
+    from engine.parallel.topology import build_context
+    ctx = build_context(world, rank, world, 1, sequence_parallel=True)
+    try:
+        torch.manual_seed(rank)
+        x = torch.randn(4, 2, 8, requires_grad=True)
+        torch.manual_seed(100)
+        w, b = torch.randn(6, 8, requires_grad=True), torch.randn(6, requires_grad=True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = mappings.gather_linear(x, w, b, ctx.tp_group)
+        keeps_shard = any(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in saved)
+        dx, = torch.autograd.grad(y, x, torch.ones_like(y))
+        rx, = torch.autograd.grad(torch.nn.functional.linear(mappings.gather_from_sp(x, ctx.tp_group), w, b), x,
+                                  torch.ones_like(y))
+        return sorted(t.numel() for t in saved), keeps_shard, torch.allclose(dx, rx)
+    finally:
+        ctx.destroy()
+
+
+def test_at_tp_2_the_sequence_parallel_linear_keeps_only_its_shard():
+    """On one rank the gathered input is the shard itself, so only tp 2 can tell them apart: backward keeps the
+    [s/2, b, h] shard (64 numbers) and the weight (48), never the gathered [s, b, h] (128)."""
+    from harness import run_ranks
+    for numels, keeps_shard, same_grad in run_ranks(_saved_by_gather_linear, 2, timeout=120):
+        assert numels == [48, 64] and keeps_shard and same_grad, (numels, keeps_shard, same_grad)
+
+
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "layer_norm_no_bias", "swiglu", "apply_rope"])
 def test_written_out_backwards_match_autograd_of_the_formula_in_float64(op):
     torch.manual_seed(0)

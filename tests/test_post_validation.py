@@ -58,3 +58,63 @@ def test_post_validated_steps_equal_the_synchronous_ones_whether_kept_redone_or_
     assert [int(line.split("iteration ")[1].split(":")[0]) for line in lines] == redone, lines
     assert "non-finite loss" in lines[redone.index(3)] and "over --clip-grad" in lines[-1]
     assert "optimizer step redone" not in runs["1f1b"][1]
+
+
+# ---------------------------------------------------------------- fp16: a loss-scale change, on one process
+
+def _fp16_run(post_validated: bool, steps: int = 6) -> tuple:
+    """Six fp16 steps of a tiny model whose dynamic loss scale doubles after every 2 clean steps; post-validated
+    as engine.stepping orders it (step n's forward and backward, then step n-1 settled, then step n run again
+    if that says so, then step n speculated) or synchronous. (the optimizer's state, loss scales, reruns)"""
+    import torch
+
+    from engine.config import Config, ModelConfig
+    from engine.optim import build_optimizer
+    from engine.optim.post_validation import PostValidator
+    from engine.parallel.topology import ParallelContext
+    from engine.pipeline.partition import build_model_chunks
+    cfg = Config()
+    cfg.model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
+                            make_vocab_size_divisible_by=16)
+    cfg.training.fp16, cfg.training.initial_loss_scale, cfg.optim.clip_grad = True, 256.0, 100.0
+    ctx = ParallelContext()
+    model = build_model_chunks(cfg, ctx, vocab_size=64, dtype=torch.float16)[0]
+    opt = build_optimizer(cfg, [model], ctx)
+    opt.scaler.growth_interval = 2
+    validator = PostValidator(opt, ctx)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 64, (2, 17), generator=g) for _ in range(steps)]
+
+    def forward_backward(t) -> float:
+        opt.start_step(1)
+        loss = model(t[:, :-1], labels=t[:, 1:]).float().mean()
+        opt.scale_loss(loss).backward()
+        opt.finish_grad_sync()
+        return loss.item()
+
+    scales, reruns = [], 0
+    for n, t in enumerate(batches):
+        loss = forward_backward(t)
+        if not post_validated:
+            scales.append(opt.step(1e-3).loss_scale)
+            continue
+        settled = validator.settle()
+        if settled is not None:
+            scales.append(settled.result.loss_scale)
+            if settled.rerun:
+                reruns += 1
+                loss = forward_backward(t)
+        validator.speculate(1e-3, [loss])
+    if post_validated:
+        scales.append(validator.settle().result.loss_scale)
+    state = torch.cat([t.detach().reshape(-1).float() for t in opt.rollback_tensors()])  # masters, grads, moments
+    return state, scales, reruns
+
+
+def test_fp16_post_validation_reruns_the_step_after_a_loss_scale_change_and_equals_the_synchronous_path():
+    import torch
+    want, want_scales, _ = _fp16_run(post_validated=False)
+    got, scales, reruns = _fp16_run(post_validated=True)
+    assert want_scales == scales == [256.0, 512.0, 512.0, 1024.0, 1024.0, 2048.0]
+    assert reruns == 2  # after each growth the step in flight, scaled with the old scale, runs again
+    assert torch.equal(got, want)

@@ -182,6 +182,16 @@ def test_resume_across_strategies_and_dp_sizes_continues_the_curve(reference, tm
     assert len(curve) == STEPS and not problems, "\n".join(problems)
 
 
+def test_a_checkpoint_loaded_into_zero3_becomes_its_weight_shards(reference, tmp_path):
+    """one rank -> ZeRO-3 at dp 2: the loaded weights must be written back into each rank's shards (else the run
+    goes on from its initial weights while its optimizer state says otherwise)."""
+    c = str(tmp_path / "one-rank")
+    curve = run_ranks(_leg, 1, "no_shard", None, c, 0, 5, timeout=300)[0]
+    curve += run_ranks(_leg, 2, ZERO3, c, None, 5, 8, timeout=300)[0]
+    problems = _compare("no_shard dp1 -> zero3 dp2", curve, reference[:8])
+    assert len(curve) == 8 and not problems, "\n".join(problems)
+
+
 @pytest.mark.parametrize("flags, message", [
     (dict(use_distributed_optimizer=True, data_parallel_sharding_strategy="no_shard"),
      "--data-parallel-sharding-strategy no_shard: contradicts --use-distributed-optimizer"),
@@ -195,6 +205,18 @@ def test_contradicting_sharding_flags_are_one_clear_line(flags, message):
         setattr(cfg.parallel, name, value)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         validate(cfg, 1)
+
+
+@pytest.mark.parametrize("strategy, said", [("optim", True), ("optim_grads", True), (ZERO3, False)])
+def test_overlap_param_gather_under_zero_1_2_says_it_is_not_overlapped(strategy, said):
+    """Megatron-LM's meaning (the distributed optimizer's all-gather overlapped with the next forward) is not built
+    for ZeRO-1/2: the launcher says so once instead of accepting the flag silently; ZeRO-3 prefetches under it."""
+    from engine.layout import PARAM_GATHER_NOT_OVERLAPPED
+    cfg = _cfg(strategy, overlap=True)
+    cfg.data.mock_data = True
+    validate(cfg, 2)
+    validate(cfg, 2)
+    assert cfg.notices == ([PARAM_GATHER_NOT_OVERLAPPED] if said else [])
 
 
 def test_use_distributed_optimizer_is_the_strategy_optim():

@@ -25,6 +25,7 @@ from engine.checkpoint.hf import import_hf
 from engine.cli import OneLineParser
 from engine.config import TOKENIZER_TYPES, ConfigError
 from engine.flags import command_line
+from engine.run.lock import tool_output
 
 CONFIG_FILE = "model.yaml"
 FOUND_FIRST = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")  # the order they are looked for
@@ -75,13 +76,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         data, note = tokenizer_fields(args.hf, args.tokenizer_type)
-        cfg, names = import_hf(args.hf, args.out, args.seq_length, data)
+        with tool_output(args.out):  # not a running job's --save; a read-only or full --out is one line
+            cfg, names = import_hf(args.hf, args.out, args.seq_length, data)
+            values = {name: getattr(cfg.model, name) for name in names if getattr(cfg.model, name) is not None} | data
+            path = os.path.join(args.out, CONFIG_FILE)
+            write_config(path, values, args.hf)
     except ConfigError as e:
         print(f"convert_hf.py: error: {e}", file=sys.stderr)
         return 2
-    values = {name: getattr(cfg.model, name) for name in names if getattr(cfg.model, name) is not None} | data
-    path = os.path.join(args.out, CONFIG_FILE)
-    write_config(path, values, args.hf)
     print(f"converted {args.hf} into {args.out} (iteration 0; loads at any tp/pp layout)")
     if note:
         print(f"tokenizer: {note}")

@@ -21,6 +21,7 @@ from engine.checkpoint.merged import merge_native, split
 from engine.checkpoint.reader import open_iteration
 from engine.cli import OneLineParser
 from engine.config import ConfigError
+from engine.run.lock import tool_output
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -41,17 +42,21 @@ def main(argv=None) -> int:
         if (args.target_tp is None) != (args.target_pp is None):
             raise ConfigError("--target-tp/--target-pp: give both to split, or neither to merge")
         reader = open_iteration(args.load, args.iteration)
-        if args.target_tp is not None:
-            if args.target_tp < 1 or args.target_pp < 1:
-                raise ConfigError(f"--target-tp {args.target_tp} --target-pp {args.target_pp}: sizes must be at least 1")
-            split(reader, args.out, args.target_tp, args.target_pp)
-            print(f"iteration {reader.iteration} split into tp {args.target_tp} x pp {args.target_pp} under {args.out}")
-        elif args.format == "hf":
-            arch = export_hf(reader, args.out)
-            print(f"iteration {reader.iteration} exported as a transformers {arch} model to {args.out}")
-        else:
-            merge_native(reader, args.out)
-            print(f"iteration {reader.iteration} merged into {args.out}")
+        with tool_output(args.out):  # not a running job's --save; a read-only or full --out is one line
+            if args.target_tp is not None:
+                if args.target_tp < 1 or args.target_pp < 1:
+                    raise ConfigError(f"--target-tp {args.target_tp} --target-pp {args.target_pp}: sizes must be at "
+                                      "least 1")
+                split(reader, args.out, args.target_tp, args.target_pp)
+                done = f"iteration {reader.iteration} split into tp {args.target_tp} x pp {args.target_pp} under " \
+                       f"{args.out}"
+            elif args.format == "hf":
+                done = f"iteration {reader.iteration} exported as a transformers {export_hf(reader, args.out)} " \
+                       f"model to {args.out}"
+            else:
+                merge_native(reader, args.out)
+                done = f"iteration {reader.iteration} merged into {args.out}"
+        print(done)
     except ConfigError as e:
         print(f"merge_ckpt.py: error: {e}", file=sys.stderr)
         return 2

@@ -37,6 +37,8 @@ class Checkpointer:
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.finish()
+            if pending.report is not None:  # the "saved ... (async)" line, said before what follows
+                pending.report.join()
 
     def latest(self, directory: str) -> Optional[int]:
         """The newest complete iteration in `directory`, counting the save in flight there."""

@@ -26,6 +26,7 @@ from engine.checkpoint.layout import local_tensors
 from engine.checkpoint.metadata import OPTIMIZER_KEYS
 from engine.checkpoint.reader import CheckpointReader
 from engine.config import ConfigError
+from engine.config.model_changes import model_differences, shown
 from engine.model import GPTModel
 from engine.parallel.comm import all_gather_object
 from engine.parallel.layers import spec_of
@@ -116,32 +117,19 @@ def _same_everywhere(reader, path: str) -> None:
 
 
 def _mismatch(path: str, what: str, model_cfg, saved_cfg: dict) -> str:
-    """One line: the tensor and shapes that differ, and the flags (saved vs this run) to change."""
-    flags = _model_flag_differences(saved_cfg.get("model") or {}, model_cfg) if model_cfg is not None else []
-    fix = (f"it was saved with {' '.join(f'{f} {old}' for f, old, _ in flags)} (this run: "
-           f"{' '.join(f'{f} {new}' for f, _, new in flags)}); use those flags") if flags else \
-        "use the model flags it was saved with"
-    return f"{MISMATCH} {path}: {what}; {fix}"
-
-
-# Model settings that change which tensors exist or their shapes.
-SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                "add_qkv_bias", "kv_channels", "vocab_size", "max_position_embeddings", "normalization", "position_embedding_type",
-                "swiglu", "untie_embeddings_and_output_weights", "disable_bias_linear")
+    """One line naming the flags (checkpoint's value, this run's) that make the model differ; the tensor only when
+    the checkpoint records no model setting that explains it."""
+    flags = model_differences(saved_cfg.get("model") or {}, model_cfg) if model_cfg is not None else []
+    if flags:
+        return (f"{MISMATCH} {path} was saved with {' '.join(f'{f} {shown(old)}' for f, old, _ in flags)} (this run: "
+                f"{', '.join(f'{f} {shown(new)}' for f, _, new in flags)}); train with the checkpoint's values")
+    return f"{MISMATCH} {path}: {what}; use the model flags it was saved with"
 
 
 def _model_names(model_cfg) -> set:
     """The global names of every tensor the model of `model_cfg` has, whatever the layout (a meta-device build)."""
     model = GPTModel(model_cfg, ParallelContext.virtual(), device="meta")
     return {spec_of(p).copy_of or name for name, p in model.named_parameters()}
-
-
-def _model_flag_differences(saved: dict, model_cfg) -> list:
-    out = []
-    for name in SHAPE_FIELDS:
-        if name in saved and saved[name] != getattr(model_cfg, name, saved[name]):
-            out.append(("--" + name.replace("_", "-"), saved[name], getattr(model_cfg, name)))
-    return out
 
 
 def _open_and_check(path: str, tensors: list, ranges: dict, ctx, model_names, model_cfg=None,

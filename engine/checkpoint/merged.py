@@ -87,21 +87,18 @@ def split(reader: CheckpointReader, out_dir: str, tp: int, pp: int) -> None:
     cfg.parallel.use_distributed_optimizer, cfg.parallel.data_parallel_sharding_strategy = False, None
     cfg.parallel.decoder_first_pipeline_num_layers = cfg.parallel.decoder_last_pipeline_num_layers = None
     check_model_split(cfg.model, tp, pp, tp_flag="--target-tp", pp_flag="--target-pp")
-    os.makedirs(out_dir, exist_ok=True)
-    files.remove_stale(out_dir)
-    tmp = os.path.join(out_dir, files.iter_dir_name(reader.iteration) + ".tmp")
-    os.makedirs(tmp)
-    parts, checksums = [], {}
-    for rank in range(tp * pp):
-        vctx = ParallelContext.virtual(tp=tp, pp=pp, tp_rank=rank % tp, pp_rank=rank // tp)
-        chunks = build_model_chunks(cfg, vctx, vocab_size=reader.meta.vocab_size, device="meta")
-        part, written = _split_rank(reader, vctx, chunks, tmp)
-        checksums.update(written)
-        parts.append(part)
-    meta = CheckpointMeta.build(parts, reader.iteration, ParallelContext.virtual(tp=tp, pp=pp), cfg.to_dict(),
-                                reader.meta.extra_state)
-    meta.files = checksums
-    publish(out_dir, tmp, reader.iteration, meta)
+    with files.staged(out_dir, reader.iteration) as tmp:  # a failure leaves no .tmp behind
+        parts, checksums = [], {}
+        for rank in range(tp * pp):
+            vctx = ParallelContext.virtual(tp=tp, pp=pp, tp_rank=rank % tp, pp_rank=rank // tp)
+            chunks = build_model_chunks(cfg, vctx, vocab_size=reader.meta.vocab_size, device="meta")
+            part, written = _split_rank(reader, vctx, chunks, tmp)
+            checksums.update(written)
+            parts.append(part)
+        meta = CheckpointMeta.build(parts, reader.iteration, ParallelContext.virtual(tp=tp, pp=pp), cfg.to_dict(),
+                                    reader.meta.extra_state)
+        meta.files = checksums
+        publish(out_dir, tmp, reader.iteration, meta)
 
 
 def _split_rank(reader: CheckpointReader, vctx, chunks: list, tmp: str) -> tuple:

@@ -105,6 +105,11 @@ def _snapshot(model_chunks: list, optimizer, ctx, copy: bool) -> tuple:
     return shards, part
 
 
+class SaveFailed(RuntimeError):
+    """A save that failed on some rank (a full or read-only disk): raised on every rank alike, so the launcher says
+    it once (rank 0) instead of a traceback per rank."""
+
+
 class PendingSave:
     """The I/O half of one save; runs inline or in a thread, and touches no process group (but `finish`)."""
 
@@ -114,6 +119,7 @@ class PendingSave:
         self.ckpt_cfg, self.timeout = ckpt_cfg, timeout
         self.error: Optional[str] = None
         self.thread: Optional[threading.Thread] = None
+        self.report: Optional[threading.Thread] = None  # rank 0's "saved ... (async)" line (engine.metrics.save_report)
         self.cancelled = threading.Event()
 
     def finish(self) -> None:
@@ -140,8 +146,8 @@ class PendingSave:
         failed = failed or [(r, e) for r, e in enumerate(errors) if e]
         if failed:
             rank, error = failed[0]
-            raise RuntimeError(f"saving checkpoint iteration {self.iteration} to {self.save_dir} failed on rank "
-                               f"{rank}: {error}")
+            raise SaveFailed(f"saving checkpoint iteration {self.iteration} to {self.save_dir} failed on rank "
+                             f"{rank}: {error}")
 
     def guarded(self, step) -> None:
         """Run one step of the save; an error is kept for agree() (a crashed writer must not kill training

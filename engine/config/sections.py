@@ -182,6 +182,9 @@ class CheckpointConfig:
                                             "differs", aliases=("--override-opt_param-scheduler",))
     use_checkpoint_opt_param_scheduler: bool = _f(False, "on resume, take the LR schedule the checkpoint was "
                                                   "trained with", aliases=("--use-checkpoint-opt_param-scheduler",))
+    override_model_config: bool = _f(False, "on resume, train on with this run's model settings where they differ "
+                                            "from the checkpoint's but keep every tensor's shape (e.g. "
+                                            "--rotary-base, --moe-router-topk); each change is listed")
     exit_duration_in_mins: Optional[float] = _f(None, "save and exit after this many minutes")
     exit_interval: Optional[int] = _f(None, "save and exit after the first iteration that is a multiple of N")
 

@@ -19,6 +19,10 @@ A group of one rank sends nothing (recorded with 0). Calls are recorded when the
 not; object collectives and barriers (control traffic, outside the training step) are not counted.
 Outside `counting()` the only cost is one module-level None check per call.
 
+Every call also notes itself as the last collective this rank issued (`last_collective()`: the operation and the
+global ranks of its group, or a point-to-point exchange's peers): when one fails, the launcher names it and its
+group (engine/run/guard.py), which may not be the group of the phase the trainer was in.
+
 gloo on CUDA tensors (`--distributed-backend gloo` on GPUs, several ranks sharing one): torch's ProcessGroupGloo
 (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp and ProcessGroupGlooCuda.cpp as read on pytorch's main branch;
 the GPU machines here run torch 2.11) runs its collectives in host memory. Most have a CUDA variant that copies
@@ -112,6 +116,26 @@ warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated
 warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.*deprecated.*")
 
 
+# The collective this rank issued last, (operation, group, peers): what the launcher names when one fails
+# (engine/run/guard.py), since the error a survivor gets does not say which group it was in.
+_last: list = [None, None, None]
+
+
+def last_collective() -> Optional[tuple]:
+    """(operation, the global ranks of its group or the peers of a point-to-point exchange) of the last collective
+    this rank issued, or None."""
+    op, group, peers = _last
+    if op is None:
+        return None
+    if peers is not None:
+        return op, sorted(peers)
+    try:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world_size()))
+    except (RuntimeError, ValueError):  # the group is already destroyed
+        ranks = None
+    return op, ranks
+
+
 def world_size(group=None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
@@ -121,6 +145,7 @@ def rank(group=None) -> int:
 
 
 def all_reduce(t: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False):
+    _last[:] = ("all_reduce", group, None)
     if _counter is not None:
         _record("all_reduce", t, group)
     return dist.all_reduce(t, op=op, group=group, async_op=async_op)
@@ -128,6 +153,7 @@ def all_reduce(t: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = Fa
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """Concatenate every rank's `inp` along dim 0 into `out`."""
+    _last[:] = ("all_gather", group, None)
     if _counter is not None:
         _record("all_gather", out, group)
     return dist.all_gather_into_tensor(out, inp.contiguous(), group=group, async_op=async_op)
@@ -135,6 +161,7 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: 
 
 def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False):
     """Sum `inp` over ranks and keep this rank's dim-0 slice in `out`."""
+    _last[:] = ("reduce_scatter", group, None)
     if _counter is not None:
         _record("reduce_scatter", inp, group)
     return dist.reduce_scatter_tensor(out, inp.contiguous(), op=op, group=group, async_op=async_op)
@@ -143,6 +170,7 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group=None, op=Red
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_splits: list, group=None):
     """Rank i sends rows [sum(in_splits[:j]), +in_splits[j]) of `inp` to rank j of `group` and receives
     out_splits[j] rows from rank j, in rank order, into `out` (uneven splits; gloo supports them on CPU)."""
+    _last[:] = ("all_to_all", group, None)
     if _counter is not None:
         row = inp[0].numel() * inp.element_size() if inp.shape[0] else 0
         me = rank(group)
@@ -154,6 +182,7 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: list, in
 
 def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False):
     """`src` is a global rank."""
+    _last[:] = ("broadcast", group, None)
     if _counter is not None:
         _record("broadcast", t, group, src)
     return dist.broadcast(t, src=src, group=group, async_op=async_op)
@@ -164,6 +193,7 @@ def all_gather_object(obj, group=None) -> list:
     if not dist.is_initialized():
         return [obj]
     out = [None] * world_size(group)
+    _last[:] = ("all_gather_object", group, None)
     dist.all_gather_object(out, obj, group=group)
     return out
 
@@ -194,6 +224,7 @@ def side_store(prefix: str, timeout_s: float = 10.0):
 
 def barrier(group=None) -> None:
     if dist.is_initialized():
+        _last[:] = ("barrier", group, None)
         dist.barrier(group=group)
 
 
@@ -265,6 +296,7 @@ def batch_isend_irecv(ops: list) -> list:
 
     nccl runs the batch as one group call (one handle for all); gloo posts each op on its own, so a staged
     receive (gloo only) has its own work, which copies its buffer back when waited for."""
+    _last[:] = ("send/recv", None, {rank()} | {p2p.peer for p2p in ops})
     if _counter is not None:
         world = dist.group.WORLD  # a P2POp made with group None holds the default group itself
         for p2p in ops:

@@ -82,6 +82,8 @@ class Guard:
         self.rank, self.timeout_minutes = rank, timeout_minutes
         self.where = "building the process groups"
         self.liveness: Optional[Liveness] = None
+        self.log_dir: Optional[str] = None  # where a failing rank writes its stack (stacks/rank<N>.txt)
+        self._signal_stack: Optional[tuple] = None  # (open file, signal) of stacks_on_signal
         self._locks = []
 
     def take_lock(self, save_dir: Optional[str]) -> "Guard":
@@ -104,25 +106,84 @@ class Guard:
         if store is not None:
             self.liveness = Liveness(store, self.rank, world, lambda: str(self.where)).start()
 
+    def stacks_on_signal(self, signum) -> None:
+        """On `signum` (SIGTERM: the launcher stopping the job), write this rank's stack to
+        <log dir>/stacks/rank<N>.<SIGNAL>.txt at once, from C, even while the rank is blocked in a collective where no
+        Python handler runs; then the handler installed before (pre-emption's flag) runs as usual. Call it after
+        that handler is installed. A file left empty (no signal came) goes at release."""
+        if not self.log_dir:
+            return
+        import faulthandler
+        import signal
+        path = os.path.join(self.log_dir, "stacks", f"rank{self.rank}.{signal.Signals(signum).name}.txt")
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._signal_stack = (open(path, "w"), signum)
+        except OSError:
+            return
+        faulthandler.register(signum, file=self._signal_stack[0], all_threads=True, chain=True)
+
     def release(self) -> None:
         """Give back the lock on --save and stop the heartbeat (safe to call again)."""
         while self._locks:
             self._locks.pop().release()
         if self.liveness is not None:
             self.liveness.stop()
+        if self._signal_stack is not None:
+            import faulthandler
+            fh, signum = self._signal_stack
+            self._signal_stack = None
+            faulthandler.unregister(signum)
+            fh.close()
+            if os.path.getsize(fh.name) == 0:
+                os.remove(fh.name)
+
+    def save_failed(self, error: BaseException) -> int:
+        """A checkpoint save failed (on every rank alike: the ranks agreed on it): one line from rank 0, no traceback;
+        exit 1. The previous checkpoint stays `latest`."""
+        if self.rank == 0:
+            print(f"pretrain_gpt.py: error: {error}; the previous checkpoint stays the latest; free space or fix "
+                  "--save, then run the same command to resume", file=sys.stderr, flush=True)
+        return 1
+
+    def _last_collective(self) -> str:
+        """The collective this rank issued last, with its group (the one that failed, not only the phase's)."""
+        from engine.parallel import comm
+        last = comm.last_collective()
+        if last is None:
+            return ""
+        describe = getattr(self.where, "group_of", None)
+        words = describe(*last) if describe is not None else f"{last[0]} over ranks {last[1]}"
+        return f"; last collective: {words}"
+
+    def _write_stack(self) -> str:
+        """This rank's Python stack (every thread) in <log dir>/stacks/rank<N>.txt; the words saying where."""
+        if not self.log_dir:
+            return ""
+        import faulthandler
+        path = os.path.join(self.log_dir, "stacks", f"rank{self.rank}.txt")
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as fh:
+                faulthandler.dump_traceback(fh, all_threads=True)
+        except OSError:
+            return ""
+        return f"; stack in {path}"
 
     def die(self, error: BaseException, where: Optional[str] = None) -> NoReturn:
-        """One line naming the failed operation (`where`, else where the run is; from the heartbeats, the rank
-        that stopped), then exit 1 at once: no teardown barrier a dead peer would block."""
+        """One line naming the failed operation (`where`, else where the run is; the last collective and its
+        group; from the heartbeats, the rank that stopped first) and where this rank's stack was written, then
+        exit 1 at once: no teardown barrier a dead peer would block."""
         where, first = str(self.where) if where is None else where, _first_sentence(error)
+        stack = self._write_stack()
         if is_collective_failure(error):
             culprits = self.liveness.culprits() if self.liveness is not None else None
-            print(f"pretrain_gpt.py: rank {self.rank}: collective failed during {where}: {first[:300]} "
-                  f"({culprits or 'a peer rank died or stalled'}; --distributed-timeout-minutes "
-                  f"{self.timeout_minutes:g}); stopping", file=sys.stderr, flush=True)
+            print(f"pretrain_gpt.py: rank {self.rank}: collective failed during {where}{self._last_collective()}: "
+                  f"{first[:300]} ({culprits or 'a peer rank died or stalled'}; --distributed-timeout-minutes "
+                  f"{self.timeout_minutes:g}){stack}; stopping", file=sys.stderr, flush=True)
         else:
             traceback.print_exc()
-            print(f"pretrain_gpt.py: rank {self.rank}: {type(error).__name__} during {where}: {first[:300]}; "
+            print(f"pretrain_gpt.py: rank {self.rank}: {type(error).__name__} during {where}: {first[:300]}{stack}; "
                   "stopping", file=sys.stderr, flush=True)
         sys.stdout.flush()
         self.release()

@@ -14,9 +14,11 @@ holder touches it every `HEARTBEAT_S` seconds:
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -48,13 +50,40 @@ def _pid_alive(pid: int, proc_start: Optional[str] = None) -> bool:
     return proc_start is None or _proc_start(pid) in (None, proc_start)
 
 
+@contextlib.contextmanager
+def tool_output(out_dir: str, flag: str = "--out"):
+    """The output directory of a tool (merge, conversion) while it writes: refused in one line when a running job
+    holds it as its --save (its lock; held by the tool meanwhile), and a write that fails there (read-only, full)
+    is one ConfigError line; a directory this made is removed again on failure (the writers stage and clean their
+    own `.tmp`)."""
+    made = not os.path.exists(out_dir)
+    lock = RunLock(out_dir, log=lambda _line: None, flag=flag)
+    try:
+        lock.acquire()
+    except ConfigError:
+        if made:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    ok = False
+    try:
+        yield
+        ok = True
+    except OSError as e:
+        raise ConfigError(f"{flag} {out_dir}: writing failed ({e.strerror or e}); free space or choose a writable "
+                          "directory") from None
+    finally:
+        lock.release()
+        if made and not ok:
+            shutil.rmtree(out_dir, ignore_errors=True)
+
+
 def _holder_line(info: dict) -> str:
     return f"host {info.get('host')}, pid {info.get('pid')}, started {info.get('started')}"
 
 
 class RunLock:
-    def __init__(self, save_dir: str, log: Callable = print):
-        self.save_dir, self.log = save_dir, log
+    def __init__(self, save_dir: str, log: Callable = print, flag: str = "--save"):
+        self.save_dir, self.log, self.flag = save_dir, log, flag
         self.path = os.path.join(save_dir, LOCK_FILE)
         self.info = {"host": socket.gethostname(), "pid": os.getpid(),
                      "started": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -68,7 +97,7 @@ class RunLock:
         try:
             os.makedirs(self.save_dir, exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"--save {self.save_dir}: cannot create the directory ({e.strerror}); choose a "
+            raise ConfigError(f"{self.flag} {self.save_dir}: cannot create the directory ({e.strerror}); choose a "
                               "writable location") from None
         for _ in range(3):  # a stale lock removed by someone else between our read and create: try again
             if self._create():
@@ -79,13 +108,13 @@ class RunLock:
                 continue
             stale = self._stale_reason(held)
             if stale is None:
-                raise ConfigError(f"--save {self.save_dir} is in use by another job ({_holder_line(held)}): two "
+                raise ConfigError(f"{self.flag} {self.save_dir} is in use by another job ({_holder_line(held)}): two "
                                   "jobs saving into one directory corrupt each other's checkpoints; give this job "
                                   f"its own --save, or stop the other one (if it is gone, delete {self.path})")
-            self.log(f"--save {self.save_dir}: taking over the lock of a job that is gone ({_holder_line(held)}; "
+            self.log(f"{self.flag} {self.save_dir}: taking over the lock of a job that is gone ({_holder_line(held)}; "
                      f"{stale})")
             self._remove()
-        raise ConfigError(f"--save {self.save_dir}: could not take {self.path}; another job keeps replacing it")
+        raise ConfigError(f"{self.flag} {self.save_dir}: could not take {self.path}; another job keeps replacing it")
 
     def release(self) -> None:
         self._stop.set()
@@ -108,7 +137,7 @@ class RunLock:
         except FileExistsError:
             return False
         except OSError as e:
-            raise ConfigError(f"--save {self.save_dir}: not writable ({e.strerror}); choose a writable location "
+            raise ConfigError(f"{self.flag} {self.save_dir}: not writable ({e.strerror}); choose a writable location "
                               "(checked at start so that no training is lost at the first save)") from None
         try:
             os.write(fd, json.dumps(self.info).encode())
@@ -116,21 +145,26 @@ class RunLock:
         except OSError as e:
             os.close(fd)
             self._remove()
-            raise ConfigError(f"--save {self.save_dir}: writing failed ({e.strerror}); free space or choose "
+            raise ConfigError(f"{self.flag} {self.save_dir}: writing failed ({e.strerror}); free space or choose "
                               "another location") from None
         os.close(fd)
         return True
 
     def _read(self) -> Optional[dict]:
         try:
+            age = time.time() - os.path.getmtime(self.path)
             with open(self.path) as fh:
-                info = json.load(fh)
-            info["age_s"] = time.time() - os.path.getmtime(self.path)
-            return info
+                text = fh.read()
         except FileNotFoundError:
             return None
-        except (OSError, ValueError):  # half-written by a job killed while creating it
-            return {"host": "?", "pid": None, "started": "?", "age_s": STALE_AFTER_S + 1}
+        except OSError:
+            text = ""
+        try:
+            info = json.loads(text)
+        except ValueError:  # half-written by a job killed while creating it
+            info = {"host": "?", "pid": None, "started": "?", "half_written": True}
+        info["age_s"] = age
+        return info
 
     def _remove(self) -> None:
         try:
@@ -140,9 +174,13 @@ class RunLock:
 
     def _stale_reason(self, held: dict) -> Optional[str]:
         """Why the holder is gone, or None while it may be alive."""
+        if held.get("half_written"):
+            return f"the lock file is half-written, last written {held['age_s']:.0f} s ago: its job died creating it"
         if held.get("host") == self.info["host"] and isinstance(held.get("pid"), int):
-            alive = _pid_alive(held["pid"], held.get("proc_start"))
-            return None if alive else f"pid {held['pid']} no longer runs"
+            pid = held["pid"]
+            if _pid_alive(pid, held.get("proc_start")):
+                return None
+            return f"pid {pid} now belongs to another process" if _pid_alive(pid) else f"pid {pid} no longer runs"
         if held["age_s"] > STALE_AFTER_S:
             return f"not refreshed for {held['age_s']:.0f} s"
         return None

@@ -26,3 +26,19 @@ class Phase:
 
     def _describe(self, kind: str) -> str:
         return "all ranks" if kind == "all" else f"{kind} group {getattr(self.ctx, kind + '_ranks')}"
+
+    def group_of(self, op: str, ranks) -> str:
+        """The last collective as words: 'all_to_all over the ep group [0, 1]' (its kind when it is one of this
+        rank's groups), 'send/recv with rank 2' for a point-to-point exchange."""
+        if ranks is None:
+            return op
+        me = getattr(self.ctx, "rank", None)
+        if op == "send/recv":
+            peers = [r for r in ranks if r != me]
+            kind = next((k + " " for k in ("pp", "cp", "tp", "dp", "ep")
+                         if set(ranks) <= set(getattr(self.ctx, k + "_ranks", None) or [])), "")
+            return f"{kind}send/recv with rank{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))}"
+        for kind in ("tp", "cp", "dp", "dp_cp", "ep", "pp"):
+            if list(getattr(self.ctx, kind + "_ranks", None) or []) == list(ranks):
+                return f"{op} over the {kind} group {list(ranks)}"
+        return f"{op} over ranks {list(ranks)}"

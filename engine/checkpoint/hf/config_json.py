@@ -50,6 +50,10 @@ def imported_config(hf: dict, seq_length: Optional[int] = None) -> tuple:
     for name, value in fields.items():
         setattr(cfg.model, name, value)
     m = cfg.model
+    experts_key = "num_local_experts" if "num_local_experts" in hf else "num_experts"
+    if m.num_experts and not 1 <= (m.moe_router_topk or 0) <= m.num_experts:
+        raise ConfigError(f"config.json: num_experts_per_tok {m.moe_router_topk} must be between 1 and "
+                          f"{experts_key} {m.num_experts}; fix the transformers config")
     if seq_length is not None and seq_length < 1:
         raise ConfigError(f"--seq-length {seq_length}: must be at least 1")
     m.seq_length = seq_length or min(n for n in (m.max_position_embeddings, DEFAULT_SEQ_LENGTH) if n)

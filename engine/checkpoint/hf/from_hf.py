@@ -36,19 +36,16 @@ def import_hf(hf_dir: str, out_dir: str, seq_length: Optional[int] = None, data:
         if any(k.startswith(prefix) for k in weights.where):
             cfg.notices.append(f"left out the tensors {prefix}*: {why}")
     dtypes = {lt.name: weights.dtype(sources[lt.name][0][0]) for lt in tensors}
-    if files.read_latest(out_dir) is not None or files.list_iterations(out_dir):
-        raise ConfigError(f"--out {out_dir}: already holds a checkpoint; give a new directory")
-    os.makedirs(out_dir, exist_ok=True)
-    files.remove_stale(out_dir)
-    tmp, name = os.path.join(out_dir, files.iter_dir_name(0) + ".tmp"), shard_file("model", 0, 0)
-    os.makedirs(tmp)
-    specs = [(lt.name, dtypes[lt.name], lt.full_shape) for lt in tensors]
-    produced = ((lt.name, _gather(lt, sources[lt.name], weights, dtypes[lt.name])) for lt in tensors)
-    sha = files.write_safetensors(os.path.join(tmp, name), specs, produced)
-    part = RankPart(0, model={lt.name: model_shard(lt, dtypes[lt.name], 0, 0, name) for lt in tensors}, files=[name])
-    meta = CheckpointMeta.build([part], 0, ctx, cfg.to_dict(), {"consumed_samples": 0})
-    meta.files = {name: FileRecord(os.path.getsize(os.path.join(tmp, name)), sha)}
-    publish(out_dir, tmp, 0, meta)
+    name = shard_file("model", 0, 0)
+    with files.staged(out_dir, 0) as tmp:  # a failure (a full or read-only --out) leaves nothing behind
+        specs = [(lt.name, dtypes[lt.name], lt.full_shape) for lt in tensors]
+        produced = ((lt.name, _gather(lt, sources[lt.name], weights, dtypes[lt.name])) for lt in tensors)
+        sha = files.write_safetensors(os.path.join(tmp, name), specs, produced)
+        part = RankPart(0, model={lt.name: model_shard(lt, dtypes[lt.name], 0, 0, name) for lt in tensors},
+                        files=[name])
+        meta = CheckpointMeta.build([part], 0, ctx, cfg.to_dict(), {"consumed_samples": 0})
+        meta.files = {name: FileRecord(os.path.getsize(os.path.join(tmp, name)), sha)}
+        publish(out_dir, tmp, 0, meta)
     return cfg, names
 
 
