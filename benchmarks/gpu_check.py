@@ -3,7 +3,7 @@ device, the kernels, one-GPU training against plain PyTorch, transformers and to
 planner, FP8 (the GEMM against bf16, the 1.3B step in FP8 against bf16), and the goals table.
 
     PYTHONPATH=. python -m benchmarks.gpu_check [--quick] [--out DIR] [--device cuda|cpu] [--dry-run]
-    python -m benchmarks.gpu_check --table RESULTS.json      # the README's "Measured on GPU" table
+    python -m benchmarks.gpu_check --table RESULTS.json      # docs/evidence.md's "Measured on GPU" table
 
 Run from the repository's root as a module: the checkout's engine is used whether or not it is installed
 (PYTHONPATH=. carries that to the processes it starts: pytest -m gpu's torchrun jobs)
@@ -50,7 +50,8 @@ def parse(argv):
     p.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out", help="folder for the JSON and table")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--dry-run", action="store_true", help="tiny sizes: exercises every code path quickly")
-    p.add_argument("--table", metavar="FILE.json", help="print the README 'Measured on GPU' table of a results file")
+    p.add_argument("--table", metavar="FILE.json", 
+                   help="print docs/evidence.md's 'Measured on GPU' table of a results file")
     return p.parse_args(argv)
 
 

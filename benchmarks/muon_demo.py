@@ -16,7 +16,7 @@ of its grid, and its best (lowest mean training loss over the last 20 steps) is 
 The target is the tuned AdamW's loss at the last step (mean of its last 20 steps); the answer is the first step
 at which the tuned Muon's 20-step mean reaches it (or that it does not). Held-out loss at the end is reported
 beside it. Results: the table printed, every run's metrics file in --out, the runs' final losses and the answer
-in benchmarks/results/muon_demo.json, and the curves drawn for the README (--plot).
+in benchmarks/results/muon_demo.json, and the curves drawn for the README and docs/design.md (--plot).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The run as Markdown: the full table the check prints last, and the README's "Measured on GPU" table.
+"""The run as Markdown: the full table the check prints last, and docs/evidence.md's "Measured on GPU" table.
 
 The printed table is what a lease returns (its output tail, 12,000 characters), so it is compact: one line
 per figure, kernels as one row per case with a column per implementation.
@@ -128,7 +128,7 @@ def goals(result: dict) -> list:
 
 
 def readme_table(result: dict) -> str:
-    """The README's "Measured on GPU" rows: the card and date on every row, Ternion beside the best baseline."""
+    """docs/evidence.md's "Measured on GPU" rows: the card and date on every row, Ternion beside the best baseline."""
     name, date = result["card"], result["date"]
     rows = []
     for f in ("matmul_tflops", "copy_tbps"):

@@ -11,7 +11,7 @@ ids and RoPE angles are all cut by `split`, so a rank's activations are its two 
 tokens, since a document may cross chunks), and gives this rank its part. The documents stay whole: they are
 read at absolute positions (the attention mask, the kernels, the ring's plan), like the positions themselves.
 With packed documents the causal balance holds only on average: each query's work is its document's keys
-before it, so a rank's share depends on where documents begin (README: context parallelism).
+before it, so a rank's share depends on where documents begin (docs/guide.md: context parallelism).
 """
 from __future__ import annotations
 
