@@ -50,7 +50,7 @@ def parse(argv):
     p.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out", help="folder for the JSON and table")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--dry-run", action="store_true", help="tiny sizes: exercises every code path quickly")
-    p.add_argument("--table", metavar="FILE.json", 
+    p.add_argument("--table", metavar="FILE.json",
                    help="print docs/evidence.md's 'Measured on GPU' table of a results file")
     return p.parse_args(argv)
 
