@@ -125,8 +125,10 @@ guard.log_dir = sys.argv[1]
 got = []
 signal.signal(signal.SIGTERM, lambda s, f: got.append(s))  # the pre-emption handler, installed first
 guard.stacks_on_signal(signal.SIGTERM)
-def blocked_in_a_collective():
-    time.sleep(1.0)
+def blocked_in_a_collective():  # until the signal's handler has run (a fixed sleep raced a loaded machine)
+    deadline = time.monotonic() + (30.0 if sys.argv[2] == "signal" else 0.2)
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
 if sys.argv[2] == "signal":
     threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
 blocked_in_a_collective()

@@ -75,7 +75,7 @@ def _fp16_run(post_validated: bool, steps: int = 6) -> tuple:
     from engine.pipeline.partition import build_model_chunks
     cfg = Config()
     cfg.model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
-                            make_vocab_size_divisible_by=16)
+                            make_vocab_size_divisible_by=16, hidden_dropout=0.0, attention_dropout=0.0)
     cfg.training.fp16, cfg.training.initial_loss_scale, cfg.optim.clip_grad = True, 256.0, 100.0
     ctx = ParallelContext()
     model = build_model_chunks(cfg, ctx, vocab_size=64, dtype=torch.float16)[0]

@@ -77,7 +77,7 @@ def test_a_new_attention_variant_is_one_value_every_path_and_formula_reads(monke
     (engine/parallel/ring_attention.py). The model hands the value to its one attention entry point, and the
     FLOP and memory formulas count what it says."""
     seen = []
-    monkeypatch.setattr(LocalAttention, "__call__", lambda self, q, k, v, mask, p=0.0: seen.append(mask) or q)
+    monkeypatch.setattr(LocalAttention, "__call__", lambda self, q, k, v, mask, p=0.0, scale=None: seen.append(mask) or q)
     model = GPTModel(_model(position_embedding_type="rope"), ParallelContext(), seed=1)
     model(torch.zeros(2, 16, dtype=torch.long))
     assert len(seen) == 8 and all(isinstance(m, AttentionMask) for m in seen)

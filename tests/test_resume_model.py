@@ -110,7 +110,7 @@ def test_defaults_and_what_they_resolve_to_are_the_same_model_and_unused_setting
     saved.update(vocab_size=256, ffn_hidden_size=256, rotary_base=5e5, moe_router_topk=1, attention_backend="local",
                  recompute_granularity="full", init_method_std=0.1)
     assert model_differences(saved, run) == []  # 4 x hidden; learned positions; no experts; how, not what
-    saved.update(hidden_dropout=0.1, norm_epsilon=1e-6)
-    assert model_differences(saved, run) == [("--norm-epsilon", 1e-6, 1e-5), ("--hidden-dropout", 0.1, 0.0)]
+    saved.update(hidden_dropout=0.0, norm_epsilon=1e-6)  # the run keeps Megatron's default dropout, 0.1
+    assert model_differences(saved, run) == [("--norm-epsilon", 1e-6, 1e-5), ("--hidden-dropout", 0.0, 0.1)]
     saved.pop("norm_epsilon")  # an older checkpoint is compared on what it records
     assert [d[0] for d in model_differences(saved, run)] == ["--hidden-dropout"]
