@@ -17,7 +17,6 @@ import torch
 from engine.metrics import arguments_path
 from engine.optim.muon import classify, summary
 from engine.optim.newton_schulz import MuonSettings
-from engine.optim.schedule import decoupled_floor
 from engine.parallel import comm
 from engine.parallel.layers import spec_of
 from engine.planner.memory import GIB, memory_per_gpu
@@ -89,7 +88,7 @@ def optimizer_lines(cfg, ctx, chunks) -> list:
     o = cfg.optim
     decoupled = [] if o.decoupled_lr is None else [
         f"  the word embedding and output layer on their own LR schedule: --decoupled-lr {o.decoupled_lr:g} down to "
-        f"{decoupled_floor(o):g} (the others: --lr {o.lr:g} down to {o.min_lr:g})"]
+        f"{o.decoupled_floor():g} (the others: --lr {o.lr:g} down to {o.min_lr:g})"]
     if o.optimizer == "adam":
         return [f"optimizer: adam (AdamW: betas ({o.adam_beta1}, {o.adam_beta2}), eps {o.adam_eps:g}, decoupled weight "
                 f"decay {o.weight_decay:g} on the 2-D parameters)"] + decoupled

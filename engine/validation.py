@@ -18,7 +18,6 @@ from engine.data.build import check_data, check_document_ends, data_prefixes, do
 from engine.data.tokenizer_spec import data_vocab_size, tokenizer_of, vocab_source
 from engine.flags import flag_of
 from engine.layout import PARAM_GATHER_NOT_OVERLAPPED, PipelineSchedule, Sharding
-from engine.optim.schedule import check_decoupled
 from engine.validation_model import at_least_one as _at_least_one, check_model
 
 TP_FLAG, PP_FLAG, CP_FLAG = "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"
@@ -45,7 +44,7 @@ def validate(cfg: Config, world_size: int, problems: Optional[Problems] = None) 
             check(_check_training, cfg.training, cfg.dp(world_size), cfg.pp,
                   schedule.vpp if schedule.interleaved else 1)
     check(_check_optim, cfg.optim, cfg.training)
-    check(check_decoupled, cfg.optim)
+    check(_check_decoupled, cfg.optim)
     check(_check_logging, cfg.logging)
     check(_check_files, cfg)
     check(_check_checkpoint, cfg.checkpoint)
@@ -263,6 +262,16 @@ def _check_optim(opt: OptimizerConfig, tr: Optional[TrainingConfig] = None) -> N
         _err("--lr-warmup-fraction", opt.lr_warmup_fraction, "must be at least 0 and below 1 (e.g. 0.01)")
     if opt.optimizer == "muon":
         _check_muon(opt)
+
+
+def _check_decoupled(opt: OptimizerConfig) -> None:
+    """--decoupled-min-lr needs --decoupled-lr (Megatron-LM would ignore it) and may not exceed it."""
+    if opt.decoupled_min_lr is not None and opt.decoupled_lr is None:
+        raise ConfigError(f"--decoupled-min-lr {opt.decoupled_min_lr}: applies with --decoupled-lr only; give "
+                          "--decoupled-lr (the embedding and output layer's peak LR) or drop it")
+    if opt.decoupled_lr is not None and not 0 <= opt.decoupled_floor() <= opt.decoupled_lr:
+        raise ConfigError(f"--decoupled-lr {opt.decoupled_lr}: must be at least its minimum, --decoupled-min-lr or "
+                          f"--min-lr ({opt.decoupled_floor()})")
 
 
 def _check_muon(opt: OptimizerConfig) -> None:

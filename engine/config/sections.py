@@ -143,6 +143,10 @@ class OptimizerConfig:
     clip_grad: float = _f(1.0, "clip the global gradient L2 norm to this (0: off)")
     z_loss_weight: float = _f(0.0, "weight of the log-sum-exp auxiliary loss on the logits", megatron=OWN)
 
+    def decoupled_floor(self) -> float:
+        """The embedding and output layer's LR at the end of decay: --decoupled-min-lr, default --min-lr."""
+        return self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+
 
 @dataclass
 class DataConfig:

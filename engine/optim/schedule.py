@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from engine.config import ConfigError
 
 # The OptimizerConfig fields that shape the LR curve, all but lr_decay_iters, whose default is --train-iters and
 # which is read through `decay_iters`. A resumed run is checked on both (engine.resolve.check_resumed).
@@ -50,21 +49,6 @@ class StepLR(float):
 
     def __reduce__(self):
         return StepLR, (float(self), self.decoupled)
-
-
-def decoupled_floor(opt) -> float:
-    """The embedding and output layer's LR at the end of decay: --decoupled-min-lr, default --min-lr."""
-    return opt.min_lr if opt.decoupled_min_lr is None else opt.decoupled_min_lr
-
-
-def check_decoupled(opt) -> None:
-    """--decoupled-min-lr needs --decoupled-lr (Megatron-LM would ignore it) and may not exceed it."""
-    if opt.decoupled_min_lr is not None and opt.decoupled_lr is None:
-        raise ConfigError(f"--decoupled-min-lr {opt.decoupled_min_lr}: applies with --decoupled-lr only; give "
-                          "--decoupled-lr (the embedding and output layer's peak LR) or drop it")
-    if opt.decoupled_lr is not None and not 0 <= decoupled_floor(opt) <= opt.decoupled_lr:
-        raise ConfigError(f"--decoupled-lr {opt.decoupled_lr}: must be at least its minimum, --decoupled-min-lr or "
-                          f"--min-lr ({decoupled_floor(opt)})")
 
 
 def decay_iters(lr_decay_iters: Optional[int], train_iters: Optional[int]) -> Optional[int]:
@@ -93,7 +77,8 @@ def rates_at_sample(samples: int, opt, training, factor: float = 1.0) -> StepLR:
     main = _lr(samples, opt, *lengths)
     if opt.decoupled_lr is None:
         return StepLR(main * factor)
-    return StepLR(main * factor, _lr(samples, opt, *lengths, peak=opt.decoupled_lr, floor=decoupled_floor(opt)) * factor)
+    own = _lr(samples, opt, *lengths, peak=opt.decoupled_lr, floor=opt.decoupled_floor())
+    return StepLR(main * factor, own * factor)
 
 
 def _lengths(opt, train_iters: int, train_samples, per_iteration: int) -> tuple:
