@@ -118,36 +118,50 @@ def test_a_failed_save_is_one_line_from_rank_0_without_a_traceback(capsys):
 
 
 SIGTERM_SCRIPT = """
-import os, signal, sys, threading, time
+import signal, sys, time
 from engine.run.guard import Guard
 guard = Guard(2, 1.0)
 guard.log_dir = sys.argv[1]
 got = []
 signal.signal(signal.SIGTERM, lambda s, f: got.append(s))  # the pre-emption handler, installed first
 guard.stacks_on_signal(signal.SIGTERM)
-def blocked_in_a_collective():  # until the signal's handler has run (a fixed sleep raced a loaded machine)
+def blocked_in_a_collective():  # until the handler has run (the launcher's SIGTERM, sent from outside)
     deadline = time.monotonic() + (30.0 if sys.argv[2] == "signal" else 0.2)
     while not got and time.monotonic() < deadline:
         time.sleep(0.01)
-if sys.argv[2] == "signal":
-    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+print("ready", flush=True)
 blocked_in_a_collective()
 guard.release()
 print("handler ran" if got else "no signal")
 """
 
 
-def test_sigterm_writes_the_stack_of_a_blocked_rank_and_still_runs_the_preemption_handler(tmp_path):
+def _sigterm_script(tmp_path, mode: str) -> tuple:
+    """Run SIGTERM_SCRIPT; with mode "signal" send it SIGTERM from this process once it is waiting (as torchrun
+    does: a signal raised from a thread of the process itself raced faulthandler's dump of that exiting thread).
+    (returncode, stdout after "ready", stderr)"""
     import os
+    import signal
     import subprocess
     import sys
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT, str(tmp_path), mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+        if mode == "signal":
+            os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return proc.returncode, out.strip(), err
+
+
+def test_sigterm_writes_the_stack_of_a_blocked_rank_and_still_runs_the_preemption_handler(tmp_path):
     path = tmp_path / "stacks" / "rank2.SIGTERM.txt"
-    done = subprocess.run([sys.executable, "-c", SIGTERM_SCRIPT, str(tmp_path), "signal"], capture_output=True,
-                          text=True, env=env, timeout=60)
-    assert done.stdout.strip() == "handler ran", done.stderr
+    code, out, err = _sigterm_script(tmp_path, "signal")
+    assert (code, out) == (0, "handler ran"), (code, err)
     assert "blocked_in_a_collective" in path.read_text()
     path.unlink()
-    done = subprocess.run([sys.executable, "-c", SIGTERM_SCRIPT, str(tmp_path), "none"], capture_output=True,
-                          text=True, env=env, timeout=60)
-    assert done.stdout.strip() == "no signal" and not path.exists(), done.stderr  # no signal: no empty file left
+    code, out, err = _sigterm_script(tmp_path, "none")
+    assert (code, out) == (0, "no signal") and not path.exists(), (code, err)  # no signal: no empty file left
