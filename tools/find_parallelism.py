@@ -290,6 +290,38 @@ def _table(rows) -> str:
     return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths)) if r else rule for r in lines)
 
 
+def _report(args, cfg, rows: list, gpu, run: tuple, schedules, plan) -> None:
+    """The text output: the model and machine, the table of the best layouts, then the caveats, what was not
+    searched (`schedules`: those searched, None for one given layout), why the pick, and its command line."""
+    batch, seq, precision = run
+    shown = rows[:max(1, args.top)]
+    fitting = sum(e.fits for e in rows)
+    print(f"{cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
+          f"{sum(params_per_rank(cfg.model, Layout())) / 1e9:.2f}B params{_moe_summary(cfg.model)} on "
+          f"{args.num_gpus} x {gpu.name} "
+          f"({gpu.peak_tflops:.0f} TFLOP/s, {gpu.memory_gib:.0f} GiB); global batch {batch} x {seq} tokens, {precision}")
+    print(f"{len(rows)} layout(s) evaluated, {fitting} fit in memory\n")
+    print(_table(shown))
+    if not calibrated(cfg.model):
+        print("\nuncalibrated: no published mixture-of-experts run is in the step-time model's calibration set, so "
+              "these step times and MFU are the dense model's constants applied to experts; take them as a ranking, "
+              "not a forecast (docs/planner.md)")
+    best = rows[0]
+    if args.tp is None:
+        print("\nnot searched: " + "; ".join(not_searched(cfg.model, args.num_gpus, args.gpus_per_node, seq,
+                                                          schedules)))
+        second = runner_up(rows) if best.fits else None
+        if second is not None:
+            print("\nwhy: " + why(best, second))
+    if best.fits:
+        print(("\ncommand line:\n  " if args.tp else "\nbest layout:\n  ") + torchrun_command(args, best.layout, batch, seq, precision))
+    if plan:
+        print(f"\ncompute plan for the best layout: {plan['tokens']:.3g} tokens, {plan['training_flops']:.3g} FLOPs, "
+              f"{plan['days']:.1f} days on {args.num_gpus} GPUs, {plan['gpu_hours']:,.0f} GPU-hours\n"
+              f"Chinchilla-optimal for this budget (~20 tokens/param): {plan['chinchilla_params'] / 1e9:.2f}B params "
+              f"on {plan['chinchilla_tokens']:.3g} tokens (this model: {plan['params'] / 1e9:.2f}B)")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     cfg = parse_config(["--config", args.config])
@@ -326,31 +358,7 @@ def main(argv=None) -> int:
                for i, e in enumerate(shown)]
         print(json.dumps(out, indent=1))
         return _nothing_fits(args, gpu, rows)
-    fitting = sum(e.fits for e in rows)
-    print(f"{cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
-          f"{sum(params_per_rank(cfg.model, Layout())) / 1e9:.2f}B params{_moe_summary(cfg.model)} on "
-          f"{args.num_gpus} x {gpu.name} "
-          f"({gpu.peak_tflops:.0f} TFLOP/s, {gpu.memory_gib:.0f} GiB); global batch {batch} x {seq} tokens, {precision}")
-    print(f"{len(rows)} layout(s) evaluated, {fitting} fit in memory\n")
-    print(_table(shown))
-    if not calibrated(cfg.model):
-        print("\nuncalibrated: no published mixture-of-experts run is in the step-time model's calibration set, so "
-              "these step times and MFU are the dense model's constants applied to experts; take them as a ranking, "
-              "not a forecast (docs/planner.md)")
-    best = rows[0]
-    if args.tp is None:
-        print("\nnot searched: " + "; ".join(not_searched(cfg.model, args.num_gpus, args.gpus_per_node, seq,
-                                                          schedules)))
-        second = runner_up(rows) if best.fits else None
-        if second is not None:
-            print("\nwhy: " + why(best, second))
-    if best.fits:
-        print(("\ncommand line:\n  " if args.tp else "\nbest layout:\n  ") + torchrun_command(args, best.layout, batch, seq, precision))
-    if plan:
-        print(f"\ncompute plan for the best layout: {plan['tokens']:.3g} tokens, {plan['training_flops']:.3g} FLOPs, "
-              f"{plan['days']:.1f} days on {args.num_gpus} GPUs, {plan['gpu_hours']:,.0f} GPU-hours\n"
-              f"Chinchilla-optimal for this budget (~20 tokens/param): {plan['chinchilla_params'] / 1e9:.2f}B params "
-              f"on {plan['chinchilla_tokens']:.3g} tokens (this model: {plan['params'] / 1e9:.2f}B)")
+    _report(args, cfg, rows, gpu, (batch, seq, precision), schedules if args.tp is None else None, plan)
     return _nothing_fits(args, gpu, rows)
 
 
