@@ -9,9 +9,19 @@ across where its layout is read (optimizer.py: the model-space layouts; bucket_s
 Out (`export_megatron`, `--to-megatron`): a Ternion checkpoint as torch_dist that megatron-core's
 dist_checkpointing.load reads (exporter.py). Pickled Megatron files are read without running their code
 (pickled.py).
-"""
-from engine.checkpoint.megatron.exporter import export_megatron
-from engine.checkpoint.megatron.importer import import_megatron
-from engine.checkpoint.megatron.source import megatron_format, open_megatron
 
-__all__ = ["import_megatron", "export_megatron", "megatron_format", "open_megatron"]
+The names below are loaded on first use: every `--load` passes through this package (source.py tells the
+formats apart), and the torch_dist reader and writer import torch.distributed.checkpoint, about a second of
+start-up that a run not converting anything should not pay.
+"""
+import importlib
+
+_WHERE = {"import_megatron": "importer", "export_megatron": "exporter", "megatron_format": "source",
+          "open_megatron": "source"}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWr
 from engine.checkpoint import files
 from engine.checkpoint.megatron.args import args_from_config
 from engine.checkpoint.megatron.tables import EXPERTS_KEY, FLATTENED, homogeneous, plan, split_layer, tp_axis
-from engine.checkpoint.megatron.torch_dist import BACKEND_FILE, COMMON_FILE
+from engine.checkpoint.megatron.marks import BACKEND_FILE, COMMON_FILE
 from engine.checkpoint.reader import CheckpointReader
 from engine.config import Config
 from engine.validation import check_model_split

@@ -20,7 +20,7 @@ from typing import Optional
 from engine.checkpoint import files
 from engine.checkpoint.megatron.legacy import Legacy, is_legacy
 from engine.checkpoint.megatron.tables import stored_names
-from engine.checkpoint.megatron.torch_dist import TorchDist, is_torch_dist
+from engine.checkpoint.megatron.marks import is_torch_dist
 from engine.config import ConfigError
 
 RELEASE = "release"
@@ -117,7 +117,11 @@ def open_megatron(path: str, iteration: Optional[int] = None) -> MegatronCheckpo
     if fmt is None:
         raise ConfigError(f"{folder}: neither torch_dist (metadata.json, common.pt, .metadata) nor torch "
                           "(mp_rank_XX/model_optim_rng.pt) files; the save did not finish or was not copied whole")
-    tensors = TorchDist(folder) if fmt == "torch_dist" else Legacy(folder)
+    if fmt == "torch_dist":
+        from engine.checkpoint.megatron.torch_dist import TorchDist  # torch.distributed.checkpoint: only when read
+        tensors = TorchDist(folder)
+    else:
+        tensors = Legacy(folder)
     common = tensors.common
     if common.get("args") is None:
         raise ConfigError(f"{folder}: its common state holds no args (saved with --no-save-args?); they say what "

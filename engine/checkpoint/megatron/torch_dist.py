@@ -13,7 +13,6 @@ long enough, so a missing or truncated shard is one line before a conversion wri
 """
 from __future__ import annotations
 
-import json
 import os
 import warnings
 import torch
@@ -27,19 +26,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from engine.checkpoint.megatron.marks import COMMON_FILE, DCP_METADATA
 from engine.checkpoint.megatron.pickled import load_bytes, load_file
 from engine.config import ConfigError
 
-BACKEND_FILE, COMMON_FILE, DCP_METADATA = "metadata.json", "common.pt", ".metadata"
-
-
-def is_torch_dist(path: str) -> bool:
-    """Megatron's mark of a torch_dist folder: metadata.json naming the sharded backend."""
-    try:
-        with open(os.path.join(path, BACKEND_FILE)) as fh:
-            return "sharded_backend" in json.load(fh)
-    except (OSError, ValueError, TypeError):
-        return False
 
 
 class _CachedReader(FileSystemReader):
