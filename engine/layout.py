@@ -115,13 +115,6 @@ class PipelineSchedule:
         return [f"--pipeline-schedule {self.name}"]
 
 
-# --overlap-param-gather: Megatron-LM's meaning (the distributed optimizer's all-gather overlapped with the next
-# forward) is not built for ZeRO-1/2, where the gather follows the step (ZeRO-3 prefetches under the flag): said once.
-PARAM_GATHER_NOT_OVERLAPPED = ("--overlap-param-gather under ZeRO-1/2 (optim, optim_grads): the updated parameters are "
-                               "all-gathered at the end of the step, not overlapped with the next forward (not built "
-                               "here yet); the curve is the same")
-
-
 @dataclass(frozen=True)
 class Sharding:
     strategy: str = "no_shard"

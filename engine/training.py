@@ -212,6 +212,7 @@ class Trainer:
         while self.iteration < cfg.training.train_iters and self.iterate():
             pass
         self._account(self.stepper.settle(), self.step_seconds)  # a step still pending (post-validation), if any
+        self.optimizer.wait_weights()  # the last step's all-gathers (--overlap-param-gather under ZeRO-1/2)
         if save and self.iteration == cfg.training.train_iters and self.checkpointer.latest(save) != self.iteration:
             self.save()
         with self.phase("finishing the last asynchronous checkpoint save", "all"):

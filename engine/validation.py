@@ -17,7 +17,7 @@ from engine.config.fields import FP8_BLACKWELL_RECIPES, MUON_COEFFICIENTS, Probl
 from engine.data.build import check_data, check_document_ends, data_prefixes, document_flags, end_of_document
 from engine.data.tokenizer_spec import data_vocab_size, tokenizer_of, vocab_source
 from engine.flags import flag_of
-from engine.layout import PARAM_GATHER_NOT_OVERLAPPED, PipelineSchedule, Sharding
+from engine.layout import PipelineSchedule, Sharding
 from engine.validation_model import at_least_one as _at_least_one, check_model
 
 TP_FLAG, PP_FLAG, CP_FLAG = "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"
@@ -37,8 +37,6 @@ def validate(cfg: Config, world_size: int, problems: Optional[Problems] = None) 
         if model_ok:
             check(_check_split, cfg.model, par, cfg.tp, cfg.pp, schedule.vpp)
         if check(_check_parallel, par, world_size):
-            if par.overlap_param_gather and not Sharding.of(par.data_parallel_sharding_strategy).params:
-                cfg.notices += [] if PARAM_GATHER_NOT_OVERLAPPED in cfg.notices else [PARAM_GATHER_NOT_OVERLAPPED]
             if model_ok:
                 check(_check_moe, cfg.model, par, cfg.dp(world_size))
             check(_check_training, cfg.training, cfg.dp(world_size), cfg.pp,

@@ -2,7 +2,8 @@
 `rank_transient_bytes`) against what the engine holds: the most full-size fp32 gradient staging alive at once
 under ZeRO-2/3 (GradBuffer.peak_staging_bytes, dense and expert buffers added), the most full-size weights
 gathered at once under ZeRO-3 (ParamSharder.peak_gathered_bytes, with and without --overlap-param-gather) and
-ZeRO-1/2's all-gather target; one training step of two microbatches per rank on 2 gloo ranks (dp 2), with and
+ZeRO-1/2's all-gather target (with --overlap-param-gather, the padding of the weights' flat buckets, gathered in
+place); one training step of two microbatches per rank on 2 gloo ranks (dp 2), with and
 without --overlap-grad-reduce, tied and untied, LayerNorm with biases and RMSNorm without, MoE over ep 2; and
 at pp 2 (1F1B, interleaved, ZB-H1, ZB-V), where a zero-bubble schedule stages nearly every bucket at once."""
 import dataclasses
@@ -51,8 +52,8 @@ def _measure(rank: int, world: int, kind: str, strategy: str, overlap: bool, pre
             (opt.scale_loss(chunks[0](tokens[:, :-1], labels=tokens[:, 1:]).mean()) / M).backward()
         opt.finish_grad_sync()
         assert opt.step(1e-4).updated
-        gathered = opt.sharder.peak_gathered_bytes if opt.sharder is not None else \
-            sum(t.numel() * t.element_size() for t in opt._gather_out.values())
+        gathered = opt.sharder.peak_gathered_bytes if opt.sharder is not None else opt.gather.padding_bytes() \
+            if opt.gather is not None else sum(t.numel() * t.element_size() for t in opt._gather_out.values())
         frozen = sum(p.numel() * p.element_size() for p in chunks[0].parameters() if not p.requires_grad)
         memory = opt.memory_bytes()
         steps = sum(4 for group in opt.adam.param_groups for _ in group["params"])  # Adam's fp32 step counts
@@ -68,7 +69,7 @@ def _all(rank: int, world: int, cases: list) -> list:
 
 CASES = [(kind, strategy, overlap, prefetch, bucket_numel)
          for kind in ("tied", "untied", "rms", "moe") for strategy in STRATEGIES
-         for overlap, prefetch in ((False, False), (True, strategy == "optim_grads_params"))
+         for overlap, prefetch in ((False, False), (True, True))
          for bucket_numel in ((3000, 10_000) if strategy == "optim_grads" else (10_000,))]
 
 
@@ -83,7 +84,8 @@ def test_transient_allowances_equal_the_engine_peaks(measured, case):
     """Staging: the replay of the gradients' order (output weight first, a LayerNorm's weight before its bias,
     positions before words) gives the engine's peak exactly, two microbatches in (the first one's last bucket in
     flight at the second's start with overlap). Gathered: one unit's buckets (two with prefetch), or ZeRO-1/2's
-    all-gather target of the largest bucket. Kept state: Optimizer.memory_bytes() exactly."""
+    all-gather target of the largest bucket (with prefetch, the padding of the flat buckets gathered in place).
+    Kept state: Optimizer.memory_bytes() exactly."""
     kind, strategy, overlap, prefetch, bucket_numel = case
     cfg = _model(kind, strategy)
     layout = Layout(1, 1, 2, ep=cfg.parallel.expert_model_parallel_size, sharding_strategy=strategy)

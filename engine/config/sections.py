@@ -46,8 +46,9 @@ class ParallelConfig:
               "weights too, gathered per layer for forward and backward); default: optim with "
               "--use-distributed-optimizer, else no_shard", choices=SHARDING_STRATEGIES)
     overlap_grad_reduce: bool = _f(False, "start each gradient bucket's reduction as soon as backward fills it")
-    overlap_param_gather: bool = _f(False, "optim_grads_params: gather the next layer's weights while this one "
-                                           "computes (two layers' weights held instead of one)")
+    overlap_param_gather: bool = _f(False, "optim, optim_grads: all-gather the updated weights during the next "
+                                           "forward, each layer waiting for its own; optim_grads_params: gather the "
+                                           "next layer's weights while this one computes (two layers' held)")
     gpus_per_node: Optional[int] = _f(None, "ranks per node (default: LOCAL_WORLD_SIZE); a TP group may not span nodes", megatron=OWN)
     expert_model_parallel_size: int = _f(1, "expert-parallel size: the experts of each MoE layer split over this "
                                             "many data-parallel ranks, tokens exchanged all-to-all", aliases=("--ep",))

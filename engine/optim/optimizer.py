@@ -22,7 +22,8 @@ The data-parallel sharding strategy (Megatron-FSDP's names) decides what is shar
 replicas: `no_shard` nothing; `optim` (ZeRO-1) the masters and Adam state; `optim_grads` (ZeRO-2) the
 gradients too, which the grad buffer reduce-scatters per microbatch instead of keeping whole; and
 `optim_grads_params` (ZeRO-3) the weights too (param_shard.py): the masters then update the weights'
-shards directly and nothing is all-gathered after the step.
+shards directly and nothing is all-gathered after the step. Under ZeRO-1/2 `--overlap-param-gather` leaves the
+step's all-gathers in flight, each bucket waited for by the forward that first needs it (param_gather.py).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from engine.optim.grad_buffer import DEFAULT_BUCKET_NUMEL, GradBuffer
 from engine.optim.loss_scaler import LossScaler
 from engine.optim.muon import Muon, classify
 from engine.optim.newton_schulz import MuonSettings
+from engine.optim.param_gather import ParamGather
 from engine.optim.param_shard import ParamSharder, param_units
 from engine.parallel import comm
 from engine.parallel.layers import is_vocabulary_table
@@ -94,6 +96,9 @@ class Optimizer:
         self.buffers = [b for b in (self.buffer, self.expert_buffer) if b.params or b is self.buffer]
         self.sharder = ParamSharder(model_chunks, units, self.buffers, prefetch=par.overlap_param_gather) \
             if units else None
+        # ZeRO-1/2 with --overlap-param-gather: the weights become views of flat buckets before the entries are made
+        self.gather = ParamGather(model_chunks, self.buffers) \
+            if self.distributed and units is None and par.overlap_param_gather else None
         self.steps = 0
         self.name = opt.optimizer  # what the checkpoint's optimizer state is (checked on load)
         self._entries = self._make_entries(param_names(model_chunks))
@@ -139,8 +144,17 @@ class Optimizer:
 
     def full_weights(self, writeback: bool = False):
         """A context in which every weight is whole (checkpoint save and load; ZeRO-3 gathers them, and with
-        `writeback` what was loaded into them becomes the shards); a no-op for the other strategies."""
-        return self.sharder.gathered(writeback) if self.sharder is not None else contextlib.nullcontext()
+        `writeback` what was loaded into them becomes the shards; ZeRO-1/2 waits for the gathers in flight)."""
+        if self.sharder is not None:
+            return self.sharder.gathered(writeback)
+        self.wait_weights()
+        return contextlib.nullcontext()
+
+    def wait_weights(self) -> None:
+        """Wait for the all-gathers of the last step's weights still in flight (--overlap-param-gather under
+        ZeRO-1/2), so that the model's weights are current outside forward; a no-op otherwise."""
+        if self.gather is not None:
+            self.gather.finish()
 
     # --- the step, in the order the trainer calls it -------------------------------------------
     def start_step(self, num_microbatches: int) -> None:
@@ -225,6 +239,8 @@ class Optimizer:
                 if e.owns_master:
                     self._values(e.param, (e.start, e.end)).copy_(e.master)
             return
+        if self.gather is not None:  # in flight until the next forward needs them (param_gather.py)
+            return self.gather.start(self._entries)
         for buffer in self.buffers:
             self._publish_sharded(buffer)
 

@@ -61,6 +61,18 @@ def forward_order(chunk) -> list:
     return order + [p for p in chunk.parameters() if id(p) not in seen]
 
 
+def flatten_bucket(buffer, bucket) -> torch.Tensor:
+    """One flat tensor shaped like `bucket` (padding included) whose views become its parameters, their values
+    kept: an all-gather into it writes the weights in place (here, and under ZeRO-1/2 in param_gather.py)."""
+    flat = torch.zeros(bucket.size, dtype=bucket.dtype, device=buffer.device)
+    for p in bucket.params:
+        _, off = buffer.offset_in_bucket(p)
+        view = flat[off:off + p.numel()].view_as(p)
+        view.copy_(p.detach())
+        p.data = view
+    return flat
+
+
 def _free(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(0)
 
@@ -70,14 +82,8 @@ class _Slot:
 
     def __init__(self, buffer, bucket):
         self.buffer, self.bucket = buffer, bucket
-        dtype, device = bucket.dtype, buffer.device
-        self.flat = torch.zeros(bucket.size, dtype=dtype, device=device)
+        self.flat = flatten_bucket(buffer, bucket)
         lo, hi = buffer.shard_bounds(bucket)
-        for p in bucket.params:
-            _, off = buffer.offset_in_bucket(p)
-            view = self.flat[off:off + p.numel()].view_as(p)
-            view.copy_(p.detach())
-            p.data = view
         self.shard = self.flat[lo:hi].clone()
         self.holders, self.work = 0, None
         _free(self.flat)

@@ -48,7 +48,7 @@ class Memory:
     logits: float
     transient: float  # the largest weight's own gradient, alive until the hook adds it to the fp32 buffer
     staging: float = 0.0   # ZeRO-2/3: full-size fp32 gradients of the buckets being reduced (sharding.py)
-    gathered: float = 0.0  # full-size weights: ZeRO-3's gathered units, ZeRO-1/2's all-gather target
+    gathered: float = 0.0  # full-size weights: ZeRO-3's gathered units, ZeRO-1/2's all-gather target (or padding)
 
     @property
     def allocated(self) -> float:

@@ -28,7 +28,9 @@ Transients (`rank_transient_bytes`), full-size buffers on top of that:
     gathered    optim_grads_params: the largest unit's buckets in the training dtype (param_shard.py gathers
                 one unit at a time), the largest two neighbouring units' with --overlap-param-gather (the next
                 unit prefetched); optim, optim_grads: the all-gather target of the step's publish
-                (Optimizer._gather_buffer), as large as the largest bucket, kept once allocated
+                (Optimizer._gather_buffer), as large as the largest bucket, kept once allocated; with
+                --overlap-param-gather none (param_gather.py gathers into the weights, made views of flat
+                buckets), only those buckets' padding
 
 Communication per step, bytes one rank sends (ring collectives: an all-gather or a reduce-scatter of B bytes
 sends (n-1)/n x B, an all-reduce 2(n-1)/n x B; G the gradients' bytes, W the weights' in the training dtype,
@@ -273,7 +275,8 @@ def rank_transient_bytes(model: ModelConfig, layout: Layout, precision: str, ran
                          overlap_param_gather: bool = False) -> tuple:
     """(staging, gathered) bytes pipeline rank `rank` holds at most on top of rank_state_bytes: ZeRO-2/3's fp32
     gradient staging (the dense and expert buffers' peaks added), and full-size weights in the training dtype:
-    ZeRO-3's gathered units (two with `overlap_param_gather`), ZeRO-1/2's all-gather target of the step."""
+    ZeRO-3's gathered units (two with `overlap_param_gather`), ZeRO-1/2's all-gather target of the step (with
+    `overlap_param_gather` the padding of the flat buckets the weights are gathered into in place)."""
     sharding = layout.sharding
     if not sharding.optimizer:
         return 0, 0
@@ -284,6 +287,8 @@ def rank_transient_bytes(model: ModelConfig, layout: Layout, precision: str, ran
         staging = sum(_staging(chunks, overlap_grad_reduce and n > 1, split) for n, chunks in buffers)
     if sharding.params:
         gathered = _gathered(buffers, overlap_param_gather)
+    elif overlap_param_gather:
+        gathered = sum(padded - used for _, chunks in buffers for c in chunks for used, padded in c.buckets)
     else:
         gathered = max([p for _, chunks in buffers for c in chunks for _, p in c.buckets] or [0])
     return staging * GRAD_BYTES, gathered * PARAM_BYTES[precision]
