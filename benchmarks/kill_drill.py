@@ -9,6 +9,13 @@ SIGKILLs (or SIGSTOPs: frozen, its sockets open) global rank `--rank` once the m
 the kill to the job's end, whether that is within T x 60 + BOUND_S, the rank each survivor's line names, and the
 stack files under <save>/stacks/ (rank<N>.txt from a rank's failure line, rank<N>.SIGTERM.txt from torchrun
 stopping a rank). Prints one line per repetition and a summary; exits 1 if any repetition missed the bound.
+
+    python benchmarks/kill_drill.py --long-save [--save-seconds 60] [--grace 90]
+
+instead SIGTERMs torchrun (2 CPU ranks) once the job has a checkpoint, with the save that signal starts slowed
+to `--save-seconds` (benchmarks/slow_save.py), twice: under `torchrun --shutdown-timeout G` (the save must
+complete and `latest` name it) and under torchrun's default grace of 30 s (SIGKILL cuts the save off; `latest`
+must still name the previous complete checkpoint). One line per case; exits 1 if either case did otherwise.
 """
 import argparse
 import json
@@ -19,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from engine.checkpoint.files import list_iterations, read_latest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOUND_S = 15.0  # beyond the timeout: two heartbeats for the culprit, the stack, torchrun's own reaction
@@ -80,6 +89,61 @@ def once(n: int, rank: int, minutes: float, work: str, sig=signal.SIGKILL, nproc
             "lines": len(lines), "stacks": stacks, "ops": ops}
 
 
+def long_save(work: str, save_s: float, grace) -> dict:
+    """SIGTERM torchrun once a checkpoint exists; the signal's save takes `save_s` longer. `grace`: the
+    --shutdown-timeout given to torchrun (None: its default)."""
+    save = os.path.join(work, f"long-save-{grace}")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TERNION_SLOW_SAVE_S=str(save_s),
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts",
+           "0", "--monitor-interval", "0.2", *(["--shutdown-timeout", str(grace)] if grace else []),
+           "benchmarks/slow_save.py", *ARGS, "--save", save, "--save-interval", "2"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and read_latest(save) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    before, sent = read_latest(save), time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out = proc.communicate(timeout=max(deadline - sent, 1))[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out = proc.communicate()[0]
+    stop = re.search(r"stopping at iteration (\d+): signal SIGTERM; checkpoint saved", out)
+    saved = re.search(rf"saved checkpoint at iteration {stop.group(1)} in ([\d.]+) s", out) if stop else None
+    return {"seconds": time.monotonic() - sent, "before": before, "latest": read_latest(save),
+            "complete": list_iterations(save), "stopped": int(stop.group(1)) if stop else None,
+            "save_s": float(saved.group(1)) if saved else None, "killed": "forcefully exiting" in out,
+            "exits": sorted(re.findall(r"slow_save.py: rank (\d+) exited with code (\S+)", out)),
+            "cut": sorted(int(n[5:12]) for n in os.listdir(save) if n.endswith(".tmp")) if os.path.isdir(save) else []}
+
+
+def long_save_drill(save_s: float, grace: int) -> int:
+    """Both cases of --long-save; 1 if either did otherwise than expected."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+    settable = "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}
+    failed = 0
+    with tempfile.TemporaryDirectory(prefix="kill-drill-") as work:
+        for g in ([grace] if settable else []) + [None]:
+            r = long_save(work, save_s, g)
+            if g:
+                ok = r["stopped"] == r["latest"] and not r["killed"] and r["exits"] == [("0", "0"), ("1", "0")]
+            else:
+                ok = bool(r["killed"] and r["latest"] and r["cut"] and r["cut"][-1] > r["latest"]
+                          and r["complete"][-1] == r["latest"] and not r["exits"])
+            failed += not ok
+            print(f"save slowed by {save_s:g} s, grace {f'{g:g} s (--shutdown-timeout)' if g else '30 s (default)'}: "
+                  f"{'as expected' if ok else 'NOT as expected'}; ended {r['seconds']:.1f} s after SIGTERM; latest "
+                  f"{r['before']} at the signal, {r['latest']} at the end (complete: {r['complete']}; cut off: "
+                  f"{r['cut']}); signal's save {r['save_s']} s; torchrun SIGKILLed workers: {r['killed']}; "
+                  f"workers' exit codes {r['exits'] or 'none (killed)'}", flush=True)
+    if not settable:
+        print("this torch's torchrun has no --shutdown-timeout (torch 2.13 has it): the long-grace case was not run")
+    return 1 if failed else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=20)
@@ -88,7 +152,12 @@ def main() -> int:
     p.add_argument("--signal", choices=("KILL", "STOP"), default="KILL")
     p.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
     p.add_argument("--layout", default="--cp 2", help="the layout's flags (default: --cp 2, i.e. cp 2 x dp 2 at 4)")
+    p.add_argument("--long-save", action="store_true", help="the pre-emption drill with a long save instead")
+    p.add_argument("--save-seconds", type=float, default=60.0, help="--long-save: how much the save is slowed")
+    p.add_argument("--grace", type=int, default=90, help="--long-save: torchrun's --shutdown-timeout")
     args = p.parse_args()
+    if args.long_save:
+        return long_save_drill(args.save_seconds, args.grace)
     results = []
     with tempfile.TemporaryDirectory(prefix="kill-drill-") as work:
         for n in range(args.repeats):

@@ -84,8 +84,10 @@ def checkpoint_holding(save_dir, iteration: int, into):
     return into
 
 
-def launch(args: list, nproc: int, *, timeout: float = 120, max_restarts: int = 0, watch=None, survivors=None):
-    """Run pretrain_gpt.py under torchrun; `watch(tag, elapsed)` is called every 50 ms while it runs.
+def launch(args: list, nproc: int, *, timeout: float = 120, max_restarts: int = 0, watch=None, survivors=None,
+           entry: str = "launch/pretrain_gpt.py", torchrun_args: tuple = ()):
+    """Run `entry` (pretrain_gpt.py) under torchrun (with `torchrun_args` besides the usual ones); `watch(tag, elapsed)`
+    is called every 50 ms while it runs.
 
     Returns (exit code, combined output, seconds). Nothing of the job survives this call: `survivors`, a
     list, receives the pids still alive 2 s after torchrun ended by itself, before they are killed.
@@ -93,7 +95,7 @@ def launch(args: list, nproc: int, *, timeout: float = 120, max_restarts: int = 
     tag = uuid.uuid4().hex
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{TAG: tag})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "--max-restarts", str(max_restarts), "--monitor-interval", "0.2", "launch/pretrain_gpt.py", *args]
+           "--max-restarts", str(max_restarts), "--monitor-interval", "0.2", *torchrun_args, entry, *args]
     log_path = os.path.join("/tmp", f"ternion-test-{tag}.log")
     start = time.monotonic()
     timed_out = False
