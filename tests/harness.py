@@ -13,8 +13,8 @@ active exception"). Results are collected before teardown, so an abort at exit i
 success, while a rank that dies or raises during a test is always a failure.
 
 Beside the pool, the helpers every parallel test compares with: `grad_buffer` (the engine's own gradient
-reduction for tests that run backward themselves) and `full_grad` (a parameter's whole gradient,
-gathered over TP, vocabulary padding removed).
+reduction for tests that run backward themselves), `full_grad` (a parameter's whole gradient,
+gathered over TP, vocabulary padding removed) and `whole_grad` (the same, expert parameters gathered over EP).
 """
 from __future__ import annotations
 
@@ -61,6 +61,21 @@ def full_grad(p, ctx, grad=None):
         dist.all_gather(parts, g.contiguous(), group=ctx.tp_group)
         g = torch.cat(parts, dim=spec.tp_axis)
     return g[:spec.valid_rows] if spec.valid_rows is not None else g
+
+
+def whole_grad(p, ctx):
+    """full_grad, and for an expert parameter the other EP ranks' experts gathered too (along dim 0, the
+    experts' axis), so an MoE layout's gradients compare with one rank's."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.parallel.layers import spec_of
+    g = full_grad(p, ctx)
+    if spec_of(p).ep_axis is not None and ctx.ep_size > 1:
+        parts = [torch.empty_like(g) for _ in range(ctx.ep_size)]
+        dist.all_gather(parts, g.contiguous(), group=ctx.ep_group)
+        g = torch.cat(parts, dim=0)
+    return g
 
 
 # The layout tests' SGD rate. Their references revisit three batches, so a high rate makes the loss curve
