@@ -14,7 +14,8 @@ success, while a rank that dies or raises during a test is always a failure.
 
 Beside the pool, the helpers every parallel test compares with: `grad_buffer` (the engine's own gradient
 reduction for tests that run backward themselves), `full_grad` (a parameter's whole gradient,
-gathered over TP, vocabulary padding removed) and `whole_grad` (the same, expert parameters gathered over EP).
+gathered over TP, vocabulary padding removed), `whole_grad` (the same, expert parameters gathered over EP); and
+`train_logged` (a Trainer run in a rank, its log lines kept, its signal handler and process groups undone).
 """
 from __future__ import annotations
 
@@ -76,6 +77,21 @@ def whole_grad(p, ctx):
         dist.all_gather(parts, g.contiguous(), group=ctx.ep_group)
         g = torch.cat(parts, dim=0)
     return g
+
+
+def train_logged(cfg, ctx) -> list:
+    """Train `cfg` with the Trainer in this rank on `ctx`; the lines it logged. Whatever happens, the trainer's
+    SIGTERM handler is put back (a later test in this pool rank must not inherit it) and `ctx` is destroyed."""
+    from engine.training import Trainer
+    lines, trainer = [], None
+    try:
+        trainer = Trainer(cfg, ctx, "cpu", log=lines.append)
+        trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.preemption.restore()
+        ctx.destroy()
+    return lines
 
 
 # The layout tests' SGD rate. Their references revisit three batches, so a high rate makes the loss curve
