@@ -14,8 +14,9 @@ success, while a rank that dies or raises during a test is always a failure.
 
 Beside the pool, the helpers every parallel test compares with: `grad_buffer` (the engine's own gradient
 reduction for tests that run backward themselves), `full_grad` (a parameter's whole gradient,
-gathered over TP, vocabulary padding removed), `whole_grad` (the same, expert parameters gathered over EP); and
-`train_logged` (a Trainer run in a rank, its log lines kept, its signal handler and process groups undone).
+gathered over TP, vocabulary padding removed), `whole_grad` (the same, expert parameters gathered over EP) and
+`tp2_pp2_logits_error` (a checkpoint's logits at tp 2 x pp 2 against a reference's); and `train_logged` (a
+Trainer run in a rank, its log lines kept, its signal handler and process groups undone).
 """
 from __future__ import annotations
 
@@ -92,6 +93,34 @@ def train_logged(cfg, ctx) -> list:
             trainer.preemption.restore()
         ctx.destroy()
     return lines
+
+
+def tp2_pp2_logits_error(rank, world, cfg, ckpt, x, want, vocab: int, sequence_parallel=False) -> list:
+    """Checkpoint `ckpt` loaded into `cfg`'s model at tp 2 x pp 2 (4 ranks), its logits of tokens `x` against
+    `want`: the first stage sends its hidden states to the last, whose ranks gather their vocabulary shards and
+    compare the first `vocab` columns. On a last-stage rank [the largest difference]; [] on the first stage."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.checkpoint import load_checkpoint
+    from engine.parallel.topology import build_context
+    from engine.pipeline.partition import build_model_chunks
+    errors = []
+    ctx = build_context(world, rank, 2, 2, sequence_parallel=sequence_parallel)
+    model = build_model_chunks(cfg, ctx)[0].eval()
+    load_checkpoint(ckpt, [model], None, ctx, model_cfg=cfg.model)
+    with torch.no_grad():
+        if ctx.is_first_stage:
+            dist.send(model(tokens=x).contiguous(), ctx.pp_ranks[1])
+        else:
+            hidden = torch.empty(x.shape[1] // ctx.seq_split, x.shape[0], cfg.model.hidden_size)
+            dist.recv(hidden, ctx.pp_ranks[0])
+            logits = model(hidden=hidden).contiguous()
+            parts = [torch.empty_like(logits) for _ in range(ctx.tp_size)]
+            dist.all_gather(parts, logits, group=ctx.tp_group)
+            errors.append((torch.cat(parts, -1)[..., :vocab] - want).abs().max().item())
+    ctx.destroy()
+    return errors
 
 
 # The layout tests' SGD rate. Their references revisit three batches, so a high rate makes the loss curve
