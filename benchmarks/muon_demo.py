@@ -20,61 +20,25 @@ in benchmarks/results/muon_demo.json, and the curves drawn for the README and do
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 
-from tools.demo_corpus import build_demo_corpus
+from benchmarks import demo_runs
+from benchmarks.demo_runs import ROOT, WINDOW, smooth
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Learning rates a factor sqrt(2) apart around each optimizer's best (a coarser first sweep: AdamW 1e-3 to 1.6e-2,
 # best 8e-3; Muon 2e-3 to 3.2e-2, best 1.6e-2).
 GRIDS = {"adam": (2e-3, 2.8e-3, 4e-3, 5.7e-3, 8e-3, 1.1e-2, 1.6e-2),
          "muon": (4e-3, 5.7e-3, 8e-3, 1.1e-2, 1.6e-2, 2.3e-2, 3.2e-2)}
 FLAGS = {"adam": [], "muon": ["--optimizer", "muon", "--muon-momentum", "0.95", "--muon-extra-scale-factor", "0.2"]}
-WINDOW = 20  # steps a smoothed training loss averages
 
 
 def train(optimizer: str, lr: float, iters: int, data: tuple, out: str) -> dict:
     """One launcher run; its per-step training losses and final held-out loss, from its metrics file."""
-    metrics = os.path.join(out, f"{optimizer}-lr{lr:g}.jsonl")
-    if os.path.exists(metrics):
-        os.remove(metrics)
-    tokenizer, prefix = data
-    cmd = [sys.executable, "launch/pretrain_gpt.py", "--config", "configs/gpt-tiny.yaml", "--device", "cpu",
-           "--data-path", prefix, "--tokenizer-model", tokenizer, "--split", "98,2,0", "--train-iters", str(iters),
-           "--lr", str(lr), "--min-lr", str(lr / 10), "--lr-warmup-iters", "10", "--lr-decay-iters", str(iters),
-           "--eval-interval", str(iters), "--eval-iters", "16", "--log-interval", str(iters // 6),
-           "--metrics-file", metrics, *FLAGS[optimizer]]
-    # A port of its own: a one-process launch otherwise listens on the launcher's default, which a test or
-    # another run on this machine may hold.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(_free_port()))
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if done.returncode:
-        sys.exit(f"muon_demo: {optimizer} at lr {lr:g} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    losses, valid = {}, None
-    with open(metrics) as fh:
-        for record in map(json.loads, fh):
-            if record.get("split") == "valid":
-                valid = record["lm_loss"]
-            elif "event" not in record and record.get("lm_loss") is not None:
-                losses[record["iteration"]] = record["lm_loss"]
-    curve = [losses[i] for i in sorted(losses)]
-    return {"optimizer": optimizer, "lr": lr, "curve": curve, "valid": valid, "final": smooth(curve)[-1]}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def smooth(curve: list) -> list:
-    """Each step's mean loss over the last WINDOW steps (fewer at the start)."""
-    return [sum(curve[max(0, i + 1 - WINDOW):i + 1]) / (i + 1 - max(0, i + 1 - WINDOW)) for i in range(len(curve))]
+    run = demo_runs.train(f"muon_demo: {optimizer} at lr {lr:g}", lr, iters, data,
+                          os.path.join(out, f"{optimizer}-lr{lr:g}.jsonl"), FLAGS[optimizer])
+    return {"optimizer": optimizer, "lr": lr, **run}
 
 
 def compare(runs: list) -> dict:
@@ -88,10 +52,8 @@ def compare(runs: list) -> dict:
 
 
 def plot(runs: list, result: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
+    """Every run's smoothed curve (the tuned ones bold), AdamW's final loss and the step Muon reaches it."""
+    fig, ax = demo_runs.new_figure()
     for o, colour in (("adam", "tab:blue"), ("muon", "tab:red")):
         for r in (r for r in runs if r["optimizer"] == o):
             tuned = r["lr"] == result["best"][o]["lr"]
@@ -102,23 +64,13 @@ def plot(runs: list, result: dict, path: str) -> None:
     if result["muon_steps_to_target"]:
         ax.axvline(result["muon_steps_to_target"], color="tab:red", ls=":", lw=0.8,
                    label=f"Muon reaches it at step {result['muon_steps_to_target']}")
-    ax.set(xlabel="step", ylabel=f"training loss ({WINDOW}-step mean)", ylim=(result["target"] - 0.6,
-                                                                             result["target"] + 2.5))
-    ax.set_title("tiny Llama on the demo corpus; faint: the other learning rates", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
+    demo_runs.save_figure(fig, ax, (result["target"] - 0.6, result["target"] + 2.5),
+                          "tiny Llama on the demo corpus; faint: the other learning rates", path)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=300)
-    ap.add_argument("--out", default=os.path.join(ROOT, ".cache", "muon_demo"))
-    ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "muon_vs_adamw.png"))
-    args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    data = build_demo_corpus(os.path.join(ROOT, ".cache", "demo"), vocab_size=2048, max_files=400)
+    args = demo_runs.parse_args(__doc__, "muon_demo", "muon_vs_adamw.png", argv)
+    data = demo_runs.demo_corpus()
     runs = []
     for optimizer, grid in GRIDS.items():
         for lr in grid:

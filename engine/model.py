@@ -165,6 +165,7 @@ class GPTModel(nn.Module):
         super().__init__()
         self.cfg, self.ctx, self.z_loss_weight = cfg, ctx, z_loss_weight
         self.pre_process, self.post_process = pre_process, post_process
+        self.aux_loss_scale = 1.0  # set_aux_loss_scale's
         self.vocab_size = vocab_size or cfg.vocab_size
         if not self.vocab_size:
             raise ValueError("GPTModel needs a vocabulary size (config vocab_size or the tokenizer's)")
@@ -218,6 +219,15 @@ class GPTModel(nn.Module):
                 yield self.output
             elif self.mtp is not None:
                 yield self.mtp_embedding
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """What the auxiliary losses' gradients (MoE balancing and z losses, MTP's) are multiplied by in backward:
+        the LM loss's 1/microbatches x loss scale. The pipeline runner sets it for each step it runs; a model
+        called directly keeps 1."""
+        self.aux_loss_scale = float(scale)
+        for module in self.modules():
+            if isinstance(module, MoELayer):
+                module.aux_loss_scale = self.aux_loss_scale
 
     def output_weight(self):
         return self.word.weight if self.tied and self.pre_process else self.output
@@ -300,7 +310,8 @@ class GPTModel(nn.Module):
         if self.training and torch.is_grad_enabled():
             sums, microbatches = self.mtp_measured
             self.mtp_measured = (sums + losses.detach().double().cpu(), microbatches + 1)
-        return with_aux_loss(out, losses.sum() * (self.cfg.mtp_loss_scaling_factor / len(self.mtp)))
+        return with_aux_loss(out, losses.sum() * (self.cfg.mtp_loss_scaling_factor / len(self.mtp)),
+                             self.aux_loss_scale)
 
     def head(self, x, labels):
         """This rank's vocabulary slice of the logits [b, s, V/tp], or with labels every token's loss [b, s]."""

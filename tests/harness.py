@@ -13,8 +13,10 @@ active exception"). Results are collected before teardown, so an abort at exit i
 success, while a rank that dies or raises during a test is always a failure.
 
 Beside the pool, the helpers every parallel test compares with: `grad_buffer` (the engine's own gradient
-reduction for tests that run backward themselves) and `full_grad` (a parameter's whole gradient,
-gathered over TP, vocabulary padding removed).
+reduction for tests that run backward themselves), `full_grad` (a parameter's whole gradient,
+gathered over TP, vocabulary padding removed), `whole_grad` (the same, expert parameters gathered over EP) and
+`tp2_pp2_logits_error` (a checkpoint's logits at tp 2 x pp 2 against a reference's); and `train_logged` (a
+Trainer run in a rank, its log lines kept, its signal handler and process groups undone).
 """
 from __future__ import annotations
 
@@ -61,6 +63,64 @@ def full_grad(p, ctx, grad=None):
         dist.all_gather(parts, g.contiguous(), group=ctx.tp_group)
         g = torch.cat(parts, dim=spec.tp_axis)
     return g[:spec.valid_rows] if spec.valid_rows is not None else g
+
+
+def whole_grad(p, ctx):
+    """full_grad, and for an expert parameter the other EP ranks' experts gathered too (along dim 0, the
+    experts' axis), so an MoE layout's gradients compare with one rank's."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.parallel.layers import spec_of
+    g = full_grad(p, ctx)
+    if spec_of(p).ep_axis is not None and ctx.ep_size > 1:
+        parts = [torch.empty_like(g) for _ in range(ctx.ep_size)]
+        dist.all_gather(parts, g.contiguous(), group=ctx.ep_group)
+        g = torch.cat(parts, dim=0)
+    return g
+
+
+def train_logged(cfg, ctx) -> list:
+    """Train `cfg` with the Trainer in this rank on `ctx`; the lines it logged. Whatever happens, the trainer's
+    SIGTERM handler is put back (a later test in this pool rank must not inherit it) and `ctx` is destroyed."""
+    from engine.training import Trainer
+    lines, trainer = [], None
+    try:
+        trainer = Trainer(cfg, ctx, "cpu", log=lines.append)
+        trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.preemption.restore()
+        ctx.destroy()
+    return lines
+
+
+def tp2_pp2_logits_error(rank, world, cfg, ckpt, x, want, vocab: int, sequence_parallel=False) -> list:
+    """Checkpoint `ckpt` loaded into `cfg`'s model at tp 2 x pp 2 (4 ranks), its logits of tokens `x` against
+    `want`: the first stage sends its hidden states to the last, whose ranks gather their vocabulary shards and
+    compare the first `vocab` columns. On a last-stage rank [the largest difference]; [] on the first stage."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.checkpoint import load_checkpoint
+    from engine.parallel.topology import build_context
+    from engine.pipeline.partition import build_model_chunks
+    errors = []
+    ctx = build_context(world, rank, 2, 2, sequence_parallel=sequence_parallel)
+    model = build_model_chunks(cfg, ctx)[0].eval()
+    load_checkpoint(ckpt, [model], None, ctx, model_cfg=cfg.model)
+    with torch.no_grad():
+        if ctx.is_first_stage:
+            dist.send(model(tokens=x).contiguous(), ctx.pp_ranks[1])
+        else:
+            hidden = torch.empty(x.shape[1] // ctx.seq_split, x.shape[0], cfg.model.hidden_size)
+            dist.recv(hidden, ctx.pp_ranks[0])
+            logits = model(hidden=hidden).contiguous()
+            parts = [torch.empty_like(logits) for _ in range(ctx.tp_size)]
+            dist.all_gather(parts, logits, group=ctx.tp_group)
+            errors.append((torch.cat(parts, -1)[..., :vocab] - want).abs().max().item())
+    ctx.destroy()
+    return errors
 
 
 # The layout tests' SGD rate. Their references revisit three batches, so a high rate makes the loss curve

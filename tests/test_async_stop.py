@@ -1,6 +1,6 @@
 """With --async-save, a run that stops (pre-emption, --exit-interval) says its checkpoint is saved before the stop
 line that says so (issue 37: the stop line came first). One rank in-process. About 5 s."""
-from harness import run_ranks
+from harness import run_ranks, train_logged
 
 ARGS = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--vocab-size", "64", "--make-vocab-size-divisible-by", "16",
@@ -12,20 +12,10 @@ def _run(rank, world, save):
     from engine.cli import parse_config
     from engine.parallel.topology import build_context
     from engine.resolve import resolve
-    from engine.training import Trainer
     from engine.validation import validate
     cfg = parse_config(ARGS + ["--save", save])
     validate(cfg, world)
-    ctx = build_context(world, rank, 1, 1, seed=resolve(cfg, world).training.seed)
-    lines, trainer = [], None
-    try:
-        trainer = Trainer(cfg, ctx, "cpu", log=lines.append)
-        trainer.train()
-    finally:
-        if trainer is not None:
-            trainer.preemption.restore()
-        ctx.destroy()
-    return lines
+    return train_logged(cfg, build_context(world, rank, 1, 1, seed=resolve(cfg, world).training.seed))
 
 
 def test_the_async_saved_line_comes_before_the_stop_line(tmp_path):

@@ -23,7 +23,7 @@ from engine.parallel.layers import spec_of
 from engine.parallel.topology import ParallelContext, context_for
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
-from harness import NO_DROPOUT, full_grad, run_ranks
+from harness import NO_DROPOUT, run_ranks, whole_grad
 
 VOCAB, SEQ, MICRO, HIDDEN, STEPS = 64, 16, 2, 32, 20
 ROUTER_SPREAD = 50.0  # the routers' init std times this: sigmoid scores spread over (0, 1)
@@ -61,15 +61,6 @@ def _config(tp=1, pp=1, cp=1, ep=1, vpp=None, sharding=None, gpus_per_node=None)
     return cfg
 
 
-def _whole(p, ctx):
-    g = full_grad(p, ctx)
-    if spec_of(p).ep_axis is not None and ctx.ep_size > 1:
-        parts = [torch.empty_like(g) for _ in range(ctx.ep_size)]
-        torch.distributed.all_gather(parts, g.contiguous(), group=ctx.ep_group)
-        g = torch.cat(parts, dim=0)
-    return g
-
-
 def _train(cfg, ctx, microbatches: int, dp_rank: int = 0, dp: int = 1, steps: int = STEPS) -> tuple:
     """(per step: loss, grad norm, MoE and MTP metrics) and the step-0 gradients, with the engine's optimizer."""
     chunks = build_model_chunks(cfg, ctx, vocab_size=VOCAB)
@@ -90,7 +81,7 @@ def _train(cfg, ctx, microbatches: int, dp_rank: int = 0, dp: int = 1, steps: in
         opt.finish_grad_sync()
         metrics = {k: v for s in stats for k, v in s.finish_step().items()}
         if step == 0 and not sharded:
-            first = {spec_of(p).copy_of or n: _whole(p, ctx).clone()  # the last stage's embedding copy: the sum
+            first = {spec_of(p).copy_of or n: whole_grad(p, ctx).clone()  # the last stage's embedding copy: the sum
                      for c in chunks for n, p in c.named_parameters() if p.requires_grad}
         result = opt.step(cfg.optim.lr)
         history.append((loss, result.grad_norm, metrics))

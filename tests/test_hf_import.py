@@ -23,7 +23,7 @@ from engine.config import CheckpointConfig, Config, ConfigError
 from engine.parallel.topology import ParallelContext, build_context
 from engine.pipeline.partition import build_model_chunks
 from engine.validation import validate
-from harness import peak_rss_growth, run_ranks
+from harness import peak_rss_growth, run_ranks, tp2_pp2_logits_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, SEQ = 300, 32
@@ -52,6 +52,12 @@ def hf_model(kind: str):
         "gpt2": lambda: t.GPT2LMHeadModel(t.GPT2Config(**gpt2)),  # gelu_new: tanh GELU
         "gpt2-exact": lambda: t.GPT2LMHeadModel(t.GPT2Config(**gpt2, activation_function="gelu")),
     }[kind]
+    return nudged(make)
+
+
+def nudged(make):
+    """make()'s model (seed 0) in eval mode, every weight nudged off its init by seeded noise (std 0.05), so
+    that no weight is a constant (norms at 1, biases at 0) a conversion could get wrong unseen."""
     torch.manual_seed(0)
     model = make().eval()
     with torch.no_grad():
@@ -243,27 +249,11 @@ def test_files_as_the_hub_has_them(tmp_path):
 def _tp2_pp2(rank, world, cases, finetune):
     """Each case's full logits at tp 2 x pp 2 (the first stage sends its hidden states to the last) against
     `want`; then the trainer runs the command line `finetune` in this process group, as the launcher would."""
-    import torch.distributed as dist
-
     from engine.resolve import resolve
     from engine.training import Trainer
     errors = []
     for cfg_dict, ckpt, x, want in cases:
-        cfg = Config.from_dict(cfg_dict)
-        ctx = build_context(world, rank, 2, 2)
-        model = build_model_chunks(cfg, ctx)[0].eval()
-        load_checkpoint(ckpt, [model], None, ctx, model_cfg=cfg.model)
-        with torch.no_grad():
-            if ctx.is_first_stage:
-                dist.send(model(tokens=x).contiguous(), ctx.pp_ranks[1])
-            else:
-                hidden = torch.empty(SEQ, x.shape[0], cfg.model.hidden_size)
-                dist.recv(hidden, ctx.pp_ranks[0])
-                logits = model(hidden=hidden).contiguous()
-                parts = [torch.empty_like(logits) for _ in range(2)]
-                dist.all_gather(parts, logits, group=ctx.tp_group)
-                errors.append((torch.cat(parts, -1)[..., :VOCAB] - want).abs().max().item())
-        ctx.destroy()
+        errors += tp2_pp2_logits_error(rank, world, Config.from_dict(cfg_dict), ckpt, x, want, VOCAB)
     cfg = parse_config(finetune)
     validate(cfg, world)
     ctx = build_context(world, rank, 2, 2, seed=resolve(cfg, world).training.seed)
@@ -331,6 +321,18 @@ def test_convert_finetune_at_tp2_pp2_under_torchrun_and_export(tmp_path):
 
 # ------------------------------------------------------------------ streaming
 
+def llama_shapes(h: int, ffn: int, layers: int, vocab: int) -> dict:
+    """Every tensor of an untied Llama (multi-head attention) in transformers' names, with its shape: what a
+    streaming test writes to disk without transformers."""
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        shapes |= {f"{p}self_attn.{n}_proj.weight": (h, h) for n in "qkvo"}
+        shapes |= {f"{p}mlp.{n}_proj.weight": (ffn, h) for n in ("gate", "up")} | {p + "mlp.down_proj.weight": (h, ffn)}
+    return shapes
+
+
 def test_conversion_streams_tensor_by_tensor(tmp_path):
     """A ~250 MB Llama-shaped folder in two shards, written without transformers; the peak RSS growth of the
     converting process, sampled every millisecond, stays near two copies of the largest tensor."""
@@ -341,12 +343,7 @@ def test_conversion_streams_tensor_by_tensor(tmp_path):
               "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 8,
               "max_position_embeddings": 256, "tie_word_embeddings": False}
     (hf / "config.json").write_text(json.dumps(config))
-    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-        shapes |= {f"{p}self_attn.{n}_proj.weight": (h, h) for n in "qkvo"}
-        shapes |= {f"{p}mlp.{n}_proj.weight": (ffn, h) for n in ("gate", "up")} | {p + "mlp.down_proj.weight": (h, ffn)}
+    shapes = llama_shapes(h, ffn, layers, vocab)
     names = sorted(shapes)
     halves = {"model-1.safetensors": names[: len(names) // 2], "model-2.safetensors": names[len(names) // 2:]}
     for file, part in halves.items():

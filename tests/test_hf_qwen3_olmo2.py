@@ -16,14 +16,12 @@ import os
 import pytest
 import torch
 
-from engine.checkpoint import load_checkpoint
 from engine.checkpoint.hf import MOE_ARCHITECTURES, hf_config, imported_config, model_fields
 from engine.checkpoint.hf.families import export_family
 from engine.config import Config, ConfigError
 from engine.parallel.topology import build_context
-from engine.pipeline.partition import build_model_chunks
-from harness import run_ranks
-from test_hf_import import SEQ, VOCAB, check_finetuned, convert, finetune_args, lib, loaded, tokens
+from harness import run_ranks, tp2_pp2_logits_error
+from test_hf_import import SEQ, VOCAB, check_finetuned, convert, finetune_args, lib, loaded, nudged, tokens
 
 KINDS = ("qwen3", "qwen3_moe", "olmo2")
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
@@ -37,12 +35,7 @@ def hf_model(kind: str):
     make = {"qwen3": lambda: t.Qwen3ForCausalLM(t.Qwen3Config(**COMMON, head_dim=16)),
             "qwen3_moe": lambda: t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(**COMMON, **MOE, head_dim=16)),
             "olmo2": lambda: t.Olmo2ForCausalLM(t.Olmo2Config(**COMMON, pad_token_id=None, eos_token_id=None))}[kind]
-    torch.manual_seed(0)
-    model = make().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
-    return model
+    return nudged(make)
 
 
 def hf_config_dict(kind: str, **changes) -> dict:
@@ -145,29 +138,13 @@ def test_imported_logits_equal_transformers_and_the_round_trip_is_exact(tmp_path
 def _tp2_pp2(rank, world, cases, runs):
     """Each case's full logits at tp 2 x pp 2 (the first stage sends its hidden states to the last; `sp`: split
     over tp) against `want`; then the trainer runs each command line of `runs` in this process group."""
-    import torch.distributed as dist
-
     from engine.cli import parse_config
     from engine.resolve import resolve
     from engine.training import Trainer
     from engine.validation import validate
     errors = []
     for cfg_dict, ckpt, x, want, sp in cases:
-        cfg = Config.from_dict(cfg_dict)
-        ctx = build_context(world, rank, 2, 2, sequence_parallel=sp)
-        model = build_model_chunks(cfg, ctx)[0].eval()
-        load_checkpoint(ckpt, [model], None, ctx, model_cfg=cfg.model)
-        with torch.no_grad():
-            if ctx.is_first_stage:
-                dist.send(model(tokens=x).contiguous(), ctx.pp_ranks[1])
-            else:
-                hidden = torch.empty(SEQ // ctx.seq_split, x.shape[0], cfg.model.hidden_size)
-                dist.recv(hidden, ctx.pp_ranks[0])
-                logits = model(hidden=hidden).contiguous()
-                parts = [torch.empty_like(logits) for _ in range(2)]
-                dist.all_gather(parts, logits, group=ctx.tp_group)
-                errors.append((torch.cat(parts, -1)[..., :VOCAB] - want).abs().max().item())
-        ctx.destroy()
+        errors += tp2_pp2_logits_error(rank, world, Config.from_dict(cfg_dict), ckpt, x, want, VOCAB, sp)
     for argv in runs:
         cfg = parse_config(argv)
         validate(cfg, world)

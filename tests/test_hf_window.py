@@ -16,7 +16,7 @@ import torch
 from engine.checkpoint.hf import FAMILIES, hf_config, model_fields
 from engine.checkpoint.hf.families import export_family
 from engine.config import Config, ConfigError
-from test_hf_import import SEQ, VOCAB, convert, lib, loaded, tokens
+from test_hf_import import VOCAB, convert, lib, loaded, nudged, tokens
 
 LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=64)
@@ -31,12 +31,7 @@ def windowed(kind: str):
         "qwen2": lambda: t.Qwen2ForCausalLM(t.Qwen2Config(**LLAMA, use_sliding_window=True, sliding_window=6,
                                                           max_window_layers=1)),
     }[kind]
-    torch.manual_seed(0)
-    model = make().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
-    return model
+    return nudged(make)
 
 
 @pytest.mark.parametrize("kind,window_size,skip,written", [

@@ -37,9 +37,9 @@ from engine.checkpoint import load_checkpoint
 from engine.checkpoint.reader import CheckpointReader
 from engine.cli import parse_config
 from engine.config import Config
-from engine.parallel.topology import ParallelContext, build_context
+from engine.parallel.topology import ParallelContext
 from engine.pipeline.partition import build_model_chunks
-from harness import run_ranks
+from harness import run_ranks, tp2_pp2_logits_error
 from test_decoupled_lr import SHAPES as DECOUPLED_SHAPES
 from test_decoupled_lr import check_rates, group_jobs
 
@@ -180,25 +180,9 @@ def test_converted_logits_equal_megatron_core_at_tp1(megatron, name):
 
 
 def _tp2_pp2(rank, world, cases):
-    import torch.distributed as dist
-    errors = []
-    for cfg_dict, ckpt, want in cases:
-        cfg = Config.from_dict(cfg_dict)
-        ctx = build_context(world, rank, 2, 2)
-        model = build_model_chunks(cfg, ctx)[0].eval()
-        load_checkpoint(ckpt, [model], None, ctx, model_cfg=cfg.model)
-        with torch.no_grad():
-            if ctx.is_first_stage:
-                dist.send(model(tokens=tokens()).contiguous(), ctx.pp_ranks[1])
-            else:
-                hidden = torch.empty(SEQ, 2, cfg.model.hidden_size)
-                dist.recv(hidden, ctx.pp_ranks[0])
-                part = model(hidden=hidden).contiguous()
-                parts = [torch.empty_like(part) for _ in range(2)]
-                dist.all_gather(parts, part, group=ctx.tp_group)
-                errors.append((torch.cat(parts, -1)[..., :VOCAB] - want).abs().max().item())
-        ctx.destroy()
-    return errors
+    """Each converted save's logits of tokens() at tp 2 x pp 2 against megatron-core's."""
+    return [e for cfg_dict, ckpt, want in cases
+            for e in tp2_pp2_logits_error(rank, world, Config.from_dict(cfg_dict), ckpt, tokens(), want, VOCAB)]
 
 
 def test_converted_logits_equal_megatron_core_at_tp2_pp2(megatron):
@@ -366,6 +350,7 @@ def test_both_directions_stream_tensor_by_tensor(tmp_path, monkeypatch):
 
     from engine.checkpoint import files
     from harness import peak_rss_growth
+    from test_hf_import import llama_shapes
     hf = tmp_path / "hf"
     hf.mkdir()
     h, ffn, layers, vocab = 1024, 2816, 4, 8000
@@ -373,12 +358,7 @@ def test_both_directions_stream_tensor_by_tensor(tmp_path, monkeypatch):
         "model_type": "llama", "vocab_size": vocab, "hidden_size": h, "intermediate_size": ffn,
         "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 64,
         "tie_word_embeddings": False}))
-    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-        shapes |= {f"{p}self_attn.{n}_proj.weight": (h, h) for n in "qkvo"}
-        shapes |= {f"{p}mlp.{n}_proj.weight": (ffn, h) for n in ("gate", "up")} | {p + "mlp.down_proj.weight": (h, ffn)}
+    shapes = llama_shapes(h, ffn, layers, vocab)
     files.write_safetensors(str(hf / "model.safetensors"), [(n, torch.float32, s) for n, s in shapes.items()],
                             ((n, torch.randn(s) * 0.02) for n, s in shapes.items()))
     assert convert_hf(["--hf", str(hf), "--out", str(tmp_path / "ternion"), "--seq-length", "64"]) == 0

@@ -13,12 +13,11 @@ from engine.moe.experts import grouped_matmul
 from engine.moe.router import _keep_within_capacity
 from engine.moe.stats import MoEStats
 from engine.optim import build_optimizer
-from engine.parallel.layers import spec_of
 from engine.parallel.topology import ParallelContext, context_for
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
 from engine.validation import validate
-from harness import NO_DROPOUT, full_grad, run_ranks
+from harness import NO_DROPOUT, run_ranks, whole_grad
 
 VOCAB, SEQ, MICRO = 64, 16, 2
 
@@ -148,16 +147,6 @@ def _config(moe: dict, tp=1, pp=1, cp=1, ep=1, distributed=False) -> Config:
     return cfg
 
 
-def _whole(p, ctx):
-    """A parameter's whole gradient: TP shards (full_grad) and the other EP ranks' experts gathered."""
-    g = full_grad(p, ctx)
-    if spec_of(p).ep_axis is not None and ctx.ep_size > 1:
-        parts = [torch.empty_like(g) for _ in range(ctx.ep_size)]
-        torch.distributed.all_gather(parts, g.contiguous(), group=ctx.ep_group)
-        g = torch.cat(parts, dim=0)
-    return g
-
-
 def _train(cfg, ctx, steps: int, microbatches: int, dp_rank: int = 0, dp: int = 1) -> tuple:
     """Loss, grad norm and MoE metrics per step and the step-0 gradients, with the engine's optimizer."""
     chunks = build_model_chunks(cfg, ctx, vocab_size=VOCAB)
@@ -171,7 +160,7 @@ def _train(cfg, ctx, steps: int, microbatches: int, dp_rank: int = 0, dp: int = 
         opt.finish_grad_sync()
         metrics = stats.finish_step()
         if step == 0 and not cfg.parallel.use_distributed_optimizer:
-            first = {n: _whole(p, ctx).clone() for c in chunks for n, p in c.named_parameters() if p.requires_grad}
+            first = {n: whole_grad(p, ctx).clone() for c in chunks for n, p in c.named_parameters() if p.requires_grad}
         result = opt.step(cfg.optim.lr)
         history.append((loss, result.grad_norm, metrics))
     return history, first

@@ -8,22 +8,11 @@ import pytest
 import torch
 
 from engine.model import GPTModel
-from engine.moe.layer import set_aux_loss_scale
 from engine.moe.stats import MoEStats, moe_blocks
 from engine.parallel.topology import ParallelContext
 from test_moe import SEQ, VOCAB, moe_cfg
 
 moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
-
-
-@pytest.fixture(autouse=True)
-def _aux_loss_scale_of_one_microbatch():
-    """These tests call the model directly, not through the pipeline runner, which sets the aux-loss gradient's
-    scale (1 / microbatches x the loss scale) for each step it runs: an earlier test's runner must not leave its
-    scale here."""
-    set_aux_loss_scale(1.0)
-    yield
-    set_aux_loss_scale(1.0)
 
 
 def _router_inputs(model):

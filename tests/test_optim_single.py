@@ -154,31 +154,18 @@ def test_fp16_inf_gradient_skips_step_and_halves_scale():
     assert opt.state_dict()["step"] == 3
 
 
-def test_fp16_megatron_hysteresis_needs_two_overflows_to_halve():
+@pytest.mark.parametrize("hysteresis,bad", [({"hysteresis": 2}, "nan"), ({}, "inf")], ids=["hysteresis-2-nan",
+                                                                                       "default-inf"])
+def test_fp16_hysteresis_2_skips_the_first_overflow_and_halves_on_the_second(hysteresis, bad):
+    """Megatron-LM's hysteresis 2, set or by default (the config's): the first overflow only skips, the second
+    halves the scale; neither updates a weight."""
     model = Tiny(torch.float16)
-    opt = build_optimizer(_cfg(fp16=True, initial_loss_scale=256.0, hysteresis=2), [model], ParallelContext.virtual())
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    scales = []
-    for step in range(2):
-        opt.start_step(1)
-        _backward(model, {n: torch.full(p.shape, float("nan")) for n, p in model.named_parameters()})
-        opt.finish_grad_sync()
-        result = opt.step(1e-2)
-        assert not result.updated
-        scales.append(result.loss_scale)
-    assert scales == [256.0, 128.0]
-    assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
-
-
-def test_fp16_default_config_halves_on_the_second_overflow():
-    """Megatron-LM's default hysteresis 2: the first overflow only skips, the second halves the scale."""
-    model = Tiny(torch.float16)
-    opt = build_optimizer(_cfg(fp16=True, initial_loss_scale=256.0), [model], ParallelContext.virtual())
+    opt = build_optimizer(_cfg(fp16=True, initial_loss_scale=256.0, **hysteresis), [model], ParallelContext.virtual())
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     scales = []
     for _ in range(2):
         opt.start_step(1)
-        _backward(model, {n: torch.full(p.shape, float("inf")) for n, p in model.named_parameters()})
+        _backward(model, {n: torch.full(p.shape, float(bad)) for n, p in model.named_parameters()})
         opt.finish_grad_sync()
         result = opt.step(1e-2)
         assert not result.updated

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from harness import run_ranks
+from harness import run_ranks, train_logged
 
 ARGS = ["--config", "configs/gpt-tiny.yaml", "--mock-data", "--num-layers", "4", "--hidden-size", "32",
         "--seq-length", "32", "--max-position-embeddings", "32", "--log-interval", "1", "--pp", "2",
@@ -23,7 +23,6 @@ def _train(rank, world, runs):
     from engine.layout import Layout
     from engine.parallel.topology import context_for
     from engine.resolve import resolve
-    from engine.training import Trainer
     from engine.validation import validate
     lines = []
     for argv in runs:
@@ -31,14 +30,7 @@ def _train(rank, world, runs):
         validate(cfg, world)
         ctx = context_for(Layout.from_config(resolve(cfg, world), world), rank, seed=cfg.training.seed)
         assert ctx.layout.schedule.split_backward == (cfg.parallel.pipeline_schedule == "zb-v")  # zb-v post-validates
-        trainer = None
-        try:
-            trainer = Trainer(cfg, ctx, "cpu", log=lines.append)
-            trainer.train()
-        finally:
-            if trainer is not None:
-                trainer.preemption.restore()
-            ctx.destroy()
+        lines += train_logged(cfg, ctx)
     return lines
 
 

@@ -4,9 +4,10 @@
 routes its own slice, under context parallelism its positions) and adds the routed experts' weighted
 outputs to the shared expert's. The balancing and z losses join backward through `_AuxLossGradient`:
 forward returns the activations unchanged, backward adds d(aux)/d(router) scaled like the LM loss (1 /
-microbatches x the fp16 loss scale, which the pipeline runner sets with `set_aux_loss_scale`), so the
-logged LM loss is untouched. Each training forward with gradients (once per microbatch, the replay of a
-recomputed layer included, its first no-grad pass not) adds its routing statistics for engine.moe.stats.
+microbatches x the fp16 loss scale: the layer's `aux_loss_scale`, which its model's `set_aux_loss_scale`
+sets for each step the pipeline runner runs; 1 for a model called directly), so the logged LM loss is
+untouched. Each training forward with gradients (once per microbatch, the replay of a recomputed layer
+included, its first no-grad pass not) adds its routing statistics for engine.moe.stats.
 """
 from __future__ import annotations
 
@@ -18,15 +19,6 @@ from torch import nn
 from engine.moe.token_dispatch import dispatch_combine
 from engine.moe.experts import Experts
 from engine.moe.router import Router
-
-_aux_loss_scale = 1.0
-
-
-def set_aux_loss_scale(scale: float) -> None:
-    """What the balancing loss's gradient is multiplied by: the LM loss's 1/microbatches x loss scale."""
-    global _aux_loss_scale
-    _aux_loss_scale = float(scale)
-
 
 @dataclass
 class RoutingStats:
@@ -51,18 +43,19 @@ class RoutingStats:
 
 class _AuxLossGradient(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, out, aux):
-        ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
+    def forward(ctx, out, aux, scale):
+        ctx.aux_shape, ctx.aux_dtype, ctx.scale = aux.shape, aux.dtype, scale
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.full(ctx.aux_shape, _aux_loss_scale, dtype=ctx.aux_dtype, device=grad.device)
+        return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
 
 
-def with_aux_loss(out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-    """`out` unchanged, with `aux` joining backward scaled like the LM loss (the MoE losses, MTP's)."""
-    return _AuxLossGradient.apply(out, aux)
+def with_aux_loss(out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+    """`out` unchanged, with `aux` joining backward with the gradient `scale`, the LM loss's 1/microbatches x
+    loss scale (the MoE losses, MTP's)."""
+    return _AuxLossGradient.apply(out, aux, scale)
 
 
 class MoELayer(nn.Module):
@@ -73,6 +66,7 @@ class MoELayer(nn.Module):
         self.router = Router(cfg, ctx, device, dtype)
         self.experts = Experts(cfg, ctx, out_std, device, dtype)
         self.shared = shared
+        self.aux_loss_scale = 1.0  # the balancing losses' gradient scale: 1 until its model sets the step's
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -91,7 +85,7 @@ class MoELayer(nn.Module):
         routing = self.router(tokens, self._token_keys(positions, b), (s_local, b))
         out = dispatch_combine(tokens, routing, self.experts, self.ctx)
         if routing.aux_loss is not None and torch.is_grad_enabled():
-            out = with_aux_loss(out, routing.aux_loss)
+            out = with_aux_loss(out, routing.aux_loss, self.aux_loss_scale)
         if self.training and torch.is_grad_enabled():
             self.stats.add(routing)
         out = out.view(s_local, b, h)

@@ -24,7 +24,6 @@ from engine import mtp
 from engine.documents import Packing
 from engine.flops import UNIT, Costs, attention_pairs, split_backward_costs
 from engine.loss import microbatch_loss, step_loss, token_count
-from engine.moe.layer import set_aux_loss_scale
 from engine.parallel import comm, weight_grad_store
 from engine.parallel.context_split import shard_batch
 from engine.pipeline.p2p import StageLink, backward_through, exchange_plan, messages
@@ -72,7 +71,9 @@ class PipelineRunner:
         if not forward_only:
             self.attention_pairs = self._pairs(microbatches)
             unit = torch.ones((), dtype=torch.float64)  # (float64: a static --loss-scale as given)
-            set_aux_loss_scale(float(scale_loss(unit) if scale_loss is not None else unit) / m)
+            aux_scale = float(scale_loss(unit) if scale_loss is not None else unit) / m
+            for chunk in self.chunks:
+                chunk.set_aux_loss_scale(aux_scale)
         steps = schedule_steps(schedule, ctx.pp_rank, m, forward_only, self.costs)
         saved, losses, outbox = {}, [], {}
         for exchange, ops in exchange_plan(steps, schedule, ctx.pp_rank, self.costs):
