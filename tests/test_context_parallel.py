@@ -182,15 +182,16 @@ def model_cfg(style: str) -> ModelConfig:
                        untie_embeddings_and_output_weights=True, **common)
 
 
-def global_batch(step: int, n: int):
+def global_batch(step: int, n: int, micro: int = MICRO):
+    """`n` samples in microbatches of `micro` (each microbatch's loss is its own masked mean)."""
     g = torch.Generator().manual_seed(2000 + step % 3)  # three batches, revisited: the loss falls
     t = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
     mask = (torch.rand(n, SEQ, generator=g) > 0.2).float()  # some tokens carry no loss
-    return [{"tokens": t[i:i + MICRO, :-1], "labels": t[i:i + MICRO, 1:], "loss_mask": mask[i:i + MICRO]}
-            for i in range(0, n, MICRO)]
+    return [{"tokens": t[i:i + micro, :-1], "labels": t[i:i + micro, 1:], "loss_mask": mask[i:i + micro]}
+            for i in range(0, n, micro)]
 
 
-def _model_layout(rank, world, style, tp, cp, pp, vpp, comm_type, recompute, steps, microbatches):
+def _model_layout(rank, world, style, tp, cp, pp, vpp, comm_type, recompute, steps, microbatches, micro=MICRO):
     """This layout's loss curve and step-0 gradients (whole tensors, by name) on this rank."""
     cfg = Config()
     cfg.model = model_cfg(style)
@@ -201,11 +202,11 @@ def _model_layout(rank, world, style, tp, cp, pp, vpp, comm_type, recompute, ste
     cfg.training.seed = 9
     ctx = build_context(world, rank, tp, pp, vpp=vpp, sequence_parallel=tp > 1, seed=9, cp=cp, cp_comm_type=comm_type)
     chunks = build_model_chunks(cfg, ctx, vocab_size=VOCAB)
-    runner = PipelineRunner(chunks, ctx, ctx.activation_shape(SEQ, MICRO, 32), torch.float32, "cpu")
+    runner = PipelineRunner(chunks, ctx, ctx.activation_shape(SEQ, micro, 32), torch.float32, "cpu")
     params = [p for c in chunks for p in c.parameters()]
     grads, curve, first_grads = grad_buffer(chunks, ctx, microbatches), [], {}
     for step in range(steps):
-        mbs = global_batch(step, microbatches * MICRO * ctx.dp_size)
+        mbs = global_batch(step, microbatches * micro * ctx.dp_size, micro)
         grads.start_step(microbatches)
         curve.append(runner.run(mbs[ctx.dp_rank * microbatches:(ctx.dp_rank + 1) * microbatches]))
         grads.finish()
@@ -219,10 +220,10 @@ def _model_layout(rank, world, style, tp, cp, pp, vpp, comm_type, recompute, ste
 
 
 @functools.lru_cache(maxsize=None)
-def reference_run(style: str, samples: int, steps: int) -> tuple:
+def reference_run(style: str, samples: int, steps: int, micro: int = MICRO) -> tuple:
     """The same training on one rank, in this process (once per batch shape): curve and step-0 grads."""
     model = GPTModel(model_cfg(style), ParallelContext(), seed=9, vocab_size=VOCAB)
-    return sgd_reference(model, lambda step: global_batch(step, samples), steps)
+    return sgd_reference(model, lambda step: global_batch(step, samples, micro), steps)
 
 
 def compare_with_reference(results: list, ref_curve: list, ref_grads: dict, tied: bool) -> list:
@@ -260,9 +261,14 @@ CP_LAYOUTS = [  # (style, tp, cp, pp, vpp, comm type, recomputation): 8 ranks, d
                          ids=[f"{s}-tp{t}-cp{c}-pp{p}{f'-vpp{v}' if v > 1 else ''}-{k}{f'-{r}' if r else ''}"
                               for s, t, c, p, v, k, r in CP_LAYOUTS])
 def test_cp_layouts_equal_one_rank_loss_gradients_and_20_step_curve(style, tp, cp, pp, vpp, comm_type, recompute):
-    results = run_ranks(_model_layout, 8, style, tp, cp, pp, vpp, comm_type, recompute, 20, 2, timeout=300)
+    # a rank's 2 x MICRO samples in as few microbatches as its pipeline takes (pp): each collective costs
+    # milliseconds on 8 processes sharing two cores; the reference groups the samples the same way
+    microbatches = pp
+    micro = 2 * MICRO // microbatches
+    results = run_ranks(_model_layout, 8, style, tp, cp, pp, vpp, comm_type, recompute, 20, microbatches, micro,
+                        timeout=300)
     dp = 8 // (tp * cp * pp)
-    ref_curve, ref_grads = reference_run(style, 2 * MICRO * dp, 20)
+    ref_curve, ref_grads = reference_run(style, 2 * MICRO * dp, 20, micro)
     problems = compare_with_reference(results, ref_curve, ref_grads, tied=style == "gpt2")
     assert not problems, "\n".join(problems)
 
