@@ -1,8 +1,8 @@
 """A DeepSeek-V3-shaped run (configs/deepseek-v3-tiny.yaml, shrunk: MLA with a q latent and YaRN, group-limited
 sigmoid routing with an expert bias, the first layer dense, a shared expert, one MTP module) under torchrun with
-Megatron-LM's flags: saved at ep 4 it resumes at ep 2, and that one's checkpoint at ep 1; resumed at cp 2 too, whose
-checkpoint resumes at cp 1; the LM and MTP loss curves continue the uninterrupted ones within 1e-4 and the expert
-loads exactly. Budget: five small torchrun jobs, one to two minutes (slow).
+Megatron-LM's flags: saved at ep 4 it resumes at ep 2 x cp 2, and that one's checkpoint on one rank (ep 1, cp 1);
+the LM and MTP loss curves continue the uninterrupted ones within 1e-4 and the expert loads exactly. Budget: three
+small torchrun jobs, about 40 s (slow).
 """
 import pytest
 
@@ -36,25 +36,17 @@ def _continues(got: dict, want: dict) -> None:
 
 
 @pytest.mark.slow
-def test_resume_ep4_to_ep2_to_ep1_and_cp2_to_cp1_continues_the_curves(tmp_path):
+def test_resume_ep4_to_ep2_cp2_to_one_rank_continues_the_curves(tmp_path):
     want = _run(tmp_path, "a", ["--ep", "4"], 4)
     assert sorted(want) == list(range(1, 13)) and want[12]["lm_loss"] < want[1]["lm_loss"]
     assert want[12]["mtp_loss"] < want[1]["mtp_loss"]
 
     (tmp_path / "b-load").mkdir()
-    got = _run(tmp_path, "b", ["--ep", "2"], 2, checkpoint_holding(tmp_path / "a", 4, tmp_path / "b-load"))
+    got = _run(tmp_path, "b", ["--ep", "2", "--cp", "2"], 4, checkpoint_holding(tmp_path / "a", 4, tmp_path / "b-load"))
     assert sorted(got) == list(range(5, 13))
     _continues(got, want)
 
     (tmp_path / "c-load").mkdir()
     got = _run(tmp_path, "c", [], 1, checkpoint_holding(tmp_path / "b", 8, tmp_path / "c-load"))
-    assert sorted(got) == list(range(9, 13))
-    _continues(got, want)
-
-    (tmp_path / "d-load").mkdir()
-    got = _run(tmp_path, "d", ["--cp", "2"], 2, checkpoint_holding(tmp_path / "a", 4, tmp_path / "d-load"))
-    _continues(got, want)
-    (tmp_path / "e-load").mkdir()
-    got = _run(tmp_path, "e", [], 1, checkpoint_holding(tmp_path / "d", 8, tmp_path / "e-load"))
     assert sorted(got) == list(range(9, 13))
     _continues(got, want)
