@@ -38,7 +38,7 @@ def pytest_gpu(opts, record) -> None:
     run = opts.cuda and not opts.dry_run
     with tempfile.TemporaryDirectory() as tmp:
         junit = os.path.join(tmp, "gpu.xml")
-        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "tests", "--continue-on-collection-errors",
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", *gpu_test_files(), "--continue-on-collection-errors",
                f"--junitxml={junit}"] + ([] if run else ["--collect-only"])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
         try:
@@ -63,6 +63,17 @@ def pytest_gpu(opts, record) -> None:
                                       f"(anchor: all pass)")
     record.figure("pytest_gpu_failed", summary.get("failed", 0) + summary.get("errors", 0), "tests",
                   "0", "; ".join(summary.get("failing", [])[:10]))
+
+
+GPU_MARKS = re.compile(r"mark\.gpu\b|\bgpu_test\b")  # pytest.mark.gpu, or test_kernels' gpu_test decorator
+
+
+def gpu_test_files() -> list:
+    """The test modules that mark anything gpu (by GPU_MARKS): collecting the others (transformers, megatron-core
+    and all) only to deselect them costs seconds of the budget."""
+    folder = os.path.join(ROOT, "tests")
+    names = sorted(n for n in os.listdir(folder) if n.startswith("test_") and n.endswith(".py"))
+    return [os.path.join("tests", n) for n in names if GPU_MARKS.search(open(os.path.join(folder, n)).read())]
 
 
 def junit_summary(path: str) -> dict:
