@@ -40,26 +40,34 @@ def _cfg(strategy="no_shard", tp=1, pp=1, cp=1, vpp=None, overlap=False, recompu
     return cfg
 
 
-def _microbatches(step):
-    """Tokens depend only on the global sample index; 24 samples revisited so that the loss falls."""
-    out = []
-    for i in range(MICROBATCHES):
-        rows = []
-        for sample in range((step * MICROBATCHES + i) * MICRO, (step * MICROBATCHES + i + 1) * MICRO):
-            g = torch.Generator().manual_seed(11 * 1_000_003 + sample % 24)
-            rows.append(torch.randint(0, VOCAB, (SEQ + 1,), generator=g))
-        t = torch.stack(rows)
-        out.append({"tokens": t[:, :-1], "labels": t[:, 1:]})
-    return out
+def _microbatches(step, size: int = MICRO):
+    """The step's samples in microbatches of `size`: tokens depend only on the global sample index; 24 samples
+    revisited so that the loss falls."""
+    rows = []
+    for sample in range(step * MICROBATCHES * MICRO, (step + 1) * MICROBATCHES * MICRO):
+        g = torch.Generator().manual_seed(11 * 1_000_003 + sample % 24)
+        rows.append(torch.randint(0, VOCAB, (SEQ + 1,), generator=g))
+    t = torch.stack(rows)
+    return [{"tokens": t[i:i + size, :-1], "labels": t[i:i + size, 1:]} for i in range(0, len(rows), size)]
+
+
+def _microbatch_size(ctx) -> int:
+    """A rank's share of the step's samples in two microbatches (ZeRO-2/3 reduce-scatter each one's gradients:
+    more than one per step is the case to test), or pp of them, or one sample each when fewer: on two
+    oversubscribed cores each collective costs milliseconds, and the loss, a mean over equally long samples, is
+    the same however they are grouped."""
+    share = MICROBATCHES * MICRO // ctx.dp_size
+    return max(1, share // max(2, ctx.pp_size))
 
 
 def _curve(cfg, chunks, ctx, opt, steps=range(STEPS)) -> list:
     dtype = torch.float16 if cfg.training.fp16 else torch.float32
-    runner = PipelineRunner(chunks, ctx, ctx.activation_shape(SEQ, MICRO, cfg.model.hidden_size), dtype, "cpu")
-    per_rank = MICROBATCHES // ctx.dp_size
+    size = _microbatch_size(ctx)
+    runner = PipelineRunner(chunks, ctx, ctx.activation_shape(SEQ, size, cfg.model.hidden_size), dtype, "cpu")
+    per_rank = MICROBATCHES * MICRO // ctx.dp_size // size
     curve = []
     for step in steps:
-        mine = _microbatches(step)[ctx.dp_rank * per_rank:(ctx.dp_rank + 1) * per_rank]
+        mine = _microbatches(step, size)[ctx.dp_rank * per_rank:(ctx.dp_rank + 1) * per_rank]
         opt.start_step(len(mine))
         loss = runner.run(mine, scale_loss=opt.scale_loss)
         opt.finish_grad_sync()
