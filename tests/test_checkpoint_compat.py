@@ -30,6 +30,7 @@ def test_the_typed_metadata_reads_and_writes_the_old_json_unchanged():
     assert reader.check_files(reader.meta.files) is None
 
 
+@pytest.mark.slow
 # The continuation was recorded on the machine that saved the fixture: another CPU's BLAS rounds fp32 differently
 # (4.8e-7 apart seen on another Xeon), so the same layout is held to 1e-6 relative, not bitwise; two runs on one
 # machine are compared bitwise by tests/test_checkpoint_resume.py.

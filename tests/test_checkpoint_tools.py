@@ -189,6 +189,7 @@ def test_hf_export_loads_in_transformers_with_the_same_logits(tmp_path, style):
     assert (ours - theirs).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 def test_merge_streams_tensor_by_tensor(tmp_path):
     """Peak resident-set growth of a fresh merge process, sampled every millisecond."""
     cfg = Config()

@@ -28,6 +28,7 @@ per layout and kind is printed (pytest -s) and repeated in a failure's message.
 from dataclasses import dataclass
 from fractions import Fraction
 
+import pytest
 import torch
 
 from engine.config import Config, ModelConfig, padded_vocab_size
@@ -248,6 +249,7 @@ def test_a_mismatch_of_one_extra_all_reduce_is_caught():
     assert compare(lay, measured)[1]
 
 
+@pytest.mark.slow
 def test_bytes_sent_per_group_kind_equal_the_analytic_volume_on_8_ranks():
     results = run_ranks(_all, WORLD, timeout=240)
     for rank, result in enumerate(results):

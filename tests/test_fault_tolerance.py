@@ -7,11 +7,14 @@ import re
 import signal
 import time
 
+import pytest
+
 from test_trainer import TINY, kill_when, last_train_records, launch, read_records
 
 TIMEOUT_MINUTES = 0.25
 
 
+@pytest.mark.slow
 def test_sigkill_of_a_rank_without_restarts_ends_the_job_naming_the_failure(tmp_path):
     metrics = str(tmp_path / "metrics.jsonl")
     watch = kill_when(metrics, 2, rank=1)

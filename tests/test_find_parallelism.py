@@ -191,6 +191,7 @@ def test_llama3_405b_search_puts_uneven_stage_layouts_in_its_top_five(capsys):
 
 
 
+@pytest.mark.slow
 def test_search_on_llama3_8b_128k_proposes_context_parallelism_that_fits(capsys):
     cfg = os.path.join(ROOT, "configs", "llama3-8b-128k.yaml")
     assert run_cli("--config", cfg, "--num-gpus", "64", "--gpu", "h100-sxm", "--top", "5") == 0
@@ -227,6 +228,7 @@ def test_every_flag_named_in_an_error_message_exists():
 
 
 
+@pytest.mark.slow
 def test_mixtral_on_64_h100_searches_expert_parallelism_and_prints_it(capsys):
     """Mixtral 8x7B does not fit 64 H100 without expert parallelism at tp 1 (46.7B bf16 weights and fp32 grads per
     pipeline stage); the search answers with ep > 1 layouts that fit, ep dividing dp and the 8 experts, and the
@@ -312,6 +314,7 @@ def test_search_tries_every_sharding_strategy_and_shows_the_chosen_one(capsys):
     assert err.count("\n") == 1 and "--data-parallel-sharding-strategy" in err
 
 
+@pytest.mark.slow
 def test_pipeline_schedule_is_fixed_or_searched(capsys):
     cfg = os.path.join(ROOT, "configs", "llama3-8b.yaml")
     run_cli("--config", cfg, "--num-gpus", "16", "--top", "50", "--json", "--pipeline-schedule", "zb-h1")

@@ -47,6 +47,7 @@ def test_exception_on_one_rank_fails_with_its_traceback():
         run_ranks(_raise_on_rank1, 2, timeout=60)
 
 
+@pytest.mark.slow
 def test_deadlock_fails_within_timeout_with_every_stack():
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ERROR = "pretrain_gpt.py: error:"
 
@@ -43,6 +45,7 @@ def test_tp_that_does_not_divide_heads_under_torchrun_fails_fast_with_one_line_p
     assert 'pretrain_gpt.py", line' not in proc.stderr and "engine/" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_direct_launch_mistakes_exit_2_with_their_own_line(tmp_path):
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("num_layers: 2\nhiden_size: 64\n")
@@ -74,6 +77,7 @@ def test_world_size_not_tp_times_pp_times_dp_under_torchrun():
     assert "exitcode  : 2" in proc.stderr
 
 
+@pytest.mark.slow
 def test_pipeline_trace_is_written_per_rank_and_drawn(tmp_path):
     trace = tmp_path / "trace"
     proc, _ = launch(["--config", "configs/gpt-tiny.yaml", "--mock-data", "--pp", "2", "--num-layers", "2",

@@ -19,7 +19,7 @@ then continues to iteration 15. Checked here:
 - --decoupled-lr: every parameter's LR and weight decay equal those megatron-core's param groups and scheduler give
   it (tests/test_decoupled_lr.py's check, on this process's output).
 Budget on two cores: about 75 s (the oracle process, once, 35 s; a 4-rank pool run; one launcher run; the two
-streaming conversions, 18 s).
+streaming conversions, 18 s): `make test` runs the module, `make test-fast` leaves it out.
 """
 import argparse
 import importlib.util
@@ -42,6 +42,8 @@ from engine.pipeline.partition import build_model_chunks
 from harness import run_ranks, tp2_pp2_logits_error
 from test_decoupled_lr import SHAPES as DECOUPLED_SHAPES
 from test_decoupled_lr import check_rates, group_jobs
+
+pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORACLE = os.path.join(ROOT, "tests", "megatron_oracle.py")

@@ -132,6 +132,7 @@ def _banner_threads(env_threads):
     return int(line.split(", ")[1].split()[0])
 
 
+@pytest.mark.slow
 def test_the_launcher_respects_omp_num_threads():
     assert _banner_threads("1") == 1
     # Unset, a single process takes the machine's cores (so the setting above is what made it 1).

@@ -185,6 +185,7 @@ def one_rank(style: str, samples: int) -> tuple:
     return curve, first, per_token
 
 
+@pytest.mark.slow
 def test_layouts_equal_one_rank_per_token_gradients_and_20_step_curve():
     results = run_ranks(_every_layout, 2, timeout=300)
     problems = []
@@ -246,6 +247,7 @@ def test_runner_counts_attention_pairs_only_for_packed_documents():
 
 # ---------------------------------------------------------------- a training run end to end
 
+@pytest.mark.slow
 def test_a_training_run_reads_documents_from_its_data_and_counts_their_flops(tmp_path):
     """dp 2 under torchrun on documents ending in the NullTokenizer's EOD: resolve finds the id, the banner says
     how attention and its FLOPs are counted, and each iteration's TFLOP/s are its global batch's documents'."""
