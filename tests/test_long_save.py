@@ -2,7 +2,7 @@
 starts is slowed (benchmarks/slow_save.py). With a grace between SIGTERM and SIGKILL longer than the save
 (`torchrun --shutdown-timeout`), the save completes and `latest` names it; with a shorter one, SIGKILL cuts the save
 off and `latest` still names the previous complete checkpoint, the one a restart loads.
-Budget: two torchrun jobs of 2 ranks, about 15 s each on an idle 2-core machine.
+Budget: two torchrun jobs of 2 ranks, about 15 s each on an idle 2-core machine (slow: `make test` runs them).
 """
 import dataclasses
 import os
@@ -50,6 +50,7 @@ def _run(tmp_path, monkeypatch, slow_s: float, grace: float, kill_by_hand: bool 
     return save, output
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not SETTABLE, reason="this torch's torchrun has no --shutdown-timeout (torch 2.13 has it)")
 def test_a_grace_longer_than_the_save_lets_the_signals_save_complete(tmp_path, monkeypatch):
     save, output = _run(tmp_path, monkeypatch, slow_s=3, grace=60)
@@ -64,6 +65,7 @@ def test_a_grace_longer_than_the_save_lets_the_signals_save_complete(tmp_path, m
     assert "forcefully exiting" not in output, "torchrun did not need its SIGKILL"
 
 
+@pytest.mark.slow
 def test_a_grace_shorter_than_the_save_leaves_the_previous_checkpoint_as_latest(tmp_path, monkeypatch):
     """With --shutdown-timeout torchrun's own SIGKILL cuts the save off; without it (an older torch), the test
     kills the job at the moment torchrun would."""
