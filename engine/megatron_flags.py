@@ -210,8 +210,6 @@ FLAGS = (
     Flag("--rotary-interleaved", REFUSED, "interleaved rotary pairs (GPT-J style) are not implemented: RoPE rotates "
                                           "the two halves of each head (Llama style); drop it"),
     *(Flag(name, REFUSED, _PER_SPLIT) for name in ("--train-data-path", "--valid-data-path", "--test-data-path")),
-    Flag("--fp8-param-gather", REFUSED, "FP8 weight gathering is not implemented: ZeRO-3 and the distributed optimizer "
-                                        "gather weights in the run's precision and each GEMM quantizes them; drop it"),
     Flag("--step-batch-size-schedule", REFUSED, "batch sizes by consumed tokens (Megatron-LM after core 0.16) are not "
                                                 "implemented; use --rampup-batch-size START INCR SAMPLES"),
     Flag("--use-checkpoint-args", REFUSED, "the model flags are not read from the checkpoint; pass those of the run "

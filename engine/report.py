@@ -115,7 +115,9 @@ def fp8_lines(cfg) -> list:
     return [f"fp8: {tr.fp8_format} ({'e4m3 forward, e5m2 gradients' if tr.fp8_format == 'hybrid' else 'e4m3'}), "
             f"{tr.fp8_recipe} scaling ({scaling[tr.fp8_recipe]}, margin {tr.fp8_margin}) in the QKV, projection, MLP "
             f"and expert GEMMs; the output layer, attention core and the rest in {precision_name(cfg)}; MFU is "
-            "against the dense bf16 peak (--peak-tflops), the FP8 peak being twice it"]
+            "against the dense bf16 peak (--peak-tflops), the FP8 peak being twice it"
+            + ("; the distributed optimizer gathers the FP8 linears' weights as FP8 codes (--fp8-param-gather)"
+               if tr.fp8_param_gather else "")]
 
 
 def banner(cfg, ctx, chunks, device, layout: str) -> str:

@@ -32,7 +32,8 @@ def validate(cfg: Config, world_size: int, problems: Optional[Problems] = None) 
     problems = Problems() if own else problems
     check, par = problems.check, cfg.parallel
     model_ok = check(check_model, cfg.model)
-    if check(_check_parallel_sizes, par) and check(_check_pipeline_schedule, par, cfg.model.num_layers):
+    sizes_ok = check(_check_parallel_sizes, par)
+    if sizes_ok and check(_check_pipeline_schedule, par, cfg.model.num_layers):
         schedule = PipelineSchedule.of(par.pipeline_schedule, cfg.pp, par.virtual_pipeline_model_parallel_size)
         if model_ok:
             check(_check_split, cfg.model, par, cfg.tp, cfg.pp, schedule.vpp)
@@ -41,6 +42,8 @@ def validate(cfg: Config, world_size: int, problems: Optional[Problems] = None) 
                 check(_check_moe, cfg.model, par, cfg.dp(world_size))
             check(_check_training, cfg.training, cfg.dp(world_size), cfg.pp,
                   schedule.vpp if schedule.interleaved else 1)
+    if sizes_ok:
+        check(check_fp8_param_gather, cfg.training, par)
     check(_check_optim, cfg.optim, cfg.training)
     check(_check_decoupled, cfg.optim)
     check(_check_logging, cfg.logging)
@@ -133,6 +136,25 @@ def _check_sharding_strategy(par: ParallelConfig) -> None:
     if par.overlap_param_gather and not sharding.optimizer:
         _err("--overlap-param-gather", True, "overlaps the gathering of sharded weights, and nothing is sharded; "
                                              f"add --use-distributed-optimizer or {flag}, or drop it")
+
+
+def check_fp8_param_gather(tr: TrainingConfig, par: ParallelConfig) -> None:
+    """--fp8-param-gather gathers the distributed optimizer's weight shards as one-scale FP8 codes (ZeRO-1/2)."""
+    flag = "--fp8-param-gather"
+    if not tr.fp8_param_gather:
+        return
+    if tr.fp8_format is None:
+        _err(flag, True, "gathers the FP8 linears' weights, and nothing runs in FP8; add --fp8-format or drop it")
+    elif tr.fp8_recipe not in ("tensorwise", "delayed"):
+        _err(flag, True, f"takes one scale per weight (tensorwise or delayed), not --fp8-recipe {tr.fp8_recipe}; "
+                         "drop one")
+    strategy = par.data_parallel_sharding_strategy
+    if not Sharding.of(strategy).optimizer:
+        _err(flag, True, "is the distributed optimizer's weight all-gather, and nothing is sharded; add "
+                         "--use-distributed-optimizer (or --data-parallel-sharding-strategy optim_grads) or drop it")
+    elif Sharding.of(strategy).params:
+        _err(flag, True, f"is not implemented for --data-parallel-sharding-strategy {strategy} (ZeRO-3 gathers "
+                         "the weights in the run's precision); use optim or optim_grads, or drop it")
 
 
 def _check_pipeline_schedule(par: ParallelConfig, layers: int) -> None:

@@ -11,13 +11,20 @@ knows where the layer's tensors are split: under tp the weight (and a row-parall
 output gradient) is one part of a full tensor, whose amax (tensor scaling) or tiles (blockwise) the tp group
 shares; under cp and sequence parallelism the tokens are. Under a split backward (zero-bubble schedules) the
 weight gradient is left to engine.parallel.weight_grad_store like any linear's.
+
+Under `--fp8-param-gather` the weight arrives quantized: the optimizer's all-gather (engine.optim.fp8_gather)
+quantizes each replica's shard with the scale this linear would use and gathers the FP8 codes, and `gathered`
+holds them (`Gathered`) until the weight changes (its version counter) or the scale does (a delayed history
+moved); forward then takes them instead of quantizing the weight, the same codes and scale bit for bit.
 """
 from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from engine.fp8 import gemm
-from engine.fp8.quantize import Split
+from engine.fp8.quantize import Quantized, Split
 from engine.fp8.scaling import ACTIVATION_TILE, WEIGHT_TILE, Recipe, Scaler
 from engine.parallel.weight_grad_store import bias_grad, deferral_of, rows
 
@@ -34,6 +41,19 @@ def _split_positions(spec, ctx) -> tuple:
     return 0, torch.cat([local + b * out for b in range(stack)]), stack * out
 
 
+@dataclass
+class Gathered:
+    """The weight's FP8 codes and scale from the optimizer's gather, as `Scaler.tensor` would make them, with
+    `now` (the amax that call would note) and when they hold: the weight's version and the scaler's step count.
+    `whole`: the weight's own values are whole too (off the hot path they are refreshed, Optimizer.wait_weights);
+    until then only this rank's shard of them is current, so a weight that changed scale cannot be quantized."""
+    q: Quantized
+    now: object
+    version: int
+    steps: int
+    whole: bool = False
+
+
 class Fp8Linear:
     """The FP8 GEMMs of one tensor-parallel linear: its scalers and where its tensors are split."""
 
@@ -44,6 +64,7 @@ class Fp8Linear:
                                               Scaler(recipe, True, device))
         self.group = ctx.tp_cp_group if ctx.tp_size * ctx.cp_size > 1 else None
         self.split_axis, self.splits = None, {}
+        self.gathered = None  # a Gathered under --fp8-param-gather
         if ctx.tp_size > 1:
             axis, positions, full = _split_positions(weight.spec, ctx)
             self.split_axis = axis
@@ -63,6 +84,19 @@ class Fp8Linear:
             scaler.last = q.scale_inv  # the full tensor's scale(s), the same under every layout
         return q
 
+    def weight_operand(self, weight):
+        """Forward's Q(W): the gathered codes while they hold, else W quantized here."""
+        g = self.gathered
+        if g is not None and g.version == weight._version:
+            if g.steps == self.weight.steps:
+                self.weight.saw(g.now)
+                self.weight.last = g.q.scale_inv
+                return g.q
+            if not g.whole:
+                raise RuntimeError("an FP8 weight's scale moved after its codes were gathered, and its values are "
+                                   "current on this rank's shard only: gather the weights after the amax histories move")
+        return self.quantize("weight", rows(weight))
+
     def __call__(self, x, weight, bias=None):
         deferral = deferral_of(weight)
         return _Fp8LinearFn.apply(x, weight if deferral is None else weight.detach(), bias, self, deferral)
@@ -72,7 +106,7 @@ class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lin: Fp8Linear, deferral):
         x2 = x.reshape(-1, x.shape[-1])
-        xq, wq = lin.quantize("input", x2), lin.quantize("weight", rows(weight))
+        xq, wq = lin.quantize("input", x2), lin.weight_operand(weight)
         y = gemm.mm(xq, wq, x.dtype)
         if bias is not None:
             y = y + bias.reshape(-1)

@@ -58,13 +58,24 @@ class Scaler:
 
     def tensor(self, x: torch.Tensor, group=None) -> Quantized:
         """x [M, K] with one scale; `group`: the other ranks holding parts of x (current scaling reduces over it)."""
-        if self.recipe.delayed and self.steps:
-            self.seen = torch.maximum(self.seen, amax(x))
-            return quantize(x, self.scale, self.dtype)
-        now = amax(x, group)
+        now = amax(x, None if self.from_history else group)
+        self.saw(now)
+        return quantize(x, self.encode_scale(now), self.dtype)
+
+    @property
+    def from_history(self) -> bool:
+        """Delayed scaling once the history has an entry: the scale is the history's, no amax is reduced."""
+        return self.recipe.delayed and self.steps > 0
+
+    def encode_scale(self, now: torch.Tensor) -> torch.Tensor:
+        """The scale `tensor` quantizes with, for a tensor whose amax (over its group, unless from_history) is
+        `now`: the history's, or current scaling's."""
+        return self.scale if self.from_history else scale_of(now, self.dtype, self.recipe.margin)
+
+    def saw(self, now: torch.Tensor) -> None:
+        """Delayed scaling: a quantized tensor's amax `now` enters the step's amax (reduced over the stage later)."""
         if self.recipe.delayed:
             self.seen = torch.maximum(self.seen, now)
-        return quantize(x, scale_of(now, self.dtype, self.recipe.margin), self.dtype)
 
     def tiles(self, x: torch.Tensor, tile: tuple, split: Optional[Split] = None) -> Quantized:
         return quantize_tiles(x, tile, self.dtype, self.recipe.margin, split)

@@ -24,6 +24,9 @@ gradients too, which the grad buffer reduce-scatters per microbatch instead of k
 `optim_grads_params` (ZeRO-3) the weights too (param_shard.py): the masters then update the weights'
 shards directly and nothing is all-gathered after the step. Under ZeRO-1/2 `--overlap-param-gather` leaves the
 step's all-gathers in flight, each bucket waited for by the forward that first needs it (param_gather.py).
+With `--fp8-param-gather` (ZeRO-1/2) the buckets holding FP8 weights move those as FP8 codes (fp8_gather.py); the
+weights' other replicas' elements are then gathered in the run's precision only when read outside forward
+(wait_weights, full_weights).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ import torch
 
 from engine.optim import adamw
 from engine.optim.clip import clip_coefficient, counts_toward_norm, global_grad_norm
+from engine.optim.fp8_gather import Fp8Gather, weight_linears
 from engine.optim.grad_buffer import DEFAULT_BUCKET_NUMEL, GradBuffer
 from engine.optim.loss_scaler import LossScaler
 from engine.optim.muon import Muon, classify
@@ -96,8 +100,11 @@ class Optimizer:
         self.buffers = [b for b in (self.buffer, self.expert_buffer) if b.params or b is self.buffer]
         self.sharder = ParamSharder(model_chunks, units, self.buffers, prefetch=par.overlap_param_gather) \
             if units else None
+        # ZeRO-1/2 with --fp8-param-gather: FP8 weights gathered as FP8 codes
+        self.fp8 = Fp8Gather(self.buffers, weight_linears(model_chunks), ctx) \
+            if self.distributed and units is None and cfg.training.fp8_param_gather else None
         # ZeRO-1/2 with --overlap-param-gather: the weights become views of flat buckets before the entries are made
-        self.gather = ParamGather(model_chunks, self.buffers) \
+        self.gather = ParamGather(model_chunks, self.buffers, self.fp8) \
             if self.distributed and units is None and par.overlap_param_gather else None
         self.steps = 0
         self.name = opt.optimizer  # what the checkpoint's optimizer state is (checked on load)
@@ -152,9 +159,15 @@ class Optimizer:
 
     def wait_weights(self) -> None:
         """Wait for the all-gathers of the last step's weights still in flight (--overlap-param-gather under
-        ZeRO-1/2), so that the model's weights are current outside forward; a no-op otherwise."""
+        ZeRO-1/2) and gather the FP8 weights' values (--fp8-param-gather moved their codes only), so that the
+        model's weights are current outside forward; a no-op otherwise."""
         if self.gather is not None:
             self.gather.finish()
+        if self.fp8 is not None and self.fp8.stale:
+            held = self.fp8.holding()
+            for i, bucket in self.fp8.stale_buckets():
+                self._gather_whole(self.buffers[i], bucket)
+            self.fp8.refreshed(held)
 
     # --- the step, in the order the trainer calls it -------------------------------------------
     def start_step(self, num_microbatches: int) -> None:
@@ -241,25 +254,31 @@ class Optimizer:
             return
         if self.gather is not None:  # in flight until the next forward needs them (param_gather.py)
             return self.gather.start(self._entries)
-        for buffer in self.buffers:
-            self._publish_sharded(buffer)
+        if self.fp8 is not None:  # this rank's shards first: the FP8 codes are made from them
+            for e in self._entries:
+                e.param.detach().view(-1)[e.start:e.end].copy_(e.master)
+            self.fp8.prepare()
+        for i, buffer in enumerate(self.buffers):
+            for bucket in buffer.buckets:
+                if self.fp8 is not None and self.fp8.covers(i, bucket):
+                    self.fp8.launch(i, bucket, async_op=False)
+                    self.fp8.land(i, bucket)
+                else:
+                    self._gather_whole(buffer, bucket)
 
-    def _publish_sharded(self, buffer: GradBuffer) -> None:
-        by_bucket = {}
+    def _gather_whole(self, buffer: GradBuffer, bucket) -> None:
+        """All-gather one bucket's updated masters, in the parameters' dtype, into its parameters."""
+        out = self._gather_buffer(bucket)
+        lo, hi = buffer.shard_bounds(bucket)
         for e in self._entries:
-            if e.buffer is buffer:
-                bucket, off = buffer.offset_in_bucket(e.param)
-                by_bucket.setdefault(bucket.index, []).append((e, off))
-        for bucket in buffer.buckets:
-            out = self._gather_buffer(bucket)
-            lo, hi = buffer.shard_bounds(bucket)
-            for e, off in by_bucket.get(bucket.index, []):
+            if e.buffer is buffer and buffer.bucket_of(e.param) is bucket:
+                off = buffer.offset_in_bucket(e.param)[1]
                 out[off + e.start:off + e.end].copy_(e.master)
-            if buffer.replicas > 1:
-                comm.all_gather_into(out, out[lo:hi], group=buffer.group)
-            for p in bucket.params:
-                _, off = buffer.offset_in_bucket(p)
-                p.detach().view(-1).copy_(out[off:off + p.numel()])
+        if buffer.replicas > 1:
+            comm.all_gather_into(out, out[lo:hi], group=buffer.group)
+        for p in bucket.params:
+            _, off = buffer.offset_in_bucket(p)
+            p.detach().view(-1).copy_(out[off:off + p.numel()])
 
     def _gather_buffer(self, bucket) -> torch.Tensor:
         """One reusable all-gather target per dtype, as large as the largest bucket of that dtype."""

@@ -19,6 +19,9 @@ Outside forward, `finish` waits for everything: before the next `start`, for che
 stale ones to be saved) and at the end of training. The values are those the synchronous path publishes,
 bit for bit.
 
+With `--fp8-param-gather` (`fp8`, an engine.optim.fp8_gather.Fp8Gather) a bucket holding FP8 weights is
+gathered by it instead, as a payload of bytes, and unpacked (its `land`) when waited for.
+
 `trace` (None unless set to a list) records ("launch", key), ("wait", key) and ("enter", chunk, unit) in the
 order they happen, a key being (buffer, bucket index): tests/test_param_gather.py reads from it that the
 gathers are in flight while forward runs.
@@ -32,9 +35,10 @@ from engine.parallel import comm
 
 
 class ParamGather:
-    def __init__(self, model_chunks: list, buffers: list):
-        """Make every bucket of `buffers` one flat tensor and hook the forward of `model_chunks`."""
-        self.buffers = buffers
+    def __init__(self, model_chunks: list, buffers: list, fp8=None):
+        """Make every bucket of `buffers` one flat tensor and hook the forward of `model_chunks`; `fp8`: the
+        Fp8Gather that moves the buckets holding FP8 weights, or None."""
+        self.buffers, self.fp8 = buffers, fp8
         self._flat = {(i, b.index): flatten_bucket(buffer, b) for i, buffer in enumerate(buffers)
                       for b in buffer.buckets}
         self._key = {id(p): (i, buffer.bucket_of(p).index) for i, buffer in enumerate(buffers) for p in buffer.params}
@@ -67,6 +71,9 @@ class ParamGather:
         work = self._pending.pop(key, None)
         if work is not None:
             work.wait()
+            bucket = self.buffers[key[0]].buckets[key[1]]
+            if self.fp8 is not None and self.fp8.covers(key[0], bucket):
+                self.fp8.land(key[0], bucket)
             if self.trace is not None:
                 self.trace.append(("wait", key))
 
@@ -76,15 +83,26 @@ class ParamGather:
         self.finish()
         for e in entries:
             e.param.detach().view(-1)[e.start:e.end].copy_(e.master)
+        if self.fp8 is not None:
+            self.fp8.prepare()
         for i, buffer in enumerate(self.buffers):
-            if buffer.replicas == 1:
-                continue  # this rank's slice is the whole bucket
             for bucket in reversed(buffer.buckets):  # forward order
-                key, (lo, hi) = (i, bucket.index), buffer.shard_bounds(bucket)
-                flat = self._flat[key]
-                self._pending[key] = comm.all_gather_into(flat, flat[lo:hi], group=buffer.group, async_op=True)
-                if self.trace is not None:
-                    self.trace.append(("launch", key))
+                self._launch(i, buffer, bucket)
+
+    def _launch(self, i: int, buffer, bucket) -> None:
+        key, (lo, hi) = (i, bucket.index), buffer.shard_bounds(bucket)
+        if self.fp8 is not None and self.fp8.covers(i, bucket):
+            work = self.fp8.launch(i, bucket, async_op=True)
+            if work is None:  # one replica: nothing to wait for
+                return self.fp8.land(i, bucket)
+        elif buffer.replicas == 1:
+            return  # this rank's slice is the whole bucket
+        else:
+            flat = self._flat[key]
+            work = comm.all_gather_into(flat, flat[lo:hi], group=buffer.group, async_op=True)
+        self._pending[key] = work
+        if self.trace is not None:
+            self.trace.append(("launch", key))
 
     def finish(self) -> None:
         """Wait for every all-gather still in flight: the weights are whole and current after it."""

@@ -1,0 +1,171 @@
+"""`--fp8-param-gather` under ZeRO-1/2 (`optim`, `optim_grads`): the distributed optimizer's all-gather moves the
+weights of FP8 linears as their FP8 codes, one byte an element, instead of the run's precision.
+
+The codes are those the linear would make itself (engine.fp8.linear: tensorwise and delayed scaling, one scale
+per weight). A weight's scale depends on the whole weight only through its amax, and MAX is exact, so a shard
+quantized with the whole weight's scale gives the whole weight's codes: `prepare` takes each FP8 weight's amax
+over this rank's shard, reduces the vector of them with MAX over the replicas (one all-reduce per buffer) and,
+where current scaling reduces the weight's amax over tp x cp, over those ranks too (one more); the scale is then
+known on every rank (a delayed scale is the history's, the same everywhere). Each replica quantizes its own
+elements and the bucket's all-gather carries them: per replica one payload of bytes, its elements of other
+parameters (norms, embeddings, the output layer, the experts) in the run's precision first, then its FP8 codes,
+padded to the longest replica's payload. The grad buffer's buckets and shards are not changed (so the gradients,
+their norm and every update are the same as without the flag, bit for bit); a bucket holding FP8 weights only
+moves one byte an element, one that mixes them with other parameters up to its longest replica's payload. `land`
+unpacks the others' payloads and hands each linear its codes (Fp8Linear.gathered).
+
+What the parameters hold: the parameters of non-FP8 layers, and this rank's shard of every FP8 weight, are
+current after a step as without the flag; the other replicas' elements of the FP8 weights are not gathered on
+the hot path (forward and backward read only the codes) and stay as they were, `stale` saying so. Whatever
+reads the weights outside forward calls Optimizer.wait_weights (checkpoint save and load through full_weights,
+the end of training), which gathers those buckets once more in the run's precision (`refreshed` then marks the
+codes' weights whole): a checkpoint holds the same weights as without the flag. The codes take one byte per
+element of the FP8 weights beside them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.fp8.linear import Fp8Linear, Gathered
+from engine.fp8.quantize import Quantized, amax, quantize
+from engine.parallel import comm
+
+
+@dataclass
+class _Piece:
+    """Elements [lo, hi) of `param` (flat) in one replica's slice of a bucket, at byte `at` of its payload."""
+    param: torch.nn.Parameter
+    lo: int
+    hi: int
+    linear: object  # its Fp8Linear, or None: moved in the run's precision
+    at: int = 0
+
+
+def weight_linears(model_chunks: list) -> dict:
+    """id(weight) -> the Fp8Linear that multiplies by it, over the chunks' column- and row-parallel linears."""
+    return {id(m.weight): m.fp8 for chunk in model_chunks for m in chunk.modules()
+            if isinstance(getattr(m, "fp8", None), Fp8Linear)}
+
+
+class Fp8Gather:
+    def __init__(self, buffers: list, linears: dict, ctx):
+        """`linears`: weight_linears of the model; `buffers`: the optimizer's grad buffers (sharded)."""
+        self.buffers, self.linears, self.ctx = buffers, linears, ctx
+        self.codes = {id(p): torch.zeros(p.numel(), dtype=torch.uint8, device=p.device)
+                      for b in buffers for p in b.params if id(p) in linears}
+        self._plans = {(i, b.index): self._plan(buffer, b) for i, buffer in enumerate(buffers)
+                       for b in buffer.buckets if any(id(p) in linears for p in b.params)}
+        self._payloads = {}  # (buffer index, bucket index) -> the bucket's gathered payloads
+        self._now = {}     # id(weight) -> the amax its linear would note now (set by prepare)
+        self._scale = {}   # id(weight) -> its scale
+        self.stale = False  # the FP8 weights' elements of other replicas are not current
+
+    def _plan(self, buffer, bucket) -> tuple:
+        """(the pieces of each replica's payload, the payload's bytes, padded alike for every replica)."""
+        pieces, longest = [], 0
+        for r in range(buffer.replicas):
+            mine = [_Piece(p, *rng, self.linears.get(id(p))) for p in bucket.params
+                    if (rng := buffer.local_range(p, r)) is not None]
+            at = 0
+            for piece in sorted(mine, key=lambda q: q.linear is not None):  # the run's precision first: aligned
+                piece.at = at
+                at += (piece.hi - piece.lo) * (1 if piece.linear is not None else bucket.params[0].element_size())
+            pieces.append(mine)
+            longest = max(longest, at)
+        size = bucket.params[0].element_size()
+        return pieces, -(-longest // size) * size
+
+    def covers(self, i: int, bucket) -> bool:
+        """Whether bucket `bucket` of buffer `i` holds FP8 weights (its gather is this module's)."""
+        return (i, bucket.index) in self._plans
+
+    def prepare(self) -> None:
+        """After this rank's shards are written: every FP8 weight's amax and scale, and this rank's codes."""
+        for buffer in self.buffers:
+            weights = [p for p in buffer.params if id(p) in self.linears]
+            if weights:
+                self._prepare(buffer, weights)
+
+    def _prepare(self, buffer, weights: list) -> None:
+        local = [buffer.local_range(p) for p in weights]
+        shards = [p.detach().view(-1)[r[0]:r[1]] if r else p.detach().view(-1)[:0] for p, r in zip(weights, local)]
+        now = torch.stack([amax(s) for s in shards])
+        if buffer.replicas > 1:
+            comm.all_reduce(now, buffer.group, op=comm.ReduceOp.MAX)
+        group = self.linears[id(weights[0])].group
+        if group is not None and not self.linears[id(weights[0])].weight.from_history:
+            comm.all_reduce(now, group, op=comm.ReduceOp.MAX)  # current scaling: the amax of the whole weight
+        for p, r, shard, a in zip(weights, local, shards, now):
+            scaler = self.linears[id(p)].weight
+            self._now[id(p)], self._scale[id(p)] = a, scaler.encode_scale(a)
+            if r is not None:
+                codes = quantize(shard, self._scale[id(p)], scaler.dtype).data
+                self.codes[id(p)][r[0]:r[1]].copy_(codes.view(torch.uint8))
+
+    def launch(self, i: int, bucket, async_op: bool):
+        """Start the all-gather of bucket `bucket` of buffer `i` (this rank's payload packed); its work or None."""
+        buffer, (pieces, size) = self.buffers[i], self._plans[(i, bucket.index)]
+        payload = self._payload(i, bucket, size)
+        mine = payload[buffer.replica_rank * size:(buffer.replica_rank + 1) * size]
+        for piece in pieces[buffer.replica_rank]:
+            self._field(mine, piece).copy_(self._source(piece))
+        if buffer.replicas == 1:
+            return None
+        return comm.all_gather_into(payload, mine, group=buffer.group, async_op=async_op)
+
+    def _payload(self, i: int, bucket, size: int) -> torch.Tensor:
+        key = (i, bucket.index)
+        if key not in self._payloads:
+            self._payloads[key] = torch.zeros(size * self.buffers[i].replicas, dtype=torch.uint8,
+                                              device=self.buffers[i].device)
+        return self._payloads[key]
+
+    def _field(self, payload: torch.Tensor, piece: _Piece) -> torch.Tensor:
+        """The bytes of `piece` in one replica's payload, as codes or as the parameter's dtype."""
+        n, p = piece.hi - piece.lo, piece.param
+        if piece.linear is not None:
+            return payload[piece.at:piece.at + n]
+        return payload[piece.at:piece.at + n * p.element_size()].view(p.dtype)
+
+    def _source(self, piece: _Piece) -> torch.Tensor:
+        """Where `piece`'s elements live here: the weight's codes, or the parameter itself."""
+        if piece.linear is not None:
+            return self.codes[id(piece.param)][piece.lo:piece.hi]
+        return piece.param.detach().view(-1)[piece.lo:piece.hi]
+
+    def land(self, i: int, bucket) -> None:
+        """After the all-gather: the other replicas' elements into place, and each linear of the bucket its codes."""
+        buffer, (pieces, size) = self.buffers[i], self._plans[(i, bucket.index)]
+        payload = self._payload(i, bucket, size)
+        for r in range(buffer.replicas):
+            if r != buffer.replica_rank:
+                for piece in pieces[r]:
+                    self._source(piece).copy_(self._field(payload[r * size:(r + 1) * size], piece))
+        for p in bucket.params:
+            lin = self.linears.get(id(p))
+            if lin is not None:
+                data = self.codes[id(p)].view(lin.weight.dtype).view(-1, p.shape[-1])
+                scale = self._scale[id(p)].float().reshape(())
+                lin.gathered = Gathered(Quantized(data, scale.reciprocal()), self._now[id(p)], p._version,
+                                        lin.weight.steps, whole=buffer.replicas == 1)
+        self.stale = self.stale or buffer.replicas > 1
+
+    def stale_buckets(self) -> list:
+        """(buffer index, bucket) of the gathers whose FP8 weights are current on this rank's shard only."""
+        return [(i, b) for i, buffer in enumerate(self.buffers) for b in buffer.buckets
+                if self.covers(i, b) and buffer.replicas > 1] if self.stale else []
+
+    def refreshed(self, held: list) -> None:
+        """The weights were gathered whole in the run's precision: codes that held before (`held`, from `holding`)
+        still do, their weights whole."""
+        for p, lin in held:
+            lin.gathered.version, lin.gathered.whole = p._version, True
+        self.stale = False
+
+    def holding(self) -> list:
+        """(weight, linear) whose gathered codes hold now."""
+        return [(p, self.linears[id(p)]) for b in self.buffers for p in b.params if id(p) in self.linears
+                and self.linears[id(p)].gathered is not None and self.linears[id(p)].gathered.version == p._version]
+

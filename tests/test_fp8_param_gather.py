@@ -1,0 +1,194 @@
+"""`--fp8-param-gather` (engine/optim/fp8_gather.py): the distributed optimizer gathers the FP8 linears' weights as
+their FP8 codes, and the run is the one without the flag, bit for bit.
+
+At dp 2 (one spawned pair of ranks), `optim` and `optim_grads`, tensorwise and delayed scaling, with the gather at
+the end of the step and overlapped with the next forward: the loss curve, the final weights and every FP8 weight
+operand forward used (codes and scale) equal the run without the flag, and from the second step on forward takes
+the gathered codes instead of quantizing. The step's all-gathers move one byte per element of the FP8 weights in
+each replica's payload (the analytic count below), the scales cost one all-reduce of a vector. A checkpoint saved
+with the flag after 3 steps and resumed gives the uninterrupted curve and weights. Misuses are one line each.
+"""
+import pytest
+import torch
+from test_fp8_layouts import _cfg as _layouts_cfg
+from test_fp8_layouts import _microbatches
+
+from engine import fp8
+from engine.checkpoint.loader import load_checkpoint
+from engine.checkpoint.saver import save_checkpoint
+from engine.cli import parse_config
+from engine.config import ConfigError
+from engine.fp8.linear import Fp8Linear, Gathered
+from engine.fp8.scaling import Recipe
+from engine.layout import Layout
+from engine.optim import build_optimizer, lr_at
+from engine.parallel import comm
+from engine.parallel.layers import ColumnParallelLinear
+from engine.parallel.topology import ParallelContext, context_for
+from engine.pipeline.partition import build_model_chunks
+from engine.pipeline.runner import PipelineRunner
+from engine.validation import validate
+from harness import run_ranks
+
+STEPS, VOCAB, SEQ = 6, 96, 16
+
+
+def _cfg(recipe: str, strategy: str, flag: bool, overlap: bool = False, tp: int = 1):
+    cfg = _layouts_cfg(recipe, strategy=strategy, tp=tp)
+    cfg.training.fp8_param_gather, cfg.parallel.overlap_param_gather = flag, overlap
+    return cfg
+
+
+class _Spy:
+    """Every FP8 weight operand forward takes: (whether it was the gathered codes, codes as bytes, decode scale)."""
+
+    def __init__(self):
+        self.seen, self._orig = [], Fp8Linear.weight_operand
+
+    def __enter__(self):
+        def spy(lin, weight):
+            g = lin.gathered
+            hit = g is not None and g.version == weight._version and g.steps == lin.weight.steps
+            q = self._orig(lin, weight)
+            self.seen.append((hit, q.data.view(torch.uint8).clone(), q.scale_inv.clone()))
+            return q
+        Fp8Linear.weight_operand = spy
+        return self
+
+    def __exit__(self, *exc):
+        Fp8Linear.weight_operand = self._orig
+
+
+def _fp8_weights(chunks) -> set:
+    return {id(m.weight) for chunk in chunks for m in chunk.modules() if isinstance(getattr(m, "fp8", None), Fp8Linear)}
+
+
+def _analytic_gather_bytes(opt, fp8_ids: set) -> int:
+    """Bytes the step's all-gathers produce: per bucket holding FP8 weights, every replica's payload as long as
+    the longest one (one byte per FP8 element, the parameter's size for the others), else the bucket itself."""
+    total = 0
+    for buffer in opt.buffers:
+        for bucket in buffer.buckets:
+            size = bucket.params[0].element_size()
+            if not any(id(p) in fp8_ids for p in bucket.params):
+                total += bucket.size * size
+                continue
+            longest = max(sum((r[1] - r[0]) * (1 if id(p) in fp8_ids else size) for p in bucket.params
+                              if (r := buffer.local_range(p, rep)) is not None) for rep in range(buffer.replicas))
+            total += buffer.replicas * (-(-longest // size) * size)
+    return total
+
+
+def _train(cfg, ctx, chunks, opt, steps) -> tuple:
+    """(losses, the step's all-gather bytes and all-reduce count of the last step)."""
+    runner = PipelineRunner(chunks, ctx, ctx.activation_shape(SEQ, 1, cfg.model.hidden_size), torch.float32, "cpu")
+    losses, counted = [], None
+    for step in steps:
+        per_rank = len(_microbatches(step)) // ctx.dp_size
+        mine = _microbatches(step)[ctx.dp_rank * per_rank:(ctx.dp_rank + 1) * per_rank]
+        opt.start_step(len(mine))
+        losses.append(runner.run(mine, scale_loss=opt.scale_loss))
+        opt.finish_grad_sync()
+        fp8.finish_step(chunks, ctx)
+        with comm.counting() as counter:  # overlapped gathers are counted when launched
+            opt.step(lr_at(step, cfg.optim, STEPS))
+        counted = counter
+    return losses, counted
+
+
+def _run(rank, world, cfg, load=None, save=None, steps=range(STEPS)) -> dict:
+    ctx = context_for(Layout.from_config(cfg, world), rank, seed=cfg.training.seed)
+    try:
+        chunks = build_model_chunks(cfg, ctx, vocab_size=VOCAB)
+        opt = build_optimizer(cfg, chunks, ctx, bucket_numel=3000)
+        if load is not None:
+            load_checkpoint(load, chunks, opt, ctx)
+        with _Spy() as spy:
+            losses, counter = _train(cfg, ctx, chunks, opt, steps)
+        fp8_ids = _fp8_weights(chunks)
+        gathered = sum(r.payload for r in counter.records if r.op == "all_gather")
+        amax_reduces = [r for r in counter.records if r.op == "all_reduce" and r.payload == 4 * len(fp8_ids)]
+        expected = _analytic_gather_bytes(opt, fp8_ids) if opt.fp8 is not None else None
+        if save is not None:
+            save_checkpoint(save, steps[-1] + 1, chunks, opt, ctx, cfg, {})
+        opt.wait_weights()
+        weights = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
+        return dict(losses=losses, weights=weights, operands=spy.seen, gathered=gathered, expected=expected,
+                    amax_reduces=len(amax_reduces), fp8_elements=sum(p.numel() for b in opt.buffers
+                                                                     for p in b.params if id(p) in fp8_ids))
+    finally:
+        ctx.destroy()
+
+
+def _same(name, got, want) -> list:
+    out = [] if got["losses"] == want["losses"] else [f"{name}: losses {got['losses']} vs {want['losses']}"]
+    out += [f"{name}: weight {k} differs" for k in want["weights"] if not torch.equal(got["weights"][k],
+                                                                                     want["weights"][k])]
+    if len(got["operands"]) != len(want["operands"]) or not all(
+            torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) for a, b in zip(got["operands"], want["operands"])):
+        out.append(f"{name}: FP8 weight codes or scales differ")
+    return out
+
+
+def _cases(rank, world, ckpt) -> tuple:
+    problems, rows = [], []
+    layouts = [(recipe, strategy, overlap, 1) for recipe in ("tensorwise", "delayed")
+               for strategy, overlap in (("optim", False), ("optim_grads", False), ("optim", True))]
+    for recipe, strategy, overlap, tp in layouts + [("tensorwise", "optim", False, 2)]:  # tp 2: one replica
+        name = f"{recipe} {strategy}{' overlap' if overlap else ''} tp{tp}"
+        want = _run(rank, world, _cfg(recipe, strategy, False, overlap, tp))
+        got = _run(rank, world, _cfg(recipe, strategy, True, overlap, tp))
+        problems += _same(name, got, want)
+        hits = sum(h for h, _, _ in got["operands"])
+        per_step = len(got["operands"]) // STEPS
+        if hits != per_step * (STEPS - 1) or any(h for h, _, _ in want["operands"]):
+            problems.append(f"{name}: forward took the gathered codes {hits} times, not {per_step * (STEPS - 1)}")
+        rows.append((name, got["gathered"], got["expected"] if tp == 1 else 0, want["gathered"],
+                     got["amax_reduces"], got["fp8_elements"]))
+    cfg = _cfg("delayed", "optim", True)
+    whole = _run(rank, world, cfg)
+    _run(rank, world, cfg, save=f"{ckpt}/ck", steps=range(3))
+    resumed = _run(rank, world, cfg, load=f"{ckpt}/ck", steps=range(3, STEPS))
+    problems += _same("resumed", dict(resumed, losses=whole["losses"][:3] + resumed["losses"],
+                                      operands=whole["operands"]), whole)
+    if resumed["losses"] != whole["losses"][3:]:
+        problems.append(f"resumed: {resumed['losses']} vs {whole['losses'][3:]}")
+    return problems, rows
+
+
+def test_fp8_param_gather_is_the_same_run_moving_fp8_codes(tmp_path):
+    per_rank = run_ranks(_cases, 2, str(tmp_path), timeout=240)
+    problems = sorted({p for problems, _ in per_rank for p in problems})
+    assert not problems, "\n".join(problems)
+    for name, gathered, expected, without, amax_reduces, fp8_elements in per_rank[0][1]:
+        print(f"{name}: all-gathers {gathered} bytes with the flag, {without} without; FP8 elements {fp8_elements}")
+        assert gathered == expected, (name, gathered, expected)
+        # the FP8 weights take 4 bytes an element without the flag (an fp32 run), 1 with it
+        assert name.endswith("tp2") or without - gathered >= 3 * fp8_elements, (name, gathered, without)
+        assert amax_reduces == 1, name  # one MAX all-reduce of the amaxes per step: over dp, or (dp 1) over tp
+
+
+@pytest.mark.parametrize("flags, words", [
+    ([], "nothing runs in FP8"),
+    (["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--use-distributed-optimizer"], "one scale per weight"),
+    (["--fp8-format", "e4m3"], "nothing is sharded"),
+    (["--fp8-format", "e4m3", "--data-parallel-sharding-strategy", "optim_grads_params"], "not implemented"),
+])
+def test_fp8_param_gather_misuse_is_one_line(flags, words):
+    with pytest.raises(ConfigError, match=f"--fp8-param-gather True: .*{words}") as err:
+        validate(parse_config(["--mock-data", "--fp8-param-gather", *flags]), 2)
+    assert len(str(err.value).splitlines()) == 1
+
+
+def test_codes_whose_delayed_scale_moved_over_a_stale_weight_are_refused():
+    """Gathered codes made before the history moved cannot be used, nor can the weight, current on one shard only:
+    an error, not stale numbers; once the weight is whole again it is quantized afresh."""
+    ctx = ParallelContext()
+    layer = ColumnParallelLinear(8, 4, ctx, bias=False)
+    lin = Fp8Linear(Recipe("e4m3", "delayed"), layer.weight, ctx)
+    fresh = lin.weight_operand(layer.weight)
+    lin.gathered = Gathered(fresh, torch.zeros(()), layer.weight._version, lin.weight.steps + 1)
+    with pytest.raises(RuntimeError, match="current on this rank's shard only"):
+        lin.weight_operand(layer.weight)
+    lin.gathered.whole = True
+    assert torch.equal(lin.weight_operand(layer.weight).data.view(torch.uint8), fresh.data.view(torch.uint8))
