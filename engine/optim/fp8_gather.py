@@ -20,7 +20,7 @@ the hot path (forward and backward read only the codes) and stay as they were, `
 reads the weights outside forward calls Optimizer.wait_weights (checkpoint save and load through full_weights,
 the end of training), which gathers those buckets once more in the run's precision (`refreshed` then marks the
 codes' weights whole): a checkpoint holds the same weights as without the flag. The codes take one byte per
-element of the FP8 weights beside them.
+element of the FP8 weights beside them, and each bucket's payloads stay allocated between steps.
 """
 from __future__ import annotations
 
