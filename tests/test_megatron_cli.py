@@ -10,8 +10,9 @@ iterations on CPU in one process, the LR of each step equal to Megatron-LM's for
   branches and the attention probabilities; fp16's first loss scale 2^32 with hysteresis 2, so its first 14 steps
   overflow and are skipped as they would be in Megatron-LM), --fp16 included (it works on CPU), ramp-up,
   --lr-warmup-fraction and the `--save X --load X` idiom with X not made yet; 20 iterations.
-- Llama 3 8B as the script stands (DTYPE fp8) fails once, every flag it cannot honour on a line of its own (none of
-  its FP8 flags is refused now, --fp8-param-gather included: docs/fp8.md); with the script's DTYPE switch at bf16 it trains,
+- Llama 3 8B as the script stands (DTYPE fp8) fails once, every flag it cannot honour on a line of its own (none
+  of its FP8 flags is refused now, --fp8-param-gather included: docs/fp8.md); with the script's DTYPE switch at
+  bf16 it trains,
   --decoupled-lr/--decoupled-min-lr (the embedding and output layer on their own schedule) and
   --train-samples/--lr-decay-samples/--lr-warmup-samples included.
 

@@ -19,9 +19,9 @@ moved); forward then takes them instead of quantizing the weight, the same codes
 """
 from __future__ import annotations
 
-import torch
-
 from dataclasses import dataclass
+
+import torch
 
 from engine.fp8 import gemm
 from engine.fp8.quantize import Quantized, Split
@@ -94,7 +94,8 @@ class Fp8Linear:
                 return g.q
             if not g.whole:
                 raise RuntimeError("an FP8 weight's scale moved after its codes were gathered, and its values are "
-                                   "current on this rank's shard only: gather the weights after the amax histories move")
+                                   "current on this rank's shard only: gather the weights after the amax "
+                                   "histories move")
         return self.quantize("weight", rows(weight))
 
     def __call__(self, x, weight, bias=None):
