@@ -4,9 +4,10 @@ their FP8 codes, and the run is the one without the flag, bit for bit.
 At dp 2 (one spawned pair of ranks), `optim` and `optim_grads`, tensorwise and delayed scaling, with the gather at
 the end of the step and overlapped with the next forward (and tensorwise at tp 2, delayed with bf16 weights): the
 loss curve, the final weights and every FP8 weight operand forward used (codes and scale) equal the run without the
-flag, and from the second step on forward takes the gathered codes instead of quantizing. The step's all-gathers move one byte per element of the FP8 weights in
-each replica's payload (the analytic count below), the scales cost one all-reduce of a vector. A checkpoint saved
-with the flag after 3 steps and resumed gives the uninterrupted curve and weights. Misuses are one line each.
+flag, and from the second step on forward takes the gathered codes instead of quantizing. The step's all-gathers
+move one byte per element of the FP8 weights in each replica's payload (the analytic count below), the scales cost
+one all-reduce of a vector. A checkpoint saved with the flag after 3 steps and resumed gives the uninterrupted curve
+and weights. Misuses are one line each.
 """
 import pytest
 import torch
