@@ -162,6 +162,7 @@ def _cases(rank, world, ckpt) -> tuple:
     return problems, rows
 
 
+@pytest.mark.slow  # a spawned pair running every case: `make test` runs it, `make test-fast` not
 def test_fp8_param_gather_is_the_same_run_moving_fp8_codes(tmp_path):
     per_rank = run_ranks(_cases, 2, str(tmp_path), timeout=240)
     problems = sorted({p for problems, _ in per_rank for p in problems})

@@ -4,6 +4,7 @@ of the step: `optim` and `optim_grads`, a dense and an MoE model (whose expert b
 replicas), a checkpoint saved and loaded while gathers are in flight, and a post-validated step (zero-bubble
 schedules) undone and redone. One spawned group of 2 ranks runs every case.
 """
+import pytest
 import torch
 
 from engine.checkpoint.loader import load_checkpoint
@@ -168,6 +169,7 @@ def _in_flight_at_first_layer(trace: list) -> tuple:
     return launched - waited, later & (launched - waited), never
 
 
+@pytest.mark.slow  # a spawned pair running every case: `make test` runs it, `make test-fast` not
 def test_overlapped_param_gather_is_the_same_run_with_gathers_in_flight_during_forward(tmp_path):
     per_rank = run_ranks(_cases, 2, str(tmp_path), timeout=240)
     problems = sorted({p for problems, _, _ in per_rank for p in problems})
