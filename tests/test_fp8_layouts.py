@@ -14,14 +14,14 @@ import torch
 from engine import fp8
 from engine.checkpoint.loader import load_checkpoint
 from engine.checkpoint.saver import save_checkpoint
-from engine.config import Config, ModelConfig
 from engine.layout import Layout
 from engine.model import GPTModel
 from engine.optim import build_optimizer, lr_at
 from engine.parallel.topology import ParallelContext, context_for
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
-from harness import NO_DROPOUT, run_ranks
+from harness import run_ranks
+from tiny_llama import place, tiny_llama
 
 VOCAB, SEQ, MICROBATCHES, STEPS = 96, 16, 2, 20
 RECIPES = ("tensorwise", "delayed", "blockwise")
@@ -29,18 +29,7 @@ SAME = 1e-6  # scales and amaxes of the first step: tp sums partial products in 
 
 
 def _cfg(recipe, tp=1, pp=1, cp=1, ep=1, strategy="no_shard", moe=False, sp=True, schedule=None):
-    cfg = Config()
-    cfg.model = ModelConfig(**NO_DROPOUT, num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4, seq_length=SEQ,
-                            vocab_size=VOCAB, make_vocab_size_divisible_by=8, swiglu=True, normalization="RMSNorm",
-                            position_embedding_type="rope", disable_bias_linear=True,
-                            untie_embeddings_and_output_weights=True)
-    if moe:
-        m = cfg.model
-        m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_aux_loss_coeff = 4, 2, 32, 0.01
-    par = cfg.parallel
-    par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size = tp, pp, cp
-    par.sequence_parallel, par.expert_model_parallel_size, par.pipeline_schedule = tp > 1 and sp, ep, schedule
-    par.data_parallel_sharding_strategy = strategy
+    cfg = place(tiny_llama(2, SEQ, VOCAB, moe), tp, pp, cp, ep, strategy=strategy, sp=sp, schedule=schedule)
     tr = cfg.training
     tr.seed, tr.train_iters, tr.fp8_format, tr.fp8_recipe, tr.fp8_amax_history_len = 5, STEPS, "hybrid", recipe, 4
     tr.fp8_amax_compute_algo = "max"

@@ -12,7 +12,6 @@ import torch
 
 from engine.checkpoint.loader import load_checkpoint
 from engine.checkpoint.saver import save_checkpoint
-from engine.config import Config, ModelConfig
 from engine.layout import Layout
 from engine.model import GPTModel
 from engine.optim import build_optimizer, lr_at
@@ -20,25 +19,15 @@ from engine.parallel import comm
 from engine.parallel.topology import ParallelContext, context_for
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
-from harness import NO_DROPOUT, run_ranks
+from harness import run_ranks
+from tiny_llama import place, tiny_llama
 
 VOCAB, SEQ, MICROBATCHES, STEPS = 96, 16, 4, 20
 ZERO1, ZERO2, ZERO3 = "optim", "optim_grads", "optim_grads_params"
 
 
 def _cfg(tp=1, pp=1, cp=1, vpp=None, ep=1, strategy="no_shard", mode="duplicated", moe=False):
-    cfg = Config()
-    cfg.model = ModelConfig(**NO_DROPOUT, num_layers=4, hidden_size=32, num_attention_heads=8, num_query_groups=4, seq_length=SEQ,
-                            vocab_size=VOCAB, make_vocab_size_divisible_by=8, swiglu=True, normalization="RMSNorm",
-                            position_embedding_type="rope", disable_bias_linear=True,
-                            untie_embeddings_and_output_weights=True)
-    if moe:
-        m = cfg.model
-        m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_aux_loss_coeff = 4, 2, 32, 0.01
-    par = cfg.parallel
-    par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size = tp, pp, cp
-    par.virtual_pipeline_model_parallel_size, par.sequence_parallel = vpp, tp > 1
-    par.expert_model_parallel_size, par.data_parallel_sharding_strategy = ep, strategy
+    cfg = place(tiny_llama(4, SEQ, VOCAB, moe), tp, pp, cp, ep, vpp, strategy)
     cfg.training.seed, cfg.training.train_iters = 5, STEPS
     o = cfg.optim
     o.lr, o.min_lr, o.lr_warmup_iters, o.weight_decay, o.clip_grad = 1e-2, 1e-3, 3, 0.1, 0.5
