@@ -42,7 +42,8 @@ def memory_estimate(cfg, ctx, global_batch: int, attention: str):
     microbatches = global_batch // (layout.micro_batch_size * layout.dp)
     return memory_per_gpu(m, layout, m.seq_length, microbatches, precision_name(cfg),
                           flash_attention=attention != "local", overlap_grad_reduce=par.overlap_grad_reduce,
-                          overlap_param_gather=par.overlap_param_gather, optimizer=cfg.optim.optimizer)
+                          overlap_param_gather=par.overlap_param_gather, optimizer=cfg.optim.optimizer,
+                          fp8_param_gather=cfg.training.fp8_param_gather)
 
 
 def _size(nbytes: float) -> str:

@@ -1,15 +1,19 @@
 """The planner's one parameter inventory (engine/planner/params.py) against the model the engine builds: each
 chunk's tensors in the order forward first uses them, element counts and the expert and tied flags the grad
-buffer reads, and the untrained ones; and the one bucket-cutting rule (engine/optim/buckets.py) that the grad
+buffer reads, which weights FP8 runs through an Fp8Linear (--fp8-param-gather gathers those as codes), and the
+untrained ones; and the one bucket-cutting rule (engine/optim/buckets.py) that the grad
 buffer and the planner's replay share."""
 import dataclasses
 import os
 
 import pytest
 
+from engine import fp8
 from engine.cli import parse_config
+from engine.fp8.scaling import Recipe
 from engine.layout import Layout
 from engine.optim.buckets import cut_buckets
+from engine.optim.fp8_gather import weight_linears
 from engine.optim.param_shard import forward_order
 from engine.parallel.layers import spec_of
 from engine.parallel.topology import ParallelContext
@@ -56,13 +60,17 @@ def test_chunk_tensors_are_what_the_engine_builds_in_forward_order(name, model, 
     first, last = end_ranks(layout)
     grid = dataclasses.replace(layout, dp=layout.ep, cp=1)  # the smallest grid holding the ep ranks
     for r, ids in enumerate(stage_layer_ids(m.num_layers, layout)):
-        chunks = build_model_chunks(cfg, ParallelContext.virtual(layout=grid, pp_rank=r), device="meta")
+        ctx = ParallelContext.virtual(layout=grid, pp_rank=r)
+        chunks = build_model_chunks(cfg, ctx, device="meta")
+        for chunk in chunks:
+            fp8.attach(chunk, Recipe("e4m3", "tensorwise"), ctx)
+        linears = weight_linears(chunks)
         for c, chunk in enumerate(chunks):
             listed = chunk_tensors(m, layout.tp, layout.ep, tuple(i in moe for i in ids[c]), r == first and c == 0,
                                    r == last and c == len(ids) - 1, layout.pp)
-            built = [(p.numel(), spec_of(p).ep_axis is not None, spec_of(p).tied) for p in forward_order(chunk)
-                     if p.requires_grad]  # what the grad buffer lays out
-            assert built == [(t.numel, t.expert, t.tied) for _, t in listed if t.trained], (name, layout, r, c)
+            built = [(p.numel(), spec_of(p).ep_axis is not None, spec_of(p).tied, id(p) in linears)
+                     for p in forward_order(chunk) if p.requires_grad]  # what the grad buffer lays out
+            assert built == [(t.numel, t.expert, t.tied, t.fp8) for _, t in listed if t.trained], (name, layout, r, c)
             frozen = sum(p.numel() for p in chunk.parameters() if not p.requires_grad)
             assert frozen == sum(t.numel for _, t in listed if not t.trained)
 

@@ -18,7 +18,7 @@ from engine.parallel.topology import context_for
 from engine.pipeline.partition import build_model_chunks
 from engine.pipeline.runner import PipelineRunner
 from engine.planner.memory import memory_per_gpu
-from engine.planner.sharding import rank_state_bytes, rank_transient_bytes
+from engine.planner.sharding import rank_buckets, rank_state_bytes, rank_transient_bytes
 from harness import run_ranks
 
 M = 2  # microbatches per rank: the second one's backward starts with the first one's last bucket in flight
@@ -172,3 +172,124 @@ def test_llama3_8b_staging_and_gathering_by_hand():
     assert both == (4 * (vocab + unit[0]), 2 * (vocab + unit[0]))  # the embedding's and a layer's
     zb = dataclasses.replace(lay, pipeline_schedule="zb-h1")
     assert rank_transient_bytes(model, zb, "bf16", 0)[0] == 4 * sum(first)
+
+
+def _fp8_cfg(kind: str, strategy: str, bf16: bool, tp: int = 1, pp: int = 1, ep: int = 1):
+    """A tiny model with --fp8-param-gather: test_fp8_param_gather's Llama (dense or MoE), tied with LayerNorm,
+    biases and learned positions, or the DeepSeek-V3-shaped one (MLA's replicated latents, shared expert, MTP)."""
+    if kind == "deepseek":
+        import os
+
+        from engine.cli import parse_config
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        cfg = parse_config(["--config", os.path.join(root, "configs", "deepseek-v3-tiny.yaml"), "--fp8-format",
+                            "hybrid", "--fp8-recipe", "delayed", "--data-parallel-sharding-strategy", strategy])
+        par = cfg.parallel
+        par.tensor_model_parallel_size, par.pipeline_model_parallel_size = tp, pp
+        par.expert_model_parallel_size, par.sequence_parallel = ep, tp > 1
+    else:
+        from test_fp8_layouts import _cfg as fp8_cfg
+        cfg = fp8_cfg("tensorwise", tp=tp, pp=pp, ep=ep, strategy=strategy, moe=kind == "moe")
+        cfg.model.vocab_size = 96
+        if kind == "gpt":
+            m = cfg.model
+            m.untie_embeddings_and_output_weights, m.normalization, m.disable_bias_linear = False, "LayerNorm", False
+            m.position_embedding_type, m.swiglu = "learned_absolute", False
+    cfg.training.fp8_param_gather, cfg.training.bf16 = True, bf16
+    return cfg
+
+
+def _engine_fp8_gather(cfg, layout, pp_rank: int, dp_rank: int, bucket_numel: int) -> tuple:
+    """The engine's (gathered, payloads, codes, FP8 weights) on one replica, built on a virtual context: the
+    all-gathers' bytes as test_fp8_param_gather counts them (equal there to what comm.counting measures), the
+    payloads of Fp8Gather's plans, its codes, the weights whose amaxes it all-reduces."""
+    from test_fp8_param_gather import _analytic_gather_bytes, _fp8_weights
+
+    from engine.parallel.topology import ParallelContext
+    ctx = ParallelContext.virtual(layout=layout, pp_rank=pp_rank, dp_rank=dp_rank)
+    chunks = build_model_chunks(cfg, ctx, vocab_size=cfg.model.vocab_size,
+                                dtype=torch.bfloat16 if cfg.training.bf16 else torch.float32)
+    opt = build_optimizer(cfg, chunks, ctx, bucket_numel=bucket_numel)
+    payloads = sum(size * opt.buffers[i].replicas for (i, _), (_, size) in opt.fp8._plans.items())
+    weights = _fp8_weights(chunks)
+    return _analytic_gather_bytes(opt, weights), payloads, sum(c.numel() for c in opt.fp8.codes.values()), len(weights)
+
+
+FP8_CASES = [("llama", "optim", False, 2, {}, 3000), ("llama", "optim_grads", True, 2, {}, 1000),
+             ("llama", "optim", True, 4, {}, 700), ("llama", "optim", False, 4, dict(tp=2), 2000),
+             ("llama", "optim_grads", True, 4, dict(pp=2), 900), ("gpt", "optim", True, 4, {}, 1100),
+             ("moe", "optim", True, 4, dict(ep=2), 1500), ("deepseek", "optim_grads", True, 4, dict(ep=2), 5000),
+             ("deepseek", "optim", False, 4, dict(tp=2, pp=2), 3000)]
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: "-".join(map(str, c[:4] + tuple(c[4].items()))))
+def test_fp8_param_gather_bytes_equal_the_engines(case):
+    """engine/planner/fp8_gather.py against the engine's optimizer built on every replica of every pipeline rank:
+    the step's all-gather bytes (the FP8 linears' weights one byte an element in each replica's payload, every
+    payload as long as the bucket's longest; the other buckets, and the experts', in the run's precision), the
+    payloads and codes kept; Memory.fp8_gather is their sum on the busiest rank. Llama fp32 at dp 2 gathers
+    57,088 bytes: what test_fp8_param_gather measures with comm.counting."""
+    from engine.planner.fp8_gather import fp8_gather_bytes
+    kind, strategy, bf16, world, degrees, bucket_numel = case
+    cfg = _fp8_cfg(kind, strategy, bf16, **degrees)
+    layout, precision = Layout.from_config(cfg, world), "bf16" if bf16 else "fp32"
+    for pp_rank in range(layout.pp):
+        planned = fp8_gather_bytes(cfg.model, layout, precision, pp_rank, bucket_numel)
+        experts = sum(p for _, p in rank_buckets(cfg.model, layout, pp_rank, True, bucket_numel)) \
+            if cfg.model.num_experts else 0
+        want = (planned.gathered + experts * (2 if bf16 else 4), planned.payloads, planned.codes, planned.weights)
+        for dp_rank in range(layout.dp):
+            assert _engine_fp8_gather(cfg, layout, pp_rank, dp_rank, bucket_numel) == want, (pp_rank, dp_rank, want)
+        assert planned.weights > 0 and planned.codes < planned.payloads <= planned.gathered
+    if case == FP8_CASES[0]:
+        assert planned.gathered == 57_088
+    if layout.pp == 1:
+        mem = memory_per_gpu(cfg.model, layout, SEQ, M, precision, bucket_numel=bucket_numel, fp8_param_gather=True)
+        assert mem.fp8_gather == planned.codes + planned.payloads
+
+
+def test_fp8_payload_rounds_up_to_whole_elements():
+    """A bucket of 10 fp32 elements over 2 replicas, FP8 weights at [0, 3) and [5, 10): replica 0's payload is 3
+    code bytes and 2 elements of 4 bytes (11, rounded up to 12), replica 1's 5 code bytes; a replica holding
+    only other parameters' elements sends them whole."""
+    from engine.planner.fp8_gather import _longest_payload
+    assert _longest_payload(10, 5, ((0, 3), (5, 10)), 4) == 12
+    assert _longest_payload(10, 5, ((0, 5),), 4) == 20
+    assert _longest_payload(7, 5, ((0, 5),), 2) == 6  # replica 0: 5 code bytes, over replica 1's 2 x 2
+    assert _longest_payload(10, 5, ((0, 10),), 4) == 8  # FP8 only: 5 bytes, rounded up
+
+
+def test_fp8_param_gather_prices_llama3_8b():
+    """Llama 3 8B in bf16 at dp 8, ZeRO-1, delayed scaling: the FP8 linears (all but the embedding, the output
+    layer and the norms: 87% of the weights) gather one byte an element, so the all-gather moves 1 x F + 2 x
+    (P - F) bytes within 0.05% (each payload of a bucket that mixes a norm in is as long as the norm's replica's,
+    and shard padding), and the step's exposed gather shrinks by the
+    ring time of the bytes saved (the amax all-reduce's latency aside); the codes and the payloads keep about
+    two bytes per FP8 element. No change where the engine refuses the flag (no_shard, ZeRO-3, blockwise)."""
+    import os
+
+    from engine.cli import parse_config
+    from engine.flops import GPU_PRESETS
+    from engine.planner.fp8_gather import fp8_gather_bytes
+    from engine.planner.links import group_links
+    from engine.planner.params import params_per_rank
+    from engine.planner.software import Software
+    from engine.planner.step_time import estimate
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    model = parse_config(["--config", os.path.join(root, "configs", "llama3-8b.yaml")]).model
+    gpu, lay = GPU_PRESETS["h100-sxm"], Layout(dp=8, sharding_strategy="optim")
+    b, P = fp8_gather_bytes(model, lay, "bf16", 0), params_per_rank(model, lay)[0]
+    assert 0.86 < b.codes / P < 0.88 and b.gathered == pytest.approx(b.codes + 2 * (P - b.codes), rel=5e-4)
+
+    def run(layout, recipe="delayed", flag=True):
+        return estimate(model, layout, gpu, 64, 8192, software=Software(overlap_grad_reduce=False, fp8=recipe,
+                                                                        fp8_param_gather=flag))
+    got, base = run(lay), run(lay, flag=False)
+    link = group_links(lay, gpu, 8).dp
+    saved = 7 / 8 * (link.seconds(2 * P - b.gathered) - link.latency)
+    assert base.breakdown["dp_comm"] - got.breakdown["dp_comm"] == pytest.approx(saved, rel=1e-2)
+    assert got.memory.fp8_gather == b.codes + b.payloads == pytest.approx(2 * b.codes, rel=1e-3)
+    assert got.memory.allocated - base.memory.allocated == got.memory.fp8_gather
+    for layout, recipe in ((lay, "blockwise"), (Layout(dp=8), "delayed"),
+                           (Layout(dp=8, sharding_strategy="optim_grads_params"), "delayed")):
+        assert run(layout, recipe) == run(layout, recipe, flag=False), (layout.sharding_strategy, recipe)

@@ -31,6 +31,7 @@ from engine.flops import GPUSpec, attention_matrices, attention_splits, mlp_matr
 from engine.layout import Layout
 from engine.planner.activations import layer_activation_bytes
 from engine.planner.links import Link, Links, all_reduce, all_to_all
+from engine.planner.params import tensor_parallel
 from engine.planner.software import Software
 
 # Fraction of the dense peak the layer GEMMs of a training step reach, large-shape limit. A100: fitted
@@ -98,7 +99,7 @@ def _fp8_casts(model: ModelConfig, tokens: float, t: int, gpu: GPUSpec, sw: Soft
     (fc1_rows, fc1_cols), (fc2_rows, fc2_cols) = mlp_matrices(model, model.resolved_ffn_hidden_size() / t)
     width = fc1_cols + fc1_rows + fc2_cols + fc2_rows
     for (rows, cols), axis in zip(attention_matrices(model), attention_splits(model)):
-        if axis is not None:  # the tensor-parallel linears are FP8 ones (MLA's replicated latents are not)
+        if tensor_parallel(axis):  # the FP8 linears (MLA's replicated latents are not)
             width += (cols / t if axis == 1 else cols) + (rows / t if axis == 0 else rows)
     return FP8_CAST_TRAFFIC * tokens * width / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
 

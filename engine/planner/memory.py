@@ -4,9 +4,10 @@ holds at its peak, assembled from the planner's parts.
 Parameters per rank are engine/planner/params.py's inventory, activations per layer and the microbatch-chunks
 in flight engine/planner/activations.py's; weights, gradients and optimizer state per data-parallel sharding
 strategy are `state_bytes` (the ZeRO formulas) and engine/planner/sharding.py (the engine's exact bucket
-layout, with the staging and gathering each strategy adds). On top come the logits on the last stage, the
-largest weight's own gradient before the hook adds it to the fp32 buffer, full recomputation's workspace, and
-(`Memory.total`) the allocator's fragmentation and the fixed CUDA/NCCL reserve.
+layout, with the staging and gathering each strategy adds; --fp8-param-gather's codes and payloads are
+engine/planner/fp8_gather.py's). On top come the logits on the last stage, the largest weight's own gradient
+before the hook adds it to the fp32 buffer, full recomputation's workspace, and (`Memory.total`) the
+allocator's fragmentation and the fixed CUDA/NCCL reserve.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Optional
 from engine.config import ModelConfig
 from engine.flops import attention_matrices, attention_splits
 from engine.planner.counts import degrees, memoised, param_split_per_rank, split_backward_costs
+from engine.planner.fp8_gather import fp8_gather_bytes
 from engine.layout import Layout
 from engine.planner.activations import in_flight_bytes, layer_activation_bytes, w_store_bytes
 from engine.planner.params import ADAM_MOMENT_BYTES, GRAD_BYTES, MASTER_BYTES, MUON_MOMENTUM_BYTES, PARAM_BYTES
@@ -49,12 +51,13 @@ class Memory:
     transient: float  # the largest weight's own gradient, alive until the hook adds it to the fp32 buffer
     staging: float = 0.0   # ZeRO-2/3: full-size fp32 gradients of the buckets being reduced (sharding.py)
     gathered: float = 0.0  # full-size weights: ZeRO-3's gathered units, ZeRO-1/2's all-gather target (or padding)
+    fp8_gather: float = 0.0  # --fp8-param-gather: the FP8 codes and the gathers' payloads (planner/fp8_gather.py)
 
     @property
     def allocated(self) -> float:
         """What torch.cuda.max_memory_allocated should report."""
         return (self.weights + self.grads + self.optimizer + self.activations + self.logits + self.transient
-                + self.staging + self.gathered)
+                + self.staging + self.gathered + self.fp8_gather)
 
     @property
     def total(self) -> float:
@@ -104,22 +107,26 @@ def _largest_weight(model: ModelConfig, layout: Layout) -> int:
 
 @memoised
 def _rank_state(model: ModelConfig, layout: Layout, precision: str, rank: int, bucket_numel: Optional[int],
-                optimizer: str, overlap_grad_reduce: bool, overlap_param_gather: bool) -> tuple:
-    """(rank_state_bytes, rank_transient_bytes) of pipeline rank `rank`: a search meets each few times."""
+                optimizer: str, overlap_grad_reduce: bool, overlap_param_gather: bool,
+                fp8_param_gather: bool) -> tuple:
+    """(rank_state_bytes, rank_transient_bytes, --fp8-param-gather's codes and payloads) of pipeline rank `rank`:
+    a search meets each few times."""
+    fp8 = fp8_gather_bytes(model, layout, precision, rank, bucket_numel) if fp8_param_gather else None
     return (rank_state_bytes(model, layout, precision, rank, bucket_numel, optimizer=optimizer),
             rank_transient_bytes(model, layout, precision, rank, bucket_numel, overlap_grad_reduce,
-                                 overlap_param_gather))
+                                 overlap_param_gather), 0 if fp8 is None else fp8.codes + fp8.payloads)
 
 
 def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_microbatches: int,
                    precision: str = "bf16", flash_attention: bool = True, bucket_numel: Optional[int] = None,
                    overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                   optimizer: str = "adam") -> Memory:
+                   optimizer: str = "adam", fp8_param_gather: bool = False) -> Memory:
     """Peak memory of the pipeline rank that needs the most; weights, gradients and optimizer state (of
     `optimizer`, --optimizer's) as the engine allocates them (engine/planner/sharding.py, buckets of
     `bucket_numel`: the engine's default), and the sharding strategies' staging and gathering
     (--overlap-grad-reduce keeps one more bucket staged under ZeRO-2/3, --overlap-param-gather one more unit
-    gathered under ZeRO-3; both off by default, as in the engine)."""
+    gathered under ZeRO-3; both off by default, as in the engine). `fp8_param_gather`: ZeRO-1/2 with
+    --fp8-param-gather (tensor-scaled), which keeps the FP8 codes and the gathers' payloads besides."""
     counts = stage_layer_counts(model.num_layers, layout)
     n_moe = moe_layers_per_rank(model, layout)
     splits = param_split_per_rank(model, layout)
@@ -152,7 +159,7 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
             continue
         if cls not in classes:
             classes[cls] = _rank_state(model, degrees(layout), precision, r, bucket_numel, optimizer,
-                                       overlap_grad_reduce, overlap_param_gather)
+                                       overlap_grad_reduce, overlap_param_gather, fp8_param_gather)
         dense_layers = sum(chunks) - n_moe[r]
         per_chunk = (dense_layers * act_dense + n_moe[r] * act_moe) / len(chunks)
         store_chunk = (dense_layers * store + n_moe[r] * store_moe) / len(chunks)
@@ -160,9 +167,9 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
         acts += (workspace if sum(chunks) else 0.0) + (mtp if r == last else 0.0)
         ends = r in (first, last)
         largest = max(largest_layer_weight if sum(chunks) else 0, vocab_shard * model.hidden_size if ends else 0)
-        state, (staging, gathered) = classes[cls]
+        state, (staging, gathered), fp8 = classes[cls]
         mem = Memory(r, sum(splits[r]), *state, acts, logits if r == last else 0.0, largest * PARAM_BYTES[precision],
-                     staging, gathered)
+                     staging, gathered, fp8)
         if best is None or mem.allocated > best.allocated:
             best = mem
     return best

@@ -53,6 +53,14 @@ class Tensor(NamedTuple):
     expert: bool = False   # a routed expert's: E/ep per ep rank, whole on every tp rank, its own grad buffer
     trained: bool = True   # False: the router's fp32 expert bias (no gradient, no optimizer state)
     tied: bool = False     # the tied embedding or its last-stage copy at pp > 1: gradients summed across stages
+    fp8: bool = False      # a column- or row-parallel linear's weight: engine/fp8 gives its linear an Fp8Linear
+
+
+def tensor_parallel(axis) -> bool:
+    """Whether an attention matrix split along `axis` (engine.flops.attention_splits: 0 its rows, 1 its columns,
+    None replicated) is a column- or row-parallel linear. Those are the FP8 ones (engine.fp8.attach); MLA's
+    replicated latent down-projections, like MTP's projection, stay in the run's precision."""
+    return axis is not None
 
 
 def _linear(matrix: tuple, tp: int, column: bool, bias: bool) -> list:
@@ -60,7 +68,7 @@ def _linear(matrix: tuple, tp: int, column: bool, bias: bool) -> list:
     the columns (its bias whole)."""
     rows, cols = matrix
     bias_numel = rows // tp if column else rows
-    return [Tensor(rows * cols // tp, "weight")] + ([Tensor(bias_numel, "bias")] if bias else [])
+    return [Tensor(rows * cols // tp, "weight", fp8=True)] + ([Tensor(bias_numel, "bias")] if bias else [])
 
 
 def _latent_attention(model: ModelConfig, tp: int) -> list:
@@ -69,8 +77,11 @@ def _latent_attention(model: ModelConfig, tp: int) -> list:
     norms = list(latent_norm_sizes(model))
     out = []
     for matrix, axis in zip(attention_matrices(model), attention_splits(model)):
-        out += [Tensor(matrix[0] * matrix[1], "weight")] if axis is None else _linear(matrix, tp, axis == 0, False)
-        if axis is None and norms:
+        if tensor_parallel(axis):
+            out += _linear(matrix, tp, axis == 0, False)
+            continue
+        out += [Tensor(matrix[0] * matrix[1], "weight")]
+        if norms:
             out += _norm(model, norms.pop(0))
     return out
 

@@ -71,6 +71,7 @@ class ChunkLayout(NamedTuple):
     units: dict      # gathered unit (param_shard.param_units) -> indices of the buckets holding its parameters
     order: tuple     # the chunk's units in forward order
     muon: tuple = ()  # per bucket, the (start, end) of the weights Muon would take (params.MUON_TAGS) in it
+    fp8: tuple = ()   # per bucket, the (start, end) of the FP8 linears' weights (params.Tensor.fp8) in it
 
 
 _BUCKETS: dict = {}
@@ -87,10 +88,10 @@ def _chunk_layout(key: tuple, model: ModelConfig, *args) -> ChunkLayout:
 
 def _chunk_params(model: ModelConfig, tp: int, ep: int, kinds: tuple, pre: bool, post: bool, pp: int,
                   experts: bool) -> list:
-    """(numel, alone, unit, tag) of one chunk's trainable parameters of one buffer (dense or expert) in forward
-    order (engine.planner.params.chunk_tensors): `alone`, the tied embedding's bucket of its own; `tag` marks
-    what backward reaches out of the layout's order (`_arrival`)."""
-    return [(t.numel, t.tied, unit, t.tag) for unit, t in chunk_tensors(model, tp, ep, kinds, pre, post, pp)
+    """(numel, alone, unit, Tensor) of one chunk's trainable parameters of one buffer (dense or expert) in
+    forward order (engine.planner.params.chunk_tensors): `alone`, the tied embedding's bucket of its own; the
+    tensor's tag marks what backward reaches out of the layout's order (`_arrival`)."""
+    return [(t.numel, t.tied, unit, t) for unit, t in chunk_tensors(model, tp, ep, kinds, pre, post, pp)
             if t.trained and t.expert == experts]
 
 
@@ -115,20 +116,21 @@ def _fill(model: ModelConfig, tp: int, ep: int, kinds: tuple, pre: bool, post: b
     bucket_of, buckets = cut_buckets([(numel, alone, u if by_unit else None) for numel, alone, u, _ in layout],
                                      None if by_unit else bucket_numel)
     units: dict = {}
-    muon, filled = [[] for _ in buckets], [0] * len(buckets)
-    for (numel, _, u, tag), b in zip(layout, bucket_of):
-        for name in (u, "embedding") if tag == "word" else (u,):
+    muon, fp8, filled = [[] for _ in buckets], [[] for _ in buckets], [0] * len(buckets)
+    for (numel, _, u, t), b in zip(layout, bucket_of):
+        for name in (u, "embedding") if t.tag == "word" else (u,):
             units.setdefault(name, [])
             if b not in units[name]:
                 units[name].append(b)
-        if tag in MUON_TAGS:
-            muon[b].append((filled[b], filled[b] + numel))
+        for spans, holds in ((muon, t.tag in MUON_TAGS), (fp8, t.fp8)):
+            if holds:
+                spans[b].append((filled[b], filled[b] + numel))
         filled[b] += numel
     order = (("embedding",) if pre else ()) + tuple(range(len(kinds))) + (("head",) if post else ())
     return ChunkLayout(tuple((b, -(-b // pad) * pad) for b in buckets),
-                       tuple(bucket_of[i] for i in _arrival([t for *_, t in layout])),
+                       tuple(bucket_of[i] for i in _arrival([t.tag for *_, t in layout])),
                        {u: tuple(b) for u, b in units.items()}, tuple(u for u in order if u in units),
-                       tuple(tuple(spans) for spans in muon))
+                       tuple(tuple(spans) for spans in muon), tuple(tuple(spans) for spans in fp8))
 
 
 def rank_chunks(model: ModelConfig, layout: Layout, rank: int, experts: bool = False,

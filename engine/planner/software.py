@@ -19,7 +19,9 @@ class Software:
     documents of this mean length under --reset-attention-mask, whose attention the kernels skip but for each
     document's own square (engine/attention_mask.py counts it; None: each sample one sequence). muon: the step
     is Muon's (engine/planner/muon_step.py prices its Newton-Schulz work and exchanges; its state is smaller). fp8:
-    the FP8 recipe of the hidden linears (layer_time prices their GEMMs and the casts).
+    the FP8 recipe of the hidden linears (layer_time prices their GEMMs and the casts). fp8_param_gather: the
+    distributed optimizer gathers the FP8 linears' weights as FP8 codes (engine/planner/fp8_gather.py), where
+    the engine takes the flag: see `gathers_fp8`.
     """
     flash_attention: bool = True
     overlap_grad_reduce: bool = True
@@ -32,3 +34,11 @@ class Software:
     document_length: Optional[int] = None
     muon: Optional[MuonSettings] = None   # --optimizer muon's settings (None: Adam)
     fp8: Optional[str] = None             # --fp8-recipe when --fp8-format is given (None: no FP8)
+    fp8_param_gather: bool = False        # --fp8-param-gather
+
+    def gathers_fp8(self, sharding) -> bool:
+        """Whether the step gathers FP8 codes under `sharding` (a layout's): --fp8-param-gather with a
+        tensor-scaled recipe under ZeRO-1/2, the cases engine.validation.check_fp8_param_gather lets through
+        (a search also meets layouts the flag is refused in: those gather as without it)."""
+        return (self.fp8_param_gather and self.fp8 in ("tensorwise", "delayed") and sharding.optimizer
+                and not sharding.params)

@@ -12,7 +12,9 @@ backward into input and weight gradients (engine.flops.split_backward_costs), re
 T_stage sums the stage's layers, pipeline sends, embedding and output layer as engine/planner/layer_time.py
 costs them, over the links of engine/planner/links.py. Expert gradients reduce over their dp/ep x cp replicas.
 Under --optimizer muon (Software.muon) the optimizer step adds Muon's Newton-Schulz work and exchanges
-(engine/planner/muon_step.py; breakdown key `muon`).
+(engine/planner/muon_step.py; breakdown key `muon`). With --fp8-param-gather (Software.gathers_fp8) the dense
+parameters' all-gather moves what engine/planner/fp8_gather.py counts (the FP8 linears' weights one byte an
+element), after the small amax all-reduces.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from engine.config import ModelConfig
 from engine.attention_mask import packed_lengths
 from engine.flops import Costs, GPUSpec
 from engine.planner.counts import attention_pairs, flops_per_iteration, param_split_per_rank, split_backward_costs
+from engine.planner.fp8_gather import fp8_gather_bytes
 from engine.layout import Layout
 from engine.pipeline.schedules import bubble_time
 from engine.planner.layer_time import (GEMM_EFFICIENCY, GEMM_EFFICIENCY_DEFAULT, HBM_EFFICIENCY, LayerCosts,
@@ -111,20 +114,24 @@ def _bubble(layout: Layout, m: int, t_stage: float, t_backward: float, costs: Co
 
 
 def _data_parallel_seconds(params: int, layout: Layout, gpu: GPUSpec, sw: Software, link: Link,
-                           micro: tuple, m: int, experts: int = 0, expert_link: Optional[Link] = None) -> dict:
+                           micro: tuple, m: int, experts: int = 0, expert_link: Optional[Link] = None,
+                           gathered: Optional[int] = None) -> dict:
     """Exposed gradient reduction and parameter gathering over the dp x cp replicas (and the `experts`
     parameters' over their dp/ep x cp replicas, on expert_link), and the Adam step.
-    micro: (forward, backward) seconds of one microbatch on the slowest stage; m: microbatches."""
-    groups = [(params, layout.shard_group, link)]
+    micro: (forward, backward) seconds of one microbatch on the slowest stage; m: microbatches; `gathered`:
+    the bytes the dense parameters' all-gathers produce when not theirs in the run's precision
+    (--fp8-param-gather: engine/planner/fp8_gather.py)."""
+    width = PARAM_BYTES[sw.precision]
+    groups = [(params, layout.shard_group, link, width * params if gathered is None else gathered)]
     if experts:
-        groups.append((experts, layout.expert_shard_group, expert_link or link))
+        groups.append((experts, layout.expert_shard_group, expert_link or link, width * experts))
     sharding = layout.sharding
-    grad = sum(all_reduce(sw.grad_reduce_bytes * p, n, lk) for p, n, lk in groups)
+    grad = sum(all_reduce(sw.grad_reduce_bytes * p, n, lk) for p, n, lk, _ in groups)
     gather = 0.0
     if sharding.optimizer:
         grad /= 2  # reduce-scatter only
-        gather = sum(all_reduce(PARAM_BYTES[sw.precision] * p, n, lk) for p, n, lk in groups) / 2
-    sharded = sum(p / n for p, n, _ in groups)
+        gather = sum(all_reduce(w, n, lk) for _, n, lk, w in groups) / 2
+    sharded = sum(p / n for p, n, _, _ in groups)
     hbm = gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY
     if sharding.params:  # gathered for every microbatch's forward and backward, grads scattered
         per_micro = (2 * gather + grad) * (1 - FSDP_HIDDEN_FRACTION)
@@ -140,6 +147,13 @@ def _data_parallel_seconds(params: int, layout: Layout, gpu: GPUSpec, sw: Softwa
         gather = max(gather - micro[0], LAST_BUCKET_FRACTION * gather)
     opt_params = sharded if sharding.optimizer else params + experts
     return dict(dp_comm=grad + gather, optimizer=OPTIMIZER_STEP_BYTES * opt_params / hbm)
+
+
+def _amax_seconds(weights: int, layout: Layout, sw: Software, links) -> float:
+    """--fp8-param-gather's amax all-reduces before the gathers, one fp32 per FP8 weight: over the replicas,
+    and under tensorwise (current) scaling over tp x cp too; latency-bound, never overlapped."""
+    current = all_reduce(4 * weights, layout.tp * layout.cp, links.cp) if sw.fp8 == "tensorwise" else 0.0
+    return all_reduce(4 * weights, layout.shard_group, links.dp) + current
 
 
 def _muon_seconds(model: ModelConfig, layout: Layout, rank: int, gpu: GPUSpec, links, settings) -> float:
@@ -166,7 +180,12 @@ def estimate(model: ModelConfig, layout: Layout, gpu: GPUSpec, global_batch: int
                      split_backward_costs(model, seq, layout.recompute))
     params, experts, _ = param_split_per_rank(model, layout)[slowest]
     micro = (t_stage - stage_bwd[slowest], stage_bwd[slowest])
-    dp = _data_parallel_seconds(params, layout, gpu, software, links.dp, micro, m, experts, links.edp)
+    fp8 = fp8_gather_bytes(model, layout, software.precision, slowest) \
+        if software.gathers_fp8(layout.sharding) else None
+    dp = _data_parallel_seconds(params, layout, gpu, software, links.dp, micro, m, experts, links.edp,
+                                None if fp8 is None else fp8.gathered)
+    if fp8 is not None:
+        dp["dp_comm"] += _amax_seconds(fp8.weights, layout, software, links)
     if software.muon is not None:
         dp["muon"] = _muon_seconds(model, layout, slowest, gpu, links, software.muon)
     step = compute + bubble + dp["dp_comm"] + dp["optimizer"] + dp.get("muon", 0.0)
@@ -174,6 +193,7 @@ def estimate(model: ModelConfig, layout: Layout, gpu: GPUSpec, global_batch: int
     mem = memory_per_gpu(model, layout, seq, m, software.precision, software.flash_attention,
                          overlap_grad_reduce=software.overlap_grad_reduce,
                          overlap_param_gather=software.overlap_param_gather,
+                         fp8_param_gather=software.gathers_fp8(layout.sharding),
                          optimizer="adam" if software.muon is None else "muon")
     n_gpus = layout.num_gpus
     pairs = global_batch * attention_pairs(model, packed_lengths(seq, software.document_length))
