@@ -64,7 +64,8 @@ def _schedule_and_sharding(layout) -> str:
 def _memory_line(mem, precision: str, cuda: bool) -> str:
     """The planner's estimate; a CPU process has no CUDA context to reserve for."""
     parts = (f"{_size(mem.allocated)} allocated (weights {_size(mem.weights)}, grads {_size(mem.grads)}, optimizer "
-             f"{_size(mem.optimizer)}, activations {_size(mem.activations)}, logits {_size(mem.logits)})")
+             f"{_size(mem.optimizer)}, activations {_size(mem.activations)}, logits {_size(mem.logits)}"
+             + (f", FP8 gather codes and payloads {_size(mem.fp8_gather)}" if mem.fp8_gather else "") + ")")
     if cuda:
         return (f"memory per GPU (estimate, busiest stage {mem.rank}, {precision}): {_size(mem.total)} = {parts} "
                 "+ allocator slack and the CUDA-context reserve")

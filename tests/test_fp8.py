@@ -198,6 +198,24 @@ def test_the_banner_says_what_runs_in_fp8_and_what_mfu_is_against():
         assert words in line, (words, line)
 
 
+def test_the_banner_memory_estimate_counts_the_fp8_gather():
+    """With --fp8-param-gather the banner's estimate adds the codes and payloads the planner counts
+    (engine/planner/fp8_gather.py, equal to the engine's in tests/test_planner_sharding.py) and names them."""
+    from engine.planner.fp8_gather import fp8_gather_bytes
+    from engine.report import _memory_line, memory_estimate
+    cfg = parse_config(["--config", "configs/llama3-1b.yaml", "--bf16", "--fp8-format", "hybrid", "--fp8-recipe",
+                        "delayed", "--fp8-param-gather", "--use-distributed-optimizer"])
+    ctx = ParallelContext.virtual(layout=Layout(dp=8, sharding_strategy="optim"))
+    mem = memory_estimate(cfg, ctx, 64, "flash")
+    b = fp8_gather_bytes(cfg.model, ctx.layout, "bf16", 0)
+    assert mem.fp8_gather == b.codes + b.payloads > 0
+    assert "FP8 gather codes and payloads" in _memory_line(mem, "bf16", True)
+    cfg.training.fp8_param_gather = False
+    without = memory_estimate(cfg, ctx, 64, "flash")
+    assert without.fp8_gather == 0 and mem.allocated - without.allocated == mem.fp8_gather
+    assert "FP8" not in _memory_line(without, "bf16", True)
+
+
 def test_a_split_backward_defers_the_fp8_weight_gradient():
     """Under the zero-bubble schedules' split backward the FP8 weight gradient waits for the W pass and is the
     same number."""
