@@ -3,7 +3,8 @@ outside the GEMMs, --fp8-format hybrid) trained 20 steps of 2 microbatches under
 distributed optimizer, cp 2 and ep 2 (the MoE model) quantizes every tensor with the scales one rank uses (checked
 directly: the last scale of each linear's input, weight and output gradient, and under delayed scaling the amax
 histories), its first loss within 1e-4 of one rank's and its curve within 3e-3, for tensorwise, delayed and
-blockwise scaling (and tensorwise at tp 2 without SP, delayed at pp 2 under zb-h1's split backward). Blockwise
+blockwise scaling (and tensorwise at tp 2 without SP, delayed at pp 2 under zb-h1's split backward); the same
+model with multi-latent attention at tp 2 + SP and cp 2 (tensorwise, delayed). Blockwise
 under cp quantizes along the tokens cp splits (1x128 tiles of this rank's tokens), so its scales are not compared
 there (docs/fp8.md); its curve is. All layouts run in one spawned pair; `-s` prints each layout's distance from one
 rank.
@@ -28,8 +29,12 @@ RECIPES = ("tensorwise", "delayed", "blockwise")
 SAME = 1e-6  # scales and amaxes of the first step: tp sums partial products in another order (a few fp32 ulps)
 
 
-def _cfg(recipe, tp=1, pp=1, cp=1, ep=1, strategy="no_shard", moe=False, sp=True, schedule=None):
+def _cfg(recipe, tp=1, pp=1, cp=1, ep=1, strategy="no_shard", moe=False, sp=True, schedule=None, mla=False):
     cfg = place(tiny_llama(2, SEQ, VOCAB, moe), tp, pp, cp, ep, strategy=strategy, sp=sp, schedule=schedule)
+    if mla:  # multi-latent attention: the heads' up-projections and output are FP8, the latents' down-projections
+        m = cfg.model  # (replicated over tp) are not
+        m.multi_latent_attention, m.num_query_groups, m.q_lora_rank, m.kv_lora_rank = True, None, 16, 16
+        m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim = 8, 8, 8
     tr = cfg.training
     tr.seed, tr.train_iters, tr.fp8_format, tr.fp8_recipe, tr.fp8_amax_history_len = 5, STEPS, "hybrid", recipe, 4
     tr.fp8_amax_compute_algo = "max"
@@ -76,7 +81,8 @@ def _layouts(rank, world, layouts):
         try:
             run = _run(cfg, build_model_chunks(cfg, ctx, vocab_size=VOCAB), ctx)
             # dp ranks see other microbatches: the last scales are the last microbatch's, the last dp rank's
-            run.update(recipe=recipe, moe=bool(cfg.model.num_experts), last=ctx.dp_rank == ctx.dp_size - 1,
+            run.update(recipe=recipe, model=(bool(cfg.model.num_experts), cfg.model.multi_latent_attention),
+                       last=ctx.dp_rank == ctx.dp_size - 1,
                        name=_name(cfg), cp=ctx.cp_size, dp=ctx.dp_size)
         finally:
             ctx.destroy()
@@ -92,8 +98,9 @@ def _name(cfg) -> str:
             f"{' ' + par.pipeline_schedule if par.pipeline_schedule else ''}")
 
 
-def _reference(recipe, moe):
-    cfg = _cfg(recipe, moe=moe)
+def _reference(recipe, model):
+    moe, mla = model
+    cfg = _cfg(recipe, moe=moe, mla=mla)
     ctx = ParallelContext()
     model = GPTModel(cfg.model, ctx, seed=cfg.training.seed, vocab_size=VOCAB)
     fp8.attach(model, fp8.Recipe.of(cfg.training), ctx)
@@ -139,7 +146,7 @@ def _gaps(rows, references) -> list:
     """Per layout: the first loss's and the curve's largest distance from one rank's (printed with -s)."""
     out = []
     for row in rows:
-        ref = references[(row["recipe"], row["moe"])]["curve"]
+        ref = references[(row["recipe"], row["model"])]["curve"]
         out.append(f"{row['name']}: first {abs(row['curve'][0] - ref[0]):.1e}, curve "
                    f"{max(abs(a - b) for a, b in zip(row['curve'], ref)):.1e}")
     return sorted(set(out))
@@ -148,7 +155,7 @@ def _gaps(rows, references) -> list:
 def _check(layouts, references) -> list:
     rows = [row for per_rank in zip(*run_ranks(_layouts, 2, layouts, timeout=900)) for row in per_rank]
     print("\n".join(_gaps(rows, references)))
-    return sorted({p for row in rows for p in _problems(row, references[(row["recipe"], row["moe"])])})
+    return sorted({p for row in rows for p in _problems(row, references[(row["recipe"], row["model"])])})
 
 
 def _all(recipe):
@@ -168,6 +175,18 @@ def test_every_recipe_under_tp_pp_dp_cp_and_ep_follows_one_rank(references):
     problems = _check([row for recipe in RECIPES for row in _all(recipe) if row[1].parallel.tensor_model_parallel_size
                        == 1 or recipe != "delayed"] + extra, references)
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+def test_multi_latent_attention_in_fp8_follows_one_rank(references):
+    """MLA (a q latent, the latents' down-projections replicated over tp and not FP8, the heads' up-projections
+    and output FP8) at tp 2 + SP and cp 2, tensorwise and delayed: the scales one rank uses, the first loss within
+    1e-4, the curve within 3e-3."""
+    problems = _check([(r, _cfg(r, mla=True, **layout)) for r in ("tensorwise", "delayed")
+                       for layout in (dict(tp=2), dict(cp=2))], references)
+    assert not problems, "\n".join(problems)
+    fp8_linears = {key.rsplit(".", 1)[0].split(".", 2)[2] for key in references[("delayed", (False, True))]["scales"]}
+    assert fp8_linears == {"attention.q_up", "attention.kv_up", "attention.proj", "mlp.fc1", "mlp.fc2"}, fp8_linears
 
 
 def _leg(rank, world, cfg, load, save, start, stop) -> dict:
@@ -206,6 +225,6 @@ def test_histories_reshard_from_tp2_to_one_rank(references, tmp_path):
     first = run_ranks(_leg, 2, cfg, None, str(tmp_path), 0, 10, timeout=300)[0]
     second = run_ranks(_leg, 1, _cfg("delayed"), str(tmp_path), None, 10, STEPS, timeout=300)[0]
     assert second["state"] != first["end"]  # after one more step
-    reference = references[("delayed", False)]["curve"]
+    reference = references[("delayed", (False, False))]["curve"]
     gap = max(abs(a - b) for a, b in zip(first["curve"] + second["curve"], reference))
     assert gap < 3e-3, gap
