@@ -5,8 +5,8 @@ At dp 2 (one spawned pair of ranks), `optim` and `optim_grads`, tensorwise and d
 the end of the step and overlapped with the next forward (and tensorwise at tp 2, delayed with bf16 weights): the
 loss curve, the final weights and every FP8 weight operand forward used (codes and scale) equal the run without the
 flag, and from the second step on forward takes the gathered codes instead of quantizing. Under ZeRO-3
-(`optim_grads_params`: tensorwise, delayed with prefetch, delayed with full recomputation and a skipped update) the
-unit gathers move the codes and forward takes them from the first step on. The all-gathers move one byte per element of the FP8 weights
+(`optim_grads_params`: tensorwise, delayed with prefetch, delayed with full recomputation and a skipped update,
+tensorwise at tp 2 with prefetch) the unit gathers move the codes and forward takes them from the first step on. The all-gathers move one byte per element of the FP8 weights
 in each replica's payload (the analytic count below: per step under ZeRO-1/2, twice a microbatch under ZeRO-3), the
 scales cost one all-reduce of a vector a step. A checkpoint saved with the flag after 3 steps (ZeRO-1 and ZeRO-3)
 and resumed gives the uninterrupted curve and weights. Misuses are one line each.
@@ -119,7 +119,8 @@ def _run(rank, world, cfg, load=None, save=None, steps=range(STEPS), skip=()) ->
         with _Spy() as spy:
             losses, counter = _train(cfg, ctx, chunks, opt, steps, skip)
         fp8_ids = _fp8_weights(chunks)
-        gathered = sum(r.payload for r in counter.records if r.op == "all_gather")
+        gathered = sum(r.payload for r in counter.records  # the weights' gathers (not sequence parallelism's)
+                       if r.op == "all_gather" and any(r.group is b.group for b in opt.buffers))
         amax_reduces = [r for r in counter.records if r.op == "all_reduce" and r.payload == 4 * len(fp8_ids)]
         # ZeRO-3 gathers every unit twice a microbatch (forward, backward), ZeRO-1/2 every bucket once a step
         expected = _analytic_gather_bytes(opt, fp8_ids if cfg.training.fp8_param_gather else set()) * (
@@ -153,7 +154,7 @@ def _cases(rank, world, ckpt) -> tuple:
     layouts += [("tensorwise", "optim", False, 2, False, False), ("delayed", "optim_grads", True, 1, True, False)]
     # ZeRO-3: the unit gathers move the codes; with prefetch (overlap) and with full recomputation
     layouts += [("tensorwise", ZERO3, False, 1, False, False), ("delayed", ZERO3, True, 1, False, False),
-                ("delayed", ZERO3, False, 1, False, True)]
+                ("delayed", ZERO3, False, 1, False, True), ("tensorwise", ZERO3, True, 2, False, False)]
     # recompute: full recomputation, and the third step's update skipped (its delayed histories move all the same)
     layouts += [("delayed", "optim", True, 1, False, True)]
     for recipe, strategy, overlap, tp, bf16, recompute in layouts:
