@@ -43,7 +43,8 @@ def memory_estimate(cfg, ctx, global_batch: int, attention: str):
     return memory_per_gpu(m, layout, m.seq_length, microbatches, precision_name(cfg),
                           flash_attention=attention != "local", overlap_grad_reduce=par.overlap_grad_reduce,
                           overlap_param_gather=par.overlap_param_gather, optimizer=cfg.optim.optimizer,
-                          fp8_param_gather=cfg.training.fp8_param_gather)
+                          # under ZeRO-3 the planner does not price the flag (docs/planner.md)
+                          fp8_param_gather=cfg.training.fp8_param_gather and not layout.sharding.params)
 
 
 def _size(nbytes: float) -> str:
@@ -118,7 +119,7 @@ def fp8_lines(cfg) -> list:
             f"{tr.fp8_recipe} scaling ({scaling[tr.fp8_recipe]}, margin {tr.fp8_margin}) in the QKV, projection, MLP "
             f"and expert GEMMs; the output layer, attention core and the rest in {precision_name(cfg)}; MFU is "
             "against the dense bf16 peak (--peak-tflops), the FP8 peak being twice it"
-            + ("; the distributed optimizer gathers the FP8 linears' weights as FP8 codes (--fp8-param-gather)"
+            + ("; the sharded weights' all-gathers move the FP8 linears' weights as FP8 codes (--fp8-param-gather)"
                if tr.fp8_param_gather else "")]
 
 

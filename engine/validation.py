@@ -139,7 +139,8 @@ def _check_sharding_strategy(par: ParallelConfig) -> None:
 
 
 def check_fp8_param_gather(tr: TrainingConfig, par: ParallelConfig) -> None:
-    """--fp8-param-gather gathers the distributed optimizer's weight shards as one-scale FP8 codes (ZeRO-1/2)."""
+    """--fp8-param-gather gathers the sharded weights as one-scale FP8 codes (the distributed optimizer's step
+    under ZeRO-1/2, the unit gathers under ZeRO-3)."""
     flag = "--fp8-param-gather"
     if not tr.fp8_param_gather:
         return
@@ -152,9 +153,6 @@ def check_fp8_param_gather(tr: TrainingConfig, par: ParallelConfig) -> None:
     if not Sharding.of(strategy).optimizer:
         _err(flag, True, "is the distributed optimizer's weight all-gather, and nothing is sharded; add "
                          "--use-distributed-optimizer (or --data-parallel-sharding-strategy optim_grads) or drop it")
-    elif Sharding.of(strategy).params:
-        _err(flag, True, f"is not implemented for --data-parallel-sharding-strategy {strategy} (ZeRO-3 gathers "
-                         "the weights in the run's precision); use optim or optim_grads, or drop it")
 
 
 def _check_pipeline_schedule(par: ParallelConfig, layers: int) -> None:

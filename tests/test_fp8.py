@@ -200,7 +200,8 @@ def test_the_banner_says_what_runs_in_fp8_and_what_mfu_is_against():
 
 def test_the_banner_memory_estimate_counts_the_fp8_gather():
     """With --fp8-param-gather the banner's estimate adds the codes and payloads the planner counts
-    (engine/planner/fp8_gather.py, equal to the engine's in tests/test_planner_sharding.py) and names them."""
+    (engine/planner/fp8_gather.py, equal to the engine's in tests/test_planner_sharding.py) and names them; not
+    under ZeRO-3, which the planner prices as without the flag."""
     from engine.planner.fp8_gather import fp8_gather_bytes
     from engine.report import _memory_line, memory_estimate
     cfg = parse_config(["--config", "configs/llama3-1b.yaml", "--bf16", "--fp8-format", "hybrid", "--fp8-recipe",
@@ -214,6 +215,9 @@ def test_the_banner_memory_estimate_counts_the_fp8_gather():
     without = memory_estimate(cfg, ctx, 64, "flash")
     assert without.fp8_gather == 0 and mem.allocated - without.allocated == mem.fp8_gather
     assert "FP8" not in _memory_line(without, "bf16", True)
+    cfg.training.fp8_param_gather = True  # ZeRO-3's unit gathers of codes are not priced (docs/planner.md)
+    zero3 = ParallelContext.virtual(layout=Layout(dp=8, sharding_strategy="optim_grads_params"))
+    assert memory_estimate(cfg, zero3, 64, "flash").fp8_gather == 0
 
 
 def test_a_split_backward_defers_the_fp8_weight_gradient():

@@ -1,14 +1,18 @@
-"""`--fp8-param-gather` (engine/optim/fp8_gather.py): the distributed optimizer gathers the FP8 linears' weights as
-their FP8 codes, and the run is the one without the flag, bit for bit.
+"""`--fp8-param-gather` (engine/optim/fp8_gather.py, fp8_shard.py): the sharded weights' gathers move the FP8
+linears' weights as their FP8 codes, and the run is the one without the flag, bit for bit.
 
 At dp 2 (one spawned pair of ranks), `optim` and `optim_grads`, tensorwise and delayed scaling, with the gather at
 the end of the step and overlapped with the next forward (and tensorwise at tp 2, delayed with bf16 weights): the
 loss curve, the final weights and every FP8 weight operand forward used (codes and scale) equal the run without the
-flag, and from the second step on forward takes the gathered codes instead of quantizing. The step's all-gathers
-move one byte per element of the FP8 weights in each replica's payload (the analytic count below), the scales cost
-one all-reduce of a vector. A checkpoint saved with the flag after 3 steps and resumed gives the uninterrupted curve
-and weights. Misuses are one line each.
+flag, and from the second step on forward takes the gathered codes instead of quantizing. Under ZeRO-3
+(`optim_grads_params`: tensorwise, delayed with prefetch, delayed with full recomputation and a skipped update,
+tensorwise at tp 2 with prefetch) the unit gathers move the codes and forward takes them from the first step on. The all-gathers move one byte per element of the FP8 weights
+in each replica's payload (the analytic count below: per step under ZeRO-1/2, twice a microbatch under ZeRO-3), the
+scales cost one all-reduce of a vector a step. A checkpoint saved with the flag after 3 steps (ZeRO-1 and ZeRO-3)
+and resumed gives the uninterrupted curve and weights. Misuses are one line each.
 """
+import contextlib
+
 import pytest
 import torch
 from test_fp8_layouts import _cfg as _layouts_cfg
@@ -32,11 +36,14 @@ from engine.validation import validate
 from harness import run_ranks
 
 STEPS, VOCAB, SEQ = 6, 96, 16
+ZERO3 = "optim_grads_params"
 
 
-def _cfg(recipe: str, strategy: str, flag: bool, overlap: bool = False, tp: int = 1, bf16: bool = False):
+def _cfg(recipe: str, strategy: str, flag: bool, overlap: bool = False, tp: int = 1, bf16: bool = False,
+         recompute: bool = False):
     cfg = _layouts_cfg(recipe, strategy=strategy, tp=tp)
     cfg.training.bf16 = bf16
+    cfg.model.recompute_granularity = "full" if recompute else None
     cfg.training.fp8_param_gather, cfg.parallel.overlap_param_gather = flag, overlap
     return cfg
 
@@ -81,25 +88,27 @@ def _analytic_gather_bytes(opt, fp8_ids: set) -> int:
     return total
 
 
-def _train(cfg, ctx, chunks, opt, steps) -> tuple:
-    """(losses, the step's all-gather bytes and all-reduce count of the last step)."""
+def _train(cfg, ctx, chunks, opt, steps, skip=()) -> tuple:
+    """(losses, the last step's collectives: its optimizer step's, and under ZeRO-3, whose unit gathers run in
+    forward and backward, the whole step's); the steps in `skip` skip their update (as for a non-finite loss)."""
     dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
     runner = PipelineRunner(chunks, ctx, ctx.activation_shape(SEQ, 1, cfg.model.hidden_size), dtype, "cpu")
-    losses, counted = [], None
+    losses, counted, zero3 = [], None, opt.sharder is not None
     for step in steps:
         per_rank = len(_microbatches(step)) // ctx.dp_size
         mine = _microbatches(step)[ctx.dp_rank * per_rank:(ctx.dp_rank + 1) * per_rank]
-        opt.start_step(len(mine))
-        losses.append(runner.run(mine, scale_loss=opt.scale_loss))
-        opt.finish_grad_sync()
-        fp8.finish_step(chunks, ctx)
-        with comm.counting() as counter:  # overlapped gathers are counted when launched
-            opt.step(lr_at(step, cfg.optim, STEPS))
+        with comm.counting() if zero3 else contextlib.nullcontext() as whole:
+            opt.start_step(len(mine))
+            losses.append(runner.run(mine, scale_loss=opt.scale_loss))
+            opt.finish_grad_sync()
+            fp8.finish_step(chunks, ctx)
+            with contextlib.nullcontext(whole) if zero3 else comm.counting() as counter:  # overlapped gathers
+                opt.step(lr_at(step, cfg.optim, STEPS), step not in skip)             # count when launched
         counted = counter
     return losses, counted
 
 
-def _run(rank, world, cfg, load=None, save=None, steps=range(STEPS)) -> dict:
+def _run(rank, world, cfg, load=None, save=None, steps=range(STEPS), skip=()) -> dict:
     ctx = context_for(Layout.from_config(cfg, world), rank, seed=cfg.training.seed)
     try:
         chunks = build_model_chunks(cfg, ctx, vocab_size=VOCAB,
@@ -108,15 +117,18 @@ def _run(rank, world, cfg, load=None, save=None, steps=range(STEPS)) -> dict:
         if load is not None:
             load_checkpoint(load, chunks, opt, ctx)
         with _Spy() as spy:
-            losses, counter = _train(cfg, ctx, chunks, opt, steps)
+            losses, counter = _train(cfg, ctx, chunks, opt, steps, skip)
         fp8_ids = _fp8_weights(chunks)
-        gathered = sum(r.payload for r in counter.records if r.op == "all_gather")
+        gathered = sum(r.payload for r in counter.records  # the weights' gathers (not sequence parallelism's)
+                       if r.op == "all_gather" and any(r.group is b.group for b in opt.buffers))
         amax_reduces = [r for r in counter.records if r.op == "all_reduce" and r.payload == 4 * len(fp8_ids)]
-        expected = _analytic_gather_bytes(opt, fp8_ids) if opt.fp8 is not None else None
+        # ZeRO-3 gathers every unit twice a microbatch (forward, backward), ZeRO-1/2 every bucket once a step
+        expected = _analytic_gather_bytes(opt, fp8_ids if cfg.training.fp8_param_gather else set()) * (
+            2 * len(_microbatches(0)) // ctx.dp_size if opt.sharder is not None else 1)
         if save is not None:
             save_checkpoint(save, steps[-1] + 1, chunks, opt, ctx, cfg, {})
-        opt.wait_weights()
-        weights = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
+        with opt.full_weights():
+            weights = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
         return dict(losses=losses, weights=weights, operands=spy.seen, gathered=gathered, expected=expected,
                     amax_reduces=len(amax_reduces), fp8_elements=sum(p.numel() for b in opt.buffers
                                                                      for p in b.params if id(p) in fp8_ids))
@@ -136,30 +148,54 @@ def _same(name, got, want) -> list:
 
 def _cases(rank, world, ckpt) -> tuple:
     problems, rows = [], []
-    layouts = [(recipe, strategy, overlap, 1, False) for recipe in ("tensorwise", "delayed")
+    layouts = [(recipe, strategy, overlap, 1, False, False) for recipe in ("tensorwise", "delayed")
                for strategy, overlap in (("optim", False), ("optim_grads", False), ("optim", True))]
     # tp 2: one replica, the amaxes reduced over tp; bf16 weights: 2-byte elements beside the codes
-    for recipe, strategy, overlap, tp, bf16 in layouts + [("tensorwise", "optim", False, 2, False),
-                                                          ("delayed", "optim_grads", True, 1, True)]:
-        name = f"{recipe} {strategy}{' overlap' if overlap else ''} tp{tp}{' bf16' if bf16 else ''}"
-        want = _run(rank, world, _cfg(recipe, strategy, False, overlap, tp, bf16))
-        got = _run(rank, world, _cfg(recipe, strategy, True, overlap, tp, bf16))
-        problems += _same(name, got, want)
-        hits = sum(h for h, _, _ in got["operands"])
-        per_step = len(got["operands"]) // STEPS
-        if hits != per_step * (STEPS - 1) or any(h for h, _, _ in want["operands"]):
-            problems.append(f"{name}: forward took the gathered codes {hits} times, not {per_step * (STEPS - 1)}")
+    layouts += [("tensorwise", "optim", False, 2, False, False), ("delayed", "optim_grads", True, 1, True, False)]
+    # ZeRO-3: the unit gathers move the codes; with prefetch (overlap) and with full recomputation
+    layouts += [("tensorwise", ZERO3, False, 1, False, False), ("delayed", ZERO3, True, 1, False, False),
+                ("delayed", ZERO3, False, 1, False, True), ("tensorwise", ZERO3, True, 2, False, False)]
+    # recompute: full recomputation, and the third step's update skipped (its delayed histories move all the same)
+    layouts += [("delayed", "optim", True, 1, False, True)]
+    for recipe, strategy, overlap, tp, bf16, recompute in layouts:
+        skip = {2} if recompute else set()
+        name = f"{recipe} {strategy}{' overlap' if overlap else ''} tp{tp}{' bf16' if bf16 else ''}" + (
+            " recompute skip3" if recompute else "")
+        want = _run(rank, world, _cfg(recipe, strategy, False, overlap, tp, bf16, recompute), skip=skip)
+        got = _run(rank, world, _cfg(recipe, strategy, True, overlap, tp, bf16, recompute), skip=skip)
+        problems += _same(name, got, want) + _hits(name, got, want, strategy == ZERO3, len(skip))
         rows.append((name, got["gathered"], got["expected"] if tp == 1 else 0, want["gathered"],
-                     got["amax_reduces"], got["fp8_elements"]))
-    cfg = _cfg("delayed", "optim", True)
+                     want["expected"] if tp == 1 else 0, got["amax_reduces"], got["fp8_elements"]))
+    for strategy in ("optim", ZERO3):
+        problems += _resumed(rank, world, _cfg("delayed", strategy, True, overlap=strategy == ZERO3),
+                             f"{ckpt}/{strategy}")
+    return problems, rows
+
+
+def _hits(name, got, want, zero3: bool, skipped: int = 0) -> list:
+    """Forward takes the gathered codes from the second step on (ZeRO-1/2) but after a skipped update, or always
+    (ZeRO-3); never without the flag."""
+    hits = sum(h for h, _, _ in got["operands"])
+    per_step = len(got["operands"]) // STEPS
+    expected = len(got["operands"]) if zero3 else per_step * (STEPS - 1 - skipped)
+    if hits != expected or any(h for h, _, _ in want["operands"]):
+        return [f"{name}: forward took the gathered codes {hits} times, not {expected}"]
+    return []
+
+
+def _resumed(rank, world, cfg, ckpt) -> list:
+    """Saved after 3 steps and resumed: the uninterrupted run's curve and weights."""
     whole = _run(rank, world, cfg)
     _run(rank, world, cfg, save=f"{ckpt}/ck", steps=range(3))
     resumed = _run(rank, world, cfg, load=f"{ckpt}/ck", steps=range(3, STEPS))
-    problems += _same("resumed", dict(resumed, losses=whole["losses"][:3] + resumed["losses"],
-                                      operands=whole["operands"]), whole)
+    strategy = cfg.parallel.data_parallel_sharding_strategy
+    problems = _same(f"resumed {strategy}", dict(resumed, losses=whole["losses"][:3] + resumed["losses"],
+                                                 operands=whole["operands"]), whole)
     if resumed["losses"] != whole["losses"][3:]:
-        problems.append(f"resumed: {resumed['losses']} vs {whole['losses'][3:]}")
-    return problems, rows
+        problems.append(f"resumed {strategy}: {resumed['losses']} vs {whole['losses'][3:]}")
+    if strategy == ZERO3 and not all(h for h, _, _ in resumed["operands"]):
+        problems.append(f"resumed {strategy}: forward quantized a weight after the load")
+    return problems
 
 
 @pytest.mark.slow  # a spawned pair running every case: `make test` runs it, `make test-fast` not
@@ -167,9 +203,9 @@ def test_fp8_param_gather_is_the_same_run_moving_fp8_codes(tmp_path):
     per_rank = run_ranks(_cases, 2, str(tmp_path), timeout=240)
     problems = sorted({p for problems, _ in per_rank for p in problems})
     assert not problems, "\n".join(problems)
-    for name, gathered, expected, without, amax_reduces, fp8_elements in per_rank[0][1]:
+    for name, gathered, expected, without, expected_without, amax_reduces, fp8_elements in per_rank[0][1]:
         print(f"{name}: all-gathers {gathered} bytes with the flag, {without} without; FP8 elements {fp8_elements}")
-        assert gathered == expected, (name, gathered, expected)
+        assert (gathered, without) == (expected, expected_without), (name, gathered, without, expected)
         # the FP8 weights take 4 bytes an element without the flag (2 in bf16), 1 with it
         saved = 1 if name.endswith("bf16") else 3
         assert "tp2" in name or without - gathered >= saved * fp8_elements, (name, gathered, without)
@@ -180,12 +216,18 @@ def test_fp8_param_gather_is_the_same_run_moving_fp8_codes(tmp_path):
     ([], "nothing runs in FP8"),
     (["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--use-distributed-optimizer"], "one scale per weight"),
     (["--fp8-format", "e4m3"], "nothing is sharded"),
-    (["--fp8-format", "e4m3", "--data-parallel-sharding-strategy", "optim_grads_params"], "not implemented"),
+    (["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--data-parallel-sharding-strategy",
+      "optim_grads_params"], "one scale per weight"),
 ])
 def test_fp8_param_gather_misuse_is_one_line(flags, words):
     with pytest.raises(ConfigError, match=f"--fp8-param-gather True: .*{words}") as err:
         validate(parse_config(["--mock-data", "--fp8-param-gather", *flags]), 2)
     assert len(str(err.value).splitlines()) == 1
+
+
+def test_fp8_param_gather_is_taken_under_zero3():
+    validate(parse_config(["--mock-data", "--fp8-param-gather", "--fp8-format", "e4m3",
+                           "--data-parallel-sharding-strategy", "optim_grads_params"]), 2)
 
 
 def test_codes_whose_delayed_scale_moved_over_a_stale_weight_are_refused():

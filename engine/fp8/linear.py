@@ -12,8 +12,9 @@ output gradient) is one part of a full tensor, whose amax (tensor scaling) or ti
 shares; under cp and sequence parallelism the tokens are. Under a split backward (zero-bubble schedules) the
 weight gradient is left to engine.parallel.weight_grad_store like any linear's.
 
-Under `--fp8-param-gather` the weight arrives quantized: the optimizer's all-gather (engine.optim.fp8_gather)
-quantizes each replica's shard with the scale this linear would use and gathers the FP8 codes, and `gathered`
+Under `--fp8-param-gather` the weight arrives quantized: the optimizer's all-gather (engine.optim.fp8_gather;
+under ZeRO-3 each unit gather, engine.optim.fp8_shard) quantizes each replica's shard with the scale this linear
+would use and gathers the FP8 codes, and `gathered`
 holds them (`Gathered`) until the weight changes (its version counter) or the scale does (a delayed history
 moved); forward then takes them instead of quantizing the weight, the same codes and scale bit for bit.
 """

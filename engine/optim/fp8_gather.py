@@ -21,6 +21,9 @@ reads the weights outside forward calls Optimizer.wait_weights (checkpoint save 
 the end of training), which gathers those buckets once more in the run's precision (`refreshed` then marks the
 codes' weights whole): a checkpoint holds the same weights as without the flag. The codes take one byte per
 element of the FP8 weights beside them, and each bucket's payloads stay allocated between steps.
+
+The payload plan, the shared amax and scales, the encoding and the hand-over to the linear are functions that
+ZeRO-3's unit gathers (fp8_shard.py) use too.
 """
 from __future__ import annotations
 
@@ -49,33 +52,69 @@ def weight_linears(model_chunks: list) -> dict:
             if isinstance(getattr(m, "fp8", None), Fp8Linear)}
 
 
+def plan(buffer, bucket, linears: dict) -> tuple:
+    """(the pieces of each replica's payload of `bucket`, the payload's bytes, padded alike for every replica):
+    per replica its elements of the other parameters in the run's precision first (aligned), then its codes."""
+    pieces, longest = [], 0
+    size = bucket.params[0].element_size()
+    for r in range(buffer.replicas):
+        mine = [_Piece(p, *rng, linears.get(id(p))) for p in bucket.params
+                if (rng := buffer.local_range(p, r)) is not None]
+        at = 0
+        for piece in sorted(mine, key=lambda q: q.linear is not None):
+            piece.at = at
+            at += (piece.hi - piece.lo) * (1 if piece.linear is not None else size)
+        pieces.append(mine)
+        longest = max(longest, at)
+    return pieces, -(-longest // size) * size
+
+
+def field(payload: torch.Tensor, piece: _Piece) -> torch.Tensor:
+    """The bytes of `piece` in one replica's payload, as codes or as the parameter's dtype."""
+    n, p = piece.hi - piece.lo, piece.param
+    if piece.linear is not None:
+        return payload[piece.at:piece.at + n]
+    return payload[piece.at:piece.at + n * p.element_size()].view(p.dtype)
+
+
+def shared_scales(buffer, weights: list, shards: list, linears: dict) -> list:
+    """Per FP8 weight of `buffer` (`shards`: this rank's elements of each, maybe none), (the amax its linear
+    would note now, the scale it would quantize with): the shards' amaxes MAX-reduced over the replicas in one
+    all-reduce and, where current scaling reduces the weight's amax over tp x cp, over those ranks in one more."""
+    now = torch.stack([amax(s) for s in shards])
+    if buffer.replicas > 1:
+        comm.all_reduce(now, buffer.group, op=comm.ReduceOp.MAX)
+    first = linears[id(weights[0])]
+    if first.group is not None and not first.weight.from_history:
+        comm.all_reduce(now, first.group, op=comm.ReduceOp.MAX)  # current scaling: the amax of the whole weight
+    return [(a, linears[id(p)].weight.encode_scale(a)) for p, a in zip(weights, now)]
+
+
+def encode(shard: torch.Tensor, scale: torch.Tensor, lin: Fp8Linear) -> torch.Tensor:
+    """`shard`'s FP8 codes under `scale`, as bytes."""
+    return quantize(shard, scale, lin.weight.dtype).data.view(torch.uint8)
+
+
+def hand_over(lin: Fp8Linear, p, codes: torch.Tensor, now, scale, steps: int, whole: bool) -> None:
+    """Give `lin` the whole weight `p`'s codes (bytes, flat) as its forward operand, holding while p's version
+    and the scaler's step count `steps` do."""
+    data = codes.view(lin.weight.dtype).view(-1, p.shape[-1])
+    lin.gathered = Gathered(Quantized(data, scale.float().reshape(()).reciprocal()), now, p._version, steps,
+                            whole=whole)
+
+
 class Fp8Gather:
     def __init__(self, buffers: list, linears: dict, ctx):
         """`linears`: weight_linears of the model; `buffers`: the optimizer's grad buffers (sharded)."""
         self.buffers, self.linears, self.ctx = buffers, linears, ctx
         self.codes = {id(p): torch.zeros(p.numel(), dtype=torch.uint8, device=p.device)
                       for b in buffers for p in b.params if id(p) in linears}
-        self._plans = {(i, b.index): self._plan(buffer, b) for i, buffer in enumerate(buffers)
+        self._plans = {(i, b.index): plan(buffer, b, linears) for i, buffer in enumerate(buffers)
                        for b in buffer.buckets if any(id(p) in linears for p in b.params)}
         self._payloads = {}  # (buffer index, bucket index) -> the bucket's gathered payloads
         self._now = {}     # id(weight) -> the amax its linear would note now (set by prepare)
         self._scale = {}   # id(weight) -> its scale
         self.stale = False  # the FP8 weights' elements of other replicas are not current
-
-    def _plan(self, buffer, bucket) -> tuple:
-        """(the pieces of each replica's payload, the payload's bytes, padded alike for every replica)."""
-        pieces, longest = [], 0
-        for r in range(buffer.replicas):
-            mine = [_Piece(p, *rng, self.linears.get(id(p))) for p in bucket.params
-                    if (rng := buffer.local_range(p, r)) is not None]
-            at = 0
-            for piece in sorted(mine, key=lambda q: q.linear is not None):  # the run's precision first: aligned
-                piece.at = at
-                at += (piece.hi - piece.lo) * (1 if piece.linear is not None else bucket.params[0].element_size())
-            pieces.append(mine)
-            longest = max(longest, at)
-        size = bucket.params[0].element_size()
-        return pieces, -(-longest // size) * size
 
     def covers(self, i: int, bucket) -> bool:
         """Whether bucket `bucket` of buffer `i` holds FP8 weights (its gather is this module's)."""
@@ -91,18 +130,11 @@ class Fp8Gather:
     def _prepare(self, buffer, weights: list) -> None:
         local = [buffer.local_range(p) for p in weights]
         shards = [p.detach().view(-1)[r[0]:r[1]] if r else p.detach().view(-1)[:0] for p, r in zip(weights, local)]
-        now = torch.stack([amax(s) for s in shards])
-        if buffer.replicas > 1:
-            comm.all_reduce(now, buffer.group, op=comm.ReduceOp.MAX)
-        group = self.linears[id(weights[0])].group
-        if group is not None and not self.linears[id(weights[0])].weight.from_history:
-            comm.all_reduce(now, group, op=comm.ReduceOp.MAX)  # current scaling: the amax of the whole weight
-        for p, r, shard, a in zip(weights, local, shards, now):
-            scaler = self.linears[id(p)].weight
-            self._now[id(p)], self._scale[id(p)] = a, scaler.encode_scale(a)
+        for p, r, shard, (a, scale) in zip(weights, local, shards, shared_scales(buffer, weights, shards,
+                                                                                  self.linears)):
+            self._now[id(p)], self._scale[id(p)] = a, scale
             if r is not None:
-                codes = quantize(shard, self._scale[id(p)], scaler.dtype).data
-                self.codes[id(p)][r[0]:r[1]].copy_(codes.view(torch.uint8))
+                self.codes[id(p)][r[0]:r[1]].copy_(encode(shard, scale, self.linears[id(p)]))
 
     def launch(self, i: int, bucket, async_op: bool):
         """Start the all-gather of bucket `bucket` of buffer `i` (this rank's payload packed); its work or None."""
@@ -110,7 +142,7 @@ class Fp8Gather:
         payload = self._payload(i, bucket, size)
         mine = payload[buffer.replica_rank * size:(buffer.replica_rank + 1) * size]
         for piece in pieces[buffer.replica_rank]:
-            self._field(mine, piece).copy_(self._source(piece))
+            field(mine, piece).copy_(self._source(piece))
         if buffer.replicas == 1:
             return None
         return comm.all_gather_into(payload, mine, group=buffer.group, async_op=async_op)
@@ -121,13 +153,6 @@ class Fp8Gather:
             self._payloads[key] = torch.zeros(size * self.buffers[i].replicas, dtype=torch.uint8,
                                               device=self.buffers[i].device)
         return self._payloads[key]
-
-    def _field(self, payload: torch.Tensor, piece: _Piece) -> torch.Tensor:
-        """The bytes of `piece` in one replica's payload, as codes or as the parameter's dtype."""
-        n, p = piece.hi - piece.lo, piece.param
-        if piece.linear is not None:
-            return payload[piece.at:piece.at + n]
-        return payload[piece.at:piece.at + n * p.element_size()].view(p.dtype)
 
     def _source(self, piece: _Piece) -> torch.Tensor:
         """Where `piece`'s elements live here: the weight's codes, or the parameter itself."""
@@ -142,14 +167,12 @@ class Fp8Gather:
         for r in range(buffer.replicas):
             if r != buffer.replica_rank:
                 for piece in pieces[r]:
-                    self._source(piece).copy_(self._field(payload[r * size:(r + 1) * size], piece))
+                    self._source(piece).copy_(field(payload[r * size:(r + 1) * size], piece))
         for p in bucket.params:
             lin = self.linears.get(id(p))
             if lin is not None:
-                data = self.codes[id(p)].view(lin.weight.dtype).view(-1, p.shape[-1])
-                scale = self._scale[id(p)].float().reshape(())
-                lin.gathered = Gathered(Quantized(data, scale.reciprocal()), self._now[id(p)], p._version,
-                                        lin.weight.steps, whole=buffer.replicas == 1)
+                hand_over(lin, p, self.codes[id(p)], self._now[id(p)], self._scale[id(p)], lin.weight.steps,
+                          whole=buffer.replicas == 1)
         self.stale = self.stale or buffer.replicas > 1
 
     def stale_buckets(self) -> list:

@@ -26,7 +26,8 @@ shards directly and nothing is all-gathered after the step. Under ZeRO-1/2 `--ov
 step's all-gathers in flight, each bucket waited for by the forward that first needs it (param_gather.py).
 With `--fp8-param-gather` (ZeRO-1/2) the buckets holding FP8 weights move those as FP8 codes (fp8_gather.py); the
 weights' other replicas' elements are then gathered in the run's precision only when read outside forward
-(wait_weights, full_weights).
+(wait_weights, full_weights). Under ZeRO-3 the unit gathers move them as codes (fp8_shard.py) and full_weights
+gathers the shards in the run's precision.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ import torch
 from engine.optim import adamw
 from engine.optim.clip import clip_coefficient, counts_toward_norm, global_grad_norm
 from engine.optim.fp8_gather import Fp8Gather, weight_linears
+from engine.optim.fp8_shard import Fp8Shard
 from engine.optim.grad_buffer import DEFAULT_BUCKET_NUMEL, GradBuffer
 from engine.optim.loss_scaler import LossScaler
 from engine.optim.muon import Muon, classify
@@ -100,6 +102,8 @@ class Optimizer:
         self.buffers = [b for b in (self.buffer, self.expert_buffer) if b.params or b is self.buffer]
         self.sharder = ParamSharder(model_chunks, units, self.buffers, prefetch=par.overlap_param_gather) \
             if units else None
+        if self.sharder is not None and cfg.training.fp8_param_gather:  # ZeRO-3: unit gathers move FP8 codes
+            self.sharder.fp8 = Fp8Shard(self.sharder.slots, weight_linears(model_chunks))
         # ZeRO-1/2 with --fp8-param-gather: FP8 weights gathered as FP8 codes
         self.fp8 = Fp8Gather(self.buffers, weight_linears(model_chunks), ctx) \
             if self.distributed and units is None and cfg.training.fp8_param_gather else None
@@ -190,7 +194,7 @@ class Optimizer:
         cannot be trusted even when their norm is finite), a non-finite gradient norm through the scaler."""
         scale = self.scaler.scale
         if not loss_is_finite:
-            return StepResult(False, float("nan"), scale)
+            return self._skipped(float("nan"), scale)
         dense, experts = self.norm_pieces()
         norm = global_grad_norm(dense, self.ctx, sharded_over_dp=self.distributed, device=self.buffer.data.device,
                                 expert_grads=experts) / scale
@@ -209,9 +213,17 @@ class Optimizer:
         found_inf = not math.isfinite(norm)
         self.scaler.update(found_inf)
         if found_inf:
-            return StepResult(False, norm, self.scaler.scale)
+            return self._skipped(norm, self.scaler.scale)
         self.update(lr, clip_coefficient(norm, self.clip_grad) / scale)
         return StepResult(True, norm, self.scaler.scale)
+
+    def _skipped(self, norm: float, scale: float) -> StepResult:
+        """No update. The delayed histories moved all the same, so --fp8-param-gather's codes (ZeRO-1/2) no longer
+        hold: the FP8 weights are gathered whole (wait_weights) and forward quantizes them. (ZeRO-3 packs its
+        codes afresh before its next gather.)"""
+        if self.fp8 is not None:
+            self.wait_weights()
+        return StepResult(False, norm, scale)
 
     def update(self, lr: float, factor: float) -> None:
         """AdamW at rate `lr` on the gradients times `factor` (unscaling and clipping), then publish; a
@@ -251,6 +263,8 @@ class Optimizer:
             for e in self._entries:
                 if e.owns_master:
                     self._values(e.param, (e.start, e.end)).copy_(e.master)
+            if self.sharder is not None:
+                self.sharder.changed()
             return
         if self.gather is not None:  # in flight until the next forward needs them (param_gather.py)
             return self.gather.start(self._entries)

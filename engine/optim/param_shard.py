@@ -21,6 +21,9 @@ With `prefetch` (--overlap-param-gather) the next unit's all-gather is started a
 is entered, so two units are held instead of one. Buckets are reference-counted: the tied embedding's
 bucket belongs to two units.
 
+With `--fp8-param-gather` (fp8_shard.py, `ParamSharder.fp8`) the buckets holding FP8 linears' weights are
+gathered as payloads carrying those weights' FP8 codes; `gathered` (checkpoints) gathers the shards as they are.
+
 Gradients are not this module's business: the grad buffer reduce-scatters them (shard_grads).
 """
 from __future__ import annotations
@@ -73,7 +76,8 @@ def flatten_bucket(buffer, bucket) -> torch.Tensor:
     return flat
 
 
-def _free(t: torch.Tensor) -> None:
+def free(t: torch.Tensor) -> None:
+    """Release a tensor's storage; its views stay valid and see new values once it is resized and written."""
     t.untyped_storage().resize_(0)
 
 
@@ -86,28 +90,40 @@ class _Slot:
         lo, hi = buffer.shard_bounds(bucket)
         self.shard = self.flat[lo:hi].clone()
         self.holders, self.work = 0, None
-        _free(self.flat)
+        self.codes, self.landing = None, False  # the fp8_shard.Fp8Shard that gathered it; its land is due
+        free(self.flat)
 
-    def gather(self, async_op: bool) -> None:
+    def gather(self, async_op: bool, codes=None) -> None:
+        """All-gather the weights (`codes`: an fp8_shard.Fp8Shard moving the FP8 weights as codes, if it covers
+        this bucket)."""
         self.holders += 1
         if self.holders > 1:
             return
         self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
-        if self.buffer.replicas == 1:
+        if codes is not None and codes.covers(self):
+            self.codes, self.landing = codes, True
+            self.work = codes.launch(self, async_op)
+        elif self.buffer.replicas == 1:
             self.flat.copy_(self.shard)
-            return
-        self.work = comm.all_gather_into(self.flat, self.shard, group=self.buffer.group, async_op=async_op)
+        else:
+            self.work = comm.all_gather_into(self.flat, self.shard, group=self.buffer.group, async_op=async_op)
 
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
             self.work = None
+        if self.landing:
+            self.landing = False
+            self.codes.land(self)
 
     def release(self) -> None:
         self.holders -= 1
         if self.holders == 0:
             self.wait()
-            _free(self.flat)
+            free(self.flat)
+            if self.codes is not None:
+                self.codes.release(self)
+                self.codes = None
 
 
 class ParamSharder:
@@ -125,6 +141,7 @@ class ParamSharder:
         self._prefetched = set()  # (chunk, unit) whose gather was started ahead
         self._callback_queued = False
         self.peak_gathered_bytes = 0  # the most full-size weight bytes held at once (benchmarks/sharded_dp.py)
+        self.fp8 = None  # --fp8-param-gather: the fp8_shard.Fp8Shard that moves the FP8 weights as codes
         for c, (chunk, chunk_units) in enumerate(zip(model_chunks, units)):
             for i, u in enumerate(chunk_units):
                 u.module.register_forward_pre_hook(self._enter_hook(c, i))
@@ -191,8 +208,9 @@ class ParamSharder:
     def _gather(self, c: int, i: int) -> None:
         unit = self.chunks[c][i]
         if (c, i) not in self._prefetched:
+            self._ready()
             for slot in unit.buckets:
-                slot.gather(async_op=False)
+                slot.gather(async_op=False, codes=self.fp8)
         self._prefetched.discard((c, i))
         for slot in unit.buckets:
             slot.wait()
@@ -201,8 +219,9 @@ class ParamSharder:
     def _prefetch(self, c: int, i: int) -> None:
         if (c, i) in self._prefetched:
             return
+        self._ready()
         for slot in self.chunks[c][i].buckets:
-            slot.gather(async_op=True)
+            slot.gather(async_op=True, codes=self.fp8)
         self._prefetched.add((c, i))
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
 
@@ -211,6 +230,10 @@ class ParamSharder:
         for c, i in [k for k in self._prefetched if chunk is None or k[0] == chunk]:
             self._prefetched.discard((c, i))
             self._release(c, i)
+
+    def _ready(self) -> None:
+        if self.fp8 is not None:
+            self.fp8.ready()
 
     def _release(self, c: int, i: int) -> None:
         for slot in self.chunks[c][i].buckets:
@@ -234,9 +257,19 @@ class ParamSharder:
                 for slot in slots:
                     lo, hi = slot.buffer.shard_bounds(slot.bucket)
                     slot.shard.copy_(slot.flat[lo:hi])
+                self.changed()
         finally:
             for slot in slots:
                 slot.release()
+
+    @property
+    def slots(self) -> list:
+        return list(self._slots.values())
+
+    def changed(self) -> None:
+        """The shards were written (an optimizer step, a checkpoint load)."""
+        if self.fp8 is not None:
+            self.fp8.changed()
 
     def shard_bytes(self) -> int:
         return sum(s.shard.numel() * s.shard.element_size() for s in self._slots.values())

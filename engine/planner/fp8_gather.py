@@ -10,7 +10,8 @@ that replica's elements of the bucket: the other parameters' in the run's precis
 each. Every payload is as long as the bucket's longest, rounded up to a whole element of the run's precision.
 Replica r holds elements [r P/n, (r+1) P/n) of a bucket padded to P over n replicas (its padding in no
 payload), so the FP8 spans of each bucket give every payload exactly. A bucket without FP8 weights is gathered
-as without the flag: P elements in the run's precision.
+as without the flag: P elements in the run's precision. ZeRO-3's unit gathers, which the engine moves the same
+way (engine/optim/fp8_shard.py), are not priced here: the planner prices them as without the flag.
 
 Kept between steps, beside the weights (which stay in the run's precision, whole): every FP8 weight's codes,
 one byte an element of the whole weight on this rank, and each such bucket's gathered payloads (n of them),

@@ -37,8 +37,9 @@ class Software:
     fp8_param_gather: bool = False        # --fp8-param-gather
 
     def gathers_fp8(self, sharding) -> bool:
-        """Whether the step gathers FP8 codes under `sharding` (a layout's): --fp8-param-gather with a
-        tensor-scaled recipe under ZeRO-1/2, the cases engine.validation.check_fp8_param_gather lets through
-        (a search also meets layouts the flag is refused in: those gather as without it)."""
+        """Whether the step's priced gathers move FP8 codes under `sharding` (a layout's): --fp8-param-gather
+        with a tensor-scaled recipe under ZeRO-1/2. Layouts the flag is refused in (a search meets them too) and
+        ZeRO-3, whose unit gathers the engine moves as codes but the planner does not price so, gather as
+        without it."""
         return (self.fp8_param_gather and self.fp8 in ("tensorwise", "delayed") and sharding.optimizer
                 and not sharding.params)
