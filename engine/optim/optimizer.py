@@ -113,6 +113,7 @@ class Optimizer:
         self.steps = 0
         self.name = opt.optimizer  # what the checkpoint's optimizer state is (checked on load)
         self._entries = self._make_entries(param_names(model_chunks))
+        self._in_bucket = self._entries_by_bucket()
         # --optimizer muon: Muon takes the hidden matrices (muon.classify), AdamW the rest.
         takes = {id(e) for e in self._entries if opt.optimizer == "muon" and not classify(e.name, e.param)}
         scalar = [e for e in self._entries if id(e) not in takes]
@@ -280,14 +281,21 @@ class Optimizer:
                 else:
                     self._gather_whole(buffer, bucket)
 
+    def _entries_by_bucket(self) -> dict:
+        """(id(buffer), bucket index) -> [(entry, its parameter's offset in the bucket)], made once: the step's
+        gathers look entries up by bucket rather than scanning them all for each bucket."""
+        out = {}
+        for e in self._entries:
+            bucket, off = e.buffer.offset_in_bucket(e.param)
+            out.setdefault((id(e.buffer), bucket.index), []).append((e, off))
+        return out
+
     def _gather_whole(self, buffer: GradBuffer, bucket) -> None:
         """All-gather one bucket's updated masters, in the parameters' dtype, into its parameters."""
         out = self._gather_buffer(bucket)
         lo, hi = buffer.shard_bounds(bucket)
-        for e in self._entries:
-            if e.buffer is buffer and buffer.bucket_of(e.param) is bucket:
-                off = buffer.offset_in_bucket(e.param)[1]
-                out[off + e.start:off + e.end].copy_(e.master)
+        for e, off in self._in_bucket.get((id(buffer), bucket.index), []):
+            out[off + e.start:off + e.end].copy_(e.master)
         if buffer.replicas > 1:
             comm.all_gather_into(out, out[lo:hi], group=buffer.group)
         for p in bucket.params:
