@@ -79,18 +79,17 @@ def gpu_test_files() -> list:
 def junit_summary(path: str) -> dict:
     """Counts and the ids of failing or erroring cases from a pytest JUnit XML file."""
     cases = list(ET.parse(path).getroot().iter("testcase"))
-    failing, counts = [], {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failing, why, counts = [], {}, {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     for case in cases:
-        kinds = {child.tag for child in case}
+        kinds = {child.tag: child for child in case}
         case_id = f"{case.get('classname', '')}::{case.get('name', '')}"
-        if "failure" in kinds:
-            counts["failed"] += 1
+        bad = kinds.get("failure") or kinds.get("error")
+        if bad is not None:  # the message and the traceback's end: what the fix on CPU starts from
+            counts["failed" if "failure" in kinds else "errors"] += 1
             failing.append(case_id)
-        elif "error" in kinds:
-            counts["errors"] += 1
-            failing.append(case_id)
+            why[case_id] = (bad.get("message", "")[:300] + " | " + (bad.text or "")[-900:]).strip()
         elif "skipped" in kinds:
             counts["skipped"] += 1
         else:
             counts["passed"] += 1
-    return {**counts, "failing": failing}
+    return {**counts, "failing": failing, "why": why}

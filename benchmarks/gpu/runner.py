@@ -49,10 +49,11 @@ def cuda_visible() -> bool:
     return child.exitcode == 0
 
 
-def run_sections(sections, opts: Options, total_s: float) -> dict:
+def run_sections(sections, opts: Options, total_s: float, after=None) -> dict:
     """{name: result} for every section, in order; each sees the results of those before it. A section's
     budget shrinks when earlier ones overran, so that the whole run ends within `total_s` (each later section
-    keeping its own budget); one left with under MIN_BUDGET seconds is recorded as skipped for time."""
+    keeping its own budget); one left with under MIN_BUDGET seconds is recorded as skipped for time.
+    `after(results)`, when given, is called after each section (the caller saves what is gathered so far)."""
     results = {}
     end = opts.started + total_s
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
@@ -66,6 +67,8 @@ def run_sections(sections, opts: Options, total_s: float) -> dict:
                 continue
             results[section.name] = run_one(section, opts, dict(results), os.path.join(tmp, f"{section.name}.json"),
                                             budget)
+            if after is not None:
+                after(dict(results))
     return results
 
 
