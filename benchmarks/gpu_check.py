@@ -9,8 +9,8 @@ Run from the repository's root as a module: the checkout's engine is used whethe
 (PYTHONPATH=. carries that to the processes it starts: pytest -m gpu's torchrun jobs)
 
 Needs only torch (a CUDA build), triton and transformers, and installs nothing: a lease's machine reaches no
-registry. Full: within 8 minutes; --quick: about 5. --only runs the sections named. Each section runs in its own process under a time budget
-(benchmarks/gpu/runner.py); one that fails, crashes or runs out of time is recorded with its error and the
+registry. Full: within 10 minutes; --quick: about 6; --only runs the sections named. Each section runs in its
+own process under a time budget (benchmarks/gpu/runner.py); one that fails, crashes or runs out of time is recorded with its error and the
 rest go on. Writes gpu_check.json and gpu_check.md into --out (default $OUT, else ./gpu_check_out) and prints
 the Markdown table last, since a lease returns only the output's tail. The JSON names the file it is to be
 committed as, benchmarks/results/gpu-<card>-<date>.json.
@@ -28,25 +28,26 @@ import re
 import sys
 import time
 
-from benchmarks.gpu import card, correctness, fp8, goals, kernels, memory_check, report, training
+from benchmarks.gpu import card, correctness, fp8, goals, kernels, memory_check, report, training, tuning
 from benchmarks.gpu.context import Options, say
 from benchmarks.gpu.runner import Section, cuda_visible, run_sections
 
 PROG = "benchmarks/gpu_check.py"
-TOTAL = {"full": 490, "quick": 310, "dry-run": 330}  # seconds the whole check may take (issue 31: 8 and 4 min)
+TOTAL = {"full": 600, "quick": 340, "dry-run": 340}  # seconds the whole check may take
 SECTIONS = (  # budgets in seconds; with runner.GRACE each, they fit TOTAL
-    Section("card", card.run, {"full": 20, "quick": 15, "dry-run": 10}),
-    Section("correctness", correctness.run, {"full": 90, "quick": 40, "dry-run": 45}),
+    Section("card", card.run, {"full": 15, "quick": 15, "dry-run": 10}),
+    Section("correctness", correctness.run, {"full": 160, "quick": 60, "dry-run": 45}),  # 7 torchrun jobs: ~2 min
     Section("kernels", kernels.run, {"full": 65, "quick": 40, "dry-run": 20}),
-    Section("training", training.run, {"full": 160, "quick": 70, "dry-run": 120}),
+    Section("tuning", tuning.run, {"full": 20, "quick": 10, "dry-run": 5}),
+    Section("training", training.run, {"full": 140, "quick": 70, "dry-run": 120}),
     Section("memory", memory_check.run, {"full": 15, "quick": 15, "dry-run": 20}),
-    Section("fp8", fp8.run, {"full": 80, "quick": 60, "dry-run": 35}),
+    Section("fp8", fp8.run, {"full": 70, "quick": 60, "dry-run": 35}),
 )
 
 
 def parse(argv):
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer cases and steps: within 4 minutes")
+    p.add_argument("--quick", action="store_true", help="fewer cases and steps: within about 6 minutes")
     p.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out", help="folder for the JSON and table")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--dry-run", action="store_true", help="tiny sizes: exercises every code path quickly")

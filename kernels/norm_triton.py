@@ -82,17 +82,21 @@ def _norm_bwd(X, W, DY, DSUM, DX, DW_PART, DB_PART, MEAN, RSTD, stride_x, stride
         tl.store(DB_PART + pid * N + cols, db, mask=mask)
 
 
+MAX_WARPS = 16           # warps per row's program (one per 256 elements of the row, at most this)
+BWD_PROGRAMS_PER_SM = 4  # backward: programs per multiprocessor, each looping over its rows (dw partial sums)
+
+
 def _launch_config(n: int):
     block = triton.next_power_of_2(n)
     if block > MAX_HIDDEN:
         raise ValueError(f"fused norm supports hidden sizes up to {MAX_HIDDEN}, got {n}")
-    warps = min(max(block // 256, 1), 16)
+    warps = min(max(block // 256, 1), MAX_WARPS)
     return block, warps
 
 
 def _bwd_programs(x: torch.Tensor, rows: int) -> int:
     if x.is_cuda:
-        return min(rows, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count)
+        return min(rows, BWD_PROGRAMS_PER_SM * torch.cuda.get_device_properties(x.device).multi_processor_count)
     return min(rows, 4)
 
 

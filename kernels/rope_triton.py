@@ -34,6 +34,9 @@ def _rope_kernel(X, FREQS, Y, BATCH, stride_xs, stride_xb, stride_xh, stride_fs,
     tl.store(y_row + HALF, (x2 * cos + x1 * sin).to(Y.dtype.element_ty), mask=mask)
 
 
+MAX_WARPS = 8  # warps per (position, sample) program: one per 256 rotated pairs, at most this
+
+
 def _rotate(x: torch.Tensor, freqs: torch.Tensor, sign: float) -> torch.Tensor:
     s, b, n, d = x.shape
     if d % 2:
@@ -43,7 +46,7 @@ def _rotate(x: torch.Tensor, freqs: torch.Tensor, sign: float) -> torch.Tensor:
     y = torch.empty((s, b, n, d), dtype=x.dtype, device=x.device)
     block_h = triton.next_power_of_2(n)
     block_d = triton.next_power_of_2(d // 2)
-    warps = min(max(block_h * block_d // 256, 1), 8)
+    warps = min(max(block_h * block_d // 256, 1), MAX_WARPS)
     per_sample = freqs.stride(1) if freqs.dim() == 3 else 0
     _rope_kernel[(s * b,)](x, freqs, y, b, x.stride(0), x.stride(1), x.stride(2), freqs.stride(0), per_sample, n,
                            d // 2, sign, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps)

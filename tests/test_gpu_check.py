@@ -13,7 +13,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECTIONS = ["card", "correctness", "kernels", "training", "memory", "fp8"]
+SECTIONS = ["card", "correctness", "kernels", "tuning", "training", "memory", "fp8"]
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +192,17 @@ def test_junit_summary_counts_and_names_failures(tmp_path):
         '<testcase classname="tests.test_k" name="c"><skipped/></testcase>'
         '<testcase classname="" name="tests.test_m"><error message="collection failure"/></testcase>'
         '</testsuite></testsuites>')
-    assert junit_summary(str(tmp_path / "j.xml")) == {"passed": 1, "failed": 1, "errors": 1, "skipped": 1,
-                                                      "failing": ["tests.test_k::b", "::tests.test_m"]}
+    got = junit_summary(str(tmp_path / "j.xml"))
+    assert got == {"passed": 1, "failed": 1, "errors": 1, "skipped": 1, "failing": ["tests.test_k::b", "::tests.test_m"],
+                   "why": {"tests.test_k::b": "x |", "::tests.test_m": "collection failure |"}}
+
+
+def test_a_killed_pytest_run_is_counted_from_its_verbose_lines():
+    from benchmarks.gpu.correctness import verbose_summary
+    out = ("tests/test_k.py::test_a[fp32] PASSED     [ 10%]\ntests/test_k.py::test_b FAILED   [ 20%]\n"
+           "tests/test_k.py::test_c SKIPPED (no CUDA)   [ 30%]\ntests/test_k.py::test_d ")
+    assert verbose_summary(out) == {"passed": 1, "failed": 1, "errors": 0, "skipped": 1,
+                                    "failing": ["tests/test_k.py::test_b"], "why": {}}
 
 
 def test_micro_batch_search_steps_down_on_out_of_memory(tmp_path, monkeypatch):

@@ -106,6 +106,23 @@ class Bench:
         return {"step_s": statistics.median(times) if times else None, "steps": len(times),
                 "warm_up_s": round(sum(warm), 2), "peak_bytes": peak}
 
+    def profile(self, name: str, top: int = 15) -> list:
+        """One step of loop `name` under torch.profiler: the `top` operators by their own device time, as
+        {op, device_ms, share, calls}; the shares are of the step's whole device time."""
+        from torch.profiler import ProfilerActivity, profile
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self._sync()
+        with profile(activities=activities) as prof:
+            self.loops[name].step(self.round)
+            self._sync()
+        self.round += 1
+        events = list(prof.key_averages())
+        own = (lambda e: e.self_device_time_total) if self.cuda else (lambda e: e.self_cpu_time_total)
+        total = sum(own(e) for e in events) or 1.0
+        events.sort(key=own, reverse=True)
+        return [{"op": e.key[:80], "device_ms": round(own(e) / 1e3, 3), "share": round(own(e) / total, 4),
+                 "calls": e.count} for e in events[:top]]
+
     def close(self) -> None:
         """Free everything (the next model, or the next micro batch to try, needs the memory)."""
         self.loops.clear()

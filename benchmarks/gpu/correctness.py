@@ -21,48 +21,92 @@ from benchmarks.gpu.models import ROOT
 
 
 def run(opts, record, earlier) -> None:
-    for family in ("llama", "gpt2"):
-        r = fp32_step.compare(family, opts.device)
-        record.row("fp32_step", r, f"fp32 step {family} {opts.device} vs cpu: loss {r['loss_rel_diff']:.1e}, "
-                                   f"grad norm {r['grad_norm_rel_diff']:.1e}, weights {r['weights_rel_diff']:.1e} "
-                                   f"(anchor <= {r['tolerance']:.0e}): {'equal' if r['equal'] else 'DIFFERENT'}")
+    cases = [(f, False) for f in ("llama", "gpt2")] + ([(f, True) for f in ("llama", "gpt2")] if opts.cuda else [])
+    for family, reference_kernels in cases:
+        r = fp32_step.compare(family, opts.device, reference_kernels)
+        record.row("fp32_step", r, f"fp32 step {family} {opts.device} ({r['kernels']} kernels) vs cpu: loss "
+                                   f"{r['loss_rel_diff']:.1e}, grad norm {r['grad_norm_rel_diff']:.1e}, weights "
+                                   f"{r['weights_rel_diff']:.1e} (anchor <= {r['tolerance']:.0e}): "
+                                   f"{'equal' if r['equal'] else 'DIFFERENT'}; worst grads {r['worst_grads']}, "
+                                   f"worst weights {r['worst_weights']}")
     pytest_gpu(opts, record)
+
+
+MULTI_RANK = "test_distributed_backend.py"  # its torchrun jobs take seconds each: run after the kernel checks
 
 
 def pytest_gpu(opts, record) -> None:
     """Run (on CUDA, full or quick) or only collect (a dry run, or no CUDA) the gpu-marked tests within what is
-    left of the budget."""
+    left of the budget: the kernel and planner checks first, then the multi-rank jobs, each group in its own
+    pytest process so that running out of time in the second keeps the first's results."""
     reserve = 5.0
     if not record.has_time("pytest -m gpu", 20.0 + reserve):
         return
-    run = opts.cuda and not opts.dry_run
+    files = gpu_test_files()
+    if not (opts.cuda and not opts.dry_run):
+        proc = _pytest(files + ["--collect-only"], record.left() - reserve)
+        found = re.search(r"(\d+)(?:/\d+)? tests? collected", proc.stdout) if proc else None
+        record.figure("pytest_gpu_collected", int(found.group(1)) if found else 0, "tests", note="collected only")
+        record.skip("pytest -m gpu (run)", "skipped: dry run (real sizes)" if opts.cuda else NEEDS_CUDA)
+        return
+    groups = (("kernels and planner", [f for f in files if not f.endswith(MULTI_RANK)]),
+              ("gloo ranks on one GPU", [f for f in files if f.endswith(MULTI_RANK)]))
+    failed = []
+    for name, group in groups:
+        if not group or not record.has_time(f"pytest -m gpu ({name})", 10.0 + reserve):
+            continue
+        summary = _run_group(name, group, record.left() - reserve, record)
+        failed += summary.get("failing", [])
+    record.figure("pytest_gpu_failed", len(failed), "tests", "0", "; ".join(failed[:10]))
+
+
+def _pytest(args: list, timeout: float, junit: str | None = None):
+    """pytest -m gpu on `args` in a subprocess: its CompletedProcess, or the TimeoutExpired."""
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", *args,
+           "--continue-on-collection-errors"] + ([f"--junitxml={junit}"] if junit else [])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    try:
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        return exc
+
+
+def _run_group(name: str, files: list, timeout: float, record) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         junit = os.path.join(tmp, "gpu.xml")
-        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", *gpu_test_files(), "--continue-on-collection-errors",
-               f"--junitxml={junit}"] + ([] if run else ["--collect-only"])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                                  timeout=record.left() - reserve)
-        except subprocess.TimeoutExpired as exc:
-            tail = (exc.stdout or b"")[-600:].decode(errors="replace")  # bytes even with text=True
-            record.skip("pytest -m gpu", f"{OUT_OF_TIME}: killed after {exc.timeout:.0f} s; output so far: {tail}")
-            return
-        if not run:
-            found = re.search(r"(\d+)(?:/\d+)? tests? collected", proc.stdout)
-            record.figure("pytest_gpu_collected", int(found.group(1)) if found else 0, "tests", note="collected only")
-            record.skip("pytest -m gpu (run)", "skipped: dry run (real sizes)" if opts.cuda else NEEDS_CUDA)
-            return
-        if not os.path.exists(junit):  # the section fails with pytest's own words; the fp32 rows are kept
-            raise RuntimeError(f"pytest -m gpu wrote no report (exit {proc.returncode}): "
+        proc = _pytest(files, timeout, junit)
+        if isinstance(proc, subprocess.TimeoutExpired):  # what finished, from pytest's -v lines
+            out = proc.stdout.decode(errors="replace") if isinstance(proc.stdout, bytes) else (proc.stdout or "")
+            summary = verbose_summary(out)
+            record.skip(f"pytest -m gpu ({name})", f"{OUT_OF_TIME}: killed after {proc.timeout:.0f} s, "
+                                                   f"{sum(summary[k] for k in ('passed', 'failed', 'errors'))} done")
+        elif not os.path.exists(junit):  # the section fails with pytest's own words; earlier rows are kept
+            raise RuntimeError(f"pytest -m gpu ({name}) wrote no report (exit {proc.returncode}): "
                                f"{(proc.stdout + proc.stderr)[-1500:]}")
-        summary = junit_summary(junit)
-    summary["returncode"] = proc.returncode
-    record.row("pytest_gpu", summary, f"pytest -m gpu: {summary.get('passed', 0)} passed, {summary.get('failed', 0)} "
-                                      f"failed, {summary.get('errors', 0)} errors, {summary.get('skipped', 0)} skipped "
-                                      f"(anchor: all pass)")
-    record.figure("pytest_gpu_failed", summary.get("failed", 0) + summary.get("errors", 0), "tests",
-                  "0", "; ".join(summary.get("failing", [])[:10]))
+        else:
+            summary = {**junit_summary(junit), "returncode": proc.returncode}
+    summary["group"] = name
+    record.row("pytest_gpu", summary, f"pytest -m gpu ({name}): {summary.get('passed', 0)} passed, "
+                                      f"{summary.get('failed', 0)} failed, {summary.get('errors', 0)} errors, "
+                                      f"{summary.get('skipped', 0)} skipped (anchor: all pass)")
+    for case, why in summary.get("why", {}).items():
+        record.note(f"{case}: {why}")
+    return summary
+
+
+VERBOSE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)", re.M)
+
+
+def verbose_summary(out: str) -> dict:
+    """Counts and failing ids from pytest -v output (a run killed before its JUnit report)."""
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    key = {"PASSED": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped"}
+    failing = []
+    for case, outcome in VERBOSE.findall(out):
+        counts[key[outcome]] += 1
+        if outcome in ("FAILED", "ERROR"):
+            failing.append(case)
+    return {**counts, "failing": failing, "why": {}}
 
 
 GPU_MARKS = re.compile(r"mark\.gpu\b|\bgpu_test\b")  # pytest.mark.gpu, or test_kernels' gpu_test decorator
@@ -83,7 +127,7 @@ def junit_summary(path: str) -> dict:
     for case in cases:
         kinds = {child.tag: child for child in case}
         case_id = f"{case.get('classname', '')}::{case.get('name', '')}"
-        bad = kinds.get("failure") or kinds.get("error")
+        bad = kinds.get("failure", kinds.get("error"))  # not `or`: an Element without children is false
         if bad is not None:  # the message and the traceback's end: what the fix on CPU starts from
             counts["failed" if "failure" in kinds else "errors"] += 1
             failing.append(case_id)

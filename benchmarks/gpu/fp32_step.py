@@ -50,9 +50,24 @@ def one_step(cfg, device: str, weights=None) -> dict:
     loss = mean_loss(model(tokens=data[:, :-1], labels=data[:, 1:]))
     opt.scale_loss(loss).backward()
     opt.finish_grad_sync()
+    grads = {n: p.main_grad.detach().cpu().clone() for n, p in model.named_parameters() if hasattr(p, "main_grad")}
     result = opt.step(LR)
     after = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    return {"loss": loss.item(), "grad_norm": result.grad_norm, "before": before, "after": after}
+    return {"loss": loss.item(), "grad_norm": result.grad_norm, "before": before, "after": after, "grads": grads}
+
+
+@contextlib.contextmanager
+def triton_off(off: bool):
+    """With `off`, the fused ops take kernels.reference's PyTorch path on CUDA too (where a difference comes
+    from: the Triton kernels or cuBLAS/SDPA)."""
+    from kernels import dispatch
+    saved = dispatch.triton_available
+    if off:
+        dispatch.triton_available = lambda: False
+    try:
+        yield
+    finally:
+        dispatch.triton_available = saved
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -60,19 +75,30 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def compare(family: str, device: str) -> dict:
+def _worst(got: dict, ref: dict, n: int = 3) -> list:
+    """The `n` tensors that differ most, as [name, relative difference]."""
+    diffs = sorted(((_rel(got[k], ref[k]), k) for k in ref if ref[k].norm() > 0), reverse=True)[:n]
+    return [[k, float(f"{d:.3g}")] for d, k in diffs]
+
+
+def compare(family: str, device: str, reference_kernels: bool = False) -> dict:
     """The device step against the CPU step for `family` ("llama" or "gpt2"): each difference and whether all
-    are within TOLERANCE."""
+    are within TOLERANCE; `reference_kernels`: the device runs the fused ops' PyTorch references."""
     cfg = models.config(family, "small", micro_batch=2, microbatches=1, iters=1, bf16=False)
     with tf32_off():
         ref = one_step(cfg, "cpu")
-        got = one_step(cfg, device, ref["before"])
+        with triton_off(reference_kernels):
+            got = one_step(cfg, device, ref["before"])
     weights = max(_rel(got["after"][k], ref["after"][k]) for k in ref["after"])
     updates = max(_rel(got["after"][k] - got["before"][k], ref["after"][k] - ref["before"][k])
                   for k in ref["after"] if (ref["after"][k] != ref["before"][k]).any())
     out = {"family": family, "device": device, "reference": "cpu", "loss": ref["loss"],
            "loss_rel_diff": abs(got["loss"] - ref["loss"]) / abs(ref["loss"]),
            "grad_norm_rel_diff": abs(got["grad_norm"] - ref["grad_norm"]) / abs(ref["grad_norm"]),
-           "weights_rel_diff": weights, "update_rel_diff": updates, "tolerance": TOLERANCE}
+           "weights_rel_diff": weights, "update_rel_diff": updates, "tolerance": TOLERANCE,
+           "kernels": "reference" if reference_kernels else "fused",
+           "worst_grads": _worst(got["grads"], ref["grads"]), "worst_weights": _worst(got["after"], ref["after"]),
+           "model_weights_rel_diff": _rel(torch.cat([got["after"][k].flatten() for k in ref["after"]]),
+                                          torch.cat([ref["after"][k].flatten() for k in ref["after"]]))}
     out["equal"] = all(out[k] <= TOLERANCE for k in ("loss_rel_diff", "grad_norm_rel_diff", "weights_rel_diff"))
     return out

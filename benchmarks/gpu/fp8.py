@@ -86,10 +86,10 @@ def _linear_grads(recipe, x, w0, dy, device) -> tuple:
     w = make_param(tuple(w0.shape), 0, ctx, ("normal", 0.02), device=device)
     with torch.no_grad():
         w.copy_(w0)
-    xd = x.to(device).requires_grad_()
+    xd = x.to(device).detach().requires_grad_()
     y = Fp8Linear(recipe, w, ctx)(xd, w)
-    y.backward(dy.to(device))
-    return y.detach(), xd.grad, w.grad
+    dx, dw = torch.autograd.grad(y, (xd, w), dy.to(device))  # raises, naming the input, if one got no gradient
+    return y.detach(), dx, dw
 
 
 def steps(opts, record) -> None:

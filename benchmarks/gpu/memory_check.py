@@ -28,9 +28,12 @@ def run(opts, record, earlier) -> None:
     rows = saved_bytes.run(opts.device)
     for r in rows:
         ratio = r["measured"] / r["expected"]
-        record.row("saved_bytes", {k: r[k] for k in ("tp", "sp", "recompute", "measured", "expected", "planner",
-                                                    "peak")} | {"measured_over_expected": round(ratio, 4)},
-                   f"saved for backward tp {r['tp']} sp {r['sp']} recompute {r['recompute']}: {r['measured']:,} B "
+        extra = {"storages": r["storages"], "items": r["items"]} if ratio > saved_bytes.TARGET else {}  # what is more
+        record.row("saved_bytes", {k: r.get(k) for k in ("tp", "sp", "recompute", "packed", "measured", "expected",
+                                                        "planner", "peak")}
+                   | {"measured_over_expected": round(ratio, 4)} | extra,
+                   f"saved for backward tp {r['tp']} sp {r['sp']} recompute {r['recompute']}"
+                   f"{' packed' if r.get('packed') else ''}: {r['measured']:,} B "
                    f"vs expected {r['expected']:,} (ratio {ratio:.3f}; anchor <= {saved_bytes.TARGET})"
                    + (f", cuda growth {r['peak']:,} B" if r["peak"] is not None else ""))
     record.figure("saved_bytes_worst_ratio", round(max(r["measured"] / r["expected"] for r in rows), 4), "",

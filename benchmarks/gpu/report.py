@@ -38,7 +38,7 @@ def markdown(result: dict) -> str:
     lines += _t(["section", "status", "seconds", "budget", "error / skipped"],
                 [[name, r["status"], r["seconds"], r["budget_s"], _problems(r)] for name, r in s.items()])
     for title, part in (("card", card), ("correctness", correctness), ("kernels, forward + backward", kernels),
-                        ("training", training), ("memory", memory), ("fp8", fp8), ("goals", goals)):
+                        ("launch settings (TB/s)", tuning), ("training", training), ("memory", memory), ("fp8", fp8), ("goals", goals)):
         body = part(result)
         if body:
             lines += ["", f"### {title}", *body]
@@ -59,13 +59,14 @@ def card(result: dict) -> list:
 
 def correctness(result: dict) -> list:
     sec = result["sections"].get("correctness", {})
-    rows = [[f"fp32 step {r['family']} ({r['device']} vs cpu)",
+    rows = [[f"fp32 step {r['family']} ({r['device']}, {r.get('kernels', 'fused')} kernels, vs cpu)",
              f"loss {r['loss_rel_diff']:.1e}, grad norm {r['grad_norm_rel_diff']:.1e}, weights "
              f"{r['weights_rel_diff']:.1e}, update {r['update_rel_diff']:.1e}",
              "equal" if r["equal"] else "DIFFERENT", f"<= {r['tolerance']:.0e}"]
             for r in sec.get("tables", {}).get("fp32_step", [])]
     for r in sec.get("tables", {}).get("pytest_gpu", []):
-        rows.append(["pytest -m gpu", f"{r.get('passed', 0)} passed, {r.get('failed', 0)} failed, "
+        rows.append([f"pytest -m gpu ({r['group']})" if r.get("group") else "pytest -m gpu",
+                     f"{r.get('passed', 0)} passed, {r.get('failed', 0)} failed, "
                      f"{r.get('errors', 0)} errors, {r.get('skipped', 0)} skipped",
                      ", ".join(r.get("failing", [])[:6]) or "-", "all pass"])
     collected = sec.get("figures", {}).get("pytest_gpu_collected")
@@ -97,16 +98,31 @@ def training(result: dict) -> list:
               _pct(r.get("mfu_989")), _pct(r.get("mfu_measured")), _n(r.get("peak_gib")), _n(r.get("planner_gib")),
               _n(r.get("loss_max_diff_vs_plain"), 2), _n(r.get("warm_up_s")), (r.get("error") or "")[:120]]
              for r in rows]
-    return _t(["model", "loop", "mode", "mbs", "tokens/s", "MFU/989", "MFU/measured", "peak GiB", "planner GiB",
-               "Δloss vs plain", "warm-up s", "error"], table) if table else []
+    out = _t(["model", "loop", "mode", "mbs", "tokens/s", "MFU/989", "MFU/measured", "peak GiB", "planner GiB",
+              "Δloss vs plain", "warm-up s", "error"], table) if table else []
+    prof = result["sections"].get("training", {}).get("tables", {}).get("profile", [])
+    if prof:  # where the engine's step spends its device time: the top operators per model
+        families = dict.fromkeys(r["family"] for r in prof)
+        shown = [r for fam in families for r in [x for x in prof if x["family"] == fam][:8]]
+        out += ["", *_t(["model", "engine step", "operator", "device ms", "share", "calls"],
+                        [[r["family"], r["phase"], r["op"], r["device_ms"], _pct(r["share"]), r["calls"]]
+                         for r in shown])]
+    return out
+
+
+def tuning(result: dict) -> list:
+    rows = result["sections"].get("tuning", {}).get("tables", {}).get("tuning", [])
+    return _t(["kernel", "warps", "programs/SM", "fwd", "bwd", "fwd+bwd"],
+              [[r["kernel"], r["warps"], r.get("programs_per_sm", "-"), _n(r["fwd_tbps"]), _n(r["bwd_tbps"]),
+                _n(r["fwd_bwd_tbps"])] for r in rows]) if rows else []
 
 
 def memory(result: dict) -> list:
     rows = result["sections"].get("memory", {}).get("tables", {}).get("saved_bytes", [])
-    table = [[r["tp"], r["sp"], r["recompute"], r["measured"], r["expected"], r["measured_over_expected"],
-              _n(r["peak"])] for r in rows]
-    return _t(["tp", "sp", "recompute", "saved B", "expected B", "ratio (<= 1.05)", "cuda growth B"], table) \
-        if table else []
+    table = [[r["tp"], r["sp"], r["recompute"], "yes" if r.get("packed") else "no", r["measured"], r["expected"],
+              r["measured_over_expected"], _n(r["peak"])] for r in rows]
+    return _t(["tp", "sp", "recompute", "packed", "saved B", "expected B", "ratio (<= 1.05)", "cuda growth B"],
+              table) if table else []
 
 
 def fp8(result: dict) -> list:

@@ -61,6 +61,13 @@ def train(opts, record, family: str, matmul) -> None:
             bench.rounds(warm, False, "compile")
             bench.rounds(iters, True, "compile")
             report(record, bench, "compile", matmul, backend)
+        if "engine" in bench.loops and record.has_time(f"{family} engine profile", opts.pick(20, 15, 2)):
+            phase = "compile" if ("engine", "compile") in bench.times else "eager"
+            for row in bench.profile("engine"):  # last: the profiled step is the engine's alone
+                record.row("profile", {"family": family, "phase": phase, **row})
+            top = record.data["tables"]["profile"][-15:][:5]
+            record.note(f"{family} engine step ({phase}), most device time: "
+                        + "; ".join(f"{r['op']} {100 * r['share']:.0f}%" for r in top))
     finally:
         bench.close()
 

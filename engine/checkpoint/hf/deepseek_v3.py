@@ -132,10 +132,10 @@ class InterleavedRope(Transform):
         return (starts[:, None] + block[None, :]).reshape(-1)
 
     def out(self, t):
-        return t.index_select(0, self.rows(t.shape[0]))
+        return t.index_select(0, self.rows(t.shape[0]).to(t.device))
 
     def into(self, full, t):
-        full.index_copy_(0, self.rows(full.shape[0]), t)
+        full.index_copy_(0, self.rows(full.shape[0]).to(full.device), t)
 
 
 def attention(m, src: str, dst: str) -> list:

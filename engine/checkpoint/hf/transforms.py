@@ -88,11 +88,11 @@ class QKV(Transform):
         return torch.cat((q, k, v)) if self.part is None else (q, k, v)[self.part]
 
     def out(self, t):
-        picked = t.index_select(0, self.rows())
+        picked = t.index_select(0, self.rows().to(t.device))
         return picked.t().contiguous() if self.transposed else picked
 
     def into(self, full, t):
-        full.index_copy_(0, self.rows(), t.t() if self.transposed else t)
+        full.index_copy_(0, self.rows().to(full.device), t.t() if self.transposed else t)
 
 
 @dataclass(frozen=True)

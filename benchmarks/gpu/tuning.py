@@ -1,0 +1,82 @@
+"""Section 3b, launch settings of the bandwidth kernels measured side by side: what the goals table's misses
+would be changed to (METHOD: measure the variants in one run, then choose).
+
+RMSNorm at 16k rows x 8192 (bf16): warps per row program (norm_triton.MAX_WARPS) for the forward and, for the
+backward, the same and the programs per multiprocessor (BWD_PROGRAMS_PER_SM: how many rows each program loops
+over). RoPE at [4096, 4, 32, 128]: warps per program (rope_triton.MAX_WARPS). Each variant: median of
+device-event timings, TB/s of the fewest bytes (norm forward 2 passes, backward 3; RoPE 2 each way). The
+module constants are restored after each variant.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from benchmarks.kernel_speed import median_ms
+from kernels import dispatch
+from benchmarks.gpu.context import NEEDS_CUDA
+
+NORM_WARPS, NORM_PROGRAMS, ROPE_WARPS = (4, 8, 16, 32), (2, 4, 8, 16), (2, 4, 8, 16)
+
+
+def run(opts, record, earlier) -> None:
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"  # on the CPU: the sweep's code, under the interpreter
+    if not (opts.cuda or interpret) or not dispatch.triton_available():
+        record.skip("launch-setting sweep", NEEDS_CUDA)
+        return
+    from kernels import norm_triton, rope_triton
+    dev, cuda = ("cuda", True) if opts.cuda else ("cpu", False)
+    dtype = torch.bfloat16 if cuda else torch.float32  # the interpreter's bf16 loops are not the point off CUDA
+    reps = opts.pick(20, 10, 2)
+    m, n = opts.pick((16384, 8192), (16384, 8192), (256, 512))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(m, n, generator=g).to(dev, dtype).requires_grad_(True)
+    w = torch.rand(n, generator=g).to(dev, dtype).requires_grad_(True)
+    dy = torch.randn(m, n, generator=g).to(dev, dtype)
+    size = m * n * x.element_size()
+    for warps in NORM_WARPS:
+        for per_sm in NORM_PROGRAMS:
+            if not record.has_time(f"rms_norm warps {warps} programs/SM {per_sm}", 3.0):
+                return
+            with _set(norm_triton, MAX_WARPS=warps, BWD_PROGRAMS_PER_SM=per_sm):
+                fwd = median_ms(lambda: norm_triton.rms_norm(x, w, 1e-5), reps, cuda)
+                y = norm_triton.rms_norm(x, w, 1e-5)
+                bwd = median_ms(lambda: torch.autograd.grad(y, (x, w), dy, retain_graph=True), reps, cuda)
+            record.row("tuning", {"kernel": "rms_norm", "warps": warps, "programs_per_sm": per_sm, "fwd_ms": fwd,
+                                  "bwd_ms": bwd, "fwd_tbps": 2 * size / fwd / 1e9, "bwd_tbps": 3 * size / bwd / 1e9,
+                                  "fwd_bwd_tbps": 5 * size / (fwd + bwd) / 1e9},
+                       f"rms_norm warps {warps} programs/SM {per_sm}: fwd {2 * size / fwd / 1e9:.2f} TB/s, bwd "
+                       f"{3 * size / bwd / 1e9:.2f} TB/s")
+    s, b, h, d = opts.pick((4096, 4, 32, 128), (4096, 4, 32, 128), (64, 2, 4, 16))
+    q = torch.randn(s, b, h, d, generator=g).to(dev, dtype).requires_grad_(True)
+    freqs = torch.rand(s, d // 2, generator=g).to(dev)
+    dq = torch.randn(s, b, h, d, generator=g).to(dev, dtype)
+    size = q.numel() * q.element_size()
+    for warps in ROPE_WARPS:
+        if not record.has_time(f"rope warps {warps}", 3.0):
+            return
+        with _set(rope_triton, MAX_WARPS=warps):
+            fwd = median_ms(lambda: rope_triton.apply_rope(q, freqs), reps, cuda)
+            y = rope_triton.apply_rope(q, freqs)
+            bwd = median_ms(lambda: torch.autograd.grad(y, q, dq, retain_graph=True), reps, cuda)
+        record.row("tuning", {"kernel": "rope", "warps": warps, "fwd_ms": fwd, "bwd_ms": bwd,
+                              "fwd_tbps": 2 * size / fwd / 1e9, "bwd_tbps": 2 * size / bwd / 1e9,
+                              "fwd_bwd_tbps": 4 * size / (fwd + bwd) / 1e9},
+                   f"rope warps {warps}: fwd {2 * size / fwd / 1e9:.2f} TB/s, bwd {2 * size / bwd / 1e9:.2f} TB/s")
+
+
+class _set:
+    """Module constants set for a block, then restored."""
+
+    def __init__(self, module, **values):
+        self.module, self.values = module, values
+
+    def __enter__(self):
+        self.saved = {k: getattr(self.module, k) for k in self.values}
+        for k, v in self.values.items():
+            setattr(self.module, k, v)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            setattr(self.module, k, v)
