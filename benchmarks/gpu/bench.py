@@ -108,13 +108,16 @@ class Bench:
 
     def profile(self, name: str, top: int = 15) -> list:
         """One step of loop `name` under torch.profiler: the `top` operators by their own device time, as
-        {op, device_ms, share, calls}; the shares are of the step's whole device time."""
+        {op, device_ms, share, calls}; the shares are of the step's whole device time. The other loops take the
+        same round's step untimed, so that all still train on the same batches."""
         from torch.profiler import ProfilerActivity, profile
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self._sync()
         with profile(activities=activities) as prof:
-            self.loops[name].step(self.round)
+            self.losses[name].append(self.loops[name].step(self.round))
             self._sync()
+        for other in [n for n in self.loops if n != name]:
+            self.losses[other].append(self.loops[other].step(self.round))
         self.round += 1
         events = list(prof.key_averages())
         own = (lambda e: e.self_device_time_total) if self.cuda else (lambda e: e.self_cpu_time_total)

@@ -36,10 +36,13 @@ STEP_RECIPES = ("tensorwise", "delayed")
 def run(opts, record, earlier) -> None:
     gemm_rates(opts, record)
     if opts.cuda:
-        linear_on_device(opts, record)
+        try:
+            linear_on_device(opts, record)
+        except Exception as exc:  # noqa: BLE001 - recorded; the steps below are independent of it
+            record.note(f"fp8 linear on the device vs the CPU failed: {type(exc).__name__}: {exc}"[:1500])
     else:
         record.skip("fp8 linear on the device vs the CPU", NEEDS_CUDA)
-    if record.has_time("fp8 1.3B step", opts.pick(90, 50, 5)):
+    if record.has_time("fp8 1.3B step", opts.pick(45, 40, 5)):
         with process_group(opts.cuda):
             steps(opts, record)
 
@@ -93,7 +96,7 @@ def _linear_grads(recipe, x, w0, dy, device) -> tuple:
 
 
 def steps(opts, record) -> None:
-    size, micro, iters = opts.pick(("full", 2, 100), ("full", 2, 40), ("tiny", 2, 6))
+    size, micro, iters = opts.pick(("full", 2, 60), ("full", 2, 40), ("tiny", 2, 6))
     device, warm = ("cuda:0" if opts.cuda else "cpu"), opts.pick(5, 5, 1)
     runs = {"bf16": _train(size, micro, iters, opts.cuda, device, warm, [])}
     for recipe in STEP_RECIPES:
