@@ -125,7 +125,7 @@ def resolve_attention_backend(name: str, device, dropout_p: float = 0.0, dtype: 
     if cuda and half and flash_attn_available():
         return "flash"
     if cuda and half and triton_available() and dropout_p == 0.0:
-        return "triton"
+        return "sdpa-fused"
     return "sdpa"
 
 
@@ -178,7 +178,29 @@ def _triton_flash(q, k, v, causal, dropout_p, softmax_scale, window=None, doc_bo
     return _triton_module("flash_triton").flash_attention(q, k, v, causal, softmax_scale, window, doc_bounds)
 
 
-_ATTENTION = {"flash": _flash, "triton": _triton_flash, "sdpa": _sdpa, "local": reference.attention}
+def _fused_sdpa_backends():
+    from torch.nn.attention import SDPBackend
+    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def _sdpa_fused(q, k, v, causal, dropout_p, softmax_scale, window=None, doc_bounds=None):
+    """What `auto` runs on CUDA in half precision without flash-attn: whole (causal or full) attention through
+    SDPA's fused kernels, cuDNN's first, then flash's and the memory-efficient one (on the H100 of
+    benchmarks/results/gpu-h100-80gb-hbm3-2026-11-26.json, causal fwd+bwd at head dim 128, seq 2048: cuDNN 376,
+    SDPA-flash 213, the Triton kernel 182 TFLOP/s); a window or packed documents go to the Triton kernel, which
+    skips the blocks they hide where SDPA would read a mask. Under torch.compile the call is left to SDPA's own
+    choice (the backend list is a context manager, which a compiled region need not keep)."""
+    if window is not None or doc_bounds is not None:
+        return _triton_flash(q, k, v, causal, dropout_p, softmax_scale, window, doc_bounds)
+    if torch.compiler.is_compiling():
+        return _sdpa(q, k, v, causal, dropout_p, softmax_scale)
+    from torch.nn.attention import sdpa_kernel
+    with sdpa_kernel(_fused_sdpa_backends(), set_priority=True):
+        return _sdpa(q, k, v, causal, dropout_p, softmax_scale)
+
+
+_ATTENTION = {"flash": _flash, "triton": _triton_flash, "sdpa": _sdpa, "sdpa-fused": _sdpa_fused,
+              "local": reference.attention}
 
 
 def attention_fn(backend: str):
@@ -208,7 +230,7 @@ def attention_block_backend(backend: str, device) -> str:
     """The kernels blockwise (context-parallel) attention uses for a resolved `backend`: the Triton flash
     kernel, which returns the log-sum-exp that blocks are merged by, where attention would run a fused
     kernel on CUDA; the PyTorch reference otherwise (CPU, fp32, or attention dropout)."""
-    fused = backend in ("flash", "triton") and torch.device(device).type == "cuda" and triton_available()
+    fused = backend in ("flash", "triton", "sdpa-fused") and torch.device(device).type == "cuda" and triton_available()
     return "triton" if fused else "reference"
 
 

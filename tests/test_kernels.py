@@ -299,7 +299,7 @@ def test_resolve_attention_backend():
         assert dispatch.resolve_attention_backend("triton", "cuda") == "triton"
         assert dispatch.resolve_attention_backend("auto", "cuda", dtype=torch.float32) == "sdpa"
         assert dispatch.resolve_attention_backend("auto", "cuda", dropout_p=0.1) in ("flash", "sdpa")
-        assert dispatch.resolve_attention_backend("auto", "cuda", dtype=torch.bfloat16) in ("flash", "triton")
+        assert dispatch.resolve_attention_backend("auto", "cuda", dtype=torch.bfloat16) in ("flash", "sdpa-fused")
         with pytest.raises(ValueError, match="dropout"):
             dispatch.resolve_attention_backend("triton", "cuda", dropout_p=0.1)
 
@@ -402,6 +402,22 @@ def test_gpu_flash_attention(s, causal, d, dtype):
     assert _rel_err(lse, reference.attention_lse(q, k, causal)) < 1e-3
     _compare(lambda *t: dispatch.attention(*t, causal=causal, backend="triton"),
              lambda *t: reference.attention(*t, causal=causal), [q, k, v], tol=2e-2)
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_auto_attention_through_fused_sdpa(causal, d, dtype):
+    """What `auto` resolves to on CUDA (SDPA's fused kernels; a window goes to the Triton kernel), grouped-query
+    heads as the models have them, values and gradients against the fp32 reference."""
+    assert dispatch.resolve_attention_backend("auto", "cuda", dtype=dtype) in ("flash", "sdpa-fused")
+    q, k, v = _qkv(2, 2048, 16, 4, d, "cuda", dtype)
+    _compare(lambda *t: dispatch.attention(*t, causal=causal), lambda *t: reference.attention(*t, causal=causal),
+             [q, k, v], tol=2e-2)
+    if causal:
+        _compare(lambda *t: dispatch.attention(*t, causal=True, window=300),
+                 lambda *t: reference.attention(*t, causal=True, window=300), [q, k, v], tol=2e-2)
 
 
 def test_benchmark_script_runs_and_writes_json(tmp_path, capsys):
