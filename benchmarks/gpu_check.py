@@ -127,6 +127,9 @@ def main(argv=None) -> int:
     if why:
         print(f"{PROG}: {why}", file=sys.stderr)
         return 2
+    # before any CUDA context (the sections' forked children make theirs): three 1.3B loops resident leave little
+    # room, and the H100 run's out-of-memory had 3 GiB reserved but unallocated
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     opts = Options(args.device, args.quick, args.dry_run, args.out, time.time())
     say(opts, f"gpu-check {opts.mode} on {opts.device}, within {TOTAL[opts.mode]} s; output in {opts.out}")
     # after each section the figures so far are saved: a run killed from outside (a lease's limit) keeps them

@@ -40,7 +40,10 @@ def _triton_module(name: str):
 
 
 def _on_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda and triton_available()
+    """Whether an op on `t` runs its Triton kernel. Not while torch.compile traces: there the reference's few
+    PyTorch ops are what inductor fuses into kernels of its own (with their neighbours), where the launch of a
+    hand-written kernel inside an autograd.Function is what dynamo could not trace on the H100 run."""
+    return t.is_cuda and triton_available() and not torch.compiler.is_compiling()
 
 
 def rms_norm(x, weight, eps):
@@ -129,6 +132,14 @@ def resolve_attention_backend(name: str, device, dropout_p: float = 0.0, dtype: 
     return "sdpa"
 
 
+def _expand_kv_heads(q) -> bool:
+    """Whether SDPA gets each key/value head repeated for its queries instead of enable_gqa. On CUDA only the
+    flash kernel (half precision) and the math one take grouped-query heads; in fp32 the math kernel would keep
+    the [b, heads, s, s] probabilities for backward (the H100 run measured them), where the memory-efficient
+    kernel, given whole heads, keeps none."""
+    return q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16)
+
+
 def _sdpa(q, k, v, causal, dropout_p, softmax_scale, window=None, doc_bounds=None):
     """torch's scaled_dot_product_attention. A window or packed documents go in as a boolean mask built from
     positions ([s, s], or [b, 1, s, s] per sample): the fused kernels that take one (memory-efficient on CUDA,
@@ -143,6 +154,8 @@ def _sdpa(q, k, v, causal, dropout_p, softmax_scale, window=None, doc_bounds=Non
         positions = torch.arange(q.shape[1], device=q.device)
         mask, causal = reference.visible(positions, positions, causal, window, doc_bounds), False
         mask = mask if doc_bounds is None else mask[:, None]
+    if group > 1 and _expand_kv_heads(q):
+        k, v, group = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2), 1
     # SDPA wants [b, heads, s, d]; grouped-query heads are handled by enable_gqa (torch >= 2.5).
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                          dropout_p=dropout_p, is_causal=causal, scale=softmax_scale,
@@ -174,6 +187,7 @@ def _flash(q, k, v, causal, dropout_p, softmax_scale, window=None, doc_bounds=No
     return out.view(q.shape)
 
 
+@torch.compiler.disable  # a compiled region calls it as it is (a graph break): the kernel has no traced form
 def _triton_flash(q, k, v, causal, dropout_p, softmax_scale, window=None, doc_bounds=None):
     return _triton_module("flash_triton").flash_attention(q, k, v, causal, softmax_scale, window, doc_bounds)
 

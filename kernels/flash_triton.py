@@ -133,8 +133,10 @@ def forward(q, k, v, causal=True, softmax_scale=None, window=None, q_offset=0, k
 
 def backward(do, q, k, v, out, lse, causal=True, softmax_scale=None, window=None, q_offset=0, k_offset=0,
              doc_bounds=None):
-    """Returns (dq, dk, dv) for the forward above; `lse` is the whole row's (a context-parallel merge's)."""
-    (do,) = _last_contiguous(do)
+    """Returns (dq, dk, dv) for the forward above; `lse` is the whole row's (a context-parallel merge's). A
+    cotangent in another dtype than q's (fp32 from a caller that merged in fp32) is taken in q's: the kernels'
+    dot products need one operand type (the first H100 run found the tests handing bf16 blocks an fp32 one)."""
+    (do,) = _last_contiguous(do.to(q.dtype))
     b, s, nq, d = q.shape
     nkv = k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)

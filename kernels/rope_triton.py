@@ -34,7 +34,9 @@ def _rope_kernel(X, FREQS, Y, BATCH, stride_xs, stride_xb, stride_xh, stride_fs,
     tl.store(y_row + HALF, (x2 * cos + x1 * sin).to(Y.dtype.element_ty), mask=mask)
 
 
-MAX_WARPS = 8  # warps per (position, sample) program: one per 256 rotated pairs, at most this
+# warps per (position, sample) program: one per 256 rotated pairs, at most this; the H100 sweep
+# (benchmarks/gpu/tuning.py, [4096, 4, 32, 128] bf16) gave 4 warps 1.68 TB/s forward + backward against 1.42 at 8
+MAX_WARPS = 4
 
 
 def _rotate(x: torch.Tensor, freqs: torch.Tensor, sign: float) -> torch.Tensor:

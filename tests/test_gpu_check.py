@@ -213,8 +213,16 @@ def test_micro_batch_search_steps_down_on_out_of_memory(tmp_path, monkeypatch):
     class FakeBench:
         def __init__(self, family, size, micro, device):
             tried.append(micro)
-            if micro > 8:
+            if micro > 16:
                 raise torch.cuda.OutOfMemoryError("planted")
+            self.micro, self.errors, self.closed = micro, {}, False
+
+        def rounds(self, count, measured, phase):  # at 16 the build fits and a step does not
+            if self.micro > 8:
+                self.errors[("transformers", phase)] = "OutOfMemoryError: planted"
+
+        def close(self):
+            self.closed = True
 
     monkeypatch.setattr(training, "Bench", FakeBench)
     monkeypatch.setitem(training.MICRO, "gpt2", ((32, 16, 8, 4), (16, 8), (2,)))
@@ -222,3 +230,20 @@ def test_micro_batch_search_steps_down_on_out_of_memory(tmp_path, monkeypatch):
     record = Record("training", str(tmp_path / "r.json"), opts, time.time() + 60)
     assert isinstance(training.fit(opts, record, "gpt2"), FakeBench) and tried == [32, 16, 8]
     assert record.data["figures"]["gpt2_micro_batch"]["value"] == 8 and len(record.data["notes"]) == 2
+
+
+def test_fp32_step_equality_is_judged_on_gradients_and_the_whole_models_weights():
+    """A tensor whose gradient is rounding noise (GPT-2's key bias) moves either way in AdamW's first step: the
+    whole model's weights still agree; a gradient 1e-4 off does not pass."""
+    from benchmarks.gpu.fp32_step import judge
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(256, 256, generator=g), torch.zeros(64)
+    grads = {"w": torch.randn(256, 256, generator=g), "b": torch.full((64,), 1e-12)}
+    ref = {"loss": 2.0, "grad_norm": 3.0, "before": {"w": w, "b": b}, "grads": grads,
+           "after": {"w": w - 1e-3 * grads["w"].sign(), "b": b - 1e-3}}
+    noisy_bias = {**ref, "after": {"w": ref["after"]["w"], "b": b + torch.tensor([1e-3] + [-1e-3] * 63)}}
+    verdict = judge(noisy_bias, ref)
+    assert verdict["equal"] and verdict["weights_rel_diff"] > 0.1 and verdict["worst_weights"][0][0] == "b"
+    off = {**ref, "grads": {"w": grads["w"] * (1 + 1e-4), "b": grads["b"]}}
+    assert not judge(off, ref)["equal"] and judge(off, ref)["worst_grads"][0][0] == "w"
+

@@ -311,6 +311,16 @@ def test_sdpa_and_local_backends_agree(causal):
              lambda *t: dispatch.attention(*t, causal=causal, backend="local", softmax_scale=0.5), [q, k, v])
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_sdpa_with_key_value_heads_repeated_equals_grouped_query(causal, monkeypatch):
+    """The form SDPA gets on CUDA in fp32 (dispatch._expand_kv_heads): every kv head repeated for its queries
+    computes what enable_gqa does, gradients folded back onto the shared heads."""
+    q, k, v = _qkv(2, 12, 6, 2, 8, "cpu")
+    grouped = lambda *t: dispatch.attention(*t, causal=causal, backend="sdpa")  # noqa: E731
+    monkeypatch.setattr(dispatch, "_expand_kv_heads", lambda q: True)
+    _compare(grouped, lambda *t: reference.attention(*t, causal=causal), [q, k, v])
+
+
 @pytest.mark.parametrize("backend", ["local", "sdpa"])
 def test_attention_dropout(backend):
     q, k, v = _qkv(1, 16, 2, 1, 8, "cpu")

@@ -232,7 +232,7 @@ def _blockwise(q, k, v, window, bounds, backend, chunks=4):
     for i, j in pairs:
         acc[i] = ring_attention._merge(acc[i], *fwd(part(q, i), part(k, j), part(v, j), True, None, **args(i, j)))
     out, lse = torch.cat([a[0] for a in acc], 1).to(q.dtype), torch.cat([a[1] for a in acc], 2)
-    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(q.device)
+    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(q.device, q.dtype)
     grads = [torch.zeros_like(t) for t in (q, k, v)]
     for i, j in pairs:
         g = bwd(part(do, i), part(q, i), part(k, j), part(v, j), part(out, i), lse[..., i * c:(i + 1) * c], True,

@@ -3,8 +3,9 @@
 The engine's model and optimizer (build_model_chunks + build_optimizer on ParallelContext.virtual(), as one
 rank of a real run builds them) take one AdamW step from the same weights on the same random batch, once on
 the CPU and once on the device, TF32 off (matmul and cuDNN) so that the device rounds like fp32. Compared:
-the loss, the gradient norm and every updated weight (‖a − b‖ / ‖b‖, the worst tensor), each to 1e-5; the
-update itself (weights after minus before) is reported too, since it is far smaller than the weights.
+the loss, the gradient norm, every gradient (‖a − b‖ / ‖b‖, the worst tensor) and the updated weights of the whole
+model, each to 1e-5 (EQUAL says why not each weight tensor); the worst weight tensor and the update itself
+(weights after minus before, far smaller than the weights) are reported too.
 In fp32 the attention runs through SDPA (kernels/dispatch.py: the Triton kernel would compute in tf32).
 """
 from __future__ import annotations
@@ -17,6 +18,12 @@ from benchmarks.gpu import models
 
 TOLERANCE = 1e-5
 LR = 1e-3
+# What must agree within TOLERANCE: the loss, the gradient norm, every parameter's gradient, and the weights after
+# the step over the whole model. Not each tensor's weights: AdamW's first step moves every element by about
+# lr * sign(g), so an element whose gradient is rounding noise moves either way (GPT-2's key bias, whose gradient
+# is exactly zero in exact arithmetic, differed by 1e-3 on the H100 though every gradient agreed to 1e-6); the
+# worst tensor is reported beside.
+EQUAL = ("loss_rel_diff", "grad_norm_rel_diff", "worst_grad_rel_diff", "model_weights_rel_diff")
 
 
 @contextlib.contextmanager
@@ -77,7 +84,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _worst(got: dict, ref: dict, n: int = 3) -> list:
     """The `n` tensors that differ most, as [name, relative difference]."""
-    diffs = sorted(((_rel(got[k], ref[k]), k) for k in ref if ref[k].norm() > 0), reverse=True)[:n]
+    diffs = sorted(((_rel(got[k], ref[k]), k) for k in ref), reverse=True)[:n]  # 0 where both are zero
     return [[k, float(f"{d:.3g}")] for d, k in diffs]
 
 
@@ -89,16 +96,21 @@ def compare(family: str, device: str, reference_kernels: bool = False) -> dict:
         ref = one_step(cfg, "cpu")
         with triton_off(reference_kernels):
             got = one_step(cfg, device, ref["before"])
+    return {"family": family, "device": device, "reference": "cpu",
+            "kernels": "reference" if reference_kernels else "fused", **judge(got, ref)}
+
+
+def judge(got: dict, ref: dict) -> dict:
+    """Every difference between two one_step results, and whether those in EQUAL are within TOLERANCE."""
     weights = max(_rel(got["after"][k], ref["after"][k]) for k in ref["after"])
     updates = max(_rel(got["after"][k] - got["before"][k], ref["after"][k] - ref["before"][k])
                   for k in ref["after"] if (ref["after"][k] != ref["before"][k]).any())
-    out = {"family": family, "device": device, "reference": "cpu", "loss": ref["loss"],
-           "loss_rel_diff": abs(got["loss"] - ref["loss"]) / abs(ref["loss"]),
+    out = {"loss": ref["loss"], "loss_rel_diff": abs(got["loss"] - ref["loss"]) / abs(ref["loss"]),
            "grad_norm_rel_diff": abs(got["grad_norm"] - ref["grad_norm"]) / abs(ref["grad_norm"]),
            "weights_rel_diff": weights, "update_rel_diff": updates, "tolerance": TOLERANCE,
-           "kernels": "reference" if reference_kernels else "fused",
            "worst_grads": _worst(got["grads"], ref["grads"]), "worst_weights": _worst(got["after"], ref["after"]),
            "model_weights_rel_diff": _rel(torch.cat([got["after"][k].flatten() for k in ref["after"]]),
                                           torch.cat([ref["after"][k].flatten() for k in ref["after"]]))}
-    out["equal"] = all(out[k] <= TOLERANCE for k in ("loss_rel_diff", "grad_norm_rel_diff", "weights_rel_diff"))
+    out["worst_grad_rel_diff"] = out["worst_grads"][0][1] if out["worst_grads"] else 0.0
+    out["equal"] = all(out[k] <= TOLERANCE for k in EQUAL)
     return out

@@ -60,8 +60,10 @@ def card(result: dict) -> list:
 def correctness(result: dict) -> list:
     sec = result["sections"].get("correctness", {})
     rows = [[f"fp32 step {r['family']} ({r['device']}, {r.get('kernels', 'fused')} kernels, vs cpu)",
-             f"loss {r['loss_rel_diff']:.1e}, grad norm {r['grad_norm_rel_diff']:.1e}, weights "
-             f"{r['weights_rel_diff']:.1e}, update {r['update_rel_diff']:.1e}",
+             f"loss {r['loss_rel_diff']:.1e}, grad norm {r['grad_norm_rel_diff']:.1e}, "
+             + (f"worst grad {r['worst_grad_rel_diff']:.1e}, model weights {r['model_weights_rel_diff']:.1e}, "
+                if "worst_grad_rel_diff" in r else "")
+             + f"worst weights {r['weights_rel_diff']:.1e}, update {r['update_rel_diff']:.1e}",
              "equal" if r["equal"] else "DIFFERENT", f"<= {r['tolerance']:.0e}"]
             for r in sec.get("tables", {}).get("fp32_step", [])]
     for r in sec.get("tables", {}).get("pytest_gpu", []):

@@ -26,9 +26,28 @@ def counts_toward_norm(p, ctx) -> bool:
     return spec.copy_of is None and (spec.tp_axis is not None or ctx.tp_rank == 0)
 
 
+NORM_BLOCK = 1 << 16  # elements whose norm one reduction takes: see _square
+
+
+def _square(g: torch.Tensor) -> torch.Tensor:
+    """‖g‖² in fp32, to fp32 rounding at any size. torch's CPU vector_norm adds a whole tensor into one running
+    fp32 sum: 4M elements come out 1e-4 off (the first H100 run found the CPU step's grad norm 1e-5 from the
+    GPU's, whose tree reduction was right). So the norm is taken per block of NORM_BLOCK elements (one view, one
+    reduction) and the blocks' squares summed pairwise, on every device alike."""
+    flat = g.reshape(-1)
+    whole = flat.numel() - flat.numel() % NORM_BLOCK
+    parts = []
+    if whole:
+        rows = torch.linalg.vector_norm(flat[:whole].view(-1, NORM_BLOCK), dim=1, dtype=torch.float32)
+        parts.append(rows.square().sum())
+    if whole < flat.numel():
+        parts.append(torch.linalg.vector_norm(flat[whole:], dtype=torch.float32).square())
+    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+
 def _square_sum(grads: list, device) -> torch.Tensor:
     if grads:
-        return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum()
+        return torch.stack([_square(g) for g in grads]).sum()
     return torch.zeros((), dtype=torch.float32, device=device)
 
 
