@@ -165,7 +165,8 @@ def test_goals_judge_gpu_figures():
     assert verdicts["rms_norm fwd+bwd vs copy"] == "met" and verdicts["swiglu fwd+bwd vs copy"] == "missed"
     assert verdicts["layer_norm fwd+bwd vs copy"] == "not measured"
     assert verdicts["cross-entropy V=128k fwd+bwd"] == "met"
-    assert verdicts["attention_d128_s4096 fwd+bwd vs sdpa-flash"] == "missed"
+    assert verdicts["attention_d128_s4096 Triton kernel fwd+bwd vs sdpa-flash"] == "missed"
+    assert verdicts["attention_d128_s4096 auto (sdpa-cudnn) fwd+bwd vs sdpa-flash"] == "not measured"  # its row failed
     assert verdicts["planner memory, engine llama eager"] == "met"   # 30 / 31
     assert verdicts["planner memory, engine gpt2 eager"] == "missed"  # 12 / 8
 
@@ -247,3 +248,40 @@ def test_fp32_step_equality_is_judged_on_gradients_and_the_whole_models_weights(
     off = {**ref, "grads": {"w": grads["w"] * (1 + 1e-4), "b": grads["b"]}}
     assert not judge(off, ref)["equal"] and judge(off, ref)["worst_grads"][0][0] == "w"
 
+
+
+def test_runs_merge_later_sections_over_earlier_and_count_hand_run_tests():
+    from benchmarks.gpu.merge import merge
+    run = lambda sections, cmd: {"card": "NVIDIA H100 80GB HBM3", "date": "2026-11-26", "mode": "full",  # noqa: E731
+                                 "command": cmd, "total_s": 100.0, "sections": sections, "save_as": "x"}
+    first = run({"card": _section(figures={"copy_tbps": {"value": 2.9}}), "kernels": _section(tables={"kernels": []}),
+                 "training": _section(tables={"training": []})}, "full")
+    second = run({"card": _section(figures={"copy_tbps": {"value": 3.0}}), "training": _section(tables={"training": []})},
+                 "--only card,training")
+    log = "tests/test_a.py::test_x PASSED [ 50%]\ntests/test_a.py::test_y FAILED [100%]\n"
+    merged = merge([first, second], ["a1", "b2"], [("gloo ranks", log, "b2")])
+    s = merged["sections"]
+    assert s["card"]["figures"]["copy_tbps"]["value"] == 3.0 and s["card"]["run"] == 2 and s["kernels"]["run"] == 1
+    assert [r["commit"] for r in merged["runs"]] == ["a1", "b2"] and merged["total_s"] == 200.0
+    (row,) = s["correctness"]["tables"]["pytest_gpu"]
+    assert (row["passed"], row["failed"], row["failing"], row["group"]) == (1, 1, ["tests/test_a.py::test_y"],
+                                                                           "gloo ranks")
+    with pytest.raises(ValueError, match="different cards"):
+        merge([first, {**second, "card": "NVIDIA H200"}], ["a", "b"], [])
+
+
+def test_each_committed_gpu_result_has_its_generated_table_in_the_docs():
+    """The README's and docs/evidence.md's "Measured on GPU" tables are `gpu_check --table` of the committed
+    results, unedited."""
+    import glob
+    import json
+    from benchmarks.gpu import report
+    root = os.path.join(os.path.dirname(__file__), "..")
+    docs = {name: open(os.path.join(root, *name.split("/"))).read() for name in ("README.md", "docs/evidence.md")}
+    paths = glob.glob(os.path.join(root, "benchmarks", "results", "gpu-*.json"))
+    assert paths, "no GPU results committed"
+    for path in paths:
+        with open(path) as f:
+            table = report.readme_table(json.load(f))
+        for name, text in docs.items():
+            assert table in text, f"{os.path.basename(path)}: its table is not in {name}"

@@ -4,7 +4,8 @@
     engine 1.3B MFU >= 45% (of the 989 TFLOP/s datasheet peak)
     RMSNorm, LayerNorm, add+RMSNorm, RoPE, SwiGLU (Triton, fwd+bwd) >= 80% of the measured copy bandwidth
     cross-entropy at V = 128k (best Triton row, fwd+bwd) >= 1.45 TB/s
-    attention fwd+bwd (Triton) >= SDPA-flash, per shape
+    attention fwd+bwd >= SDPA-flash, per shape: what `auto` runs for whole attention on CUDA (SDPA, cuDNN first)
+        and the Triton kernel (what windows and packed documents run), each judged
     planner memory within 10% of the measured peak, per engine training case
     FP8 1.3B step >= 1.2x the bf16 step, its loss after the same steps within 1% of bf16's, per recipe
 """
@@ -74,13 +75,16 @@ def attention_goals(sections: dict) -> list:
     shapes = sorted({k for k, _ in rows if k.startswith("attention")})
     out = []
     for shape in shapes:
-        ours, flash = rows.get((shape, "triton")), rows.get((shape, "sdpa-flash"))
-        if ours is None or flash is None:
-            out.append(goal(f"{shape} fwd+bwd vs sdpa-flash", None, ">= sdpa-flash", None,
-                            "needs the Triton and sdpa-flash rows (CUDA)"))
-            continue
-        out.append(goal(f"{shape} fwd+bwd vs sdpa-flash", f"{ours['rate']:.0f} vs {flash['rate']:.0f} TFLOP/s",
-                        ">= sdpa-flash", ours["rate"] >= flash["rate"]))
+        flash = rows.get((shape, "sdpa-flash"))
+        for impl, what in (("sdpa-cudnn", "auto (sdpa-cudnn)"), ("triton", "Triton kernel")):
+            ours = rows.get((shape, impl))
+            if ours is None or flash is None:
+                out.append(goal(f"{shape} {what} fwd+bwd vs sdpa-flash", None, ">= sdpa-flash", None,
+                                f"needs the {impl} and sdpa-flash rows (CUDA)"))
+                continue
+            out.append(goal(f"{shape} {what} fwd+bwd vs sdpa-flash",
+                            f"{ours['rate']:.0f} vs {flash['rate']:.0f} TFLOP/s", ">= sdpa-flash",
+                            ours["rate"] >= flash["rate"]))
     return out or [goal("attention fwd+bwd vs sdpa-flash", None, ">= sdpa-flash", None, "no attention rows")]
 
 

@@ -1,0 +1,76 @@
+"""Several gpu-check runs on one card as one results file: what a lease's minutes allowed, put together.
+
+    python -m benchmarks.gpu.merge OUT.json RUN1.json RUN2.json ... [--commits SHA1,SHA2,...]
+                                   [--pytest-log "GROUP=FILE@SHA" ...]
+
+A later run's section replaces an earlier run's section of the same name (a rerun after a fix, or with a
+larger budget); sections a later run left out (`--only`) are kept from the earlier one. Each section is
+marked with the run it came from, and `runs` lists every run (its command, commit, date and seconds). A
+`pytest -m gpu` group run by hand on the same lease (its `-v` output saved to FILE) is added to the
+correctness section as its own row, counted from its PASSED/FAILED lines. The goals are evaluated again over
+the merged sections.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from benchmarks.gpu import goals
+from benchmarks.gpu.correctness import verbose_summary
+
+
+def merge(runs: list, commits: list, pytest_logs: list) -> dict:
+    """One results dict from `runs` (gpu_check.json dicts, oldest first) and (group, text, commit) logs."""
+    cards = {r["card"] for r in runs}
+    if len(cards) != 1:
+        raise ValueError(f"the runs are of different cards ({', '.join(sorted(cards))}): merge one card's runs")
+    sections = {}
+    for i, run in enumerate(runs):
+        for name, section in run["sections"].items():
+            sections[name] = {**section, "run": i + 1}
+    for group, text, commit in pytest_logs:
+        summary = {**verbose_summary(text), "group": group, "source": f"pytest -m gpu -v by hand, commit {commit}"}
+        correctness = sections.setdefault("correctness", {"status": "ok", "figures": {}, "tables": {}, "notes": [],
+                                                          "skipped": {}})
+        correctness["tables"].setdefault("pytest_gpu", []).append(summary)
+    last = runs[-1]
+    merged = {**last, "sections": sections, "command": "merged: see runs",
+              "runs": [{"run": i + 1, "command": r["command"], "commit": c, "date": r["date"], "mode": r["mode"],
+                        "total_s": r["total_s"], "sections": list(r["sections"])}
+                       for i, (r, c) in enumerate(zip(runs, commits))],
+              "pytest_logs": [{"group": g, "commit": c} for g, _, c in pytest_logs],
+              "total_s": round(sum(r["total_s"] for r in runs), 1)}
+    merged["goals"] = goals.evaluate(sections, last["mode"])
+    return merged
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="benchmarks/gpu/merge.py", description=__doc__.split("\n")[0])
+    p.add_argument("out")
+    p.add_argument("runs", nargs="+", metavar="RUN.json")
+    p.add_argument("--commits", default="", help="comma-separated commit of each run, in the same order")
+    p.add_argument("--pytest-log", action="append", default=[], metavar="GROUP=FILE@SHA")
+    args = p.parse_args(argv)
+    commits = [c for c in args.commits.split(",") if c] or ["unrecorded"] * len(args.runs)
+    if len(commits) != len(args.runs):
+        print(f"--commits: {len(commits)} given for {len(args.runs)} runs; give one per run", file=sys.stderr)
+        return 2
+    try:
+        runs = [json.load(open(path)) for path in args.runs]
+        logs = []
+        for spec in args.pytest_log:
+            group, rest = spec.split("=", 1)
+            path, commit = rest.rsplit("@", 1) if "@" in rest else (rest, "unrecorded")
+            logs.append((group, open(path).read(), commit))
+        merged = merge(runs, commits, logs)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"benchmarks/gpu/merge.py: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    with open(args.out, "w") as f:
+        json.dump(merged, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
