@@ -41,7 +41,7 @@ SECTIONS = (  # budgets in seconds; with runner.GRACE each, they fit TOTAL
     Section("tuning", tuning.run, {"full": 20, "quick": 10, "dry-run": 5}),
     Section("training", training.run, {"full": 140, "quick": 70, "dry-run": 120}),
     Section("memory", memory_check.run, {"full": 15, "quick": 15, "dry-run": 20}),
-    Section("fp8", fp8.run, {"full": 70, "quick": 60, "dry-run": 35}),
+    Section("fp8", fp8.run, {"full": 100, "quick": 60, "dry-run": 35}),
 )
 
 
