@@ -187,8 +187,9 @@ def _flash(q, k, v, causal, dropout_p, softmax_scale, window=None, doc_bounds=No
     return out.view(q.shape)
 
 
-@torch.compiler.disable  # a compiled region calls it as it is (a graph break): the kernel has no traced form
 def _triton_flash(q, k, v, causal, dropout_p, softmax_scale, window=None, doc_bounds=None):
+    if torch.compiler.is_compiling():  # as the other fused ops: the same attention in ops a compiler can trace
+        return _sdpa(q, k, v, causal, dropout_p, softmax_scale, window, doc_bounds)
     return _triton_module("flash_triton").flash_attention(q, k, v, causal, softmax_scale, window, doc_bounds)
 
 
@@ -202,8 +203,8 @@ def _sdpa_fused(q, k, v, causal, dropout_p, softmax_scale, window=None, doc_boun
     SDPA's fused kernels, cuDNN's first, then flash's and the memory-efficient one (on the H100 of
     benchmarks/results/gpu-h100-80gb-hbm3-2026-11-26.json, causal fwd+bwd at head dim 128, seq 2048: cuDNN 376,
     SDPA-flash 213, the Triton kernel 182 TFLOP/s); a window or packed documents go to the Triton kernel, which
-    skips the blocks they hide where SDPA would read a mask. Under torch.compile the call is left to SDPA's own
-    choice (the backend list is a context manager, which a compiled region need not keep)."""
+    skips the blocks they hide where SDPA would read a mask. Under torch.compile everything is left to SDPA's
+    own choice (the backend list is a context manager, which a compiled region need not keep)."""
     if window is not None or doc_bounds is not None:
         return _triton_flash(q, k, v, causal, dropout_p, softmax_scale, window, doc_bounds)
     if torch.compiler.is_compiling():

@@ -22,8 +22,10 @@ def dry_run(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--dry-run", "--out",
                            str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc, out, json.loads((out / "gpu_check.json").read_text())
+    result = json.loads((out / "gpu_check.json").read_text())
+    statuses = {n: (r["status"], (r.get("error") or "")[-1500:]) for n, r in result["sections"].items()}
+    assert proc.returncode == 0, (statuses, proc.stderr[-2000:])
+    return proc, out, result
 
 
 @pytest.mark.slow
