@@ -43,8 +43,7 @@ def memory_estimate(cfg, ctx, global_batch: int, attention: str):
     return memory_per_gpu(m, layout, m.seq_length, microbatches, precision_name(cfg),
                           flash_attention=attention != "local", overlap_grad_reduce=par.overlap_grad_reduce,
                           overlap_param_gather=par.overlap_param_gather, optimizer=cfg.optim.optimizer,
-                          # under ZeRO-3 the planner does not price the flag (docs/planner.md)
-                          fp8_param_gather=cfg.training.fp8_param_gather and not layout.sharding.params)
+                          fp8_param_gather=cfg.training.fp8_param_gather)
 
 
 def _size(nbytes: float) -> str:

@@ -201,8 +201,8 @@ def test_the_banner_says_what_runs_in_fp8_and_what_mfu_is_against():
 
 def test_the_banner_memory_estimate_counts_the_fp8_gather():
     """With --fp8-param-gather the banner's estimate adds the codes and payloads the planner counts
-    (engine/planner/fp8_gather.py, equal to the engine's in tests/test_planner_sharding.py) and names them; not
-    under ZeRO-3, which the planner prices as without the flag."""
+    (engine/planner/fp8_gather.py, equal to the engine's in tests/test_planner_sharding.py) and names them; under
+    ZeRO-3 each rank's own payloads and the unit gathers' codes and payloads in flight."""
     from engine.planner.fp8_gather import fp8_gather_bytes
     from engine.report import _memory_line, memory_estimate
     cfg = parse_config(["--config", "configs/llama3-1b.yaml", "--bf16", "--fp8-format", "hybrid", "--fp8-recipe",
@@ -216,9 +216,12 @@ def test_the_banner_memory_estimate_counts_the_fp8_gather():
     without = memory_estimate(cfg, ctx, 64, "flash")
     assert without.fp8_gather == 0 and mem.allocated - without.allocated == mem.fp8_gather
     assert "FP8" not in _memory_line(without, "bf16", True)
-    cfg.training.fp8_param_gather = True  # ZeRO-3's unit gathers of codes are not priced (docs/planner.md)
+    cfg.training.fp8_param_gather = True
     zero3 = ParallelContext.virtual(layout=Layout(dp=8, sharding_strategy="optim_grads_params"))
-    assert memory_estimate(cfg, zero3, 64, "flash").fp8_gather == 0
+    b3 = fp8_gather_bytes(cfg.model, zero3.layout, "bf16", 0)
+    mem3 = memory_estimate(cfg, zero3, 64, "flash")
+    assert mem3.fp8_gather == b3.payloads + b3.transient > 0 and b3.codes == 0
+    assert "FP8 gather codes and payloads" in _memory_line(mem3, "bf16", True)
 
 
 def test_a_split_backward_defers_the_fp8_weight_gradient():

@@ -197,6 +197,10 @@ def test_dp_bytes_per_step_are_the_ring_volumes():
         got = dp_bytes_per_step(P, Layout(dp=n, sharding_strategy=strategy), "bf16", m)
         assert (got["grad_reduce"], got["param_gather"]) == pytest.approx((grad, gather)), strategy
     assert dp_bytes_per_step(P, Layout(dp=1), "bf16", m) == dict(grad_reduce=0.0, param_gather=0.0)
+    # --fp8-param-gather: each gather moves the planner's FP8 payload bytes instead of W (ZeRO-3: 2 m of them)
+    for strategy, gathers in (("optim", 1), ("optim_grads_params", 2 * m)):
+        got = dp_bytes_per_step(P, Layout(dp=n, sharding_strategy=strategy), "bf16", m, gathered=1.2 * P)
+        assert got["param_gather"] == pytest.approx(gathers * ring * 1.2 * P), strategy
 
 
 def test_sharding_costs_communication_and_saves_memory():

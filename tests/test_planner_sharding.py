@@ -200,9 +200,11 @@ def _fp8_cfg(kind: str, strategy: str, bf16: bool, tp: int = 1, pp: int = 1, ep:
 
 
 def _engine_fp8_gather(cfg, layout, pp_rank: int, dp_rank: int, bucket_numel: int) -> tuple:
-    """The engine's (gathered, payloads, codes, FP8 weights) on one replica, built on a virtual context: the
-    all-gathers' bytes as test_fp8_param_gather counts them (equal there to what comm.counting measures), the
-    payloads of Fp8Gather's plans, its codes, the weights whose amaxes it all-reduces."""
+    """The engine's (gathered, payloads, codes, FP8 weights) on one replica, built on a virtual context. ZeRO-1/2:
+    the all-gathers' bytes as test_fp8_param_gather counts them (equal there to what comm.counting measures), the
+    payloads of Fp8Gather's plans, its codes, the weights whose amaxes it all-reduces. ZeRO-3: one pass of the
+    unit gathers (`_unit_gather_bytes`), the payloads Fp8Shard keeps (`_mine`), the bytes its code tensors hold
+    between steps (none: freed with their units), the weights it holds codes for."""
     from test_fp8_param_gather import _analytic_gather_bytes, _fp8_weights
 
     from engine.parallel.topology import ParallelContext
@@ -210,25 +212,43 @@ def _engine_fp8_gather(cfg, layout, pp_rank: int, dp_rank: int, bucket_numel: in
     chunks = build_model_chunks(cfg, ctx, vocab_size=cfg.model.vocab_size,
                                 dtype=torch.bfloat16 if cfg.training.bf16 else torch.float32)
     opt = build_optimizer(cfg, chunks, ctx, bucket_numel=bucket_numel)
-    payloads = sum(size * opt.buffers[i].replicas for (i, _), (_, size) in opt.fp8._plans.items())
     weights = _fp8_weights(chunks)
+    if opt.sharder is not None:
+        shard = opt.sharder.fp8
+        held = sum(c.untyped_storage().nbytes() for c in shard._codes.values())
+        assert sorted(shard._at) == sorted(weights)
+        return _unit_gather_bytes(opt.sharder), sum(t.numel() for t in shard._mine.values()), held, len(weights)
+    payloads = sum(size * opt.buffers[i].replicas for (i, _), (_, size) in opt.fp8._plans.items())
     return _analytic_gather_bytes(opt, weights), payloads, sum(c.numel() for c in opt.fp8.codes.values()), len(weights)
+
+
+def _unit_gather_bytes(sharder) -> int:
+    """Bytes one pass of ZeRO-3's unit gathers produces (param_shard.ParamSharder: every unit of every chunk once,
+    a bucket with each unit holding it): a bucket holding FP8 weights its replicas' payloads (Fp8Shard's plan),
+    another its flat tensor in the run's precision."""
+    fp8 = sharder.fp8
+    return sum(s.buffer.replicas * fp8._plans[id(s)][1] if fp8.covers(s) else s.flat.numel() * s.flat.element_size()
+               for units in sharder.chunks for u in units for s in u.buckets)
 
 
 FP8_CASES = [("llama", "optim", False, 2, {}, 3000), ("llama", "optim_grads", True, 2, {}, 1000),
              ("llama", "optim", True, 4, {}, 700), ("llama", "optim", False, 4, dict(tp=2), 2000),
              ("llama", "optim_grads", True, 4, dict(pp=2), 900), ("gpt", "optim", True, 4, {}, 1100),
              ("moe", "optim", True, 4, dict(ep=2), 1500), ("deepseek", "optim_grads", True, 4, dict(ep=2), 5000),
-             ("deepseek", "optim", False, 4, dict(tp=2, pp=2), 3000)]
+             ("deepseek", "optim", False, 4, dict(tp=2, pp=2), 3000),
+             # ZeRO-3: the unit gathers (the tied embedding's bucket twice at pp 1); MLA, MTP and experts
+             ("gpt", "optim_grads_params", True, 4, dict(pp=2), 3000),
+             ("deepseek", "optim_grads_params", False, 4, dict(ep=2), 5000)]
 
 
 @pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: "-".join(map(str, c[:4] + tuple(c[4].items()))))
 def test_fp8_param_gather_bytes_equal_the_engines(case):
     """engine/planner/fp8_gather.py against the engine's optimizer built on every replica of every pipeline rank:
     the step's all-gather bytes (the FP8 linears' weights one byte an element in each replica's payload, every
-    payload as long as the bucket's longest; the other buckets, and the experts', in the run's precision), the
-    payloads and codes kept; Memory.fp8_gather is their sum on the busiest rank. Llama fp32 at dp 2 gathers
-    57,088 bytes: what test_fp8_param_gather measures with comm.counting."""
+    payload as long as the bucket's longest; the other buckets, and the experts', in the run's precision; under
+    ZeRO-3 one pass of unit gathers), the payloads and codes kept; Memory.fp8_gather is their sum (and ZeRO-3's
+    transient) on the busiest rank. Llama fp32 at dp 2 gathers 57,088 bytes: what test_fp8_param_gather
+    measures with comm.counting; ZeRO-3's step and transient are measured below."""
     from engine.planner.fp8_gather import fp8_gather_bytes
     kind, strategy, bf16, world, degrees, bucket_numel = case
     cfg = _fp8_cfg(kind, strategy, bf16, **degrees)
@@ -245,7 +265,66 @@ def test_fp8_param_gather_bytes_equal_the_engines(case):
         assert planned.gathered == 57_088
     if layout.pp == 1:
         mem = memory_per_gpu(cfg.model, layout, SEQ, M, precision, bucket_numel=bucket_numel, fp8_param_gather=True)
-        assert mem.fp8_gather == planned.codes + planned.payloads
+        assert mem.fp8_gather == planned.codes + planned.payloads + planned.transient
+    assert (planned.transient > 0) == layout.sharding.params
+
+
+def _fp8_zero3_step(rank: int, world: int, cases: list) -> list:
+    """Per case, one step of M microbatches under ZeRO-3 with --fp8-param-gather: (the bytes the weights'
+    all-gathers produced, by comm.counting; Fp8Shard.peak_bytes; what it holds after the step)."""
+    from engine import fp8
+    from engine.parallel import comm
+    out = []
+    for kind, bf16, prefetch in cases:
+        cfg = _fp8_cfg(kind, "optim_grads_params", bf16)
+        cfg.parallel.overlap_param_gather = prefetch
+        ctx = context_for(Layout.from_config(cfg, world), rank, seed=cfg.training.seed)
+        try:
+            chunks = build_model_chunks(cfg, ctx, vocab_size=cfg.model.vocab_size,
+                                        dtype=torch.bfloat16 if bf16 else torch.float32)
+            opt = build_optimizer(cfg, chunks, ctx)
+            g, seq = torch.Generator().manual_seed(rank), cfg.model.seq_length
+            with comm.counting() as counter:
+                opt.start_step(M)
+                for _ in range(M):
+                    tokens = torch.randint(0, cfg.model.vocab_size, (1, seq + 1), generator=g)
+                    (opt.scale_loss(chunks[0](tokens[:, :-1], labels=tokens[:, 1:]).mean()) / M).backward()
+                opt.finish_grad_sync()
+                fp8.finish_step(chunks, ctx)
+                assert opt.step(1e-4).updated
+            gathered = sum(r.payload for r in counter.records
+                           if r.op == "all_gather" and any(r.group is b.group for b in opt.buffers))
+            out.append((gathered, opt.sharder.fp8.peak_bytes, opt.sharder.fp8.held_bytes))
+        finally:
+            ctx.destroy()
+    return out
+
+
+ZERO3_FP8_STEPS = [("gpt", True, False), ("llama", False, True)]
+
+
+def test_fp8_param_gather_under_zero3_equals_the_engines_step():
+    """One step of M microbatches at dp 2 under ZeRO-3 with --fp8-param-gather, tied GPT in bf16 (the embedding's
+    bucket gathered with the embedding and with the head) and Llama in fp32 with --overlap-param-gather: the
+    weights' all-gathers produce 2 M passes of the planner's unit gathers (comm.counting: 151,040 bytes for the
+    GPT), and the most code tensors and gathered payloads held at once (Fp8Shard.peak_bytes) is the planner's
+    transient, none left after the step."""
+    from engine.planner.fp8_gather import fp8_gather_bytes
+    per_rank = run_ranks(_fp8_zero3_step, 2, ZERO3_FP8_STEPS, timeout=120)
+    for i, (kind, bf16, prefetch) in enumerate(ZERO3_FP8_STEPS):
+        cfg = _fp8_cfg(kind, "optim_grads_params", bf16)
+        layout, precision = Layout.from_config(cfg, 2), "bf16" if bf16 else "fp32"
+        planned = fp8_gather_bytes(cfg.model, layout, precision, 0, prefetch=prefetch)
+        for gathered, peak, held in (r[i] for r in per_rank):
+            assert (gathered, peak, held) == (2 * M * planned.gathered, planned.transient, 0), (kind, planned)
+        # a unit's payloads are freed as it lands, before its neighbour's gather is launched: with equal layers
+        # prefetch holds one layer's codes and payloads at most, as without it
+        assert fp8_gather_bytes(cfg.model, layout, precision, 0, prefetch=not prefetch).transient == planned.transient
+        mem = memory_per_gpu(cfg.model, layout, cfg.model.seq_length, M, precision, overlap_param_gather=prefetch,
+                             fp8_param_gather=True)
+        assert mem.fp8_gather == planned.payloads + planned.transient
+        if kind == "gpt":  # each bucket once a pass would be 126,464: the word embedding's 6,144 go twice
+            assert 2 * M * planned.gathered == 151_040
 
 
 def test_fp8_payload_rounds_up_to_whole_elements():
@@ -265,7 +344,10 @@ def test_fp8_param_gather_prices_llama3_8b():
     (P - F) bytes within 0.05% (each payload of a bucket that mixes a norm in is as long as the norm's replica's,
     and shard padding), and the step's exposed gather shrinks by the
     ring time of the bytes saved (the amax all-reduce's latency aside); the codes and the payloads keep about
-    two bytes per FP8 element. No change where the engine refuses the flag (no_shard, ZeRO-3, blockwise)."""
+    two bytes per FP8 element. Under ZeRO-3 each of the 2 m passes of unit gathers moves about those bytes (the
+    unit buckets' padding aside), the same ring time saved each, outside the 30% FSDP overlap hides; each rank
+    keeps its own payloads (an eighth of a byte an FP8 element at dp 8) and holds one layer's codes and payloads
+    while it is gathered. No change where the engine refuses the flag (no_shard, blockwise)."""
     import os
 
     from engine.cli import parse_config
@@ -290,6 +372,17 @@ def test_fp8_param_gather_prices_llama3_8b():
     assert base.breakdown["dp_comm"] - got.breakdown["dp_comm"] == pytest.approx(saved, rel=1e-2)
     assert got.memory.fp8_gather == b.codes + b.payloads == pytest.approx(2 * b.codes, rel=1e-3)
     assert got.memory.allocated - base.memory.allocated == got.memory.fp8_gather
-    for layout, recipe in ((lay, "blockwise"), (Layout(dp=8), "delayed"),
-                           (Layout(dp=8, sharding_strategy="optim_grads_params"), "delayed")):
+    for layout, recipe in ((lay, "blockwise"), (Layout(dp=8), "delayed")):
         assert run(layout, recipe) == run(layout, recipe, flag=False), (layout.sharding_strategy, recipe)
+    from engine.planner.step_time import FSDP_HIDDEN_FRACTION
+    z3 = Layout(dp=8, sharding_strategy="optim_grads_params")
+    b3, m = fp8_gather_bytes(model, z3, "bf16", 0), 64 // 8
+    assert b3.gathered == pytest.approx(b.gathered, rel=5e-4) and b3.codes == 0
+    got, base = run(z3), run(z3, flag=False)
+    saved = 2 * m * (1 - FSDP_HIDDEN_FRACTION) * 7 / 8 * (link.seconds(2 * P - b3.gathered) - link.latency)
+    assert base.breakdown["dp_comm"] - got.breakdown["dp_comm"] == pytest.approx(saved, rel=1e-2)
+    assert b3.payloads == pytest.approx(b.payloads / 8, rel=1e-3)
+    layer = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336  # QKV, projection, MLP: a layer's codes
+    assert b3.transient == pytest.approx(2 * layer, rel=1e-3)
+    assert got.memory.fp8_gather == b3.payloads + b3.transient
+    assert got.memory.allocated - base.memory.allocated == got.memory.fp8_gather

@@ -18,6 +18,10 @@ elements of the other parameters in the run's precision, then its codes. What di
   instead of quantizing them. Checkpoints gather the shards in the run's precision (ParamSharder.gathered).
 - The code tensor is freed with the flat tensor when the unit is released and refilled by the next gather, so
   the operand forward saved for backward (a view of it) sees the same codes again in backward.
+
+Memory: `_mine` (one payload per bucket) stays between steps; a gather holds the bucket's code tensor from its
+landing to the unit's release, and the gathered payloads from launch to landing. `peak_bytes` is the most of
+those two held at once (what engine/planner/fp8_gather.py allows for: tests/test_planner_sharding.py).
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ class Fp8Shard:
         self._scales = {}  # id(weight) -> (the amax its linear notes, its scale, the scaler's step count then)
         self._inflight = {}  # id(slot) -> its gathered payloads, until landed
         self._steps = None  # the scalers' step counts prepare packed with (None: pack before the next gather)
+        self.held_bytes = self.peak_bytes = 0  # code tensors and gathered payloads held now, and at most
 
     def covers(self, slot) -> bool:
         """Whether `slot`'s bucket holds FP8 weights (its hot-path gathers are this module's)."""
@@ -100,6 +105,7 @@ class Fp8Shard:
             self._inflight[id(slot)] = mine
             return None
         out = self._inflight[id(slot)] = torch.empty(replicas * size, dtype=torch.uint8, device=mine.device)
+        self._hold(out.numel())
         return comm.all_gather_into(out, mine, group=slot.buffer.group, async_op=async_op)
 
     def land(self, slot) -> None:
@@ -108,6 +114,7 @@ class Fp8Shard:
         (pieces, size), codes = self._plans[id(slot)], self._codes[id(slot)]
         payload = self._inflight.pop(id(slot))
         codes.untyped_storage().resize_(codes.numel())
+        self._hold(codes.numel())  # the payloads are still held
         for r, mine in enumerate(pieces):
             for piece in mine:
                 if piece.linear is not None:
@@ -122,7 +129,14 @@ class Fp8Shard:
                 now, scale, steps = self._scales[id(p)]
                 hand_over(lin, p, codes[self._at[id(p)]:self._at[id(p)] + p.numel()], now, scale, steps,
                           whole=False)
+        if payload is not self._mine[id(slot)]:
+            self._hold(-payload.numel())
+
+    def _hold(self, nbytes: int) -> None:
+        self.held_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
     def release(self, slot) -> None:
         """The unit is released: its codes are freed with the weights."""
         free(self._codes[id(slot)])
+        self._hold(-self._codes[id(slot)].numel())

@@ -5,9 +5,10 @@ Parameters per rank are engine/planner/params.py's inventory, activations per la
 in flight engine/planner/activations.py's; weights, gradients and optimizer state per data-parallel sharding
 strategy are `state_bytes` (the ZeRO formulas) and engine/planner/sharding.py (the engine's exact bucket
 layout, with the staging and gathering each strategy adds; --fp8-param-gather's codes and payloads are
-engine/planner/fp8_gather.py's). On top come the logits on the last stage, the largest weight's own gradient
-before the hook adds it to the fp32 buffer, full recomputation's workspace, and (`Memory.total`) the
-allocator's fragmentation and the fixed CUDA/NCCL reserve.
+engine/planner/fp8_gather.py's: under ZeRO-1/2 the codes and gathered payloads kept, under ZeRO-3 each rank's
+own payloads kept and the unit gathers' code tensors and in-flight payloads at their most). On top come the
+logits on the last stage, the largest weight's own gradient before the hook adds it to the fp32 buffer, full
+recomputation's workspace, and (`Memory.total`) the allocator's fragmentation and the fixed CUDA/NCCL reserve.
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ class Memory:
     transient: float  # the largest weight's own gradient, alive until the hook adds it to the fp32 buffer
     staging: float = 0.0   # ZeRO-2/3: full-size fp32 gradients of the buckets being reduced (sharding.py)
     gathered: float = 0.0  # full-size weights: ZeRO-3's gathered units, ZeRO-1/2's all-gather target (or padding)
-    fp8_gather: float = 0.0  # --fp8-param-gather: the FP8 codes and the gathers' payloads (planner/fp8_gather.py)
+    fp8_gather: float = 0.0  # --fp8-param-gather: the FP8 codes and the gathers' payloads (planner/fp8_gather.py;
+    # ZeRO-3: its own payloads kept, and the most code tensors and gathered payloads its unit gathers hold)
 
     @property
     def allocated(self) -> float:
@@ -109,12 +111,13 @@ def _largest_weight(model: ModelConfig, layout: Layout) -> int:
 def _rank_state(model: ModelConfig, layout: Layout, precision: str, rank: int, bucket_numel: Optional[int],
                 optimizer: str, overlap_grad_reduce: bool, overlap_param_gather: bool,
                 fp8_param_gather: bool) -> tuple:
-    """(rank_state_bytes, rank_transient_bytes, --fp8-param-gather's codes and payloads) of pipeline rank `rank`:
-    a search meets each few times."""
-    fp8 = fp8_gather_bytes(model, layout, precision, rank, bucket_numel) if fp8_param_gather else None
+    """(rank_state_bytes, rank_transient_bytes, --fp8-param-gather's codes and payloads, ZeRO-3's in flight
+    included) of pipeline rank `rank`: a search meets each few times."""
+    fp8 = fp8_gather_bytes(model, layout, precision, rank, bucket_numel, overlap_param_gather) \
+        if fp8_param_gather else None
     return (rank_state_bytes(model, layout, precision, rank, bucket_numel, optimizer=optimizer),
             rank_transient_bytes(model, layout, precision, rank, bucket_numel, overlap_grad_reduce,
-                                 overlap_param_gather), 0 if fp8 is None else fp8.codes + fp8.payloads)
+                                 overlap_param_gather), 0 if fp8 is None else fp8.codes + fp8.payloads + fp8.transient)
 
 
 def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_microbatches: int,
@@ -125,8 +128,9 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
     `optimizer`, --optimizer's) as the engine allocates them (engine/planner/sharding.py, buckets of
     `bucket_numel`: the engine's default), and the sharding strategies' staging and gathering
     (--overlap-grad-reduce keeps one more bucket staged under ZeRO-2/3, --overlap-param-gather one more unit
-    gathered under ZeRO-3; both off by default, as in the engine). `fp8_param_gather`: ZeRO-1/2 with
-    --fp8-param-gather (tensor-scaled), which keeps the FP8 codes and the gathers' payloads besides."""
+    gathered under ZeRO-3; both off by default, as in the engine). `fp8_param_gather`: --fp8-param-gather
+    (tensor-scaled, a sharded optimizer), which keeps the FP8 codes and the gathers' payloads besides (under
+    ZeRO-3 this rank's payloads, and the code tensors and payloads of the units in flight)."""
     counts = stage_layer_counts(model.num_layers, layout)
     n_moe = moe_layers_per_rank(model, layout)
     splits = param_split_per_rank(model, layout)

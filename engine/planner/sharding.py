@@ -37,7 +37,9 @@ sends (n-1)/n x B, an all-reduce 2(n-1)/n x B; G the gradients' bytes, W the wei
 m microbatches): no_shard all-reduces G once; optim reduce-scatters G and all-gathers W once; optim_grads
 reduce-scatters G every microbatch (no full gradient is kept) and all-gathers W once; optim_grads_params
 all-gathers W twice per microbatch (forward and backward) and reduce-scatters G per microbatch, with no
-gather after the step (the updated shards are what is stored).
+gather after the step (the updated shards are what is stored). With --fp8-param-gather W is what one gather
+produces by engine/planner/fp8_gather.py (the FP8 weights one byte an element; under ZeRO-3 one pass of unit
+gathers, the tied embedding's bucket with each of its two units at pp 1).
 """
 from __future__ import annotations
 
@@ -297,14 +299,17 @@ def rank_transient_bytes(model: ModelConfig, layout: Layout, precision: str, ran
 
 
 def dp_bytes_per_step(params: float, layout: Layout, precision: str, num_microbatches: int,
-                      grad_bytes: int = GRAD_BYTES, n: Optional[int] = None) -> dict:
+                      grad_bytes: int = GRAD_BYTES, n: Optional[int] = None,
+                      gathered: Optional[float] = None) -> dict:
     """Bytes one rank sends per step over its n replicas (dp x cp) for `params` parameters: gradient reduction
-    and weight gathering, ring volumes (see the module doc)."""
+    and weight gathering, ring volumes (see the module doc). `gathered`: the bytes one gather of the weights
+    produces when not theirs in the run's precision (--fp8-param-gather: fp8_gather_bytes(...).gathered)."""
     n = n or layout.shard_group
     if n == 1:
         return dict(grad_reduce=0.0, param_gather=0.0)
     ring = (n - 1) / n
-    g, w, m = grad_bytes * params, PARAM_BYTES[precision] * params, num_microbatches
+    g, m = grad_bytes * params, num_microbatches
+    w = PARAM_BYTES[precision] * params if gathered is None else gathered
     sharding = layout.sharding
     if not sharding.optimizer:
         return dict(grad_reduce=2 * ring * g, param_gather=0.0)

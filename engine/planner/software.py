@@ -38,8 +38,6 @@ class Software:
 
     def gathers_fp8(self, sharding) -> bool:
         """Whether the step's priced gathers move FP8 codes under `sharding` (a layout's): --fp8-param-gather
-        with a tensor-scaled recipe under ZeRO-1/2. Layouts the flag is refused in (a search meets them too) and
-        ZeRO-3, whose unit gathers the engine moves as codes but the planner does not price so, gather as
-        without it."""
-        return (self.fp8_param_gather and self.fp8 in ("tensorwise", "delayed") and sharding.optimizer
-                and not sharding.params)
+        with a tensor-scaled recipe under a sharded optimizer (ZeRO-1/2's step gather, ZeRO-3's unit gathers).
+        Layouts the flag is refused in (a search meets them too) gather as without it."""
+        return self.fp8_param_gather and self.fp8 in ("tensorwise", "delayed") and sharding.optimizer

@@ -12,9 +12,9 @@ backward into input and weight gradients (engine.flops.split_backward_costs), re
 T_stage sums the stage's layers, pipeline sends, embedding and output layer as engine/planner/layer_time.py
 costs them, over the links of engine/planner/links.py. Expert gradients reduce over their dp/ep x cp replicas.
 Under --optimizer muon (Software.muon) the optimizer step adds Muon's Newton-Schulz work and exchanges
-(engine/planner/muon_step.py; breakdown key `muon`). With --fp8-param-gather (Software.gathers_fp8) the dense
-parameters' all-gather moves what engine/planner/fp8_gather.py counts (the FP8 linears' weights one byte an
-element), after the small amax all-reduces.
+(engine/planner/muon_step.py; breakdown key `muon`). With --fp8-param-gather (Software.gathers_fp8) each gather of
+the dense parameters (ZeRO-1/2's one a step, ZeRO-3's two a microbatch) moves what engine/planner/fp8_gather.py
+counts (the FP8 linears' weights one byte an element), after the small amax all-reduces (once a step).
 """
 from __future__ import annotations
 
@@ -119,8 +119,9 @@ def _data_parallel_seconds(params: int, layout: Layout, gpu: GPUSpec, sw: Softwa
     """Exposed gradient reduction and parameter gathering over the dp x cp replicas (and the `experts`
     parameters' over their dp/ep x cp replicas, on expert_link), and the Adam step.
     micro: (forward, backward) seconds of one microbatch on the slowest stage; m: microbatches; `gathered`:
-    the bytes the dense parameters' all-gathers produce when not theirs in the run's precision
-    (--fp8-param-gather: engine/planner/fp8_gather.py)."""
+    the bytes one gather of the dense parameters produces when not theirs in the run's precision (ZeRO-1/2's
+    step gather, or one of ZeRO-3's two passes of unit gathers a microbatch: --fp8-param-gather,
+    engine/planner/fp8_gather.py)."""
     width = PARAM_BYTES[sw.precision]
     groups = [(params, layout.shard_group, link, width * params if gathered is None else gathered)]
     if experts:
