@@ -9,8 +9,6 @@ module constants are restored after each variant.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from benchmarks.kernel_speed import median_ms
@@ -21,13 +19,11 @@ NORM_WARPS, NORM_PROGRAMS, ROPE_WARPS = (4, 8, 16, 32), (2, 4, 8, 16), (2, 4, 8,
 
 
 def run(opts, record, earlier) -> None:
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"  # on the CPU: the sweep's code, under the interpreter
-    if not (opts.cuda or interpret) or not dispatch.triton_available():
+    if not opts.cuda or not dispatch.triton_available():  # launch settings mean nothing to the interpreter
         record.skip("launch-setting sweep", NEEDS_CUDA)
         return
     from kernels import norm_triton, rope_triton
-    dev, cuda = ("cuda", True) if opts.cuda else ("cpu", False)
-    dtype = torch.bfloat16 if cuda else torch.float32  # the interpreter's bf16 loops are not the point off CUDA
+    dev, cuda, dtype = "cuda", True, torch.bfloat16
     reps = opts.pick(20, 10, 2)
     m, n = opts.pick((16384, 8192), (16384, 8192), (256, 512))
     g = torch.Generator().manual_seed(3)
