@@ -253,13 +253,14 @@ for dtype in (q.E4M3, q.E5M2):
         scale = q.scale_of(x.abs().amax(), dtype) * 4  # a quarter of the elements saturate
         fused, ops = q._fused_cast()(x, scale, dtype), q._cast_ops(x, scale, dtype)
         assert torch.equal(fused.view(torch.uint8), ops.view(torch.uint8)), (dtype, shape)
+        assert torch.equal(q._fused_amax()(x), q._amax_ops(x)), shape
 print("bitwise")
 """
 
 
 @pytest.mark.slow
 def test_the_fused_cast_is_the_eager_cast_bit_for_bit():
-    """What CUDA runs (quantize._fused_cast: inductor's one kernel) rounds and saturates exactly as the eager ops
+    """What CUDA runs (quantize._fused_cast and _fused_amax: inductor's kernels) rounds and saturates exactly as the eager ops
     (checked here with inductor's CPU code, at shapes that are no multiple of anything, values beyond the range).
     In a process of its own: inductor's import of triton would leave the interpreter the kernel tests use broken."""
     import subprocess

@@ -83,6 +83,18 @@ def _fused_cast():
     return torch.compile(_cast_ops, dynamic=True)
 
 
+def _amax_ops(x: torch.Tensor) -> torch.Tensor:
+    return x.abs().amax().float()
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_amax():
+    """_amax_ops as one reduction (inductor's), without the |x| copy eager makes; the largest magnitude is exact in
+    any dtype, so it equals the eager one. (torch.linalg.vector_norm(x, inf) would also skip the copy, but on the
+    CPU it ran 6-18x slower than abs().amax() here.)"""
+    return torch.compile(_amax_ops, dynamic=True)
+
+
 FUSE_CASTS_ON_CUDA = True  # tests/test_fp8.py turns the fused cast on for the CPU to compare it bit for bit
 
 
@@ -101,8 +113,12 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype) -> Quantized:
 
 def amax(x: torch.Tensor, group=None) -> torch.Tensor:
     """max |x| over this tensor, and over `group` when its ranks hold the other parts of it (fp32, a scalar)."""
-    # one pass and no |x| copy (the largest magnitude is exact in any dtype, so this equals abs().amax())
-    a = torch.linalg.vector_norm(x.detach(), float("inf")).float() if x.numel() else torch.zeros((), device=x.device)
+    if not x.numel():
+        a = torch.zeros((), device=x.device)
+    elif FUSE_CASTS_ON_CUDA and x.is_cuda and not torch.compiler.is_compiling():
+        a = _fused_amax()(x.detach())
+    else:
+        a = _amax_ops(x.detach())
     if group is not None:
         a = a.reshape(1)
         comm.all_reduce(a, group, op=comm.ReduceOp.MAX)
