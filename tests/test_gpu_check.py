@@ -288,3 +288,12 @@ def test_each_committed_gpu_result_has_its_generated_table_in_the_docs():
             table = report.readme_table(json.load(f))
         for name, text in docs.items():
             assert table in text, f"{os.path.basename(path)}: its table is not in {name}"
+
+
+def test_only_runs_the_sections_named_and_refuses_unknown_ones(tmp_path, capsys):
+    from benchmarks import gpu_check
+    assert gpu_check.main(["--device", "cpu", "--dry-run", "--only", "card", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert list(result["sections"]) == ["card"] and result["sections"]["card"]["status"] == "ok"
+    assert gpu_check.main(["--device", "cpu", "--dry-run", "--only", "card,kernals", "--out", str(tmp_path)]) == 2
+    assert "no section named kernals" in capsys.readouterr().err
