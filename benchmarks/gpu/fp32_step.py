@@ -11,10 +11,12 @@ In fp32 the attention runs through SDPA (kernels/dispatch.py: the Triton kernel 
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 
 import torch
 
 from benchmarks.gpu import models
+from kernels import dispatch
 
 TOLERANCE = 1e-5
 LR = 1e-3
@@ -63,20 +65,6 @@ def one_step(cfg, device: str, weights=None) -> dict:
     return {"loss": loss.item(), "grad_norm": result.grad_norm, "before": before, "after": after, "grads": grads}
 
 
-@contextlib.contextmanager
-def triton_off(off: bool):
-    """With `off`, the fused ops take kernels.reference's PyTorch path on CUDA too (where a difference comes
-    from: the Triton kernels or cuBLAS/SDPA)."""
-    from kernels import dispatch
-    saved = dispatch.triton_available
-    if off:
-        dispatch.triton_available = lambda: False
-    try:
-        yield
-    finally:
-        dispatch.triton_available = saved
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -94,7 +82,10 @@ def compare(family: str, device: str, reference_kernels: bool = False) -> dict:
     cfg = models.config(family, "small", micro_batch=2, microbatches=1, iters=1, bf16=False)
     with tf32_off():
         ref = one_step(cfg, "cpu")
-        with triton_off(reference_kernels):
+        # reference_kernels: the fused ops take kernels.reference's PyTorch path on CUDA too (where a difference
+        # comes from: the Triton kernels, or cuBLAS and SDPA)
+        with mock.patch.object(dispatch, "triton_available", lambda: False) if reference_kernels \
+                else contextlib.nullcontext():
             got = one_step(cfg, device, ref["before"])
     return {"family": family, "device": device, "reference": "cpu",
             "kernels": "reference" if reference_kernels else "fused", **judge(got, ref)}

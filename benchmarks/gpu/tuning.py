@@ -5,15 +5,17 @@ RMSNorm at 16k rows x 8192 (bf16): warps per row program (norm_triton.MAX_WARPS)
 backward, the same and the programs per multiprocessor (BWD_PROGRAMS_PER_SM: how many rows each program loops
 over). RoPE at [4096, 4, 32, 128]: warps per program (rope_triton.MAX_WARPS). Each variant: median of
 device-event timings, TB/s of the fewest bytes (norm forward 2 passes, backward 3; RoPE 2 each way). The
-module constants are restored after each variant.
+module constants are set for each variant with unittest.mock and restored after it.
 """
 from __future__ import annotations
 
+from unittest import mock
+
 import torch
 
+from benchmarks.gpu.context import NEEDS_CUDA
 from benchmarks.kernel_speed import median_ms
 from kernels import dispatch
-from benchmarks.gpu.context import NEEDS_CUDA
 
 NORM_WARPS, NORM_PROGRAMS, ROPE_WARPS = (4, 8, 16, 32), (2, 4, 8, 16), (2, 4, 8, 16)
 
@@ -35,7 +37,7 @@ def run(opts, record, earlier) -> None:
         for per_sm in NORM_PROGRAMS:
             if not record.has_time(f"rms_norm warps {warps} programs/SM {per_sm}", 3.0):
                 return
-            with _set(norm_triton, MAX_WARPS=warps, BWD_PROGRAMS_PER_SM=per_sm):
+            with mock.patch.multiple(norm_triton, MAX_WARPS=warps, BWD_PROGRAMS_PER_SM=per_sm):
                 fwd = median_ms(lambda: norm_triton.rms_norm(x, w, 1e-5), reps, cuda)
                 y = norm_triton.rms_norm(x, w, 1e-5)
                 bwd = median_ms(lambda: torch.autograd.grad(y, (x, w), dy, retain_graph=True), reps, cuda)
@@ -52,7 +54,7 @@ def run(opts, record, earlier) -> None:
     for warps in ROPE_WARPS:
         if not record.has_time(f"rope warps {warps}", 3.0):
             return
-        with _set(rope_triton, MAX_WARPS=warps):
+        with mock.patch.multiple(rope_triton, MAX_WARPS=warps):
             fwd = median_ms(lambda: rope_triton.apply_rope(q, freqs), reps, cuda)
             y = rope_triton.apply_rope(q, freqs)
             bwd = median_ms(lambda: torch.autograd.grad(y, q, dq, retain_graph=True), reps, cuda)
@@ -60,19 +62,3 @@ def run(opts, record, earlier) -> None:
                               "fwd_tbps": 2 * size / fwd / 1e9, "bwd_tbps": 2 * size / bwd / 1e9,
                               "fwd_bwd_tbps": 4 * size / (fwd + bwd) / 1e9},
                    f"rope warps {warps}: fwd {2 * size / fwd / 1e9:.2f} TB/s, bwd {2 * size / bwd / 1e9:.2f} TB/s")
-
-
-class _set:
-    """Module constants set for a block, then restored."""
-
-    def __init__(self, module, **values):
-        self.module, self.values = module, values
-
-    def __enter__(self):
-        self.saved = {k: getattr(self.module, k) for k in self.values}
-        for k, v in self.values.items():
-            setattr(self.module, k, v)
-
-    def __exit__(self, *exc):
-        for k, v in self.saved.items():
-            setattr(self.module, k, v)

@@ -98,9 +98,14 @@ def _fused_amax():
 FUSE_CASTS_ON_CUDA = True  # False: the eager ops on CUDA too (to compare a run with and without)
 
 
+def _fused(x: torch.Tensor) -> bool:
+    """Whether x's amax and cast run as inductor's kernels: on CUDA, unless a compiler is already tracing."""
+    return FUSE_CASTS_ON_CUDA and x.is_cuda and not torch.compiler.is_compiling()
+
+
 def _cast(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
     """fp32(x) * scale, saturated to the format's range, rounded to it (to nearest, ties to even)."""
-    if FUSE_CASTS_ON_CUDA and x.is_cuda and not torch.compiler.is_compiling():
+    if _fused(x):
         return _fused_cast()(x, scale, dtype)
     return _cast_ops(x, scale, dtype)
 
@@ -115,7 +120,7 @@ def amax(x: torch.Tensor, group=None) -> torch.Tensor:
     """max |x| over this tensor, and over `group` when its ranks hold the other parts of it (fp32, a scalar)."""
     if not x.numel():
         a = torch.zeros((), device=x.device)
-    elif FUSE_CASTS_ON_CUDA and x.is_cuda and not torch.compiler.is_compiling():
+    elif _fused(x):
         a = _fused_amax()(x.detach())
     else:
         a = _amax_ops(x.detach())
