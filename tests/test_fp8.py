@@ -7,6 +7,7 @@ delayed scaling follows its amax history; the experts scale per token and per ex
 import contextlib
 import os
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -241,6 +242,40 @@ def test_a_split_backward_defers_the_fp8_weight_gradient():
         weight_grads(store)
         grads.append((xg.grad, w.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+@pytest.mark.parametrize("kind", ["tensorwise", "delayed", "blockwise"])
+def test_a_step_quantizes_each_weight_once_for_all_its_microbatches(kind):
+    """engine.fp8.weights_held: over a step of 2 microbatches each FP8 linear casts its weight once and transposes
+    it once, not once a microbatch, and the run (losses, amax histories, final weights) is bit for bit the one
+    that quantizes per microbatch."""
+    from test_fp8_layouts import MICROBATCHES, VOCAB, _cfg, _run
+
+    from engine.fp8.quantize import Quantized
+    from engine.model import GPTModel
+    steps, runs = 3, {}
+    for hold in (True, False):
+        cfg, ctx = _cfg(kind), ParallelContext()
+        model = GPTModel(cfg.model, ctx, seed=cfg.training.seed, vocab_size=VOCAB)
+        fp8.attach(model, fp8.Recipe.of(cfg.training), ctx)
+        lins = fp8.linears([model]).values()
+        for lin in lins:
+            lin.may_hold = hold
+        casts, transposes = [], []
+        cast, transpose = Fp8Linear.quantize, Quantized.t
+        with mock.patch.object(Fp8Linear, "quantize", lambda self, role, x, transposed=False: (
+                casts.append(role), cast(self, role, x, transposed))[1]), \
+                mock.patch.object(Quantized, "t", lambda self: (transposes.append(1), transpose(self))[1]):
+            run = _run(cfg, [model], ctx, steps=range(steps))
+        assert not any(lin.holding or lin.held for lin in lins)  # nothing outlives the schedule
+        runs[hold] = dict(run, weights=[p.detach().clone() for p in model.parameters()],
+                          casts=casts.count("weight"), transposes=len(transposes), linears=len(lins))
+    held, each = runs[True], runs[False]
+    assert held["linears"] > 0 and held["casts"] == steps * held["linears"]
+    assert each["casts"] == MICROBATCHES * held["casts"]
+    assert each["transposes"] - held["transposes"] == (MICROBATCHES - 1) * steps * held["linears"]
+    assert held["curve"] == each["curve"] and held["end"] == each["end"]
+    assert all(torch.equal(a, b) for a, b in zip(held["weights"], each["weights"]))
 
 
 _FUSED_CAST_CHECK = """

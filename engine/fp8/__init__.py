@@ -5,10 +5,12 @@
 precision, as in Megatron-LM. `finish_step` ends a step of delayed scaling: every tensor's amax of the step
 is reduced over the pipeline stage's ranks (tp x cp, then dp x cp) in one all-reduce each and pushed into its
 history. `state_dict`/`load_state_dict` carry the histories in checkpoints, keyed by layer name (global layer
-numbers), so they reshard to any layout.
+numbers), so they reshard to any layout. `weights_held` spans a step's forward/backward schedule: each linear
+quantizes its weight once for all the schedule's microbatches (engine.fp8.linear, `Held`).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -38,6 +40,21 @@ def linears(chunks) -> dict:
     """name -> Fp8Linear over this rank's chunks, in one order on every rank of a stage."""
     return {name: m.fp8 for chunk in chunks for name, m in chunk.named_modules()
             if isinstance(getattr(m, "fp8", None), Fp8Linear)}
+
+
+@contextlib.contextmanager
+def weights_held(chunks, microbatches: int):
+    """Within it (one schedule of `microbatches` on this rank) every FP8 linear that may keep its Q(W) (not under
+    ZeRO-3) quantizes it once and reuses it; after it the codes are dropped, so nothing outlives the schedule (the
+    optimizer step changes the weights next). A single microbatch has nothing to reuse: nothing is held then."""
+    held = [lin for lin in linears(chunks).values() if lin.may_hold] if microbatches > 1 else []
+    for lin in held:
+        lin.holding = True
+    try:
+        yield
+    finally:
+        for lin in held:
+            lin.holding, lin.held = False, None
 
 
 def delayed(chunks) -> bool:

@@ -17,10 +17,18 @@ under ZeRO-3 each unit gather, engine.optim.fp8_shard) quantizes each replica's 
 would use and gathers the FP8 codes, and `gathered`
 holds them (`Gathered`) until the weight changes (its version counter) or the scale does (a delayed history
 moved); forward then takes them instead of quantizing the weight, the same codes and scale bit for bit.
+
+Without the flag, within one step's forward/backward schedule of several microbatches the weight does not change,
+so the linear quantizes it once: `held` keeps forward's Q(W) and, once the first backward makes it, its transpose
+(the input gradient's operand), for the later microbatches; engine.fp8.weights_held turns this on for the schedule
+and drops them after it. That is one amax, one cast and one transpose of W a step instead of one per microbatch
+(Transformer Engine caches its FP8 weights across microbatches likewise), the same codes and scale bit for bit, and
+one copy of Q(W) however many microbatches are in flight. Not under ZeRO-3, whose point is not to keep whole weights.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -40,6 +48,17 @@ def _split_positions(spec, ctx) -> tuple:
     n, stack = out // ctx.tp_size, (full[0] if len(full) == 3 else 1)
     local = torch.arange(n) + ctx.tp_rank * n
     return 0, torch.cat([local + b * out for b in range(stack)]), stack * out
+
+
+@dataclass
+class Held:
+    """W quantized here for this step's first microbatch: its codes and scale, the amax that call noted (`now`,
+    noted again by each later microbatch as its own call would) and the weight's version then; `t`: the transposed
+    codes the input gradient takes, once the first backward has made them."""
+    q: Quantized
+    now: object
+    version: int
+    t: Optional[Quantized] = None
 
 
 @dataclass
@@ -66,6 +85,8 @@ class Fp8Linear:
         self.group = ctx.tp_cp_group if ctx.tp_size * ctx.cp_size > 1 else None
         self.split_axis, self.splits = None, {}
         self.gathered = None  # a Gathered under --fp8-param-gather
+        self.may_hold = not ctx.layout.sharding.params  # ZeRO-3 keeps no whole weight between its unit gathers
+        self.holding, self.held = False, None  # within a schedule (engine.fp8.weights_held): a Held
         if ctx.tp_size > 1:
             axis, positions, full = _split_positions(weight.spec, ctx)
             self.split_axis = axis
@@ -97,7 +118,24 @@ class Fp8Linear:
                 raise RuntimeError("an FP8 weight's scale moved after its codes were gathered, and its values are "
                                    "current on this rank's shard only: gather the weights after the amax "
                                    "histories move")
-        return self.quantize("weight", rows(weight))
+        h = self.held
+        if h is not None and h.version == weight._version:
+            self.weight.saw(h.now)
+            self.weight.last = h.q.scale_inv
+            return h.q
+        q = self.quantize("weight", rows(weight))
+        if self.holding:
+            self.held = Held(q, self.weight.noted, weight._version)  # (tiles note no amax: None)
+        return q
+
+    def weight_transposed(self, wq: Quantized) -> Quantized:
+        """The input gradient's operand Q(W)^T: made once a step when `wq` is the held Q(W)."""
+        h = self.held
+        if h is None or h.q is not wq:
+            return wq.t()
+        if h.t is None:
+            h.t = wq.t()
+        return h.t
 
     def __call__(self, x, weight, bias=None):
         deferral = deferral_of(weight)
@@ -123,7 +161,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         lin, (x_shape, w_shape, w_dtype, b_shape) = ctx.lin, ctx.shapes
         dy2 = dy.reshape(-1, dy.shape[-1])
         dyq = lin.quantize("grad", dy2)
-        dx = gemm.mm(dyq, ctx.wq.t(), dy.dtype).view(x_shape) if ctx.needs_input_grad[0] else None
+        dx = gemm.mm(dyq, lin.weight_transposed(ctx.wq), dy.dtype).view(x_shape) if ctx.needs_input_grad[0] else None
         dyt = lin.quantize("grad", dy2.t(), transposed=True) if lin.recipe.blockwise else dyq.t()
         xt = ctx.xt
 

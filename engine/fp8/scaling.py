@@ -55,11 +55,13 @@ class Scaler:
         self.seen = torch.zeros((), device=device)      # this step's amax so far, this rank's
         self.scale = torch.ones((), device=device)      # the history's scale
         self.last = None                                # the decode scale(s) it last quantized with
+        self.noted = None                               # the amax its last `tensor` call noted (as `saw` took it)
 
     def tensor(self, x: torch.Tensor, group=None) -> Quantized:
         """x [M, K] with one scale; `group`: the other ranks holding parts of x (current scaling reduces over it)."""
         now = amax(x, None if self.from_history else group)
         self.saw(now)
+        self.noted = now
         return quantize(x, self.encode_scale(now), self.dtype)
 
     @property

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from engine import mtp
+from engine import fp8, mtp
 from engine.documents import Packing
 from engine.flops import UNIT, Costs, attention_pairs, split_backward_costs
 from engine.loss import microbatch_loss, step_loss, token_count
@@ -76,17 +76,19 @@ class PipelineRunner:
                 chunk.set_aux_loss_scale(aux_scale)
         steps = schedule_steps(schedule, ctx.pp_rank, m, forward_only, self.costs)
         saved, losses, outbox = {}, [], {}
-        for exchange, ops in exchange_plan(steps, schedule, ctx.pp_rank, self.costs):
-            # what earlier steps made for this batch to send, what this step needs (one entry per operation)
-            inbox = self.link.exchange(exchange, [outbox.pop(msg[1:]) for msg in exchange.sends])
-            for (kind, chunk, mb), received in zip(ops, inbox):
-                start = time.time()  # inputs have arrived: waiting for them shows as idle time in the trace
-                made = self._run_op(kind, chunk, mb, microbatches, received, saved, scale_loss, losses, forward_only)
-                send = messages(kind, chunk, mb, ctx.pp_rank, schedule)[1]
-                if send is not None:
-                    outbox[send[1:]] = made
-                if self.trace is not None and not forward_only:  # evaluation passes are not traced
-                    self.trace.record(kind, mb, chunk, start, time.time())
+        with fp8.weights_held(self.chunks, m):  # the weights stay as they are until the schedule ends
+            for exchange, ops in exchange_plan(steps, schedule, ctx.pp_rank, self.costs):
+                # what earlier steps made for this batch to send, what this step needs (one entry per operation)
+                inbox = self.link.exchange(exchange, [outbox.pop(msg[1:]) for msg in exchange.sends])
+                for (kind, chunk, mb), received in zip(ops, inbox):
+                    start = time.time()  # inputs have arrived: waiting for them shows as idle time in the trace
+                    made = self._run_op(kind, chunk, mb, microbatches, received, saved, scale_loss, losses,
+                                        forward_only)
+                    send = messages(kind, chunk, mb, ctx.pp_rank, schedule)[1]
+                    if send is not None:
+                        outbox[send[1:]] = made
+                    if self.trace is not None and not forward_only:  # evaluation passes are not traced
+                        self.trace.record(kind, mb, chunk, start, time.time())
         return self._share_loss(losses) if shared else self.loss_share(losses)
 
     def _at_the_door(self, batch: dict) -> dict:
