@@ -150,16 +150,19 @@ def layer_matmul_params(model: ModelConfig, moe: bool = False) -> int:
     return attention + routed + shared + model.hidden_size * model.num_experts
 
 
-def activated_params(model: ModelConfig) -> int:
+def activated_params(model: ModelConfig, embedding: bool = True) -> int:
     """Parameters one token uses: per layer the matrices of `layer_matmul_params` and the two norms, plus
-    the whole embedding, the final norm and the output layer (once when tied), as published "active
-    parameter" figures count them (biases left out). Mixtral 8x7B: 12.9B (Jiang et al. 2024, arXiv:2401.04088);
-    DeepSeek-V3: 37B (arXiv:2412.19437; its multi-token prediction module, which inference drops, not counted)."""
+    the final norm, the output layer and, with `embedding`, the whole input embedding (once when tied; biases left
+    out). Published "active parameter" figures differ on the embedding, a lookup of one row per token: Mixtral
+    8x7B's 12.9B counts it (Jiang et al. 2024, arXiv:2401.04088); DeepSeek's figures, two significant digits, lie
+    on the side that leaves it out (V2: 20.85B without, 21.38B with, published 21B, arXiv:2405.04434; V3: 36.63B
+    without, 37.55B with, published 37B, arXiv:2412.19437, its multi-token prediction module not counted)."""
     h, moe = model.hidden_size, set(model.moe_layers())
     norm = h * (2 if model.normalization == "LayerNorm" else 1)
     latent_norms = sum(latent_norm_sizes(model))
     layers = sum(layer_matmul_params(model, i in moe) + 2 * norm + latent_norms for i in range(model.num_layers))
-    embeddings = model.padded_vocab_size() * h * (2 if model.untie_embeddings_and_output_weights else 1)
+    tables = 2 if model.untie_embeddings_and_output_weights else 1
+    embeddings = model.padded_vocab_size() * h * (tables if embedding else tables - 1)
     return layers + norm + embeddings
 
 

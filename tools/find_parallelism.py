@@ -364,11 +364,12 @@ def main(argv=None) -> int:
 
 
 def _moe_summary(model) -> str:
-    """' (12.88B activated: 8 experts, top 2)' for a mixture of experts, else ''."""
+    """' (12.88B activated, 12.75B without the embedding lookup: 8 experts, top 2)' for a mixture of experts, else
+    '' (publishers count the lookup or not: engine.flops.activated_params)."""
     if not model.num_experts:
         return ""
-    return (f" ({activated_params(model) / 1e9:.2f}B activated: {model.num_experts} experts, "
-            f"top {model.moe_router_topk})")
+    return (f" ({activated_params(model) / 1e9:.2f}B activated, {activated_params(model, embedding=False) / 1e9:.2f}B"
+            f" without the embedding lookup: {model.num_experts} experts, top {model.moe_router_topk})")
 
 
 def _nothing_fits(args, gpu, rows) -> int:
