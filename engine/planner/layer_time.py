@@ -73,9 +73,12 @@ FP32_SLOWDOWN = 15.0
 # hidden GEMMs (tensorwise, delayed) run 1.6x faster. Blockwise and the experts' GEMMs run dequantized at the
 # bf16 rate in this engine (engine/fp8/gemm.py); the output layer and the attention core stay in bf16.
 FP8_GEMM_SPEEDUP = 2.0 * 0.8
-# Quantizing: each FP8 operand but the weights (the GEMMs' inputs and output gradients) is read for its amax (2
-# bytes an element), read again and written in FP8 (3 more): 5 bytes per element, forward and backward.
-FP8_CAST_TRAFFIC = 5
+# Quantizing, per element of each FP8 operand but the weights (the GEMMs' inputs and output gradients; a weight is
+# quantized once a step, engine.fp8.weights_held), as engine/fp8 does it on CUDA: read for its amax (2 bytes),
+# read again and written in FP8 (3 more), and under tensor scaling the FP8 copy transposed for the weight
+# gradient (1 read, 1 written): 7 bytes; blockwise quantizes the bf16 operand a second time along the tokens
+# instead (5 more): 10.
+FP8_CAST_TRAFFIC = {"tensorwise": 7, "delayed": 7, "blockwise": 10}
 
 
 def gemm_seconds(m: float, n: float, k: float, gpu: GPUSpec, speedup: float = 1.0) -> float:
@@ -101,7 +104,7 @@ def _fp8_casts(model: ModelConfig, tokens: float, t: int, gpu: GPUSpec, sw: Soft
     for (rows, cols), axis in zip(attention_matrices(model), attention_splits(model)):
         if tensor_parallel(axis):  # the FP8 linears (MLA's replicated latents are not)
             width += (cols / t if axis == 1 else cols) + (rows / t if axis == 0 else rows)
-    return FP8_CAST_TRAFFIC * tokens * width / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
+    return FP8_CAST_TRAFFIC[sw.fp8] * tokens * width / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
 
 
 def _attention_seconds(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: Software) -> tuple:
