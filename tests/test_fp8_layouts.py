@@ -9,6 +9,8 @@ under cp quantizes along the tokens cp splits (1x128 tiles of this rank's tokens
 there (docs/fp8.md); its curve is. All layouts run in one spawned pair; `-s` prints each layout's distance from one
 rank.
 """
+import re
+
 import pytest
 import torch
 
@@ -31,10 +33,14 @@ SAME = 1e-6  # scales and amaxes of the first step: tp sums partial products in 
 
 def _cfg(recipe, tp=1, pp=1, cp=1, ep=1, strategy="no_shard", moe=False, sp=True, schedule=None, mla=False):
     cfg = place(tiny_llama(2, SEQ, VOCAB, moe), tp, pp, cp, ep, strategy=strategy, sp=sp, schedule=schedule)
-    if mla:  # multi-latent attention: the heads' up-projections and output are FP8, the latents' down-projections
-        m = cfg.model  # (replicated over tp) are not
+    if mla:
+        # Multi-latent attention: the heads' up-projections and output are FP8, the latents' down-projections
+        # (replicated over tp) are not. With DeepSeek-V3's multi-token prediction module, whose block's linears
+        # are FP8 too (its 2h -> h projection, replicated, is not).
+        m = cfg.model
         m.multi_latent_attention, m.num_query_groups, m.q_lora_rank, m.kv_lora_rank = True, None, 16, 16
         m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim = 8, 8, 8
+        m.mtp_num_layers = 1
     tr = cfg.training
     tr.seed, tr.train_iters, tr.fp8_format, tr.fp8_recipe, tr.fp8_amax_history_len = 5, STEPS, "hybrid", recipe, 4
     tr.fp8_amax_compute_algo = "max"
@@ -178,15 +184,18 @@ def test_every_recipe_under_tp_pp_dp_cp_and_ep_follows_one_rank(references):
 
 
 @pytest.mark.slow
-def test_multi_latent_attention_in_fp8_follows_one_rank(references):
+def test_multi_latent_attention_and_mtp_in_fp8_follow_one_rank(references):
     """MLA (a q latent, the latents' down-projections replicated over tp and not FP8, the heads' up-projections
-    and output FP8) at tp 2 + SP and cp 2, tensorwise and delayed: the scales one rank uses, the first loss within
-    1e-4, the curve within 3e-3."""
+    and output FP8) with one multi-token prediction module (its block's linears FP8) at tp 2 + SP and cp 2,
+    tensorwise and delayed: the scales one rank uses (the MTP block's included), the first loss within 1e-4, the
+    curve within 3e-3."""
     problems = _check([(r, _cfg(r, mla=True, **layout)) for r in ("tensorwise", "delayed")
                        for layout in (dict(tp=2), dict(cp=2))], references)
     assert not problems, "\n".join(problems)
-    fp8_linears = {key.rsplit(".", 1)[0].split(".", 2)[2] for key in references[("delayed", (False, True))]["scales"]}
+    scaled = references[("delayed", (False, True))]["scales"]
+    fp8_linears = {re.sub(r"^(layers\.\d+|mtp\.\d+\.layer)\.", "", key.rsplit(".", 1)[0]) for key in scaled}
     assert fp8_linears == {"attention.q_up", "attention.kv_up", "attention.proj", "mlp.fc1", "mlp.fc2"}, fp8_linears
+    assert {key.split(".", 1)[0] for key in scaled} == {"layers", "mtp"}, sorted(scaled)
 
 
 def _leg(rank, world, cfg, load, save, start, stop) -> dict:
