@@ -49,11 +49,12 @@ def _cfg(recipe, tp=1, pp=1, cp=1, ep=1, strategy="no_shard", moe=False, sp=True
     return cfg
 
 
-def _microbatches(step):
-    """Tokens depend only on the global sample index; 12 samples revisited so that the loss falls."""
+def _microbatches(step, count=MICROBATCHES):
+    """`count` microbatches; tokens depend only on the global sample index; 12 samples revisited so that the
+    loss falls."""
     out = []
-    for i in range(MICROBATCHES):
-        g = torch.Generator().manual_seed(11 * 1_000_003 + (step * MICROBATCHES + i) % 12)
+    for i in range(count):
+        g = torch.Generator().manual_seed(11 * 1_000_003 + (step * count + i) % 12)
         t = torch.randint(0, VOCAB, (1, SEQ + 1), generator=g)
         out.append({"tokens": t[:, :-1], "labels": t[:, 1:]})
     return out

@@ -9,14 +9,17 @@ flag, and from the second step on forward takes the gathered codes instead of qu
 tensorwise at tp 2 with prefetch) the unit gathers move the codes and forward takes them from the first step on. The all-gathers move one byte per element of the FP8 weights
 in each replica's payload (the analytic count below: per step under ZeRO-1/2, twice a microbatch under ZeRO-3), the
 scales cost one all-reduce of a vector a step. A checkpoint saved with the flag after 3 steps (ZeRO-1 and ZeRO-3)
-and resumed gives the uninterrupted curve and weights. Misuses are one line each.
+and resumed gives the uninterrupted curve and weights. On 4 ranks (one spawned group), ZeRO-3 with the flag is
+the run without it bit for bit at dp 2 x pp 2 (and interleaved vpp 2), dp 2 x cp 2 and, for the MoE model,
+dp 4 x ep 2: the dense FP8 linears move codes, the routed experts (engine/fp8/experts.py quantizes them itself)
+the run's precision. Misuses are one line each.
 """
 import contextlib
 
 import pytest
 import torch
 from test_fp8_layouts import _cfg as _layouts_cfg
-from test_fp8_layouts import _microbatches
+from test_fp8_layouts import MICROBATCHES, _microbatches
 
 from engine import fp8
 from engine.checkpoint.loader import load_checkpoint
@@ -40,8 +43,11 @@ ZERO3 = "optim_grads_params"
 
 
 def _cfg(recipe: str, strategy: str, flag: bool, overlap: bool = False, tp: int = 1, bf16: bool = False,
-         recompute: bool = False):
-    cfg = _layouts_cfg(recipe, strategy=strategy, tp=tp)
+         recompute: bool = False, pp: int = 1, cp: int = 1, ep: int = 1, vpp: int = 1):
+    """The tiny Llama of test_fp8_layouts (its MoE variant under ep > 1; 2 layers a model chunk under vpp)."""
+    cfg = _layouts_cfg(recipe, strategy=strategy, tp=tp, pp=pp, cp=cp, ep=ep, moe=ep > 1)
+    if vpp > 1:
+        cfg.parallel.virtual_pipeline_model_parallel_size, cfg.model.num_layers = vpp, 2 * pp * vpp
     cfg.training.bf16 = bf16
     cfg.model.recompute_granularity = "full" if recompute else None
     cfg.training.fp8_param_gather, cfg.parallel.overlap_param_gather = flag, overlap
@@ -88,6 +94,12 @@ def _analytic_gather_bytes(opt, fp8_ids: set) -> int:
     return total
 
 
+def _count(ctx) -> int:
+    """Microbatches a step: test_fp8_layouts' 2, or one per dp rank and pp stage (pp each: 1F1B's steady state,
+    and the interleaved schedule's multiple of pp)."""
+    return max(MICROBATCHES, ctx.dp_size * ctx.pp_size)
+
+
 def _train(cfg, ctx, chunks, opt, steps, skip=()) -> tuple:
     """(losses, the last step's collectives: its optimizer step's, and under ZeRO-3, whose unit gathers run in
     forward and backward, the whole step's); the steps in `skip` skip their update (as for a non-finite loss)."""
@@ -95,8 +107,8 @@ def _train(cfg, ctx, chunks, opt, steps, skip=()) -> tuple:
     runner = PipelineRunner(chunks, ctx, ctx.activation_shape(SEQ, 1, cfg.model.hidden_size), dtype, "cpu")
     losses, counted, zero3 = [], None, opt.sharder is not None
     for step in steps:
-        per_rank = len(_microbatches(step)) // ctx.dp_size
-        mine = _microbatches(step)[ctx.dp_rank * per_rank:(ctx.dp_rank + 1) * per_rank]
+        per_rank = _count(ctx) // ctx.dp_size
+        mine = _microbatches(step, _count(ctx))[ctx.dp_rank * per_rank:(ctx.dp_rank + 1) * per_rank]
         with comm.counting() if zero3 else contextlib.nullcontext() as whole:
             opt.start_step(len(mine))
             losses.append(runner.run(mine, scale_loss=opt.scale_loss))
@@ -122,14 +134,19 @@ def _run(rank, world, cfg, load=None, save=None, steps=range(STEPS), skip=()) ->
         gathered = sum(r.payload for r in counter.records  # the weights' gathers (not sequence parallelism's)
                        if r.op == "all_gather" and any(r.group is b.group for b in opt.buffers))
         amax_reduces = [r for r in counter.records if r.op == "all_reduce" and r.payload == 4 * len(fp8_ids)]
+        experts = opt.expert_buffer if opt.expert_buffer in opt.buffers else None  # their own replicas (ep > 1)
+        experts_gathered = sum(r.payload for r in counter.records if r.op == "all_gather" and experts is not None
+                               and r.group is experts.group)
         # ZeRO-3 gathers every unit twice a microbatch (forward, backward), ZeRO-1/2 every bucket once a step
         expected = _analytic_gather_bytes(opt, fp8_ids if cfg.training.fp8_param_gather else set()) * (
-            2 * len(_microbatches(0)) // ctx.dp_size if opt.sharder is not None else 1)
+            2 * _count(ctx) // ctx.dp_size if opt.sharder is not None else 1)
         if save is not None:
             save_checkpoint(save, steps[-1] + 1, chunks, opt, ctx, cfg, {})
         with opt.full_weights():
-            weights = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
+            weights = {f"{c}.{n}": p.detach().clone() for c, chunk in enumerate(chunks)
+                       for n, p in chunk.named_parameters()}
         return dict(losses=losses, weights=weights, operands=spy.seen, gathered=gathered, expected=expected,
+                    experts_gathered=experts_gathered,
                     amax_reduces=len(amax_reduces), fp8_elements=sum(p.numel() for b in opt.buffers
                                                                      for p in b.params if id(p) in fp8_ids))
     finally:
@@ -210,6 +227,45 @@ def test_fp8_param_gather_is_the_same_run_moving_fp8_codes(tmp_path):
         saved = 1 if name.endswith("bf16") else 3
         assert "tp2" in name or without - gathered >= saved * fp8_elements, (name, gathered, without)
         assert amax_reduces == 1, name  # one MAX all-reduce of the amaxes per step: over dp, or (dp 1) over tp
+
+
+def _zero3_layouts(rank, world) -> tuple:
+    """ZeRO-3 with the flag against without it on 4 ranks, 3 steps each: dp 2 x pp 2 (1F1B, 2 microbatches a
+    rank), dp 2 x pp 2 x vpp 2 (interleaved, 4 layers), dp 2 x cp 2, and the MoE model at dp 4 x ep 2 (ep is
+    carved from dp: the experts' replicas are dp / ep = 2)."""
+    problems, rows = [], []
+    for recipe, overlap, layout in (("tensorwise", False, dict(pp=2)), ("delayed", True, dict(pp=2)),
+                                    ("delayed", True, dict(pp=2, vpp=2)), ("tensorwise", True, dict(cp=2)),
+                                    ("delayed", False, dict(cp=2)), ("tensorwise", False, dict(ep=2)),
+                                    ("delayed", True, dict(ep=2))):
+        name = f"{recipe} {' '.join(f'{k}{v}' for k, v in layout.items())}{' overlap' if overlap else ''}"
+        want = _run(rank, world, _cfg(recipe, ZERO3, False, overlap, **layout), steps=range(3))
+        got = _run(rank, world, _cfg(recipe, ZERO3, True, overlap, **layout), steps=range(3))
+        problems += _same(name, got, want) + _hits(name, got, want, zero3=True)
+        if not got["operands"]:
+            problems.append(f"{name}: no FP8 weight operand was taken")
+        rows.append((name, got["gathered"], got["expected"], want["gathered"], want["expected"],
+                     got["experts_gathered"], want["experts_gathered"], got["fp8_elements"]))
+    return problems, rows
+
+
+@pytest.mark.slow  # one spawned group of 4 ranks running every layout
+def test_fp8_param_gather_under_zero3_at_pp_vpp_cp_and_ep():
+    """Under ZeRO-3 at pp 2 (and interleaved vpp 2), cp 2 and ep 2 (the MoE model), tensorwise and delayed, with
+    and without prefetch: the run with the flag is the run without it bit for bit (losses, final weights, every
+    FP8 weight operand), forward takes the gathered codes throughout, and the unit gathers move the analytic
+    bytes: the dense FP8 linears' weights as codes, the routed experts' (FP8 through engine/fp8/experts.py, which
+    quantizes the whole expert weight itself) in the run's precision, as without the flag."""
+    per_rank = run_ranks(_zero3_layouts, 4, timeout=300)
+    problems = sorted({p for problems, _ in per_rank for p in problems})
+    assert not problems, "\n".join(problems)
+    for rows in (r for _, r in per_rank):
+        for name, gathered, expected, without, expected_without, experts, experts_without, fp8_elements in rows:
+            print(f"{name}: all-gathers {gathered} bytes with the flag, {without} without (experts {experts}, "
+                  f"{experts_without}); FP8 elements {fp8_elements}")
+            assert (gathered, without) == (expected, expected_without), (name, gathered, without, expected)
+            assert fp8_elements and without - gathered >= 3 * fp8_elements, (name, gathered, without)
+            assert experts == experts_without and (experts > 0) == ("ep2" in name), (name, experts)
 
 
 @pytest.mark.parametrize("flags, words", [
