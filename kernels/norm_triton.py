@@ -2,9 +2,9 @@
 
 One kernel pair serves all four variants (constexpr flags pick RMS vs mean-centred, bias, residual).
 Forward: one program per row, the whole row in registers (hidden sizes up to 64K), fp32 statistics
-saved for backward. Backward: a fixed number of programs each walks a stripe of rows, keeping its share
-of dweight/dbias in fp32 registers, so the weight gradient is a small [programs, h] sum instead of
-atomics or an [M, h] buffer.
+saved for backward. Backward: a fixed number of programs each walks a stripe of rows, BWD_ROWS_PER_ITER rows
+a loop iteration, keeping its share of dweight/dbias in fp32 registers, so the weight gradient is a small
+[programs, h] sum instead of atomics or an [M, h] buffer.
 """
 from __future__ import annotations
 
@@ -44,39 +44,45 @@ def _norm_fwd(X, RES, W, B, Y, SUM_OUT, MEAN, RSTD, stride_x, stride_r, stride_y
 @triton.jit
 def _norm_bwd(X, W, DY, DSUM, DX, DW_PART, DB_PART, MEAN, RSTD, stride_x, stride_dy, stride_ds, stride_dx,
               M, N, rows_per_program,
-              IS_RMS: tl.constexpr, HAS_DSUM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+              IS_RMS: tl.constexpr, HAS_DSUM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+              ROWS: tl.constexpr):
+    # Each iteration takes ROWS rows as one [ROWS, BLOCK] block, so that all their loads are issued before the
+    # first reduction waits on them; per-row sums run along axis 1, the dw/db shares add up along axis 0.
+    # rows_per_program must be a multiple of ROWS (the launcher rounds it up), so no block reaches into the
+    # next program's stripe.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
     db = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(rows_per_program):
-        # The last stripe may run past M: its extra rows load x and dy as zeros and contribute nothing; their
-        # statistics are read from the last row. (Triton 3.9's interpreter takes neither a scalar mask nor a
-        # block mask and-ed with a scalar, so the row test is made a block first.)
-        row = pid.to(tl.int64) * rows_per_program + i
-        row_mask = mask & (cols.to(tl.int64) * 0 + row < M)
-        stat_row = tl.minimum(row, M - 1)
-        x = tl.load(X + row * stride_x + cols, mask=row_mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row * stride_dy + cols, mask=row_mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + stat_row)
+    for i in range(0, rows_per_program, ROWS):
+        # The last stripe may run past M: its extra rows load x, dy and their statistics as zeros and
+        # contribute nothing (zero dy times a zero xhat), nor are they stored.
+        rows = pid.to(tl.int64) * rows_per_program + i + tl.arange(0, ROWS)
+        row_ok = rows < M
+        block_mask = row_ok[:, None] & mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=block_mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=block_mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
         if IS_RMS:
             xhat = x * rstd
         else:
-            xhat = tl.where(row_mask, (x - tl.load(MEAN + stat_row)) * rstd, 0.0)
-        wdy = w * dy
-        dw += dy * xhat
+            mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)[:, None]
+            xhat = tl.where(block_mask, (x - mean) * rstd, 0.0)
+        wdy = w[None, :] * dy
+        dw += tl.sum(dy * xhat, axis=0)
         # d/dx of w * xhat: rstd * (w*dy - xhat * mean(w*dy*xhat) [- mean(w*dy) for LayerNorm]).
-        dx = wdy - xhat * (tl.sum(wdy * xhat, axis=0) / N)
+        dx = wdy - xhat * (tl.sum(wdy * xhat, axis=1) / N)[:, None]
         if not IS_RMS:
-            dx -= tl.sum(wdy, axis=0) / N
+            dx -= (tl.sum(wdy, axis=1) / N)[:, None]
             if HAS_BIAS:
-                db += dy
+                db += tl.sum(dy, axis=0)
         dx *= rstd
         if HAS_DSUM:
-            dx += tl.load(DSUM + row * stride_ds + cols, mask=row_mask, other=0.0).to(tl.float32)
-        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=row_mask)
+            dx += tl.load(DSUM + rows[:, None] * stride_ds + cols[None, :], mask=block_mask,
+                          other=0.0).to(tl.float32)
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=block_mask)
     tl.store(DW_PART + pid * N + cols, dw, mask=mask)
     if HAS_BIAS:
         tl.store(DB_PART + pid * N + cols, db, mask=mask)
@@ -87,6 +93,9 @@ def _norm_bwd(X, W, DY, DSUM, DX, DW_PART, DB_PART, MEAN, RSTD, stride_x, stride
 # (within the run's noise of about 4%; fewer programs also means fewer dw partial rows to add).
 MAX_WARPS = 4            # warps per row's program (one per 256 elements of the row, at most this)
 BWD_PROGRAMS_PER_SM = 2  # backward: programs per multiprocessor, each looping over its rows (dw partial sums)
+# Backward rows per loop iteration, loaded as one [rows, BLOCK] block so that more loads are in flight (1: one row
+# at a time, as measured above). Untested on a GPU at 2 or 4: tuning.py's sweep decides.
+BWD_ROWS_PER_ITER = 1
 
 
 def _launch_config(n: int):
@@ -139,7 +148,11 @@ class _FusedNorm(torch.autograd.Function):
         has_dsum = ctx.has_res and dsum is not None
         ds2 = _rows(dsum) if has_dsum else dy2
         dx = torch.empty_like(x2)
-        rows_per_program = triton.cdiv(m, _bwd_programs(x2, m))
+        rows_per_iter = BWD_ROWS_PER_ITER
+        if rows_per_iter < 1 or rows_per_iter & (rows_per_iter - 1):
+            raise ValueError(f"BWD_ROWS_PER_ITER must be a power of two (a Triton block size), got {rows_per_iter}")
+        # Whole iterations per program: a stripe of a multiple of rows_per_iter rows (the kernel relies on it).
+        rows_per_program = triton.cdiv(triton.cdiv(m, _bwd_programs(x2, m)), rows_per_iter) * rows_per_iter
         programs = triton.cdiv(m, rows_per_program)
         dw_part = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
         db_part = torch.empty_like(dw_part) if bias is not None else dw_part
@@ -147,7 +160,7 @@ class _FusedNorm(torch.autograd.Function):
                                x2.stride(0), dy2.stride(0), ds2.stride(0), dx.stride(0),
                                m, n, rows_per_program,
                                IS_RMS=ctx.is_rms, HAS_DSUM=has_dsum, HAS_BIAS=bias is not None,
-                               BLOCK=block, num_warps=warps)
+                               BLOCK=block, ROWS=rows_per_iter, num_warps=warps)
         dw = dw_part.sum(0).to(weight.dtype)
         db = db_part.sum(0).to(bias.dtype) if bias is not None else None
         dx = dx.view(ctx.shape)

@@ -93,6 +93,7 @@ NORMS = {
     "layer_nobias": (lambda m: m.layer_norm, lambda x, r, w, b: (x, w, None, 1e-5)),
     "add_rms": (lambda m: m.add_rms_norm, lambda x, r, w, b: (x, r, w, 1e-5)),
     "add_layer": (lambda m: m.add_layer_norm, lambda x, r, w, b: (x, r, w, b, 1e-5)),
+    "add_layer_nobias": (lambda m: m.add_layer_norm, lambda x, r, w, b: (x, r, w, None, 1e-5)),
 }
 
 
@@ -112,6 +113,71 @@ def test_norms_match_reference(variant):
     # 48 is not a power of two: exercises the masked tail of the row.
     inputs = _norm_inputs((2, 3, 48), torch.float32, DEVICE)
     _compare(pick(_tk("norm_triton")), pick(reference), list(args(*inputs)))
+
+
+def _norm_run(fn, inputs):
+    """One norm call and its backward under fixed random cotangents: (outputs, cotangents, input gradients, None
+    where an input is not a tensor)."""
+    leaves = [_leaf(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    gen = torch.Generator().manual_seed(0)
+    cots = [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in outs]
+    torch.autograd.backward(outs, cots)
+    return outs, cots, [t.grad if isinstance(t, torch.Tensor) else None for t in leaves]
+
+
+def _abs_weight_terms(inputs, dy, variant):
+    """Per column, the sum over rows of |dy * xhat| (dw's terms) and of |dy| (db's), in float64."""
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 1]
+    s = sum(t.double() for t in tensors).reshape(-1, dy.shape[-1])  # the residual variants normalise x + r
+    if "rms" not in variant:
+        s = s - s.mean(-1, keepdim=True)
+    xhat = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)
+    dy = dy.double().reshape(xhat.shape)
+    return (dy * xhat).abs().sum(0), dy.abs().sum(0)
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", sorted(NORMS))
+def test_norm_backward_rows_per_iteration(variant):
+    """The backward's BWD_ROWS_PER_ITER at 1, 2 and 4 rows a loop iteration: every gradient equals the reference,
+    and 2 and 4 equal 1. Row counts 13 and 10 are multiples of no rows x programs (4 programs under the
+    interpreter; at 10 the stripe rounds up from 3 rows to 4 at 2 and 4, so fewer programs run), so the last
+    block of a stripe holds rows past M; hidden 48 and 40 are not powers of two. dx is computed row by row in the
+    same order whatever the block's row count, so it is identical under the interpreter (on a GPU the compiled
+    per-row sums may split a row differently: 1e-6 there). dw and db add the same fp32 terms in another order
+    (a block's rows summed first, then into the program's running share; fewer programs' shares at the end), so
+    they may differ, by at most twice the recursive-summation bound (M - 1) * 2**-24 * sum |term| (Higham,
+    Accuracy and Stability of Numerical Algorithms, 4.2) per column."""
+    from unittest import mock
+    norm_triton = _tk("norm_triton")
+    pick, args = NORMS[variant]
+    for shape in ((13, 48), (2, 5, 40)):
+        inputs = list(args(*_norm_inputs(shape, torch.float32, DEVICE)))
+        ref_outs, _, ref_grads = _norm_run(pick(reference), inputs)
+        runs = {}
+        for rows in (1, 2, 4):
+            with mock.patch.object(norm_triton, "BWD_ROWS_PER_ITER", rows):
+                runs[rows] = outs, cots, grads = _norm_run(pick(norm_triton), inputs)
+            for a, b in zip(outs, ref_outs):
+                assert _rel_err(a, b) < 1e-5, (shape, rows)
+            for i, (a, b) in enumerate(zip(grads, ref_grads)):
+                assert (a is None) == (b is None) and (a is None or _rel_err(a, b) < 1e-5), (shape, rows, i)
+        m = ref_grads[0].numel() // shape[-1]
+        w_terms, b_terms = _abs_weight_terms(inputs, runs[1][1][0], variant)
+        for rows in (2, 4):
+            for a, b in zip(runs[rows][0], runs[1][0]):
+                assert torch.equal(a, b)
+            vectors = iter((w_terms, b_terms))  # the 1-D inputs are the weight, then the bias if any
+            for t, a, b in zip(inputs, runs[rows][2], runs[1][2]):
+                if a is None:
+                    continue
+                if t.dim() > 1:  # dx (x's gradient, and the residual's, which is the same)
+                    assert torch.equal(a, b) if not CUDA else _rel_err(a, b) < 1e-6, (shape, rows)
+                else:
+                    bound = 2 * (m - 1) * 2.0 ** -24 * next(vectors)
+                    assert torch.all((a.double() - b.double()).abs().cpu() <= bound.cpu()), (shape, rows)
 
 
 @needs_triton

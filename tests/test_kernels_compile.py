@@ -72,7 +72,10 @@ def compile_all():
     for rms in (True, False):
         flags = dict(IS_RMS=rms, HAS_BIAS=not rms, BLOCK=8192)
         _compile(norm_triton._norm_fwd, dt, dict(HAS_RES=True, **flags), 16, 3)
-        _compile(norm_triton._norm_bwd, dt, dict(HAS_DSUM=True, **flags), 16, 3)
+        _compile(norm_triton._norm_bwd, dt, dict(HAS_DSUM=True, ROWS=norm_triton.BWD_ROWS_PER_ITER, **flags), 16, 3)
+    for rows in (2, 4):  # the backward's other rows per loop iteration that benchmarks/gpu/tuning.py times
+        _compile(norm_triton._norm_bwd, dt, dict(HAS_DSUM=True, IS_RMS=True, HAS_BIAS=False, BLOCK=8192, ROWS=rows),
+                 16, 3)
     _compile(rope_triton._rope_kernel, dt, dict(BLOCK_H=32, BLOCK_D=64), 8, 3)
     _compile(swiglu_triton._swiglu_fwd, dt, dict(BLOCK=swiglu_triton.BLOCK), 4, 3)
     _compile(swiglu_triton._swiglu_bwd, dt, dict(BLOCK=swiglu_triton.BLOCK), 4, 3)

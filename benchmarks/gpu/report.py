@@ -114,9 +114,11 @@ def training(result: dict) -> list:
 
 def tuning(result: dict) -> list:
     rows = result["sections"].get("tuning", {}).get("tables", {}).get("tuning", [])
-    return _t(["kernel", "warps", "programs/SM", "fwd", "bwd", "fwd+bwd"],
-              [[r["kernel"], r["warps"], r.get("programs_per_sm", "-"), _n(r["fwd_tbps"]), _n(r["bwd_tbps"]),
-                _n(r["fwd_bwd_tbps"])] for r in rows]) if rows else []
+    # Norm rows before BWD_ROWS_PER_ITER was swept ran the backward one row a loop iteration.
+    return _t(["kernel", "warps", "programs/SM", "rows/iter", "fwd", "bwd", "fwd+bwd"],
+              [[r["kernel"], r["warps"], r.get("programs_per_sm", "-"),
+                r.get("rows_per_iter", 1 if r["kernel"] == "rms_norm" else "-"), _n(r["fwd_tbps"]),
+                _n(r["bwd_tbps"]), _n(r["fwd_bwd_tbps"])] for r in rows]) if rows else []
 
 
 def memory(result: dict) -> list:
