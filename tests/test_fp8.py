@@ -25,7 +25,7 @@ from engine.layout import Layout
 from engine.parallel.layers import make_param
 from engine.parallel.topology import ParallelContext
 from engine.parallel.weight_grad_store import deferring_weight_grads, weight_grads
-from engine.planner.layer_time import FP8_GEMM_SPEEDUP, gemm_seconds
+from engine.planner.layer_time import FP8_GEMM_SPEEDUP, experts_fp8_speedups, gemm_seconds
 from engine.planner.software import Software
 from engine.planner.step_time import estimate
 from engine.report import fp8_lines
@@ -161,6 +161,50 @@ def test_experts_scale_per_token_and_per_expert():
         assert xg.grad is not None and wg.grad.shape == w.shape
 
 
+def test_row_scaled_scaled_mm_is_the_experts_dequantized_product_bitwise():
+    """engine.fp8.gemm.row_scaled, the experts' CUDA path (FP8 tensor cores with row-wise scales): torch's CPU
+    `_scaled_mm` with the experts' operands, per-token x and one-scale weights, forward (x @ w) and input gradient
+    (dy @ w^T through a transposed view), equals the dequantized product the CPU runs, bit for bit, in fp32 and bf16;
+    scales that vary along K (1x128 tiles over K > 128) are not row-wise, so those stay dequantized."""
+    from engine.fp8.experts import _transposed_view
+    g = torch.Generator().manual_seed(5)
+    for n, k, m in ((32, 64, 48), (37, 200, 130), (256, 128, 384)):
+        ex = Fp8Experts(Recipe("e4m3", "tensorwise"))
+        xq, dyq = ex.rows(torch.randn(n, k, generator=g) * 3, False), ex.rows(torch.randn(n, m, generator=g), True)
+        wq = ex.weight(torch.randn(k, m, generator=g) * 0.1)
+        for a, b in ((xq, wq), (dyq, _transposed_view(wq))):
+            want = gemm.operand(a, torch.float32).matmul(gemm.operand(b, torch.float32))
+            for dtype in (torch.float32, torch.bfloat16):
+                assert torch.equal(gemm.row_scaled(a, b, dtype), want.to(dtype)), (n, k, m, dtype)
+    tiled = Fp8Experts(Recipe("e4m3", "blockwise"))
+    assert gemm.row_scaled(tiled.rows(torch.randn(8, 256), False), tiled.weight(torch.randn(256, 16)),
+                           torch.float32) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the FP8 tensor cores need a GPU")
+def test_gpu_experts_run_on_fp8_tensor_cores():
+    """On CUDA, e4m3 tensorwise experts in bf16: forward and the input gradient go through `_scaled_mm` (two calls
+    per expert), and output and gradients equal the dequantized path's to one bf16 rounding (fp32 accumulation in
+    another order)."""
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(250, 512, generator=g), torch.randn(4, 512, 256, generator=g) * 0.05  # 61-64 tokens each
+    dy = torch.randn(250, 256, generator=g)
+    runs, calls = {}, []
+    for rowwise in (True, False):
+        xg = x.to("cuda", torch.bfloat16).requires_grad_()
+        wg = w.to("cuda", torch.bfloat16).requires_grad_()
+        real = torch._scaled_mm
+        with mock.patch.object(gemm, "ROWWISE_ON_CUDA", rowwise), \
+                mock.patch.object(torch, "_scaled_mm", lambda *a, **k: (calls.append(rowwise), real(*a, **k))[1]):
+            y = Fp8Experts(Recipe("e4m3", "tensorwise"))(xg, wg, [64, 61, 64, 61])
+            y.backward(dy.to("cuda", torch.bfloat16))
+        runs[rowwise] = (y.float(), xg.grad.float(), wg.grad.float())
+    assert calls.count(True) == 8 and calls.count(False) == 0, calls
+    for got, want in zip(runs[True], runs[False]):
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-6 * want.abs().max().item())
+
+
 def test_fp8_flags():
     cfg = parse_config(["--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--fp8-amax-history-len", "16",
                         "--fp8-amax-compute-algo", "max", "--fp8-margin", "1"])
@@ -189,6 +233,16 @@ def test_the_planner_prices_fp8_gemms_and_casts():
     assert step["tensorwise"] == step["delayed"] < step[None] / 1.1, step
     assert step[None] / step["tensorwise"] < FP8_GEMM_SPEEDUP, step
     assert step["blockwise"] > step[None], step
+    # Mixtral: the routed experts' forward runs on FP8 tensor cores (row-wise scales), their input gradient too
+    # under e4m3 (hybrid's e5m2 gradients are not taken), their weight gradient never; blockwise none of them.
+    moe, layout = parse_config(["--config", "configs/mixtral-8x7b.yaml"]).model, Layout(dp=8, ep=8, micro_batch_size=1)
+    steps = {(r, f): estimate(moe, layout, gpu, 64, 4096, software=Software(fp8=r, fp8_format=f)).step_time_s
+             for r in (None, "tensorwise", "blockwise") for f in ("e4m3", "hybrid")}
+    assert steps[("tensorwise", "e4m3")] < steps[("tensorwise", "hybrid")] < steps[(None, "hybrid")], steps
+    assert steps[("blockwise", "e4m3")] == steps[("blockwise", "hybrid")] > steps[(None, "e4m3")], steps
+    forward, dgrad, wgrad = experts_fp8_speedups(Software(fp8="delayed", fp8_format="e4m3"))
+    assert forward == dgrad == FP8_GEMM_SPEEDUP and wgrad == 1.0
+    assert experts_fp8_speedups(Software(fp8="delayed")) == (FP8_GEMM_SPEEDUP, 1.0, 1.0)
 
 
 def test_the_banner_says_what_runs_in_fp8_and_what_mfu_is_against():

@@ -5,15 +5,18 @@ scale over its whole input would change with the layout. Its inputs and output g
 per token (a row: one scale under tensor scaling, 1x128 tiles under blockwise), which no layout changes, and
 its weights per expert (one scale, or 128x128 tiles; delayed scaling uses the expert's current amax: its
 weights are whole on every rank that holds them). The weight gradient contracts over tokens and reuses the
-per-token operands. The GEMMs run dequantized (engine.fp8.gemm.operand: fp32, or bf16 on CUDA in a bf16 run,
-both exact), so on a GPU they run at the bf16 rate with FP8's numbers.
+per-token operands. Forward and the input gradient go through engine.fp8.gemm.mm_kn: under tensor scaling with
+e4m3 operands on CUDA (`--fp8-format e4m3`; hybrid's e5m2 gradients are not taken by the row-wise kernel) they run
+on the FP8 tensor cores with row-wise scales; otherwise, and always for the weight gradient (its per-token scales
+vary along the tokens it sums over), dequantized (engine.fp8.gemm.operand: fp32, or bf16 on CUDA in a bf16 run,
+both exact), at the bf16 rate with FP8's numbers.
 """
 from __future__ import annotations
 
 import torch
 
-from engine.fp8.gemm import operand
-from engine.fp8.quantize import fp8_dtype, quantize_tiles
+from engine.fp8.gemm import mm_kn, operand
+from engine.fp8.quantize import Quantized, fp8_dtype, quantize_tiles
 from engine.fp8.scaling import ACTIVATION_TILE, WEIGHT_TILE, Recipe
 
 
@@ -40,13 +43,18 @@ class _GroupedFn(torch.autograd.Function):
         xq = [fp8.rows(part, False) for part in x.split(sizes)]
         wq = [fp8.weight(w[i]) for i in range(len(sizes))]
         ctx.saved, ctx.fp8, ctx.sizes, ctx.w_dtype = (xq, wq), fp8, sizes, w.dtype
-        out = [operand(a, x.dtype).matmul(operand(b, x.dtype)) for a, b in zip(xq, wq)]
+        out = [mm_kn(a, b, x.dtype) for a, b in zip(xq, wq)]
         return torch.cat(out).to(x.dtype) if out else x.new_empty((0, w.shape[-1]))
 
     @staticmethod
     def backward(ctx, dy):
         (xq, wq), fp8 = ctx.saved, ctx.fp8
-        dyq = [operand(fp8.rows(part, True), dy.dtype) for part in dy.split(ctx.sizes)]
-        dx = [g.matmul(operand(b, dy.dtype).t()) for g, b in zip(dyq, wq)]
-        dw = torch.stack([operand(a, dy.dtype).t().matmul(g) for a, g in zip(xq, dyq)])
+        dyq = [fp8.rows(part, True) for part in dy.split(ctx.sizes)]
+        dx = [mm_kn(g, _transposed_view(b), dy.dtype) for g, b in zip(dyq, wq)]
+        dw = torch.stack([operand(a, dy.dtype).t().matmul(operand(g, dy.dtype)) for a, g in zip(xq, dyq)])
         return torch.cat(dx).to(dy.dtype), dw.to(ctx.w_dtype), None, None
+
+
+def _transposed_view(q: Quantized) -> Quantized:
+    """q^T without a copy (column-major: what `_scaled_mm` takes as its second operand)."""
+    return Quantized(q.data.t(), q.scale_inv.t(), None if q.tile_of is None else q.tile_of[::-1])

@@ -94,17 +94,40 @@ def fp8_speedup(sw: Software) -> float:
     return FP8_GEMM_SPEEDUP if sw.fp8 in ("tensorwise", "delayed") else 1.0
 
 
-def _fp8_casts(model: ModelConfig, tokens: float, t: int, gpu: GPUSpec, sw: Software) -> float:
-    """Seconds of one dense layer's FP8 casts, forward and backward: the four linears' inputs and output
-    gradients (their tp shares) for this rank's tokens."""
+def experts_fp8_speedups(sw: Software) -> tuple:
+    """The routed experts' (forward, input gradient, weight gradient) GEMM rates over bf16 (engine/fp8/experts.py):
+    under tensor scaling forward runs on FP8 tensor cores with row-wise scales, the input gradient too when the
+    gradients are e4m3 (`--fp8-format e4m3`; hybrid's e5m2 ones are not taken), the weight gradient never (its
+    per-token scales vary along the tokens it sums over)."""
+    fast = fp8_speedup(sw)
+    return fast, (fast if sw.fp8_format == "e4m3" else 1.0), 1.0
+
+
+def _mlp_cast_width(model: ModelConfig, ffn: float) -> float:
+    """Elements per token an MLP of width ffn (this rank's share) quantizes: fc1's and fc2's inputs and outputs."""
+    (fc1_rows, fc1_cols), (fc2_rows, fc2_cols) = mlp_matrices(model, ffn)
+    return fc1_cols + fc1_rows + fc2_cols + fc2_rows
+
+
+def _fp8_casts(model: ModelConfig, tokens: float, t: int, gpu: GPUSpec, sw: Software,
+               experts: tuple = (0, 0.0)) -> float:
+    """Seconds of one layer's FP8 casts, forward and backward: its FP8 linears' inputs and output gradients (their
+    tp shares) for this rank's tokens. A dense layer's MLP is the config's; an MoE layer's (`experts`: how many
+    routed experts this rank holds, and the rows each gets) its shared expert for the tokens and each routed
+    expert for its rows (quantized per token, then dequantized for the weight gradient: about the same bytes)."""
     if sw.fp8 is None:
         return 0.0
-    (fc1_rows, fc1_cols), (fc2_rows, fc2_cols) = mlp_matrices(model, model.resolved_ffn_hidden_size() / t)
-    width = fc1_cols + fc1_rows + fc2_cols + fc2_rows
-    for (rows, cols), axis in zip(attention_matrices(model), attention_splits(model)):
+    held, rows = experts
+    if held:
+        shared = model.moe_shared_expert_intermediate_size or 0
+        width = _mlp_cast_width(model, shared / t) if shared else 0.0
+        elements = held * rows * _mlp_cast_width(model, model.resolved_moe_ffn_hidden_size())
+    else:
+        width, elements = _mlp_cast_width(model, model.resolved_ffn_hidden_size() / t), 0.0
+    for (rows_, cols), axis in zip(attention_matrices(model), attention_splits(model)):
         if tensor_parallel(axis):  # the FP8 linears (MLA's replicated latents are not)
-            width += (cols / t if axis == 1 else cols) + (rows / t if axis == 0 else rows)
-    return FP8_CAST_TRAFFIC[sw.fp8] * tokens * width / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
+            width += (cols / t if axis == 1 else cols) + (rows_ / t if axis == 0 else rows_)
+    return FP8_CAST_TRAFFIC[sw.fp8] * (tokens * width + elements) / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
 
 
 def _attention_seconds(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: Software) -> tuple:
@@ -218,18 +241,20 @@ def _moe_layer(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: S
     tokens = layout.micro_batch_size * seq / layout.cp
     routed = tokens / (t if layout.sequence_parallel else 1)  # each tp rank routes its own tokens under SP
     rows = k * routed * ep / E  # per expert, balanced routing over the EP group
-    experts = E / ep * _mlp_gemm(model, rows, model.resolved_moe_ffn_hidden_size(), gpu)
+    forward, dgrad, wgrad = (E / ep * _mlp_gemm(model, rows, model.resolved_moe_ffn_hidden_size(), gpu, speedup)
+                             for speedup in experts_fp8_speedups(sw))
     shared = _mlp_gemm(model, tokens, (model.moe_shared_expert_intermediate_size or 0) / t, gpu, fp8_speedup(sw))
     router = FP32_SLOWDOWN * gemm_seconds(routed, E, h, gpu)
-    gemm = attn_gemm + experts + shared + router  # the experts' FP8 GEMMs run at the bf16 rate (engine/fp8)
+    gemm = attn_gemm + shared + router
     stored = layer_activation_bytes(model, seq, layout.micro_batch_size, t, layout.sequence_parallel, "none",
                                     flash_attention=True, cp=layout.cp, moe=True)
-    elementwise = ELEMENTWISE_TRAFFIC * stored / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
+    elementwise = ELEMENTWISE_TRAFFIC * stored / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY) + \
+        _fp8_casts(model, tokens, t, gpu, sw, (E / ep, rows)) / 3  # forward's third, as in a dense layer
     # The attention's TP collectives, and the shared expert's; the routed experts need none (tokens stay put).
     n_tp = 1 + bool(model.moe_shared_expert_intermediate_size)
     tp_comm = n_tp * all_reduce(2 * tokens * h, t, links.tp) * (1 - sw.tp_comm_overlap)
     a2a = 2 * all_to_all(2 * k * routed * h, ep, links)  # dispatch and combine, bf16 activations
-    fwd = gemm + attn_fwd + elementwise + tp_comm + a2a
-    bwd = 2 * gemm + attn_bwd + 2 * elementwise + tp_comm + a2a
+    fwd = gemm + forward + attn_fwd + elementwise + tp_comm + a2a
+    bwd = 2 * gemm + dgrad + wgrad + attn_bwd + 2 * elementwise + tp_comm + a2a
     recompute = {"full": fwd, "selective": attn_fwd}.get(layout.recompute, 0.0)
     return fwd, bwd, recompute, 2 * a2a

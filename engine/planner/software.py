@@ -19,7 +19,8 @@ class Software:
     documents of this mean length under --reset-attention-mask, whose attention the kernels skip but for each
     document's own square (engine/attention_mask.py counts it; None: each sample one sequence). muon: the step
     is Muon's (engine/planner/muon_step.py prices its Newton-Schulz work and exchanges; its state is smaller). fp8:
-    the FP8 recipe of the hidden linears (layer_time prices their GEMMs and the casts). fp8_param_gather: the
+    the FP8 recipe of the hidden linears (layer_time prices their GEMMs and the casts); fp8_format: e4m3 or
+    hybrid (whether the experts' input gradient runs on FP8 tensor cores too). fp8_param_gather: the
     distributed optimizer gathers the FP8 linears' weights as FP8 codes (engine/planner/fp8_gather.py), where
     the engine takes the flag: see `gathers_fp8`.
     """
@@ -34,6 +35,7 @@ class Software:
     document_length: Optional[int] = None
     muon: Optional[MuonSettings] = None   # --optimizer muon's settings (None: Adam)
     fp8: Optional[str] = None             # --fp8-recipe when --fp8-format is given (None: no FP8)
+    fp8_format: str = "hybrid"            # --fp8-format (with fp8)
     fp8_param_gather: bool = False        # --fp8-param-gather
 
     def gathers_fp8(self, sharding) -> bool:
