@@ -191,6 +191,7 @@ def test_gpu_experts_run_on_fp8_tensor_cores():
     x, w = torch.randn(250, 512, generator=g), torch.randn(4, 512, 256, generator=g) * 0.05  # 61-64 tokens each
     dy = torch.randn(250, 256, generator=g)
     runs, calls = {}, []
+    assert gemm._row_scaled_runs(torch.device("cuda", torch.cuda.current_device()))  # this build has the kernel
     for rowwise in (True, False):
         xg = x.to("cuda", torch.bfloat16).requires_grad_()
         wg = w.to("cuda", torch.bfloat16).requires_grad_()

@@ -16,6 +16,8 @@ bit for bit with such scales (tests/test_fp8.py), which is the CPU path.
 """
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Optional
 
 import torch
@@ -62,7 +64,22 @@ def _scales_along(q: Quantized, axis: int) -> Optional[torch.Tensor]:
 def _row_scaled_cores(a: Quantized, b: Quantized, out_dtype) -> bool:
     return (ROWWISE_ON_CUDA and a.data.is_cuda and out_dtype == torch.bfloat16 and a.data.dtype == E4M3
             and b.data.dtype == E4M3 and a.data.shape[0] > 0  # any number of tokens; K and N multiples of 16
-            and a.data.shape[1] % 16 == 0 and b.data.shape[1] % 16 == 0)
+            and a.data.shape[1] % 16 == 0 and b.data.shape[1] % 16 == 0 and _row_scaled_runs(a.data.device))
+
+
+@functools.lru_cache(maxsize=None)
+def _row_scaled_runs(device: torch.device) -> bool:
+    """Whether this torch build runs row-wise scaled FP8 GEMMs on `device` (its CUTLASS kernel is built for sm_89
+    and sm_90 only): tried once on a 16 x 16 product; if not, one warning and the dequantized path."""
+    a = torch.zeros((16, 16), dtype=E4M3, device=device)
+    ones_a, ones_b = torch.ones((16, 1), device=device), torch.ones((1, 16), device=device)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=ones_a, scale_b=ones_b, out_dtype=torch.bfloat16)
+        return True
+    except RuntimeError as exc:
+        warnings.warn(f"FP8 experts: row-wise scaled GEMMs do not run on {device} with this torch build "
+                      f"({str(exc).splitlines()[0]}); the experts' GEMMs run dequantized at the bf16 rate")
+        return False
 
 
 def row_scaled(a: Quantized, b: Quantized, out_dtype) -> Optional[torch.Tensor]:
