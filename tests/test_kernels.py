@@ -190,6 +190,30 @@ def test_rope_matches_reference_on_strided_input():
 
 
 @needs_triton
+def test_rope_rows_per_program():
+    """ROWS_PER_PROGRAM 1, 2 and 4 rotate the same numbers, forward and backward, bit for bit (each row computed
+    alike), for shared angles and per-sample angles, with 5 x 3 = 15 rows: the last program holds rows past the
+    end, which must neither be read nor written."""
+    from unittest import mock
+    rope_triton = _tk("rope_triton")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 3, 3, 16, generator=g).to(DEVICE)
+    dy = torch.randn(5, 3, 3, 16, generator=g).to(DEVICE)
+    for freqs in ((torch.rand(5, 8, generator=g) * 6).to(DEVICE), (torch.rand(5, 3, 8, generator=g) * 6).to(DEVICE)):
+        runs = []
+        for rows in (1, 2, 4):
+            xg = x.clone().requires_grad_()
+            with mock.patch.object(rope_triton, "ROWS_PER_PROGRAM", rows):
+                y = rope_triton.apply_rope(xg, freqs)
+                y.backward(dy)
+            runs.append((y.detach(), xg.grad))
+        want = reference.apply_rope(x, freqs)
+        assert _rel_err(runs[0][0], want) < 1e-5
+        for y, dx in runs[1:]:
+            assert torch.equal(y, runs[0][0]) and torch.equal(dx, runs[0][1])
+
+
+@needs_triton
 def test_swiglu_matches_reference_on_chunked_input():
     g = torch.Generator().manual_seed(3)
     fused = torch.randn(3, 4, 80, generator=g).to(DEVICE) * 3

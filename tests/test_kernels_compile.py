@@ -22,7 +22,7 @@ except ImportError:  # the ahead-of-time API moved
 HOPPER_SHARED_BYTES = 232448  # 227 KiB of opt-in dynamic shared memory per block on H100/H200
 FP32_POINTERS = {"MEAN", "RSTD", "LSE", "DELTA", "MAX", "SUMEXP", "TLOGIT", "COEF_S", "COEF_O", "DW_PART",
                  "DB_PART", "FREQS"}
-SIZES = {"BATCH", "H", "M", "N", "S", "NQ", "NKV", "NH", "HALF", "GROUP"}  # upper-case scalars
+SIZES = {"BATCH", "H", "M", "N", "S", "NQ", "NKV", "NH", "HALF", "GROUP", "TOTAL"}  # upper-case scalars
 
 
 def _signature(fn, dtype, constexprs):
@@ -76,7 +76,8 @@ def compile_all():
     for rows in (2, 4):  # the backward's other rows per loop iteration that benchmarks/gpu/tuning.py times
         _compile(norm_triton._norm_bwd, dt, dict(HAS_DSUM=True, IS_RMS=True, HAS_BIAS=False, BLOCK=8192, ROWS=rows),
                  16, 3)
-    _compile(rope_triton._rope_kernel, dt, dict(BLOCK_H=32, BLOCK_D=64), 8, 3)
+    for rows in (1, 2, 4):  # rows per program: the default and what benchmarks/gpu/tuning.py times
+        _compile(rope_triton._rope_kernel, dt, dict(BLOCK_H=32, BLOCK_D=64, ROWS=rows), 8, 3)
     _compile(swiglu_triton._swiglu_fwd, dt, dict(BLOCK=swiglu_triton.BLOCK), 4, 3)
     _compile(swiglu_triton._swiglu_bwd, dt, dict(BLOCK=swiglu_triton.BLOCK), 4, 3)
     _compile(ce_triton._ce_stats, dt, dict(BLOCK_V=ce_triton.BLOCK_V), 8, 3)

@@ -8,7 +8,8 @@ at every warp count on the H100 (2026-11-26). Then, at the programs/SM whose bac
 rows a loop iteration (BWD_ROWS_PER_ITER 2 and 4, one [rows, 8192] block) against the warps again: a block of
 more rows holds that many times the registers per thread, which more warps spread. The second pass is 8
 variants, not the 24 of the full three-way grid, to keep within the section's 20 s (the 16-variant grid and
-RoPE took 10 s). RoPE at [4096, 4, 32, 128]: warps per program (rope_triton.MAX_WARPS). Each variant: median
+RoPE took 10 s). RoPE at [4096, 4, 32, 128]: warps per program (rope_triton.MAX_WARPS) at one row a program,
+then 2 and 4 (position, sample) rows a program (ROWS_PER_PROGRAM) at 4 and 8 warps. Each variant: median
 of device-event timings, TB/s of the fewest bytes (norm forward 2 passes, backward 3; RoPE 2 each way). The
 module constants are set for each variant with unittest.mock and restored after it.
 """
@@ -23,6 +24,7 @@ from benchmarks.kernel_speed import median_ms
 from kernels import dispatch
 
 NORM_WARPS, NORM_PROGRAMS, NORM_ROWS, ROPE_WARPS = (4, 8, 16, 32), (2, 4, 8), (2, 4), (2, 4, 8, 16)
+ROPE_ROWS, ROPE_ROWS_WARPS = (2, 4), (4, 8)  # RoPE's rows per program beyond 1, at the two best warp counts so far
 
 
 def run(opts, record, earlier) -> None:
@@ -69,14 +71,15 @@ def run(opts, record, earlier) -> None:
     freqs = torch.rand(s, d // 2, generator=g).to(dev)
     dq = torch.randn(s, b, h, d, generator=g).to(dev, dtype)
     size = q.numel() * q.element_size()
-    for warps in ROPE_WARPS:
-        if not record.has_time(f"rope warps {warps}", 3.0):
+    for rows, warps in [(1, w) for w in ROPE_WARPS] + [(r, w) for r in ROPE_ROWS for w in ROPE_ROWS_WARPS]:
+        if not record.has_time(f"rope warps {warps} rows {rows}", 3.0):
             return
-        with mock.patch.multiple(rope_triton, MAX_WARPS=warps):
+        with mock.patch.multiple(rope_triton, MAX_WARPS=warps, ROWS_PER_PROGRAM=rows):
             fwd = median_ms(lambda: rope_triton.apply_rope(q, freqs), reps, cuda)
             y = rope_triton.apply_rope(q, freqs)
             bwd = median_ms(lambda: torch.autograd.grad(y, q, dq, retain_graph=True), reps, cuda)
-        record.row("tuning", {"kernel": "rope", "warps": warps, "fwd_ms": fwd, "bwd_ms": bwd,
+        record.row("tuning", {"kernel": "rope", "warps": warps, "rows_per_iter": rows, "fwd_ms": fwd, "bwd_ms": bwd,
                               "fwd_tbps": 2 * size / fwd / 1e9, "bwd_tbps": 2 * size / bwd / 1e9,
                               "fwd_bwd_tbps": 4 * size / (fwd + bwd) / 1e9},
-                   f"rope warps {warps}: fwd {2 * size / fwd / 1e9:.2f} TB/s, bwd {2 * size / bwd / 1e9:.2f} TB/s")
+                   f"rope warps {warps} rows/program {rows}: fwd {2 * size / fwd / 1e9:.2f} TB/s, bwd "
+                   f"{2 * size / bwd / 1e9:.2f} TB/s")
