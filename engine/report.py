@@ -118,8 +118,8 @@ def fp8_lines(cfg) -> list:
             f"{tr.fp8_recipe} scaling ({scaling[tr.fp8_recipe]}, margin {tr.fp8_margin}) in the QKV, projection, MLP "
             f"and expert GEMMs; the output layer, attention core and the rest in {precision_name(cfg)}; MFU is "
             "against the dense bf16 peak (--peak-tflops), the FP8 peak being twice it"
-            + ("; the sharded weights' all-gathers move the FP8 linears' weights as FP8 codes (--fp8-param-gather)"
-               if tr.fp8_param_gather else "")]
+            + ("; the sharded weights' all-gathers move the FP8 linears' and routed experts' weights as FP8 codes "
+               "(--fp8-param-gather)" if tr.fp8_param_gather else "")]
 
 
 def banner(cfg, ctx, chunks, device, layout: str) -> str:

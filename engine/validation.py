@@ -145,7 +145,7 @@ def check_fp8_param_gather(tr: TrainingConfig, par: ParallelConfig) -> None:
     if not tr.fp8_param_gather:
         return
     if tr.fp8_format is None:
-        _err(flag, True, "gathers the FP8 linears' weights, and nothing runs in FP8; add --fp8-format or drop it")
+        _err(flag, True, "gathers the FP8 layers' weights, and nothing runs in FP8; add --fp8-format or drop it")
     elif tr.fp8_recipe not in ("tensorwise", "delayed"):
         _err(flag, True, f"takes one scale per weight (tensorwise or delayed), not --fp8-recipe {tr.fp8_recipe}; "
                          "drop one")

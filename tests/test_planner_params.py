@@ -13,7 +13,7 @@ from engine.cli import parse_config
 from engine.fp8.scaling import Recipe
 from engine.layout import Layout
 from engine.optim.buckets import cut_buckets
-from engine.optim.fp8_gather import weight_linears
+from engine.optim.fp8_codes import fp8_weights
 from engine.optim.param_shard import forward_order
 from engine.parallel.layers import spec_of
 from engine.parallel.topology import ParallelContext
@@ -64,7 +64,7 @@ def test_chunk_tensors_are_what_the_engine_builds_in_forward_order(name, model, 
         chunks = build_model_chunks(cfg, ctx, device="meta")
         for chunk in chunks:
             fp8.attach(chunk, Recipe("e4m3", "tensorwise"), ctx)
-        linears = weight_linears(chunks)
+        linears = fp8_weights(chunks)
         for c, chunk in enumerate(chunks):
             listed = chunk_tensors(m, layout.tp, layout.ep, tuple(i in moe for i in ids[c]), r == first and c == 0,
                                    r == last and c == len(ids) - 1, layout.pp)

@@ -200,35 +200,42 @@ def _fp8_cfg(kind: str, strategy: str, bf16: bool, tp: int = 1, pp: int = 1, ep:
 
 
 def _engine_fp8_gather(cfg, layout, pp_rank: int, dp_rank: int, bucket_numel: int) -> tuple:
-    """The engine's (gathered, payloads, codes, FP8 weights) on one replica, built on a virtual context. ZeRO-1/2:
-    the all-gathers' bytes as test_fp8_param_gather counts them (equal there to what comm.counting measures), the
-    payloads of Fp8Gather's plans, its codes, the weights whose amaxes it all-reduces. ZeRO-3: one pass of the
-    unit gathers (`_unit_gather_bytes`), the payloads Fp8Shard keeps (`_mine`), the bytes its code tensors hold
-    between steps (none: freed with their units), the weights it holds codes for."""
-    from test_fp8_param_gather import _analytic_gather_bytes, _fp8_weights
+    """The engine's (gathered, the experts' part of it, payloads, codes, FP8 linears' weights, routed experts) on
+    one replica, built on a virtual context. ZeRO-1/2: the all-gathers' bytes as test_fp8_param_gather counts them
+    (equal there to what comm.counting measures), the payloads of Fp8Gather's plans, its codes. ZeRO-3: one pass
+    of the unit gathers (`_unit_gather_bytes`), the payloads Fp8Shard keeps (`_mine`), the bytes its code tensors
+    hold between steps (none: freed with their units). Both: the linears' weights whose amaxes the dense buffer
+    all-reduces, one each, and the experts of the stacked expert weights, one amax each over the experts'
+    replicas."""
+    from test_fp8_param_gather import _analytic_gather_bytes, _expert_weights, _fp8_weights, _linear_weights
 
     from engine.parallel.topology import ParallelContext
     ctx = ParallelContext.virtual(layout=layout, pp_rank=pp_rank, dp_rank=dp_rank)
     chunks = build_model_chunks(cfg, ctx, vocab_size=cfg.model.vocab_size,
                                 dtype=torch.bfloat16 if cfg.training.bf16 else torch.float32)
     opt = build_optimizer(cfg, chunks, ctx, bucket_numel=bucket_numel)
-    weights = _fp8_weights(chunks)
+    weights, stacks = _fp8_weights(chunks), _expert_weights(chunks)
+    amaxes = (len(_linear_weights(chunks)), sum(p.shape[0] for p in stacks))
+    experts = [opt.expert_buffer] if opt.expert_buffer in opt.buffers else []
     if opt.sharder is not None:
         shard = opt.sharder.fp8
         held = sum(c.untyped_storage().nbytes() for c in shard._codes.values())
         assert sorted(shard._at) == sorted(weights)
-        return _unit_gather_bytes(opt.sharder), sum(t.numel() for t in shard._mine.values()), held, len(weights)
+        return (_unit_gather_bytes(opt.sharder), _unit_gather_bytes(opt.sharder, experts),
+                sum(t.numel() for t in shard._mine.values()), held, *amaxes)
     payloads = sum(size * opt.buffers[i].replicas for (i, _), (_, size) in opt.fp8._plans.items())
-    return _analytic_gather_bytes(opt, weights), payloads, sum(c.numel() for c in opt.fp8.codes.values()), len(weights)
+    return (_analytic_gather_bytes(opt, weights), _analytic_gather_bytes(opt, weights, experts), payloads,
+            sum(c.numel() for c in opt.fp8.codes.values()), *amaxes)
 
 
-def _unit_gather_bytes(sharder) -> int:
+def _unit_gather_bytes(sharder, buffers=None) -> int:
     """Bytes one pass of ZeRO-3's unit gathers produces (param_shard.ParamSharder: every unit of every chunk once,
-    a bucket with each unit holding it): a bucket holding FP8 weights its replicas' payloads (Fp8Shard's plan),
-    another its flat tensor in the run's precision."""
+    a bucket with each unit holding it; of `buffers`' buckets, default all): a bucket holding FP8 weights its
+    replicas' payloads (Fp8Shard's plan), another its flat tensor in the run's precision."""
     fp8 = sharder.fp8
     return sum(s.buffer.replicas * fp8._plans[id(s)][1] if fp8.covers(s) else s.flat.numel() * s.flat.element_size()
-               for units in sharder.chunks for u in units for s in u.buckets)
+               for units in sharder.chunks for u in units for s in u.buckets
+               if buffers is None or any(s.buffer is b for b in buffers))
 
 
 FP8_CASES = [("llama", "optim", False, 2, {}, 3000), ("llama", "optim_grads", True, 2, {}, 1000),
@@ -244,9 +251,10 @@ FP8_CASES = [("llama", "optim", False, 2, {}, 3000), ("llama", "optim_grads", Tr
 @pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: "-".join(map(str, c[:4] + tuple(c[4].items()))))
 def test_fp8_param_gather_bytes_equal_the_engines(case):
     """engine/planner/fp8_gather.py against the engine's optimizer built on every replica of every pipeline rank:
-    the step's all-gather bytes (the FP8 linears' weights one byte an element in each replica's payload, every
-    payload as long as the bucket's longest; the other buckets, and the experts', in the run's precision; under
-    ZeRO-3 one pass of unit gathers), the payloads and codes kept; Memory.fp8_gather is their sum (and ZeRO-3's
+    the step's all-gather bytes (the FP8 linears' and routed experts' weights one byte an element in each
+    replica's payload, every payload as long as the bucket's longest; the other buckets in the run's precision;
+    under ZeRO-3 one pass of unit gathers), the experts' buffer's part of them, the payloads and codes kept, the
+    amaxes all-reduced (one per linear's weight, one per expert); Memory.fp8_gather is their sum (and ZeRO-3's
     transient) on the busiest rank. Llama fp32 at dp 2 gathers 57,088 bytes: what test_fp8_param_gather
     measures with comm.counting; ZeRO-3's step and transient are measured below."""
     from engine.planner.fp8_gather import fp8_gather_bytes
@@ -255,12 +263,15 @@ def test_fp8_param_gather_bytes_equal_the_engines(case):
     layout, precision = Layout.from_config(cfg, world), "bf16" if bf16 else "fp32"
     for pp_rank in range(layout.pp):
         planned = fp8_gather_bytes(cfg.model, layout, precision, pp_rank, bucket_numel)
-        experts = sum(p for _, p in rank_buckets(cfg.model, layout, pp_rank, True, bucket_numel)) \
-            if cfg.model.num_experts else 0
-        want = (planned.gathered + experts * (2 if bf16 else 4), planned.payloads, planned.codes, planned.weights)
+        want = (planned.gathered + planned.experts_gathered, planned.experts_gathered, planned.payloads,
+                planned.codes, planned.weights, planned.expert_amaxes)
         for dp_rank in range(layout.dp):
             assert _engine_fp8_gather(cfg, layout, pp_rank, dp_rank, bucket_numel) == want, (pp_rank, dp_rank, want)
-        assert planned.weights > 0 and planned.codes < planned.payloads <= planned.gathered
+        assert planned.weights > 0 and planned.codes < planned.payloads <= planned.gathered + planned.experts_gathered
+        # the experts' buffer holds their FP8 weights only: one byte an element of each padded bucket a pass
+        experts = sum(p for _, p in rank_buckets(cfg.model, layout, pp_rank, True, bucket_numel)) \
+            if cfg.model.num_experts else 0
+        assert planned.experts_gathered == experts and (planned.expert_amaxes > 0) == (experts > 0)
     if case == FP8_CASES[0]:
         assert planned.gathered == 57_088
     if layout.pp == 1:
@@ -300,15 +311,16 @@ def _fp8_zero3_step(rank: int, world: int, cases: list) -> list:
     return out
 
 
-ZERO3_FP8_STEPS = [("gpt", True, False), ("llama", False, True)]
+ZERO3_FP8_STEPS = [("gpt", True, False), ("llama", False, True), ("moe", True, True)]
 
 
 def test_fp8_param_gather_under_zero3_equals_the_engines_step():
     """One step of M microbatches at dp 2 under ZeRO-3 with --fp8-param-gather, tied GPT in bf16 (the embedding's
-    bucket gathered with the embedding and with the head) and Llama in fp32 with --overlap-param-gather: the
-    weights' all-gathers produce 2 M passes of the planner's unit gathers (comm.counting: 151,040 bytes for the
-    GPT), and the most code tensors and gathered payloads held at once (Fp8Shard.peak_bytes) is the planner's
-    transient, none left after the step."""
+    bucket gathered with the embedding and with the head), Llama in fp32 and the MoE Llama in bf16 (each layer's
+    dense bucket and its experts' landing in turn) with --overlap-param-gather: the weights' all-gathers produce
+    2 M passes of the planner's unit gathers (comm.counting: 151,040 bytes for the GPT), and the most code tensors
+    and gathered payloads held at once (Fp8Shard.peak_bytes) is the planner's transient, none left after the
+    step."""
     from engine.planner.fp8_gather import fp8_gather_bytes
     per_rank = run_ranks(_fp8_zero3_step, 2, ZERO3_FP8_STEPS, timeout=120)
     for i, (kind, bf16, prefetch) in enumerate(ZERO3_FP8_STEPS):
@@ -316,10 +328,14 @@ def test_fp8_param_gather_under_zero3_equals_the_engines_step():
         layout, precision = Layout.from_config(cfg, 2), "bf16" if bf16 else "fp32"
         planned = fp8_gather_bytes(cfg.model, layout, precision, 0, prefetch=prefetch)
         for gathered, peak, held in (r[i] for r in per_rank):
-            assert (gathered, peak, held) == (2 * M * planned.gathered, planned.transient, 0), (kind, planned)
-        # a unit's payloads are freed as it lands, before its neighbour's gather is launched: with equal layers
-        # prefetch holds one layer's codes and payloads at most, as without it
-        assert fp8_gather_bytes(cfg.model, layout, precision, 0, prefetch=not prefetch).transient == planned.transient
+            passes = 2 * M * (planned.gathered + planned.experts_gathered)  # (ep 1: the experts' over dp too)
+            assert (gathered, peak, held) == (passes, planned.transient, 0), (kind, planned)
+        # a unit's payloads are freed as it lands, before its neighbour's gather is launched: with equal layers of
+        # one FP8 bucket each prefetch holds one layer's codes and payloads at most, as without it; an MoE layer
+        # lands its dense bucket while its experts' payloads are still held, and prefetch holds all of a layer's
+        # codes beside the next one's payloads, more
+        other = fp8_gather_bytes(cfg.model, layout, precision, 0, prefetch=not prefetch).transient
+        assert other == planned.transient if kind != "moe" else other < planned.transient, (kind, other)
         mem = memory_per_gpu(cfg.model, layout, cfg.model.seq_length, M, precision, overlap_param_gather=prefetch,
                              fp8_param_gather=True)
         assert mem.fp8_gather == planned.payloads + planned.transient
@@ -386,3 +402,38 @@ def test_fp8_param_gather_prices_llama3_8b():
     assert b3.transient == pytest.approx(2 * layer, rel=1e-3)
     assert got.memory.fp8_gather == b3.payloads + b3.transient
     assert got.memory.allocated - base.memory.allocated == got.memory.fp8_gather
+
+
+def test_fp8_param_gather_prices_the_experts_gathers():
+    """Mixtral 8x7B in bf16 at dp 8 x ep 4, ZeRO-1, delayed scaling: the routed experts (88% of a rank's weights)
+    gather one byte an element too, over their own 2 replicas (11.27e9 bytes, their element count: the buckets hold
+    nothing else), after one all-reduce of one amax per expert (2 local experts x 2 stacked weights x 32 layers);
+    the step's exposed gather shrinks by the ring time of the dense and the experts' bytes saved, less the two
+    amax all-reduces'."""
+    import os
+
+    from engine.cli import parse_config
+    from engine.flops import GPU_PRESETS
+    from engine.planner.fp8_gather import fp8_gather_bytes
+    from engine.planner.links import all_reduce, group_links
+    from engine.planner.params import param_split_per_rank
+    from engine.planner.software import Software
+    from engine.planner.step_time import estimate
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    model = parse_config(["--config", os.path.join(root, "configs", "mixtral-8x7b.yaml")]).model
+    gpu, lay = GPU_PRESETS["h100-sxm"], Layout(dp=8, ep=4, sharding_strategy="optim")
+    b, (P, E, _) = fp8_gather_bytes(model, lay, "bf16", 0), param_split_per_rank(model, lay)[0]
+    assert b.experts_gathered == E and b.expert_amaxes == 2 * 2 * model.num_layers and E > 7 * P
+    assert E + 0.8 * P < b.codes < E + 0.85 * P  # the experts' codes and the dense FP8 linears' (84%: not the
+    #                                              embedding, the output layer, the router or the norms)
+
+    def run(flag):
+        return estimate(model, lay, gpu, 64, 4096, software=Software(overlap_grad_reduce=False, fp8="delayed",
+                                                                     fp8_param_gather=flag))
+    links = group_links(lay, gpu, 8)
+    saved = (7 / 8 * (links.dp.seconds(2 * P - b.gathered) - links.dp.latency)
+             + 1 / 2 * (links.edp.seconds(2 * E - b.experts_gathered) - links.edp.latency)
+             - all_reduce(4 * b.weights, 8, links.dp) - all_reduce(4 * b.expert_amaxes, 2, links.edp))
+    got, base = run(True), run(False)
+    assert base.breakdown["dp_comm"] - got.breakdown["dp_comm"] == pytest.approx(saved, rel=1e-9)
+    assert got.memory.fp8_gather == b.codes + b.payloads

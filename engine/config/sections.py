@@ -83,9 +83,9 @@ class TrainingConfig:
     fp8_amax_history_len: int = _f(1, "FP8 delayed scaling: steps of amax history kept per tensor")
     fp8_amax_compute_algo: str = _f("most_recent", "FP8 delayed scaling: the history's max or its most recent amax",
                                     choices=FP8_AMAX_ALGOS)
-    fp8_param_gather: bool = _f(False, "FP8: the sharded weights' all-gathers move the FP8 linears' weights as "
-                                       "their FP8 codes (tensorwise, delayed; optim, optim_grads, "
-                                       "optim_grads_params)")
+    fp8_param_gather: bool = _f(False, "FP8: the sharded weights' all-gathers move the FP8 linears' and routed "
+                                       "experts' weights as their FP8 codes (tensorwise, delayed; optim, "
+                                       "optim_grads, optim_grads_params)")
     hysteresis: int = _f(2, "fp16: overflowing steps before the dynamic scale halves")
     seed: int = _f(1234, "random seed for weights, data order and dropout")
     device: str = _f("auto", "auto: cuda when GPUs are visible, else cpu (nccl and gloo by default; see "

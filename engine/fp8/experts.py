@@ -10,19 +10,36 @@ e4m3 operands on CUDA (`--fp8-format e4m3`; hybrid's e5m2 gradients are not take
 on the FP8 tensor cores with row-wise scales; otherwise, and always for the weight gradient (its per-token scales
 vary along the tokens it sums over), dequantized (engine.fp8.gemm.operand: fp32, or bf16 on CUDA in a bf16 run,
 both exact), at the bf16 rate with FP8's numbers.
+
+Under `--fp8-param-gather` (tensor scaling) a stacked weight arrives quantized: the optimizer's all-gather
+(engine.optim.fp8_codes, `ExpertCodes`) quantizes each replica's shard with each expert's scale from the amax of
+its whole weight (MAX-reduced over the replicas) and gathers the codes; `gathered` holds them per weight
+(`GatheredExperts`) until the weight changes (its version counter; no history moves these scales), and forward
+takes them instead of quantizing: per expert the codes and scale `weight` makes, bit for bit.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from engine.fp8.gemm import mm_kn, operand
-from engine.fp8.quantize import Quantized, fp8_dtype, quantize_tiles
+from engine.fp8.quantize import Quantized, fp8_dtype, quantize_tiles, scale_of
 from engine.fp8.scaling import ACTIVATION_TILE, WEIGHT_TILE, Recipe
+
+
+@dataclass
+class GatheredExperts:
+    """A stacked expert weight's operands from the optimizer's gather, one per expert as `Fp8Experts.weight` makes
+    it, and the weight's version they hold for."""
+    q: list
+    version: int
 
 
 class Fp8Experts:
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
+        self.gathered = {}  # id(stacked weight) -> GatheredExperts under --fp8-param-gather
 
     def rows(self, x: torch.Tensor, gradient: bool):
         tile = ACTIVATION_TILE if self.recipe.blockwise else (1, max(x.shape[1], 1))
@@ -31,6 +48,31 @@ class Fp8Experts:
     def weight(self, w: torch.Tensor):
         tile = WEIGHT_TILE if self.recipe.blockwise else tuple(max(n, 1) for n in w.shape)
         return quantize_tiles(w, tile, fp8_dtype(self.recipe.fmt, False), self.recipe.margin)
+
+    def weights(self, w: torch.Tensor, n: int) -> list:
+        """Forward's Q(w[i]) of the first n experts: the gathered codes while they hold, else quantized here."""
+        g = self.gathered.get(id(w))
+        if g is not None and g.version == w._version:
+            return g.q[:n]
+        return [self.weight(w[i]) for i in range(n)]
+
+    def encode_scales(self, amaxes: torch.Tensor) -> torch.Tensor:
+        """Tensor scaling: the encode scale `weight` takes for each expert whose whole weight's amax is amaxes[i].
+        On the CPU one expert at a time, as `weight` computes its one-element grid: torch's CPU kernels run a long
+        tensor through vectorized (SIMD) code and a single element through scalar code, whose log2 may differ in
+        the last bit with some builds (not this one's, on 200,000 values and every power of two's neighbour); a
+        CUDA kernel runs the same code on every element, so there all at once."""
+        if self.recipe.blockwise:
+            raise ValueError("blockwise experts' weights have 128x128 tile scales, not one per expert")
+        dtype, margin = fp8_dtype(self.recipe.fmt, False), self.recipe.margin
+        if amaxes.is_cuda or not len(amaxes):
+            return scale_of(amaxes, dtype, margin, pow2=True)
+        return torch.cat([scale_of(a.reshape(1), dtype, margin, pow2=True) for a in amaxes])
+
+    def operand(self, data: torch.Tensor, scale: torch.Tensor, tile_of: tuple) -> Quantized:
+        """An expert's Q(w) from its codes [K, N] and encode scale, as `weight` makes it (`tile_of`: one tile over
+        all of it, `single_tile(K, N)`, shared by the experts of a weight)."""
+        return Quantized(data, scale.reshape(1, 1).reciprocal(), tile_of)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, sizes: list) -> torch.Tensor:
         """Rows of x [N, K] grouped in len(sizes) runs; run i times w[i] [K, M] -> [N, M]."""
@@ -41,7 +83,7 @@ class _GroupedFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, sizes, fp8: Fp8Experts):
         xq = [fp8.rows(part, False) for part in x.split(sizes)]
-        wq = [fp8.weight(w[i]) for i in range(len(sizes))]
+        wq = fp8.weights(w, len(sizes))
         ctx.saved, ctx.fp8, ctx.sizes, ctx.w_dtype = (xq, wq), fp8, sizes, w.dtype
         out = [mm_kn(a, b, x.dtype) for a, b in zip(xq, wq)]
         return torch.cat(out).to(x.dtype) if out else x.new_empty((0, w.shape[-1]))
@@ -58,3 +100,8 @@ class _GroupedFn(torch.autograd.Function):
 def _transposed_view(q: Quantized) -> Quantized:
     """q^T without a copy (column-major: what `_scaled_mm` takes as its second operand)."""
     return Quantized(q.data.t(), q.scale_inv.t(), None if q.tile_of is None else q.tile_of[::-1])
+
+
+def single_tile(rows: int, cols: int, device=None) -> tuple:
+    """`Quantized.tile_of` of a [rows, cols] tensor scaled as one tile (every row and column in tile 0)."""
+    return (torch.zeros(rows, dtype=torch.long, device=device), torch.zeros(cols, dtype=torch.long, device=device))

@@ -110,6 +110,12 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
     return _cast_ops(x, scale, dtype)
 
 
+def cast(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
+    """x's FP8 codes under encode `scale` (a scalar, or one broadcast along x: one per tile's elements, per row):
+    the data `quantize` and `quantize_tiles` store, element by element the same for any such layout."""
+    return _cast(x, scale, dtype)
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype) -> Quantized:
     """x [M, K] with one encode scale."""
     scale = scale.float().reshape(())

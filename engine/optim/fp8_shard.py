@@ -1,10 +1,12 @@
 """`--fp8-param-gather` under ZeRO-3 (`optim_grads_params`): each unit gather (forward, backward, prefetch)
-moves the FP8 linears' weights as their FP8 codes, one byte an element, instead of the run's precision.
+moves the FP8 linears' and routed experts' weights as their FP8 codes, one byte an element, instead of the run's
+precision.
 
-The codes, the payload and the scales are fp8_gather.py's (ZeRO-1/2), from the same functions: per FP8 weight
-the amax of this rank's shard, MAX-reduced over the replicas (and over tp x cp under current scaling) in one
-all-reduce per buffer, gives the scale the linear would use; each bucket's payload per replica holds its
-elements of the other parameters in the run's precision, then its codes. What differs is when and where:
+The codes, the payload and the scales are fp8_gather.py's (ZeRO-1/2), from the same functions and coders
+(fp8_codes.py): per FP8 weight the amax of this rank's shard (per expert for the experts'), MAX-reduced over the
+replicas (and over tp x cp under current scaling) in one all-reduce per buffer, gives the scale the layer would
+use; each bucket's payload per replica holds its elements of the other parameters in the run's precision, then
+its codes. What differs is when and where:
 
 - `prepare` packs this rank's payload of every bucket holding FP8 weights from the persistent weight shard
   (param_shard._Slot.shard) once the shards or the scales may have moved: the sharder calls it before the first
@@ -12,10 +14,11 @@ elements of the other parameters in the run's precision, then its codes. What di
   step counts differ from those it packed with). Every rank of a stage meets that gather at the same point.
 - `launch` all-gathers one bucket's payloads into a scratch tensor; `land` (when the gather is waited for) writes
   the other parameters' elements into the bucket's flat tensor, the codes into the bucket's code tensor, and
-  hands each linear its codes (Fp8Linear.gathered). The FP8 weights' own elements of the flat tensor are not
-  written: forward and backward (recomputation included) read only the codes, which hold while the weight's
-  version and the scaler's step count do; their values are not whole (`whole` False), so a moved scale raises
-  instead of quantizing them. Checkpoints gather the shards in the run's precision (ParamSharder.gathered).
+  hands each layer its codes (Fp8Linear.gathered, Fp8Experts.gathered). The FP8 weights' own elements of the
+  flat tensor are not written: forward and backward (recomputation included) read only the codes, which hold
+  while the weight's version and (a linear's) the scaler's step count do; their values are not whole (`whole`
+  False), so a linear's moved scale raises instead of quantizing them (the experts' scales follow no history).
+  Checkpoints gather the shards in the run's precision (ParamSharder.gathered).
 - The code tensor is freed with the flat tensor when the unit is released and refilled by the next gather, so
   the operand forward saved for backward (a view of it) sees the same codes again in backward.
 
@@ -27,17 +30,17 @@ from __future__ import annotations
 
 import torch
 
-from engine.optim.fp8_gather import encode, field, hand_over, plan, shared_scales
+from engine.optim.fp8_gather import field, plan, shared_scales
 from engine.optim.param_shard import free
 from engine.parallel import comm
 
 
 class Fp8Shard:
-    def __init__(self, slots: list, linears: dict):
-        """`slots`: the sharder's buckets (param_shard._Slot); `linears`: fp8_gather.weight_linears of the model."""
-        self.linears = linears
-        self._plans = {id(s): plan(s.buffer, s.bucket, linears) for s in slots
-                       if any(id(p) in linears for p in s.bucket.params)}
+    def __init__(self, slots: list, coders: dict):
+        """`slots`: the sharder's buckets (param_shard._Slot); `coders`: fp8_codes.fp8_weights of the model."""
+        self.coders = coders
+        self._plans = {id(s): plan(s.buffer, s.bucket, coders) for s in slots
+                       if any(id(p) in coders for p in s.bucket.params)}
         self._slots = [s for s in slots if id(s) in self._plans]
         self._mine = {id(s): torch.zeros(self._plans[id(s)][1], dtype=torch.uint8, device=s.shard.device)
                       for s in self._slots}
@@ -45,11 +48,11 @@ class Fp8Shard:
         for s in self._slots:
             at = 0
             for p in s.bucket.params:
-                if id(p) in linears:
+                if id(p) in coders:
                     self._at[id(p)], at = at, at + p.numel()
             self._codes[id(s)] = torch.zeros(at, dtype=torch.uint8, device=s.shard.device)
             free(self._codes[id(s)])
-        self._scales = {}  # id(weight) -> (the amax its linear notes, its scale, the scaler's step count then)
+        self._scales = {}  # id(weight) -> (its amax(es), its scale(s), the scaler's step count then)
         self._inflight = {}  # id(slot) -> its gathered payloads, until landed
         self._steps = None  # the scalers' step counts prepare packed with (None: pack before the next gather)
         self.held_bytes = self.peak_bytes = 0  # code tensors and gathered payloads held now, and at most
@@ -69,17 +72,17 @@ class Fp8Shard:
                 self.prepare()
 
     def _step_counts(self) -> list:
-        return [self.linears[id(p)].weight.steps for s in self._slots for p in s.bucket.params
-                if id(p) in self.linears]
+        return [self.coders[id(p)].steps for s in self._slots for p in s.bucket.params if id(p) in self.coders]
 
     def prepare(self) -> None:
         """Every FP8 weight's amax and scale (collective over each buffer's replicas), and this rank's payloads."""
         for buffer in dict.fromkeys(s.buffer for s in self._slots):
             slots = [s for s in self._slots if s.buffer is buffer]
-            weights = [p for s in slots for p in s.bucket.params if id(p) in self.linears]
-            shards = [self._shard(s, p) for s in slots for p in s.bucket.params if id(p) in self.linears]
-            for p, (now, scale) in zip(weights, shared_scales(buffer, weights, shards, self.linears)):
-                self._scales[id(p)] = now, scale, self.linears[id(p)].weight.steps
+            weights = [p for s in slots for p in s.bucket.params if id(p) in self.coders]
+            shards = [(self._shard(s, p), (s.buffer.local_range(p) or (0, 0))[0])
+                      for s in slots for p in s.bucket.params if id(p) in self.coders]
+            for p, (now, scale) in zip(weights, shared_scales(buffer, weights, shards, self.coders)):
+                self._scales[id(p)] = now, scale, self.coders[id(p)].steps
             for s in slots:
                 self._pack(s)
         self._steps = self._step_counts()
@@ -94,8 +97,8 @@ class Fp8Shard:
         mine = self._mine[id(slot)]
         for piece in self._plans[id(slot)][0][slot.buffer.replica_rank]:
             shard = self._shard(slot, piece.param)
-            if piece.linear is not None:
-                shard = encode(shard, self._scales[id(piece.param)][1], piece.linear)
+            if piece.coder is not None:
+                shard = piece.coder.encode(shard, piece.lo, self._scales[id(piece.param)][1])
             field(mine, piece).copy_(shard)
 
     def launch(self, slot, async_op: bool):
@@ -110,25 +113,25 @@ class Fp8Shard:
 
     def land(self, slot) -> None:
         """After the all-gather: the other parameters' elements into the flat tensor, the codes into the code
-        tensor, and each linear of the bucket its codes."""
+        tensor, and each layer of the bucket its codes."""
         (pieces, size), codes = self._plans[id(slot)], self._codes[id(slot)]
         payload = self._inflight.pop(id(slot))
         codes.untyped_storage().resize_(codes.numel())
         self._hold(codes.numel())  # the payloads are still held
         for r, mine in enumerate(pieces):
             for piece in mine:
-                if piece.linear is not None:
+                if piece.coder is not None:
                     at = self._at[id(piece.param)]
                     out = codes[at + piece.lo:at + piece.hi]
                 else:  # through .data, as the all-gather into the flat tensor writes: autograd's saved
                     out = piece.param.data.view(-1)[piece.lo:piece.hi]  # weights keep their versions
                 out.copy_(field(payload[r * size:(r + 1) * size], piece))
         for p in slot.bucket.params:
-            lin = self.linears.get(id(p))
-            if lin is not None:
+            coder = self.coders.get(id(p))
+            if coder is not None:
                 now, scale, steps = self._scales[id(p)]
-                hand_over(lin, p, codes[self._at[id(p)]:self._at[id(p)] + p.numel()], now, scale, steps,
-                          whole=False)
+                coder.hand_over(p, codes[self._at[id(p)]:self._at[id(p)] + p.numel()], now, scale, steps,
+                                whole=False)
         if payload is not self._mine[id(slot)]:
             self._hold(-payload.numel())
 

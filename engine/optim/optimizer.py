@@ -24,10 +24,10 @@ gradients too, which the grad buffer reduce-scatters per microbatch instead of k
 `optim_grads_params` (ZeRO-3) the weights too (param_shard.py): the masters then update the weights'
 shards directly and nothing is all-gathered after the step. Under ZeRO-1/2 `--overlap-param-gather` leaves the
 step's all-gathers in flight, each bucket waited for by the forward that first needs it (param_gather.py).
-With `--fp8-param-gather` (ZeRO-1/2) the buckets holding FP8 weights move those as FP8 codes (fp8_gather.py); the
-weights' other replicas' elements are then gathered in the run's precision only when read outside forward
-(wait_weights, full_weights). Under ZeRO-3 the unit gathers move them as codes (fp8_shard.py) and full_weights
-gathers the shards in the run's precision.
+With `--fp8-param-gather` (ZeRO-1/2) the buckets holding FP8 weights (the FP8 linears' and the routed experts')
+move those as FP8 codes (fp8_gather.py); the weights' other replicas' elements are then gathered in the run's
+precision only when read outside forward (wait_weights, full_weights). Under ZeRO-3 the unit gathers move them
+as codes (fp8_shard.py) and full_weights gathers the shards in the run's precision.
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ import torch
 
 from engine.optim import adamw
 from engine.optim.clip import clip_coefficient, counts_toward_norm, global_grad_norm
-from engine.optim.fp8_gather import Fp8Gather, weight_linears
+from engine.optim.fp8_codes import fp8_weights
+from engine.optim.fp8_gather import Fp8Gather
 from engine.optim.fp8_shard import Fp8Shard
 from engine.optim.grad_buffer import DEFAULT_BUCKET_NUMEL, GradBuffer
 from engine.optim.loss_scaler import LossScaler
@@ -103,9 +104,9 @@ class Optimizer:
         self.sharder = ParamSharder(model_chunks, units, self.buffers, prefetch=par.overlap_param_gather) \
             if units else None
         if self.sharder is not None and cfg.training.fp8_param_gather:  # ZeRO-3: unit gathers move FP8 codes
-            self.sharder.fp8 = Fp8Shard(self.sharder.slots, weight_linears(model_chunks))
-        # ZeRO-1/2 with --fp8-param-gather: FP8 weights gathered as FP8 codes
-        self.fp8 = Fp8Gather(self.buffers, weight_linears(model_chunks), ctx) \
+            self.sharder.fp8 = Fp8Shard(self.sharder.slots, fp8_weights(model_chunks))
+        # ZeRO-1/2 with --fp8-param-gather: FP8 weights (linears', experts') gathered as FP8 codes
+        self.fp8 = Fp8Gather(self.buffers, fp8_weights(model_chunks), ctx) \
             if self.distributed and units is None and cfg.training.fp8_param_gather else None
         # ZeRO-1/2 with --overlap-param-gather: the weights become views of flat buckets before the entries are made
         self.gather = ParamGather(model_chunks, self.buffers, self.fp8) \

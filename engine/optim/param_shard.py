@@ -21,8 +21,9 @@ With `prefetch` (--overlap-param-gather) the next unit's all-gather is started a
 is entered, so two units are held instead of one. Buckets are reference-counted: the tied embedding's
 bucket belongs to two units.
 
-With `--fp8-param-gather` (fp8_shard.py, `ParamSharder.fp8`) the buckets holding FP8 linears' weights are
-gathered as payloads carrying those weights' FP8 codes; `gathered` (checkpoints) gathers the shards as they are.
+With `--fp8-param-gather` (fp8_shard.py, `ParamSharder.fp8`) the buckets holding FP8 weights (the FP8 linears',
+the routed experts') are gathered as payloads carrying those weights' FP8 codes; `gathered` (checkpoints) gathers
+the shards as they are.
 
 Gradients are not this module's business: the grad buffer reduce-scatters them (shard_grads).
 """

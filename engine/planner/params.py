@@ -53,7 +53,8 @@ class Tensor(NamedTuple):
     expert: bool = False   # a routed expert's: E/ep per ep rank, whole on every tp rank, its own grad buffer
     trained: bool = True   # False: the router's fp32 expert bias (no gradient, no optimizer state)
     tied: bool = False     # the tied embedding or its last-stage copy at pp > 1: gradients summed across stages
-    fp8: bool = False      # a column- or row-parallel linear's weight: engine/fp8 gives its linear an Fp8Linear
+    fp8: bool = False      # an FP8 layer's weight, which --fp8-param-gather gathers as codes: a column- or
+    #                        row-parallel linear's (engine/fp8 gives it an Fp8Linear) or routed experts' (Fp8Experts)
 
 
 def tensor_parallel(axis) -> bool:
@@ -117,7 +118,7 @@ def _moe_block(model: ModelConfig, tp: int, ep: int) -> list:
     router = [Tensor(E * h, "router")]
     if model.moe_router_enable_expert_bias:
         router.append(Tensor(E, "expert_bias", trained=False))
-    experts = [Tensor(E // ep * rows * cols, "experts", expert=True)
+    experts = [Tensor(E // ep * rows * cols, "experts", expert=True, fp8=True)
                for rows, cols in mlp_matrices(model, model.resolved_moe_ffn_hidden_size())]
     return router + experts + (_mlp(model, shared, tp) if shared else [])
 

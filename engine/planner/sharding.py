@@ -38,8 +38,8 @@ m microbatches): no_shard all-reduces G once; optim reduce-scatters G and all-ga
 reduce-scatters G every microbatch (no full gradient is kept) and all-gathers W once; optim_grads_params
 all-gathers W twice per microbatch (forward and backward) and reduce-scatters G per microbatch, with no
 gather after the step (the updated shards are what is stored). With --fp8-param-gather W is what one gather
-produces by engine/planner/fp8_gather.py (the FP8 weights one byte an element; under ZeRO-3 one pass of unit
-gathers, the tied embedding's bucket with each of its two units at pp 1).
+produces by engine/planner/fp8_gather.py (the FP8 linears' and routed experts' weights one byte an element;
+under ZeRO-3 one pass of unit gathers, the tied embedding's bucket with each of its two units at pp 1).
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ class ChunkLayout(NamedTuple):
     units: dict      # gathered unit (param_shard.param_units) -> indices of the buckets holding its parameters
     order: tuple     # the chunk's units in forward order
     muon: tuple = ()  # per bucket, the (start, end) of the weights Muon would take (params.MUON_TAGS) in it
-    fp8: tuple = ()   # per bucket, the (start, end) of the FP8 linears' weights (params.Tensor.fp8) in it
+    fp8: tuple = ()   # per bucket, the (start, end) of the FP8 weights (params.Tensor.fp8) in it
 
 
 _BUCKETS: dict = {}

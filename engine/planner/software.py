@@ -21,8 +21,8 @@ class Software:
     is Muon's (engine/planner/muon_step.py prices its Newton-Schulz work and exchanges; its state is smaller). fp8:
     the FP8 recipe of the hidden linears (layer_time prices their GEMMs and the casts); fp8_format: e4m3 or
     hybrid (whether the experts' input gradient runs on FP8 tensor cores too). fp8_param_gather: the
-    distributed optimizer gathers the FP8 linears' weights as FP8 codes (engine/planner/fp8_gather.py), where
-    the engine takes the flag: see `gathers_fp8`.
+    distributed optimizer gathers the FP8 linears' and routed experts' weights as FP8 codes
+    (engine/planner/fp8_gather.py), where the engine takes the flag: see `gathers_fp8`.
     """
     flash_attention: bool = True
     overlap_grad_reduce: bool = True

@@ -13,8 +13,9 @@ T_stage sums the stage's layers, pipeline sends, embedding and output layer as e
 costs them, over the links of engine/planner/links.py. Expert gradients reduce over their dp/ep x cp replicas.
 Under --optimizer muon (Software.muon) the optimizer step adds Muon's Newton-Schulz work and exchanges
 (engine/planner/muon_step.py; breakdown key `muon`). With --fp8-param-gather (Software.gathers_fp8) each gather of
-the dense parameters (ZeRO-1/2's one a step, ZeRO-3's two a microbatch) moves what engine/planner/fp8_gather.py
-counts (the FP8 linears' weights one byte an element), after the small amax all-reduces (once a step).
+the dense parameters and of the routed experts' (ZeRO-1/2's one a step, ZeRO-3's two a microbatch) moves what
+engine/planner/fp8_gather.py counts (the FP8 linears' and experts' weights one byte an element), after the small
+amax all-reduces (once a step).
 """
 from __future__ import annotations
 
@@ -115,17 +116,18 @@ def _bubble(layout: Layout, m: int, t_stage: float, t_backward: float, costs: Co
 
 def _data_parallel_seconds(params: int, layout: Layout, gpu: GPUSpec, sw: Software, link: Link,
                            micro: tuple, m: int, experts: int = 0, expert_link: Optional[Link] = None,
-                           gathered: Optional[int] = None) -> dict:
+                           gathered: Optional[int] = None, experts_gathered: Optional[int] = None) -> dict:
     """Exposed gradient reduction and parameter gathering over the dp x cp replicas (and the `experts`
     parameters' over their dp/ep x cp replicas, on expert_link), and the Adam step.
     micro: (forward, backward) seconds of one microbatch on the slowest stage; m: microbatches; `gathered`:
     the bytes one gather of the dense parameters produces when not theirs in the run's precision (ZeRO-1/2's
     step gather, or one of ZeRO-3's two passes of unit gathers a microbatch: --fp8-param-gather,
-    engine/planner/fp8_gather.py)."""
+    engine/planner/fp8_gather.py), and `experts_gathered` the experts' likewise."""
     width = PARAM_BYTES[sw.precision]
     groups = [(params, layout.shard_group, link, width * params if gathered is None else gathered)]
     if experts:
-        groups.append((experts, layout.expert_shard_group, expert_link or link, width * experts))
+        groups.append((experts, layout.expert_shard_group, expert_link or link,
+                       width * experts if experts_gathered is None else experts_gathered))
     sharding = layout.sharding
     grad = sum(all_reduce(sw.grad_reduce_bytes * p, n, lk) for p, n, lk, _ in groups)
     gather = 0.0
@@ -150,11 +152,14 @@ def _data_parallel_seconds(params: int, layout: Layout, gpu: GPUSpec, sw: Softwa
     return dict(dp_comm=grad + gather, optimizer=OPTIMIZER_STEP_BYTES * opt_params / hbm)
 
 
-def _amax_seconds(weights: int, layout: Layout, sw: Software, links) -> float:
-    """--fp8-param-gather's amax all-reduces before the gathers, one fp32 per FP8 weight: over the replicas,
-    and under tensorwise (current) scaling over tp x cp too; latency-bound, never overlapped."""
-    current = all_reduce(4 * weights, layout.tp * layout.cp, links.cp) if sw.fp8 == "tensorwise" else 0.0
-    return all_reduce(4 * weights, layout.shard_group, links.dp) + current
+def _amax_seconds(fp8, layout: Layout, sw: Software, links) -> float:
+    """--fp8-param-gather's amax all-reduces before the gathers (fp8: fp8_gather_bytes), one fp32 per FP8 linear's
+    weight over the replicas, and under tensorwise (current) scaling over tp x cp too; one per expert of each
+    stacked expert weight over the experts' replicas; latency-bound, never overlapped."""
+    current = all_reduce(4 * fp8.weights, layout.tp * layout.cp, links.cp) if sw.fp8 == "tensorwise" else 0.0
+    experts = all_reduce(4 * fp8.expert_amaxes, layout.expert_shard_group, links.edp or links.dp) \
+        if fp8.expert_amaxes else 0.0
+    return all_reduce(4 * fp8.weights, layout.shard_group, links.dp) + current + experts
 
 
 def _muon_seconds(model: ModelConfig, layout: Layout, rank: int, gpu: GPUSpec, links, settings) -> float:
@@ -184,9 +189,9 @@ def estimate(model: ModelConfig, layout: Layout, gpu: GPUSpec, global_batch: int
     fp8 = fp8_gather_bytes(model, layout, software.precision, slowest) \
         if software.gathers_fp8(layout.sharding) else None
     dp = _data_parallel_seconds(params, layout, gpu, software, links.dp, micro, m, experts, links.edp,
-                                None if fp8 is None else fp8.gathered)
+                                None if fp8 is None else fp8.gathered, None if fp8 is None else fp8.experts_gathered)
     if fp8 is not None:
-        dp["dp_comm"] += _amax_seconds(fp8.weights, layout, software, links)
+        dp["dp_comm"] += _amax_seconds(fp8, layout, software, links)
     if software.muon is not None:
         dp["muon"] = _muon_seconds(model, layout, slowest, gpu, links, software.muon)
     step = compute + bubble + dp["dp_comm"] + dp["optimizer"] + dp.get("muon", 0.0)
