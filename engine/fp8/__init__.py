@@ -33,7 +33,12 @@ def attach(chunk, recipe: Optional[Recipe], ctx) -> None:
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             module.fp8 = Fp8Linear(recipe, module.weight, ctx)
         elif isinstance(module, Experts):
-            module.fp8 = Fp8Experts(recipe)
+            module.fp8 = Fp8Experts(recipe, may_hold=not ctx.layout.sharding.params)
+
+
+def experts(chunks) -> list:
+    """The Fp8Experts over this rank's chunks."""
+    return [m.fp8 for chunk in chunks for m in chunk.modules() if isinstance(getattr(m, "fp8", None), Fp8Experts)]
 
 
 def linears(chunks) -> dict:
@@ -44,17 +49,19 @@ def linears(chunks) -> dict:
 
 @contextlib.contextmanager
 def weights_held(chunks, microbatches: int):
-    """Within it (one schedule of `microbatches` on this rank) every FP8 linear that may keep its Q(W) (not under
-    ZeRO-3) quantizes it once and reuses it; after it the codes are dropped, so nothing outlives the schedule (the
-    optimizer step changes the weights next). A single microbatch has nothing to reuse: nothing is held then."""
-    held = [lin for lin in linears(chunks).values() if lin.may_hold] if microbatches > 1 else []
-    for lin in held:
-        lin.holding = True
+    """Within it (one schedule of `microbatches` on this rank) every FP8 linear's and experts' weight that may be
+    kept (not under ZeRO-3) is quantized once and reused; after it the codes are dropped, so nothing outlives the
+    schedule (the optimizer step changes the weights next). A single microbatch has nothing to reuse: nothing is
+    held then."""
+    keepers = [*linears(chunks).values(), *experts(chunks)]
+    held = [k for k in keepers if k.may_hold] if microbatches > 1 else []
+    for k in held:
+        k.hold(True)
     try:
         yield
     finally:
-        for lin in held:
-            lin.holding, lin.held = False, None
+        for k in held:
+            k.hold(False)
 
 
 def delayed(chunks) -> bool:

@@ -37,9 +37,12 @@ class GatheredExperts:
 
 
 class Fp8Experts:
-    def __init__(self, recipe: Recipe):
+    def __init__(self, recipe: Recipe, may_hold: bool = True):
         self.recipe = recipe
         self.gathered = {}  # id(stacked weight) -> GatheredExperts under --fp8-param-gather
+        # Within a step's schedule (engine.fp8.weights_held), as the linears do: each expert's Q(w) made once for
+        # all the microbatches; not under ZeRO-3 (False), which keeps no whole weight between its unit gathers.
+        self.may_hold, self.holding, self.held = may_hold, False, {}
 
     def rows(self, x: torch.Tensor, gradient: bool):
         tile = ACTIVATION_TILE if self.recipe.blockwise else (1, max(x.shape[1], 1))
@@ -49,12 +52,20 @@ class Fp8Experts:
         tile = WEIGHT_TILE if self.recipe.blockwise else tuple(max(n, 1) for n in w.shape)
         return quantize_tiles(w, tile, fp8_dtype(self.recipe.fmt, False), self.recipe.margin)
 
+    def hold(self, on: bool) -> None:
+        """Keep (on) or drop (off) the Q(w) made within a step's schedule."""
+        self.holding, self.held = on, self.held if on else {}
+
     def weights(self, w: torch.Tensor, n: int) -> list:
         """Forward's Q(w[i]) of the first n experts: the gathered codes while they hold, else quantized here."""
-        g = self.gathered.get(id(w))
-        if g is not None and g.version == w._version:
-            return g.q[:n]
-        return [self.weight(w[i]) for i in range(n)]
+        for kept in (self.gathered, self.held):
+            g = kept.get(id(w))
+            if g is not None and g.version == w._version:
+                return g.q[:n]
+        q = [self.weight(w[i]) for i in range(n)]
+        if self.holding:
+            self.held[id(w)] = GatheredExperts(q, w._version)
+        return q
 
     def encode_scales(self, amaxes: torch.Tensor) -> torch.Tensor:
         """Tensor scaling: the encode scale `weight` takes for each expert whose whole weight's amax is amaxes[i].

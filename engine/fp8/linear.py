@@ -106,6 +106,10 @@ class Fp8Linear:
             scaler.last = q.scale_inv  # the full tensor's scale(s), the same under every layout
         return q
 
+    def hold(self, on: bool) -> None:
+        """Keep (on) or drop (off) the Q(W) made within a step's schedule."""
+        self.holding, self.held = on, self.held if on else None
+
     def weight_operand(self, weight):
         """Forward's Q(W): the gathered codes while they hold, else W quantized here."""
         g = self.gathered
