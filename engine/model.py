@@ -303,7 +303,8 @@ class GPTModel(nn.Module):
                 x = layer(x, freqs, positions, documents)
         if not self.post_process:
             return x
-        out = self.head(self.final_norm(x), labels)
+        x = self.final_norm(x)
+        out = self.head(x, labels)
         if self.mtp is None or mtp is None or labels is None:
             return out
         losses = module_losses(self, x, mtp, freqs, positions, documents)

@@ -1,12 +1,15 @@
 """Multi-token prediction (DeepSeek-V3, section 2.2; Megatron-LM's --mtp-num-layers, --mtp-loss-scaling-factor).
 
-D sequential modules follow the decoder on the last pipeline stage. Module k (1..D) takes the hidden states of
-the one before it (the decoder's final hidden states, before the final norm, for k = 1) and the embeddings of the
-tokens k positions ahead, normalises each with its own norm, projects their concatenation [embedding; hidden]
-from 2h to h (`proj`, replicated over tp like MLA's down-projections), runs its own transformer layer (built
-like the decoder's last: MoE where that is) and predicts the token k + 1 ahead through its own final norm and the
-shared output head; the embedding is the model's too (on the last stage of a pipeline, a copy kept equal to the
-first stage's like a tied embedding's).
+D sequential modules follow the decoder on the last pipeline stage. Module k (1..D) takes the normalised hidden
+states of the one before it (for k = 1 the decoder's, through its final norm: what the main head reads) and the
+embeddings of the tokens k positions ahead, normalises each with its own norm, projects their concatenation
+[embedding; hidden] from 2h to h (`proj`, replicated over tp like MLA's down-projections), runs its own
+transformer layer (built like the decoder's last: MoE where that is) and normalises its output with its own
+final norm: what the shared output head reads to predict the token k + 1 ahead, and what module k + 1 takes.
+This is megatron-core's MultiTokenPredictionBlock (0.16.1: the decoder's final layernorm comes before the MTP
+block, each MTPLayer ends in its final_layernorm; checked in tests/test_megatron_checkpoint.py). The embedding
+is the model's too (on the last stage of a pipeline, a copy kept equal to the first stage's like a tied
+embedding's).
 
 The inputs of module k at position i are token i + k and, as target, token i + k + 1 (`targets`, computed from
 the whole microbatch before it is cut for context parallelism, so every layout sees the same ones); targets past
@@ -64,17 +67,19 @@ class MTPModule(nn.Module):
         self.final_norm = norm()
 
     def forward(self, hidden, embedded, freqs, positions, documents=None):
-        """The next depth's hidden states [s, b, h] from the previous ones and the embeddings of the tokens ahead."""
+        """The next depth's normalised hidden states [s, b, h] from the previous ones and the embeddings of the
+        tokens ahead."""
         x = self.proj(torch.cat((self.embedding_norm(embedded), self.hidden_norm(hidden)), dim=-1))
-        return self.layer(x, freqs, positions, documents)
+        return self.final_norm(self.layer(x, freqs, positions, documents))
 
 
 def module_losses(model, hidden, batch: dict, freqs, positions, documents) -> torch.Tensor:
-    """[D] this rank's share of each module's loss for one microbatch (`batch`: its part of `targets`)."""
+    """[D] this rank's share of each module's loss for one microbatch (`batch`: its part of `targets`; `hidden`:
+    the decoder's output through its final norm)."""
     losses = []
     for k, module in enumerate(model.mtp):
         hidden = module(hidden, model.mtp_embed(batch["mtp_tokens"][..., k]), freqs, positions, documents)
-        per_token = model.head(module.final_norm(hidden), batch["mtp_labels"][..., k])
+        per_token = model.head(hidden, batch["mtp_labels"][..., k])
         losses.append(microbatch_loss(per_token, batch["mtp_mask"][..., k], batch["mtp_count"][k]))
     return torch.stack(losses)
 

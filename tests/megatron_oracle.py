@@ -4,20 +4,25 @@ processes of its own.
     python tests/megatron_oracle.py SPEC.json
 
 SPEC holds `world` (ranks, spawned here on gloo) and `jobs`, run in order on every rank: `save` builds a tiny
-GPT-2-, Llama- or MoE-shaped megatron-core GPTModel at tp (ep) = world, writes a checkpoint the way Megatron-LM's
+GPT-2-, Llama-, MoE- or DeepSeek-shaped (multi-latent attention, with or without a q latent, and multi-token
+prediction modules) megatron-core GPTModel at tp (ep) = world, writes a checkpoint the way Megatron-LM's
 save_checkpoint does (torch_dist through dist_checkpointing.save with generate_state_dict's keys, or the legacy
-mp_rank_XX/model_optim_rng.pt) and its full logits on fixed tokens; `load` reads a torch_dist save into a fresh
-model and writes its logits; `train` trains with megatron-core's DDP + DistributedOptimizer + OptimizerParamScheduler
-on an indexed dataset read by megatron-core's GPTDataset (Megatron-LM's sampler: consecutive samples), saves at
-`save_at` and writes the losses of the iterations after it; `groups` writes the LR and weight decay its optimizer
-param groups and OptimizerParamScheduler give each parameter (--decoupled-lr); `defaults` writes the defaults of its
-config dataclasses.
+mp_rank_XX/model_optim_rng.pt) and its logits on fixed tokens (each MTP module's too: `<logits>.mtp`);
+`load` reads a torch_dist save into a fresh model and writes its logits; `train` trains with megatron-core's
+DDP + DistributedOptimizer + OptimizerParamScheduler on an indexed dataset read by megatron-core's GPTDataset
+(Megatron-LM's sampler: consecutive samples), saves at `save_at` and writes the losses of the iterations after it;
+`groups` writes the LR and weight decay its optimizer param groups and OptimizerParamScheduler give each parameter
+(--decoupled-lr); `defaults` writes the defaults of its config dataclasses.
 
 Megatron-LM's training package is not installed (megatron-core is): the checkpoint's common state is assembled
 here as megatron/training/checkpointing.py (core_v0.16.1) does. megatron-core runs on the CPU once its CUDA calls
 are answered: `torch.cuda.current_device()` is the CPU, streams and events do nothing, and a TorchFunctionMode
-turns `device="cuda"` into the CPU and answers `.cuda()`/`.type()` as a CUDA tensor would. That patching lives in
-these processes only, never in the test process or the harness's pool.
+turns `device="cuda"` into the CPU and answers `.cuda()`/`.type()` as a CUDA tensor would. Two more for MLA
+without Transformer Engine: megatron-core stands in mocks for TE's classes, which MLASelfAttention compares its
+linears against (`isinstance`), so they become a class nothing is an instance of; and the local spec's
+DotProductAttention does not take the `k_channels` / `v_channels` MLA passes it, so a subclass drops them (its
+output width is config.kv_channels x heads: kv_channels is set to v_head_dim). Its arithmetic is the local
+spec's own. That patching lives in these processes only, never in the test process or the harness's pool.
 """
 import argparse
 import contextlib
@@ -78,7 +83,20 @@ def patch_cuda():
     fs_async._process_memory = lambda: 0  # psutil is not installed
     gg.assert_grouped_gemm_is_available = lambda: None  # GroupedMLP is built (and saved), never run
     moe_utils.te_general_gemm = None  # the router's GEMM without Transformer Engine
+    import megatron.core.transformer.multi_latent_attention as mla
+    mla.TELinear = mla.TEColumnParallelLinear = type("NotTransformerEngine", (), {})
     _CudaOnCpu().__enter__()
+
+
+def mla_core_attention():
+    """The local spec's DotProductAttention, taking (and dropping) the channel counts MLA passes."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLACoreAttention(DotProductAttention):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+            assert v_channels in (None, self.config.kv_channels), (v_channels, self.config.kv_channels)
+    return MLACoreAttention
 
 
 SHAPES = {
@@ -88,7 +106,20 @@ SHAPES = {
                   add_bias_linear=False, position="rope", swiglu=True, tied=False, groups=2),
     "moe": dict(num_layers=2, hidden_size=64, num_attention_heads=8, ffn_hidden_size=96, normalization="RMSNorm",
                 add_bias_linear=False, position="rope", swiglu=True, tied=False, groups=2, experts=4, topk=2,
-                moe_ffn=32),
+                moe_ffn=32, mtp=1),
+    # DeepSeek-V3's attention: a q latent, latent norms, YaRN with both mscales (the RoPE channels' factor is
+    # their ratio, the softmax's the second squared); two MTP modules
+    "mla": dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, normalization="RMSNorm",
+                add_bias_linear=False, position="rope", swiglu=True, tied=False, groups=None, mtp=2,
+                mla=dict(q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+                         qk_layernorm=True, rope_type="yarn", rotary_scaling_factor=4.0, mscale=1.0,
+                         mscale_all_dim=0.5)),
+    # DeepSeek-V2-Lite's: one q projection; here plain RoPE, no latent norms, values narrower than q and k
+    "mla-noq": dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, normalization="RMSNorm",
+                    add_bias_linear=False, position="rope", swiglu=True, tied=True, groups=None,
+                    mla=dict(q_lora_rank=None, kv_lora_rank=24, qk_head_dim=12, qk_pos_emb_head_dim=8, v_head_dim=16,
+                             qk_layernorm=False, rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0,
+                             mscale_all_dim=0.0)),
 }
 VOCAB, PADDED, SEQ = 250, 256, 32
 
@@ -107,6 +138,10 @@ def transformer_config(shape: dict, tp: int, ep: int):
     if shape.get("experts"):
         kw.update(num_moe_experts=shape["experts"], moe_router_topk=shape["topk"], moe_ffn_hidden_size=shape["moe_ffn"],
                   moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0)
+    kw.update(mtp_num_layers=shape.get("mtp"))
+    if shape.get("mla"):
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+        return MLATransformerConfig(**kw, **shape["mla"], kv_channels=shape["mla"]["v_head_dim"])
     return TransformerConfig(**kw)
 
 
@@ -137,6 +172,9 @@ def megatron_args(shape: dict, tp: int, ep: int, **extra) -> argparse.Namespace:
                 attention_backend=AttnBackend.auto, consumed_train_samples=0, consumed_valid_samples=0,
                 world_size=tp * ep, data_parallel_size=ep, rampup_batch_size=None, train_samples=None,
                 split="100,0,0", tokenizer_type="NullTokenizer", data_path=None)
+    args.update(mtp_num_layers=shape.get("mtp"), mtp_loss_scaling_factor=0.1)
+    if shape.get("mla"):
+        args.update(multi_latent_attention=True, **shape["mla"])
     args.update(extra)
     return argparse.Namespace(**args)
 
@@ -144,7 +182,7 @@ def megatron_args(shape: dict, tp: int, ep: int, **extra) -> argparse.Namespace:
 def build(shape_name: str, tp: int, ep: int, seed: int):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
     shape = SHAPES[shape_name]
     if not ps.model_parallel_is_initialized():
@@ -152,10 +190,15 @@ def build(shape_name: str, tp: int, ep: int, seed: int):
         initialize_rng_tracker(inference_rng_tracker=True)
     torch.manual_seed(seed)
     config = transformer_config(shape, tp, ep)
+    mla = shape.get("mla") or {}
     spec = get_gpt_layer_local_spec(num_experts=shape.get("experts"), moe_grouped_gemm=bool(shape.get("experts")),
-                                    normalization=shape["normalization"], moe_use_legacy_grouped_gemm=True)
+                                    normalization=shape["normalization"], moe_use_legacy_grouped_gemm=True,
+                                    multi_latent_attention=bool(mla), qk_layernorm=mla.get("qk_layernorm", False))
+    if mla:
+        spec.submodules.self_attention.submodules.core_attention = mla_core_attention()
+    mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if shape.get("mtp") else None
     model = GPTModel(config, spec, vocab_size=PADDED, max_sequence_length=64, position_embedding_type=shape["position"],
-                     share_embeddings_and_output_weights=shape["tied"])
+                     share_embeddings_and_output_weights=shape["tied"], mtp_block_spec=mtp)
     with torch.no_grad():  # away from the init: biases and norms must matter
         for name, p in model.named_parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel() + len(name))) * 0.05)
@@ -166,19 +209,34 @@ def tokens(n=2, seed=1):
     return torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def logits(model, x) -> torch.Tensor:
-    """[b, s, padded vocab]: the vocab-parallel logits gathered over tp."""
+def _gathered(out: torch.Tensor) -> torch.Tensor:
+    """The vocab-parallel logits [b, s, V/tp] gathered over tp."""
     from megatron.core import parallel_state as ps
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return out
+    parts = [torch.empty_like(out) for _ in range(tp)]
+    dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, -1)
+
+
+def logits(model, x) -> tuple:
+    """([b, s, padded vocab] logits, and with MTP modules [D, b, s, padded vocab] theirs, else None). With MTP,
+    megatron-core's GPTModel computes losses only (it needs labels: x itself here): the output layer's outputs are
+    caught on their way, each MTP module's first, the main head's last (cloned: the loss overwrites them)."""
     positions = torch.arange(x.shape[1]).unsqueeze(0).expand_as(x)
     mask = torch.triu(torch.ones(x.shape[1], x.shape[1]), 1).bool()[None, None]
+    if getattr(model, "mtp_process", False):
+        caught = []
+        hook = model.output_layer.register_forward_hook(lambda m, i, o: caught.append(o[0].detach().clone()))
+        with torch.no_grad():
+            model.eval()(x, positions, mask, labels=x)
+        hook.remove()
+        outs = [_gathered(o.transpose(0, 1)) for o in caught]
+        return outs[-1], torch.stack(outs[:-1])
     with torch.no_grad():
         out = model.eval()(x, positions, mask)
-    tp = ps.get_tensor_model_parallel_world_size()
-    if tp > 1:
-        parts = [torch.empty_like(out) for _ in range(tp)]
-        dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
-        out = torch.cat(parts, -1)
-    return out
+    return _gathered(out), None
 
 
 def common_state(args, iteration: int) -> dict:
@@ -206,9 +264,11 @@ def save_job(rank: int, world: int, job: dict) -> None:
     if "experts" in job:  # each rank's grouped experts: what the conversion must keep in their global order
         dump_experts(model, job["experts"], rank)
     elif "logits" in job:
-        out = logits(model, tokens())
+        out, mtp = logits(model, tokens())
         if rank == 0:
             torch.save(out[..., :VOCAB], job["logits"])
+            if mtp is not None:  # the whole padded vocabulary: the MTP loss's softmax runs over it
+                torch.save(mtp, f"{job['logits']}.mtp")
     if rank == 0:
         with open(os.path.join(job["dir"], "latest_checkpointed_iteration.txt"), "w") as fh:
             fh.write(str(job["iteration"]))
@@ -233,10 +293,10 @@ def load_job(rank: int, world: int, job: dict) -> None:
     model.load_state_dict(loaded["model"], strict=False)
     if "experts" in job:
         return dump_experts(model, job["experts"], rank)
-    out = logits(model, tokens())
+    out, mtp = logits(model, tokens())
     if rank == 0:
-        torch.save({"logits": out[..., :VOCAB], "args": vars(common["args"]), "iteration": common["iteration"]},
-                   job["logits"])
+        torch.save({"logits": out[..., :VOCAB], "mtp": mtp,
+                    "args": vars(common["args"]), "iteration": common["iteration"]}, job["logits"])
 
 
 class _Tokenizer:

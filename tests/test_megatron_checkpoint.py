@@ -1,24 +1,30 @@
 """Megatron-LM checkpoints in and out (tools/convert_megatron.py, launch/pretrain_gpt.py --load MEGATRON_SAVE).
 
 The oracle is megatron-core 0.16.1 itself, run on the CPU in a process of its own (tests/megatron_oracle.py; two
-gloo ranks): it builds tiny GPT-2- and Llama-shaped GPTModels (and an MoE one with grouped experts), saves them as
-Megatron-LM does (torch_dist at tp 1 and tp 2, the legacy torch format at tp 1 (both) and tp 2 (Llama), experts over ep 2), trains
+gloo ranks): it builds tiny GPT-2- and Llama-shaped GPTModels, DeepSeek-shaped ones (multi-latent attention with a
+q latent, latent norms, YaRN with both mscales and two MTP modules at tp 2; without a q latent, plain RoPE and
+narrow values at tp 1) and an MoE one with grouped experts and an MTP module, saves them as Megatron-LM does
+(torch_dist at tp 1 and tp 2, the legacy torch format at tp 1 (both) and tp 2 (Llama), experts over ep 2), trains
 the Llama one at tp 2 with its DistributedOptimizer and OptimizerParamScheduler on an indexed dataset and saves
 iteration 5 in both of its optimizer layouts (fully_reshardable, and the default bucket layout dp_reshardable),
 then continues to iteration 15. Checked here:
-- every save converts, and Ternion's logits equal megatron-core's within 1e-5 at tp 1 and at tp 2 x pp 2;
+- every save converts, and Ternion's logits equal megatron-core's within 1e-5 at tp 1 and at tp 2 x pp 2; each
+  MTP module's logits too (on the positions whose token ahead is inside the sample), and its loss is the
+  cross-entropy of megatron-core's;
 - `--to-megatron` back (at tp 1 and --target-tp 2): megatron-core's dist_checkpointing.load reads it into a fresh
-  model (every weight replaced) whose logits equal the original's within 1e-5, its args and iteration as written;
+  model (every weight replaced) whose logits (and MTP logits) equal the original's within 1e-5, its args and
+  iteration as written; our own MLA export converts in again to the same tensors;
 - `launch/pretrain_gpt.py --load MEGATRON_SAVE` (a process that cannot import Megatron) resumes the training at
   tp 1 and its next 10 losses equal megatron-core's own continuation within 1e-5, from the sample index Megatron
   would read next; both optimizer layouts convert to the same Adam moments and masters;
 - the grouped experts of an ep 2 save convert in their global order, and megatron-core reads them back in it;
-- bad input (a missing or truncated shard, FP8 or MLA arguments, a missing mp_rank folder, no checkpoint, a taken
-  --out) is one line and exit status 2, with nothing written;
+- bad input (a missing or truncated shard, FP8 arguments, MLA scales megatron-core computes otherwise, an MLA
+  checkpoint in the legacy format, a missing mp_rank folder, no checkpoint, a taken --out) is one line and exit
+  status 2, with nothing written; so is an export of YaRN settings Megatron-LM has no flags for;
 - both directions stream: a 259 MB model converts in and out within a few copies of its largest tensor;
 - --decoupled-lr: every parameter's LR and weight decay equal those megatron-core's param groups and scheduler give
   it (tests/test_decoupled_lr.py's check, on this process's output).
-Budget on two cores: about 75 s (the oracle process, once, 35 s; a 4-rank pool run; one launcher run; the two
+Budget on two cores: about 80 s (the oracle process, once, 40 s; a 4-rank pool run; one launcher run; the two
 streaming conversions, 18 s): `make test` runs the module, `make test-fast` leaves it out.
 """
 import argparse
@@ -53,7 +59,9 @@ SAVES = {  # name: (shape, megatron-core's tp, format, iteration)
     "gpt-tp2": ("gpt", 2, "torch_dist", 9), "llama-tp2": ("llama", 2, "torch_dist", 9),
     "gpt-legacy-tp1": ("gpt", 1, "torch", 3), "llama-legacy-tp1": ("llama", 1, "torch", 3),
     "llama-legacy-tp2": ("llama", 2, "torch", 3),
+    "mla-tp2": ("mla", 2, "torch_dist", 11), "mla-noq-tp1": ("mla-noq", 1, "torch_dist", 7),
 }
+BACK = {"llama-tp1": 1, "gpt-tp2": 1, "llama-tp2": 2, "mla-tp2": 2, "mla-noq-tp1": 1}  # --to-megatron at this tp
 LLAMA_FLAGS = ["--hidden-dropout", "0", "--attention-dropout", "0", "--num-layers", "2", "--hidden-size", "64",
                "--ffn-hidden-size", "96", "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2", "--seq-length", "32", "--max-position-embeddings",
                "64", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
@@ -123,13 +131,12 @@ def megatron(tmp_path_factory):
     oracle = Oracle(root, jobs)
     for name in list(SAVES) + ["moe", "train-full", "train-dp"]:
         assert main(["--load", str(root / name), "--out", str(root / f"{name}.ternion")]) == 0
-    back = {"llama-tp1": 1, "gpt-tp2": 1, "llama-tp2": 2}
-    for name, tp in back.items():
+    for name, tp in BACK.items():
         assert main(["--to-megatron", "--load", str(root / f"{name}.ternion"), "--out", str(root / f"{name}.back"),
                      "--target-tp", str(tp), "--target-pp", "1"]) == 0
     assert main(["--to-megatron", "--load", str(root / "moe.ternion"), "--out", str(root / "moe.back")]) == 0
     oracle.then([{"op": "load", "shape": SAVES[name][0], "tp": tp, "dir": str(root / f"{name}.back"),
-                  "logits": str(root / f"{name}.back.logits")} for name, tp in back.items()]
+                  "logits": str(root / f"{name}.back.logits")} for name, tp in BACK.items()]
                 + [{"op": "load", "shape": "moe", "tp": 1, "ep": 2, "dir": str(root / "moe.back"),
                     "experts": str(root / "moe.back.experts")}])
     return root
@@ -194,12 +201,63 @@ def test_converted_logits_equal_megatron_core_at_tp2_pp2(megatron):
     assert len(errors) == 2 * len(SAVES) and max(errors) < TOL, errors
 
 
-@pytest.mark.parametrize("name,tp", [("llama-tp1", 1), ("gpt-tp2", 1), ("llama-tp2", 2)])
-def test_megatron_core_reloads_the_export_with_the_same_logits(megatron, name, tp):
+def _mtp_depths(root, name: str) -> int:
+    return converted_config(root, name).model.mtp_num_layers or 0
+
+
+@pytest.mark.parametrize("name", ["mla-tp2", "mla-tp2-back"])
+def test_mtp_modules_predict_as_megatron_cores(megatron, name):
+    """Module k's logits at the positions whose input token (k ahead) is inside the sample, caught on their way to
+    the head while Ternion's own forward computes the MTP losses; each loss is the mean cross-entropy of
+    megatron-core's logits against the token k + 1 ahead. `-back`: our export, reloaded by megatron-core."""
+    from engine.mtp import targets
+    source = name.removesuffix("-back")
+    want = torch.load(megatron / f"{source}.logits.mtp")
+    if name.endswith("-back"):
+        want = torch.load(megatron / f"{source}.back.logits", weights_only=False)["mtp"]
+    cfg, ctx = converted_config(megatron, source), ParallelContext.virtual()
+    depth = cfg.model.mtp_num_layers
+    assert depth == 2 and want.shape[0] == depth
+    model = build_model_chunks(cfg, ctx)[0]
+    load_checkpoint(str(megatron / f"{source}.ternion"), [model], None, ctx, model_cfg=cfg.model)
+    x, caught, head = tokens(), [], model.head
+    model.head = lambda h, labels: caught.append(h.detach()) or head(h, labels)
+    labels = torch.cat((x[:, 1:], x[:, :1]), dim=1)  # the last position's target lies past the sample: masked
+    mask = torch.ones(labels.shape)
+    mask[:, -1] = 0
+    model.train()(tokens=x, labels=labels, mtp=targets({"tokens": x, "labels": labels, "loss_mask": mask}, depth))
+    losses = model.mtp_measured[0]
+    for k in range(depth):
+        inside = SEQ - 1 - k  # positions whose input token i + k + 1 exists
+        with torch.no_grad():
+            got = head(caught[k + 1], None)[:, :inside]
+        assert got.shape[-1] == want.shape[-1] == 256 and (got - want[k][:, :inside]).abs().max().item() < TOL
+        counted = inside - 1  # and whose target, token i + k + 2, too; the softmax over the padded vocabulary
+        ce = torch.nn.functional.cross_entropy(want[k][:, :counted].reshape(-1, 256), x[:, k + 2:].reshape(-1))
+        assert abs(losses[k].item() - ce.item()) < TOL, (k, losses[k].item(), ce.item())
+
+
+@pytest.mark.parametrize("name", list(BACK))
+def test_megatron_core_reloads_the_export_with_the_same_logits(megatron, name):
+    tp = BACK[name]
     got = torch.load(megatron / f"{name}.back.logits", weights_only=False)
     assert (got["logits"] - torch.load(megatron / f"{name}.logits")).abs().max().item() < TOL
     assert got["iteration"] == SAVES[name][3] and got["args"]["consumed_train_samples"] == 4 * SAVES[name][3]
     assert got["args"]["tensor_model_parallel_size"] == tp and got["args"]["padded_vocab_size"] == 256
+    assert (got["mtp"] is None) == (not _mtp_depths(megatron, name))
+    if got["mtp"] is not None:
+        assert (got["mtp"] - torch.load(megatron / f"{name}.logits.mtp")).abs().max().item() < TOL
+        assert got["args"]["mtp_num_layers"] == 2 and got["args"]["multi_latent_attention"]
+
+
+def test_our_mla_export_converts_in_again_to_the_same_tensors(megatron, tmp_path):
+    """Both specs' names of the latent and pre-MLP norms are written; reading picks one, and nothing is left over."""
+    from convert_megatron import main
+    assert main(["--load", str(megatron / "mla-tp2.back"), "--out", str(tmp_path / "again")]) == 0
+    first = CheckpointReader(str(megatron / "mla-tp2.ternion" / "iter_0000011"))
+    again = CheckpointReader(str(tmp_path / "again" / "iter_0000011"))
+    assert set(again.tensors) == set(first.tensors) and "mtp.1.layer.attention.kv_norm.weight" in first.tensors
+    assert all(torch.equal(again.full(name), first.full(name)) for name in first.tensors)
 
 
 def _experts(prefix) -> dict:
@@ -265,11 +323,11 @@ def test_pretrain_gpt_resumes_the_megatron_run_and_continues_its_losses(megatron
     assert max(errors) < TOL, errors
 
 
-def _edit_args(folder, **changes) -> None:
+def _edit_args(folder, file="common.pt", **changes) -> None:
     """Change saved arguments (read as the converter reads them: Megatron's enums become stand-ins, written back as
     their values, so this process need not import Megatron)."""
     from engine.checkpoint.megatron.pickled import Opaque, load_file
-    path = os.path.join(folder, "common.pt")
+    path = os.path.join(folder, file)
     common = load_file(path, "test")
     plain = {k: v.value if isinstance(v, Opaque) else v for k, v in vars(common["args"]).items()}
     common["args"] = argparse.Namespace(**(plain | changes))
@@ -281,13 +339,20 @@ def _truncate(path) -> None:
         fh.truncate(os.path.getsize(path) // 2)
 
 
-BAD = {  # name: (what to break in a copy of the llama saves, the words the line must hold)
-    "missing-shard": (lambda d: os.remove(d / "iter_0000007" / "__0_1.distcp"), "__0_1.distcp is missing"),
-    "truncated-shard": (lambda d: _truncate(d / "iter_0000007" / "__0_0.distcp"), "__0_0.distcp is truncated"),
-    "fp8": (lambda d: _edit_args(d / "iter_0000007", fp8="hybrid"), "fp8='hybrid'"),
-    "mla": (lambda d: _edit_args(d / "iter_0000007", multi_latent_attention=True), "multi-latent attention"),
-    "missing-mp-rank": (lambda d: shutil.rmtree(d / "iter_0000003" / "mp_rank_01"), "mp_rank_01/ is missing"),
-    "no-checkpoint": (lambda d: shutil.rmtree(d / "iter_0000007"), "not a Megatron-LM checkpoint"),
+BAD = {  # name: (the save a copy of which is broken, how, the words the line must hold)
+    "missing-shard": ("llama-tp1", lambda d: os.remove(d / "iter_0000007" / "__0_1.distcp"), "__0_1.distcp is missing"),
+    "truncated-shard": ("llama-tp1", lambda d: _truncate(d / "iter_0000007" / "__0_0.distcp"),
+                        "__0_0.distcp is truncated"),
+    "fp8": ("llama-tp1", lambda d: _edit_args(d / "iter_0000007", fp8="hybrid"), "fp8='hybrid'"),
+    "mla-scales": ("mla-noq-tp1", lambda d: _edit_args(d / "iter_0000007", rotary_scaling_factor=4.0,
+                                                      mscale_all_dim=1.0),
+                   "megatron-core's MLA multiplies the rotated channels by 1 and the softmax scale by 1.29"),
+    "mla-legacy": ("llama-legacy-tp2", lambda d: _edit_args(d / "iter_0000003" / "mp_rank_00", "model_optim_rng.pt",
+                                                            multi_latent_attention=True),
+                   "multi-latent attention or multi-token prediction checkpoint in the legacy torch format"),
+    "missing-mp-rank": ("llama-legacy-tp2", lambda d: shutil.rmtree(d / "iter_0000003" / "mp_rank_01"),
+                        "mp_rank_01/ is missing"),
+    "no-checkpoint": ("llama-tp1", lambda d: shutil.rmtree(d / "iter_0000007"), "not a Megatron-LM checkpoint"),
 }
 
 
@@ -295,12 +360,12 @@ BAD = {  # name: (what to break in a copy of the llama saves, the words the line
 def test_bad_input_is_one_line_exit_2_and_nothing_written(megatron, tmp_path, capsys, case):
     from convert_megatron import main
     source = tmp_path / "save"
-    shutil.copytree(megatron / ("llama-legacy-tp2" if case == "missing-mp-rank" else "llama-tp1"), source)
-    BAD[case][0](source)
+    shutil.copytree(megatron / BAD[case][0], source)
+    BAD[case][1](source)
     capsys.readouterr()
     assert main(["--load", str(source), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and BAD[case][1] in err, err
+    assert err.count("\n") == 1 and BAD[case][2] in err, err
     assert not (tmp_path / "out").exists()
 
 
@@ -407,3 +472,28 @@ def test_megatron_optimizer_arguments_become_ternion_flags():
         with pytest.raises(ConfigError) as info:
             config_from_args(megatron_args(SHAPES["llama"], 1, 1, **extra), "SAVE")
         assert str(info.value).startswith(line), str(info.value)
+
+
+def test_mla_and_mtp_arguments_go_out_and_back_and_what_megatron_cannot_take_is_one_line():
+    """configs/deepseek-v3-tiny.yaml's MLA and MTP flags become Megatron-LM arguments and back; YaRN's original
+    context (Megatron-LM has no flag: megatron-core keeps 4096) and MLA scales megatron-core computes otherwise are
+    refused by the export in one line."""
+    from engine.checkpoint.megatron.args import args_from_config, config_from_args
+    from engine.config import ConfigError
+    cfg = parse_config(["--config", os.path.join(ROOT, "configs", "deepseek-v3-tiny.yaml"), "--mock-data",
+                        "--moe-router-num-groups", "4", "--moe-router-group-topk", "1"])
+    with pytest.raises(ConfigError, match=r"^--to-megatron: YaRN with original_max_position_embeddings=16: "):
+        args_from_config(cfg, 1, 1, {})
+    cfg.model.original_max_position_embeddings = 4096
+    args = args_from_config(cfg, 1, 1, {})
+    assert (args.multi_latent_attention, args.q_lora_rank, args.rope_type, args.mtp_num_layers) == (True, 32, None, 1)
+    back = config_from_args(argparse.Namespace(**vars(args)), "SAVE").model
+    fields = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+              "v_head_dim", "qk_layernorm", "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
+              "mtp_num_layers", "mtp_loss_scaling_factor", "norm_epsilon")
+    assert [getattr(back, f) for f in fields] == [getattr(cfg.model, f) for f in fields]
+    cfg.model.rope_type = "rope"
+    with pytest.raises(ConfigError, match=r"^--to-megatron: --rope-type rope --rotary-scaling-factor 4.0 --mscale 1.0 "
+                                          r"--mscale-all-dim 1.0: megatron-core's MLA multiplies the rotated channels "
+                                          r"by 1 and the softmax scale by 1.29648, Ternion by 1 and 1$"):
+        args_from_config(cfg, 1, 1, {})

@@ -1,7 +1,8 @@
 """Multi-token prediction (engine/mtp.py) on one rank against the rule written out by hand.
 
 Module k reads at position i the token i + k and predicts token i + k + 1; its input is proj([enorm(embedding);
-hnorm(previous hidden)]), the previous hidden being the decoder's output before its final norm for k = 1. The
+hnorm(previous hidden)]), the previous hidden being the decoder's output through its final norm for k = 1 and
+module k - 1's through its own final norm after (megatron-core's rule). The
 by-hand version loops over depths with explicit index arithmetic on whole sequences (no targets helper) and a
 loss mask; the model's LM loss must be untouched, its gradient that of LM + factor x mean over modules, and the
 logged mtp_loss their mean. Budget: about a second.
@@ -43,15 +44,16 @@ def by_hand(model, tokens, labels, mask):
     freqs = model.rope_freqs(torch.arange(s))
     for i in model.layer_ids:
         x = model.layers[str(i)](x, freqs, torch.arange(s))
-    lm = mean_loss(model.head(model.final_norm(x), labels), mask)
-    losses, h = [], x
+    h = model.final_norm(x)
+    lm = mean_loss(model.head(h, labels), mask)
+    losses = []
     for k, module in enumerate(model.mtp, start=1):
         ahead = whole[:, k:k + s]
         ahead = torch.cat((ahead, ahead.new_zeros(ahead.shape[0], s - ahead.shape[1])), dim=1)  # past the end: any
         e = F.embedding(ahead.t(), model.word.weight)
         h = module.proj(torch.cat((module.embedding_norm(e), module.hidden_norm(h)), dim=-1))
-        h = module.layer(h, freqs, torch.arange(s))
-        logits = F.linear(module.final_norm(h), model.output)[..., :VOCAB].transpose(0, 1)  # [b, s, V]
+        h = module.final_norm(module.layer(h, freqs, torch.arange(s)))
+        logits = F.linear(h, model.output)[..., :VOCAB].transpose(0, 1)  # [b, s, V]
         total, count = 0.0, 0.0
         for i in range(s - k):  # position i predicts token i + k + 1 = labels[i + k]
             weight = mask[:, i + k]

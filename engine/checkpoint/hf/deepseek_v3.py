@@ -20,13 +20,9 @@ imported model gets none (add --mtp-num-layers to train fresh ones); DeepSeek's 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-
 from engine.checkpoint.hf import llama, moe
 from engine.checkpoint.hf.adapter import Adapter, Rule, has_shape, only, same
-from engine.checkpoint.hf.transforms import WHOLE, Part, Transform, ZeroBias
+from engine.checkpoint.hf.transforms import WHOLE, InterleavedRope, Part, ZeroBias
 from engine.config import ConfigError
 
 SHAPE = llama.SHAPE | {"multi_latent_attention": True, "qk_layernorm": True, "disable_bias_linear": True,
@@ -115,27 +111,6 @@ def _prepare(values: dict) -> dict:
     values = values | {"first_k_dense_replace": f"[0]*{k}+[1]*{layers - k}" if k else "1",
                        "n_shared_experts": shared or None}
     return values | ({"topk_group": None} if (values.get("n_group") or 1) == 1 else {})
-
-
-@dataclass(frozen=True)
-class InterleavedRope(Transform):
-    """Rows of a projection whose blocks of `width` rows end in `rope` RoPE rows: DeepSeek's interleaved pairs
-    (HF row 2i and 2i+1 of the RoPE part) from Ternion's halves (our rows i and i + rope/2), the rest as they are."""
-    width: int
-    rope: int
-
-    def rows(self, total: int) -> torch.Tensor:
-        half = self.rope // 2
-        order = torch.stack((torch.arange(half), torch.arange(half) + half), dim=1).reshape(-1)
-        block = torch.cat((torch.arange(self.width - self.rope), self.width - self.rope + order))
-        starts = torch.arange(0, total, self.width)
-        return (starts[:, None] + block[None, :]).reshape(-1)
-
-    def out(self, t):
-        return t.index_select(0, self.rows(t.shape[0]).to(t.device))
-
-    def into(self, full, t):
-        full.index_copy_(0, self.rows(full.shape[0]).to(full.device), t)
 
 
 def attention(m, src: str, dst: str) -> list:

@@ -159,3 +159,26 @@ class ZeroBias(_Zeros):
 
     def out(self, t):
         return t.new_zeros(self.size)
+
+
+@dataclass(frozen=True)
+class InterleavedRope(Transform):
+    """Rows of a projection whose blocks of `width` rows end in `rope` RoPE rows, rotated in interleaved pairs
+    (rows 2i and 2i+1 of the RoPE part: DeepSeek's checkpoints, and megatron-core's MLA, which de-interleaves them
+    before rotating) from Ternion's halves (our rows i and i + rope/2), the rest as they are. The same
+    permutation on q's and k's RoPE rows leaves every dot product as it was."""
+    width: int
+    rope: int
+
+    def rows(self, total: int) -> torch.Tensor:
+        half = self.rope // 2
+        order = torch.stack((torch.arange(half), torch.arange(half) + half), dim=1).reshape(-1)
+        block = torch.cat((torch.arange(self.width - self.rope), self.width - self.rope + order))
+        starts = torch.arange(0, total, self.width)
+        return (starts[:, None] + block[None, :]).reshape(-1)
+
+    def out(self, t):
+        return t.index_select(0, self.rows(t.shape[0]).to(t.device))
+
+    def into(self, full, t):
+        full.index_copy_(0, self.rows(full.shape[0]).to(full.device), t)

@@ -5,6 +5,13 @@ The rest are spelled differently (`--disable-bias-linear` is `not add_bias_linea
 only with `--group-query-attention`, lists become the strings Ternion's flags take) or describe a model Ternion
 does not build: those are refused in one line naming the argument (`REFUSED`).
 
+Multi-latent attention: megatron-core's MLA (MultiLatentAttention and YarnRotaryEmbedding, 0.16.1) multiplies
+the rotated channels by mscale(f, mscale) / mscale(f, mscale_all_dim) under YaRN and the softmax scale by
+mscale(f, mscale_all_dim)^2 whatever the RoPE; Ternion (as transformers) by the ratio only where both are set,
+else mscale(f, 1), and the softmax only under YaRN. Where those differ for the run's values (`mla_scales_differ`)
+the model is refused both ways. Megatron-LM has no flags for YaRN's original context and beta_fast / beta_slow
+(megatron-core's MLA config keeps 4096, 32, 1): a model with others is refused on export.
+
 The vocabulary is Megatron's padded one (`padded_vocab_size`): its softmax runs over every padded row, so the
 same logits and loss need those rows to be Ternion's vocabulary too.
 """
@@ -12,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Optional
 
 import torch
 
 from engine.checkpoint.megatron.pickled import Opaque
 from engine.config import Config, ConfigError, moe_layer_pattern, window_layer_pattern, window_size_pair
+from engine.rope import softmax_scale, yarn_mscale, yarn_rope_scale
 
 SECTIONS = ("model", "optim", "training", "data")
 NOT_COPIED = {"vocab_size", "num_query_groups", "disable_bias_linear", "attention_backend", "recompute_granularity",
@@ -44,10 +53,6 @@ REFUSED = (
     ("use_legacy_models", lambda a: _on(a, "use_legacy_models"),
      "a model of Megatron-LM's legacy code (megatron.legacy); only megatron-core GPT models are read"),
     ("fp8", lambda a: _on(a, "fp8"), "FP8 training state (scales, amax histories) has no place in a Ternion run yet"),
-    ("multi_latent_attention", lambda a: _on(a, "multi_latent_attention"),
-     "its multi-latent attention tensors are not converted yet (Ternion trains MLA; DeepSeek-V3 checkpoints import "
-     "through Hugging Face: docs/deepseek-v3.md)"),
-    ("mtp_num_layers", lambda a: _on(a, "mtp_num_layers"), "its multi-token prediction layers are not converted yet"),
     ("apply_residual_connection_post_layernorm", lambda a: _on(a, "apply_residual_connection_post_layernorm"),
      "residuals taken after the norm are not built here"),
     ("apply_layernorm_1p", lambda a: _on(a, "apply_layernorm_1p"),
@@ -87,6 +92,31 @@ def _value(name: str, value):
     return value
 
 
+def _core_mla_scales(m) -> tuple:
+    """(factor on the rotated channels, factor on the softmax scale) of megatron-core's MLA for model `m`."""
+    f = m.rotary_scaling_factor
+    rope = yarn_mscale(f, m.mscale) / yarn_mscale(f, m.mscale_all_dim) if m.yarn() else 1.0
+    return rope, yarn_mscale(f, m.mscale_all_dim) ** 2
+
+
+def mla_scales_differ(m) -> Optional[str]:
+    """Why megatron-core's MLA scales its RoPE channels or softmax otherwise than Ternion does for `m` (None: the
+    same, or no MLA)."""
+    if not m.multi_latent_attention:
+        return None
+    d = m.qk_head_dim + m.qk_pos_emb_head_dim
+    ours, core = (yarn_rope_scale(m), softmax_scale(m, d) * d ** 0.5), _core_mla_scales(m)
+    if all(abs(a - b) <= 1e-12 * abs(b) for a, b in zip(ours, core)):
+        return None
+    return (f"--rope-type {m.rope_type or 'yarn'} --rotary-scaling-factor {m.rotary_scaling_factor} "
+            f"--mscale {m.mscale} --mscale-all-dim {m.mscale_all_dim}: megatron-core's MLA multiplies the rotated "
+            f"channels by {core[0]:.6g} and the softmax scale by {core[1]:.6g}, Ternion by {ours[0]:.6g} and "
+            f"{ours[1]:.6g}")
+
+
+YARN_CORE = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}  # MLATransformerConfig
+
+
 def config_from_args(args: argparse.Namespace, where: str) -> Config:
     """The Ternion config of a Megatron run; ConfigError (one line) for what Ternion does not build."""
     for name, refused, why in REFUSED:
@@ -113,6 +143,8 @@ def config_from_args(args: argparse.Namespace, where: str) -> Config:
         raise ConfigError(f"{where}: the run was saved without position embeddings (NoPE), which is not built here")
     if m.vocab_size is None:
         raise ConfigError(f"{where}: its args hold no padded_vocab_size; the embedding's rows cannot be checked")
+    if mla_scales_differ(m):
+        raise ConfigError(f"{where}: the run was saved with {mla_scales_differ(m)}; Ternion cannot continue it")
     return cfg
 
 
@@ -136,9 +168,12 @@ def args_from_config(cfg: Config, tp: int, pp: int, extra: dict) -> argparse.Nam
     if m.qk_layernorm and m.qk_layernorm_scope != "head" or m.norm_placement != "pre":
         raise ConfigError("--to-megatron: the model has QK-norm over whole projections or norms after the sublayers "
                           "(OLMo-2), which Megatron-LM's GPT model does not build")
-    if m.multi_latent_attention or m.mtp_num_layers:
-        raise ConfigError("--to-megatron: multi-latent attention and multi-token prediction tensors are not converted "
-                          "yet; use --format hf (tools/merge_ckpt.py) for a DeepSeek-V3-shaped model")
+    if mla_scales_differ(m):
+        raise ConfigError(f"--to-megatron: {mla_scales_differ(m)}")
+    kept = {k: getattr(m, k) for k in YARN_CORE if getattr(m, k) != YARN_CORE[k]}
+    if m.yarn() and m.rotary_scaling_factor != 1 and kept:
+        raise ConfigError(f"--to-megatron: YaRN with {', '.join(f'{k}={v}' for k, v in kept.items())}: Megatron-LM has "
+                          f"no flags for these and its MLA keeps megatron-core's {YARN_CORE}")
     if m.moe_router_num_groups and m.moe_router_topk != 2 * m.moe_router_group_topk:
         raise ConfigError(f"--to-megatron: Megatron-Core ranks expert groups by their top k/M scores, not their top 2 "
                           f"as here: the same only when --moe-router-topk {m.moe_router_topk} is twice "
@@ -162,5 +197,5 @@ def args_from_config(cfg: Config, tp: int, pp: int, extra: dict) -> argparse.Nam
         consumed_train_samples=int(extra.get("consumed_samples") or 0), skipped_train_samples=0,
         consumed_valid_samples=0, lr_decay_style="WSD" if o.lr_decay_style == "wsd" else o.lr_decay_style,
         muon_split_qkv=not o.muon_no_split_qkv, muon_use_nesterov=o.muon_nesterov,
-        transformer_impl="transformer_engine", fp8=None, multi_latent_attention=False, mtp_num_layers=None)
+        transformer_impl="transformer_engine", fp8=None)
     return argparse.Namespace(**values)

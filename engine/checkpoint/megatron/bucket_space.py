@@ -11,7 +11,8 @@ so their places are found again here: the parameters of each stage are listed in
 them into the next linear, registered before its weight), and laid out as DistributedDataParallel does; a bucket
 ends where the stored lengths say (bucket sizes depend on flags that are not saved). A layout that does not meet
 those lengths exactly is not guessed at: the optimizer state is then left out, and said so. MoE models (a second
-optimizer for the experts' buffers) are not laid out here.
+optimizer for the experts' buffers) and models with multi-latent attention or MTP modules (other modules, in an
+order not written out here) are not laid out here.
 """
 from __future__ import annotations
 
@@ -102,9 +103,11 @@ class BucketSpace:
                 self.inner.append(value)
             else:
                 self.scaler = value
-        if getattr(ck.args, "num_experts", None):
-            self.why_not = "its MoE optimizer state is in Megatron's bucket layout (dp_reshardable), which is read " \
-                           "for dense models only; save it with --dist-ckpt-optim-fully-reshardable"
+        if getattr(ck.args, "num_experts", None) or getattr(ck.args, "multi_latent_attention", False) or \
+                getattr(ck.args, "mtp_num_layers", None):
+            self.why_not = "its optimizer state is in Megatron's bucket layout (dp_reshardable), which is read for " \
+                           "dense models without multi-latent attention or MTP only; save it with " \
+                           "--dist-ckpt-optim-fully-reshardable"
             return self
         self.why_not = self._index()
         return self

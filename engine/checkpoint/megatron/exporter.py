@@ -87,7 +87,7 @@ def _pieces(reader: CheckpointReader, m, tp: int) -> list:
         dtype = files.DTYPE_NAMES[saved.dtype]
         ours = (saved.valid_rows or saved.shape[0],) + tuple(saved.shape[1:]) if saved.valid_rows else tuple(
             saved.shape)
-        names = entry.names if "pre_mlp_layernorm" in entry.names[0] else entry.names[:1]  # an MoE norm: both specs
+        names = entry.names if entry.both else entry.names[:1]
         for name in names:
             layer, rest = split_layer(name)
             key = f"decoder.layers.{rest}" if stacked and layer is not None else name
@@ -137,23 +137,39 @@ def _piece(reader, entry, key: str, lead: tuple, size: tuple, dtype, axis=None, 
     return (key, size, tuple(lead) + tuple(offsets), (1,) * len(lead) + tuple(sizes), dtype, _lifted(make, len(lead)))
 
 
+def _layer_modules(m, moe: bool) -> list:
+    """A layer's modules (relative names) that carry an `_extra_state`, both specs' (a loader ignores the rest)."""
+    if m.multi_latent_attention:
+        q = ["linear_q_down_proj", "linear_q_up_proj"] if m.q_lora_rank else ["linear_q_proj"]
+        attention = ["linear_proj", *q, "linear_kv_down_proj", "linear_kv_up_proj", "core_attention"]
+    else:
+        attention = ["linear_proj", "linear_qkv", "core_attention"]
+    names = [f"self_attention.{n}" for n in attention]
+    if moe:
+        return names + [f"mlp.shared_experts.linear_fc{n}" for n in (1, 2) if m.moe_shared_expert_intermediate_size]
+    return names + ["mlp.linear_fc1", "mlp.linear_fc2"]
+
+
 def _extra_states(m) -> list:
     """The `_extra_state` objects megatron-core's layers save and load (None outside FP8): its loader wants every
-    one its model has, so both specs' are written (a loader ignores what its model lacks)."""
+    one its model has, so both specs' are written (a loader ignores what its model lacks). Stacked layers' are
+    `decoder.layers.<name>._extra_state/shard_<i>_<layers>`; the rest (mixed layers, MTP modules) one object each."""
     stacked, layers, moe = homogeneous(m), m.num_layers, set(m.moe_layers()) if m.num_experts else set()
+    experts = "mlp.experts.experts.linear_fc{}._extra_state/shard_{}"
     out = []
     for i in range(layers):
-        names = ["self_attention.linear_proj", "self_attention.linear_qkv", "self_attention.core_attention"]
-        if i in moe:
-            names += [f"mlp.shared_experts.linear_fc{n}" for n in (1, 2) if m.moe_shared_expert_intermediate_size]
-        else:
-            names += ["mlp.linear_fc1", "mlp.linear_fc2"]
         key = "decoder.layers.{}._extra_state/shard_" + (f"{i}_{layers}" if stacked else "0_1")
-        out += [key.format(name if stacked else f"{i}.{name}") for name in names]
+        out += [key.format(name if stacked else f"{i}.{name}") for name in _layer_modules(m, i in moe)]
         for e in range(m.num_experts or 0) if i in moe else ():
             where = f"{i}.{e}_{layers}.{m.num_experts}" if stacked else f"{e}_{m.num_experts}"
-            out += [f"decoder.layers.{'' if stacked else f'{i}.'}mlp.experts.experts.linear_fc{n}._extra_state/shard_"
-                    f"{where}" for n in (1, 2)]
+            out += [f"decoder.layers.{'' if stacked else f'{i}.'}{experts.format(n, where)}" for n in (1, 2)]
+    routed = set(m.routed_layers())
+    for k in range(m.mtp_num_layers or 0):
+        prefix, moe_layer = f"mtp.layers.{k}.", layers + k in routed
+        names = ["eh_proj"] + [f"transformer_layer.{n}" for n in _layer_modules(m, moe_layer)]
+        out += [f"{prefix}{name}._extra_state/shard_0_1" for name in names]
+        out += [f"{prefix}transformer_layer.{experts.format(n, f'{e}_{m.num_experts}')}"
+                for e in range(m.num_experts or 0) if moe_layer for n in (1, 2)]
     return out
 
 
@@ -174,6 +190,7 @@ def export_megatron(reader: CheckpointReader, out_dir: str, tp: int = 1, pp: int
     cfg = Config.from_dict(reader.meta.config)
     m = cfg.model
     check_model_split(m, tp, pp, tp_flag="--target-tp", pp_flag="--target-pp")
+    args = args_from_config(cfg, tp, pp, reader.meta.extra_state)  # what Megatron-LM cannot build: refused first
     pieces = _pieces(reader, m, tp)
     it = reader.iteration
     final = os.path.join(out_dir, files.iter_dir_name(it))
@@ -183,8 +200,8 @@ def export_megatron(reader: CheckpointReader, out_dir: str, tp: int = 1, pp: int
             warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized": one process writes, as meant
             save({}, storage_writer=FileSystemWriter(tmp, thread_count=1, per_thread_copy_ahead=0),
                  planner=_LazyPlanner(pieces, _extra_states(m), bar), no_dist=True)
-        common = {"args": args_from_config(cfg, tp, pp, reader.meta.extra_state), "checkpoint_version": 3.0,
-                  "iteration": it, "num_floating_point_operations_so_far": 0, "content_metadata": dict(CONTENT)}
+        common = {"args": args, "checkpoint_version": 3.0, "iteration": it, "num_floating_point_operations_so_far": 0,
+                  "content_metadata": dict(CONTENT)}
         torch.save(common, os.path.join(tmp, COMMON_FILE))
         files.write_json_durable(os.path.join(tmp, BACKEND_FILE), BACKEND)
         files.fsync_dir(tmp)

@@ -8,8 +8,9 @@ joined (along the output rows of column-parallel linears and the embedding, alon
 ones; SwiGLU's linear_fc1 holds [gate slice; up slice] per rank, joined as [gate; up]). The local spec's norm
 names are renamed to the ones torch_dist uses (its own `sharded_state_dict_keys_map`).
 
-Files are memory-mapped (torch.load mmap), so a tensor is read when it is used. MoE checkpoints in this format
-are refused in one line: Megatron-LM converts them to torch_dist (`--ckpt-convert-format torch_dist`).
+Files are memory-mapped (torch.load mmap), so a tensor is read when it is used. MoE, multi-latent attention and
+multi-token prediction checkpoints in this format are refused in one line: Megatron-LM converts them to
+torch_dist (`--ckpt-convert-format torch_dist`).
 """
 from __future__ import annotations
 
@@ -49,6 +50,10 @@ class Legacy:
         if getattr(args, "num_experts", None) or getattr(args, "expert_model_parallel_size", 1) > 1:
             raise ConfigError(f"{path}: a mixture-of-experts checkpoint in the legacy torch format is not read; "
                               "convert it to torch_dist with Megatron-LM (--ckpt-convert-format torch_dist)")
+        if getattr(args, "multi_latent_attention", False) or getattr(args, "mtp_num_layers", None):
+            raise ConfigError(f"{path}: a multi-latent attention or multi-token prediction checkpoint in the legacy "
+                              "torch format is not read (its down-projections are tp slices in one spec, whole in "
+                              "the other); convert it to torch_dist with Megatron-LM (--ckpt-convert-format torch_dist)")
         missing = [(t, p) for t in range(tp) for p in range(pp) if (t, p) not in ranks]
         if missing:
             t, p = missing[0]
