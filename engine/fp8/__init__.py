@@ -6,7 +6,8 @@ precision, as in Megatron-LM. `finish_step` ends a step of delayed scaling: ever
 is reduced over the pipeline stage's ranks (tp x cp, then dp x cp) in one all-reduce each and pushed into its
 history. `state_dict`/`load_state_dict` carry the histories in checkpoints, keyed by layer name (global layer
 numbers), so they reshard to any layout. `weights_held` spans a step's forward/backward schedule: each linear
-quantizes its weight once for all the schedule's microbatches (engine.fp8.linear, `Held`).
+and each routed expert has its weight quantized once for all the schedule's microbatches (engine.fp8.linear,
+`Held`; engine.fp8.experts).
 """
 from __future__ import annotations
 
