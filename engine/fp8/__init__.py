@@ -48,14 +48,19 @@ def linears(chunks) -> dict:
             if isinstance(getattr(m, "fp8", None), Fp8Linear)}
 
 
+def keepers(chunks) -> list:
+    """The chunks' FP8 linears and experts: what `weights_held` may keep quantized weights in (found once, by the
+    pipeline runner; none without FP8)."""
+    return [*linears(chunks).values(), *experts(chunks)]
+
+
 @contextlib.contextmanager
-def weights_held(chunks, microbatches: int):
-    """Within it (one schedule of `microbatches` on this rank) every FP8 linear's and experts' weight that may be
-    kept (not under ZeRO-3) is quantized once and reused; after it the codes are dropped, so nothing outlives the
-    schedule (the optimizer step changes the weights next). A single microbatch has nothing to reuse: nothing is
-    held then."""
-    keepers = [*linears(chunks).values(), *experts(chunks)]
-    held = [k for k in keepers if k.may_hold] if microbatches > 1 else []
+def weights_held(found: list, microbatches: int):
+    """Within it (one schedule of `microbatches` on this rank) every FP8 linear's and experts' weight of `found`
+    (`keepers`) that may be kept (not under ZeRO-3) is quantized once and reused; after it the codes are dropped,
+    so nothing outlives the schedule (the optimizer step changes the weights next). A single microbatch has
+    nothing to reuse: nothing is held then."""
+    held = [k for k in found if k.may_hold] if microbatches > 1 else []
     for k in held:
         k.hold(True)
     try:

@@ -30,8 +30,8 @@ from engine.fp8.scaling import ACTIVATION_TILE, WEIGHT_TILE, Recipe
 
 @dataclass
 class GatheredExperts:
-    """A stacked expert weight's operands from the optimizer's gather, one per expert as `Fp8Experts.weight` makes
-    it, and the weight's version they hold for."""
+    """A stacked expert weight's operands, one per expert as `Fp8Experts.weight` makes it (from the optimizer's
+    gather, or made here and held for a step's schedule), and the weight's version they hold for."""
     q: list
     version: int
 

@@ -103,23 +103,19 @@ def _fused(x: torch.Tensor) -> bool:
     return FUSE_CASTS_ON_CUDA and x.is_cuda and not torch.compiler.is_compiling()
 
 
-def _cast(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
-    """fp32(x) * scale, saturated to the format's range, rounded to it (to nearest, ties to even)."""
+def cast(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
+    """x's FP8 codes under encode `scale` (a scalar, or one broadcast along x: one per tile's elements, per row):
+    fp32(x) * scale, saturated to the format's range, rounded to it (to nearest, ties to even); the data
+    `quantize` and `quantize_tiles` store, element by element the same for any such layout."""
     if _fused(x):
         return _fused_cast()(x, scale, dtype)
     return _cast_ops(x, scale, dtype)
 
 
-def cast(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
-    """x's FP8 codes under encode `scale` (a scalar, or one broadcast along x: one per tile's elements, per row):
-    the data `quantize` and `quantize_tiles` store, element by element the same for any such layout."""
-    return _cast(x, scale, dtype)
-
-
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype) -> Quantized:
     """x [M, K] with one encode scale."""
     scale = scale.float().reshape(())
-    return Quantized(_cast(x, scale, dtype), scale.reciprocal())
+    return Quantized(cast(x, scale, dtype), scale.reciprocal())
 
 
 def amax(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -159,4 +155,4 @@ def quantize_tiles(x: torch.Tensor, tile: tuple, dtype, margin: int = 0, split: 
     if split is not None and comm.world_size(split.group) > 1:
         comm.all_reduce(grid, split.group, op=comm.ReduceOp.MAX)
     scale = scale_of(grid, dtype, margin, pow2=True)
-    return Quantized(_cast(x, scale[tile_of[0]][:, tile_of[1]], dtype), scale.reciprocal(), tile_of)
+    return Quantized(cast(x, scale[tile_of[0]][:, tile_of[1]], dtype), scale.reciprocal(), tile_of)

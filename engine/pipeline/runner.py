@@ -44,6 +44,7 @@ class PipelineRunner:
         self.link = StageLink(ctx, shape, dtype, device)
         self.deferred: dict = {}  # (chunk, microbatch) -> the weight-gradient work its W will do
         self.loss_rank = self.schedule.loss_rank
+        self.fp8 = fp8.keepers(chunks)  # the FP8 linears and experts whose weights a schedule quantizes once
 
     @classmethod
     def from_config(cls, cfg, chunks: list, ctx, dtype, device, trace=None) -> "PipelineRunner":
@@ -76,7 +77,7 @@ class PipelineRunner:
                 chunk.set_aux_loss_scale(aux_scale)
         steps = schedule_steps(schedule, ctx.pp_rank, m, forward_only, self.costs)
         saved, losses, outbox = {}, [], {}
-        with fp8.weights_held(self.chunks, m):  # the weights stay as they are until the schedule ends
+        with fp8.weights_held(self.fp8, m):  # the weights stay as they are until the schedule ends
             for exchange, ops in exchange_plan(steps, schedule, ctx.pp_rank, self.costs):
                 # what earlier steps made for this batch to send, what this step needs (one entry per operation)
                 inbox = self.link.exchange(exchange, [outbox.pop(msg[1:]) for msg in exchange.sends])

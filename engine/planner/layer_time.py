@@ -117,11 +117,11 @@ def _fp8_casts(model: ModelConfig, tokens: float, t: int, gpu: GPUSpec, sw: Soft
     expert for its rows (quantized per token, then dequantized for the weight gradient: about the same bytes)."""
     if sw.fp8 is None:
         return 0.0
-    held, rows = experts
-    if held:
+    local, rows = experts
+    if local:
         shared = model.moe_shared_expert_intermediate_size or 0
         width = _mlp_cast_width(model, shared / t) if shared else 0.0
-        elements = held * rows * _mlp_cast_width(model, model.resolved_moe_ffn_hidden_size())
+        elements = local * rows * _mlp_cast_width(model, model.resolved_moe_ffn_hidden_size())
     else:
         width, elements = _mlp_cast_width(model, model.resolved_ffn_hidden_size() / t), 0.0
     for (rows_, cols), axis in zip(attention_matrices(model), attention_splits(model)):
