@@ -21,6 +21,7 @@ nature is reported as skipped), `--device cuda --dry-run` as the smoke test a le
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -53,6 +54,8 @@ def parse(argv):
     p.add_argument("--dry-run", action="store_true", help="tiny sizes: exercises every code path quickly")
     p.add_argument("--only", metavar="NAMES", help="comma-separated sections to run (the others are "
                    f"left out): {', '.join(s.name for s in SECTIONS)}")
+    p.add_argument("--budgets", metavar="NAME=S,...", help="seconds for the sections named, in place of their "
+                   "defaults (a rerun of a few sections with --only can give them what the others left)")
     p.add_argument("--table", metavar="FILE.json",
                    help="print docs/evidence.md's 'Measured on GPU' table of a results file")
     return p.parse_args(argv)
@@ -65,6 +68,10 @@ def problem(args):
     unknown = sorted(set(chosen(args)) - {s.name for s in SECTIONS}) if args.only else []
     if unknown:
         return f"--only: no section named {', '.join(unknown)}; the sections are {', '.join(s.name for s in SECTIONS)}"
+    try:
+        budgets(args)
+    except ValueError as exc:
+        return f"--budgets {args.budgets}: {exc}; write e.g. kernels=120,tuning=40"
     if args.device == "cuda" and not cuda_visible():
         return "--device cuda: no CUDA device is visible; use --device cpu --dry-run"
     try:
@@ -81,6 +88,22 @@ def chosen(args) -> list:
     if not args.only:
         return [s.name for s in SECTIONS]
     return [n.strip() for n in args.only.split(",") if n.strip()]
+
+
+def budgets(args) -> dict:
+    """{section name: seconds} from --budgets; ValueError naming what is wrong."""
+    given = {}
+    for item in filter(None, (args.budgets or "").split(",")):
+        name, _, seconds = item.partition("=")
+        if name.strip() not in {s.name for s in SECTIONS}:
+            raise ValueError(f"no section named {name.strip()}")
+        try:
+            given[name.strip()] = float(seconds)
+        except ValueError:
+            raise ValueError(f"{item}: seconds must be a number") from None
+        if given[name.strip()] <= 0:
+            raise ValueError(f"{item}: seconds must be positive")
+    return given
 
 
 def assemble(opts: Options, sections: dict) -> dict:
@@ -133,7 +156,9 @@ def main(argv=None) -> int:
     opts = Options(args.device, args.quick, args.dry_run, args.out, time.time())
     say(opts, f"gpu-check {opts.mode} on {opts.device}, within {TOTAL[opts.mode]} s; output in {opts.out}")
     # after each section the figures so far are saved: a run killed from outside (a lease's limit) keeps them
-    sections = [s for s in SECTIONS if s.name in chosen(args)]
+    given = budgets(args)
+    sections = [dataclasses.replace(s, budget={**s.budget, opts.mode: given[s.name]}) if s.name in given else s
+                for s in SECTIONS if s.name in chosen(args)]
     result = assemble(opts, run_sections(sections, opts, TOTAL[opts.mode], after=lambda done: save(opts, done)))
     save(opts, result["sections"], result)  # first: the figures are safe whatever the rendering does
     try:

@@ -207,6 +207,10 @@ def test_a_killed_pytest_run_is_counted_from_its_verbose_lines():
            "tests/test_k.py::test_c SKIPPED (no CUDA)   [ 30%]\ntests/test_k.py::test_d ")
     assert verbose_summary(out) == {"passed": 1, "failed": 1, "errors": 0, "skipped": 1,
                                     "failing": ["tests/test_k.py::test_b"], "why": {}}
+    xdist = ("[gw0] [ 10%] PASSED tests/test_k.py::test_a[fp32] \n[gw3] [ 20%] ERROR tests/test_k.py::test_b \n"
+             "[gw1] [100%] SKIPPED tests/test_k.py::test_c \n")  # pytest-xdist's workers on the lease machine
+    assert verbose_summary(xdist) == {"passed": 1, "failed": 0, "errors": 1, "skipped": 1,
+                                      "failing": ["tests/test_k.py::test_b"], "why": {}}
 
 
 def test_micro_batch_search_steps_down_on_out_of_memory(tmp_path, monkeypatch):
@@ -297,3 +301,9 @@ def test_only_runs_the_sections_named_and_refuses_unknown_ones(tmp_path, capsys)
     assert list(result["sections"]) == ["card"] and result["sections"]["card"]["status"] == "ok"
     assert gpu_check.main(["--device", "cpu", "--dry-run", "--only", "card,kernals", "--out", str(tmp_path)]) == 2
     assert "no section named kernals" in capsys.readouterr().err
+    assert gpu_check.main(["--device", "cpu", "--dry-run", "--only", "card", "--budgets", "card=0.5",
+                           "--out", str(tmp_path)]) == 0  # under runner.MIN_BUDGET: the one section is skipped
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["sections"]["card"]["status"] == "skipped"
+    for bad, says in (("kernals=5", "no section named kernals"), ("card=soon", "seconds must be a number")):
+        assert gpu_check.main(["--device", "cpu", "--dry-run", "--budgets", bad, "--out", str(tmp_path)]) == 2
+        assert says in capsys.readouterr().err

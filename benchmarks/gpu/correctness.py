@@ -52,15 +52,26 @@ def pytest_gpu(opts, record) -> None:
         record.figure("pytest_gpu_collected", int(found.group(1)) if found else 0, "tests", note="collected only")
         record.skip("pytest -m gpu (run)", "skipped: dry run (real sizes)" if opts.cuda else NEEDS_CUDA)
         return
-    groups = (("kernels and planner", [f for f in files if not f.endswith(MULTI_RANK)]),
+    # the kernel cases spend most of their time compiling Triton kernels on the host: spread them over workers
+    # (pytest-xdist, where installed) that share the one card; the torchrun jobs start ranks of their own
+    groups = (("kernels and planner", [f for f in files if not f.endswith(MULTI_RANK)] + workers()),
               ("gloo ranks on one GPU", [f for f in files if f.endswith(MULTI_RANK)]))
     failed = []
     for name, group in groups:
-        if not group or not record.has_time(f"pytest -m gpu ({name})", 10.0 + reserve):
+        if not [f for f in group if f.endswith(".py")] or not record.has_time(f"pytest -m gpu ({name})", 10.0 + reserve):
             continue
         summary = _run_group(name, group, record.left() - reserve, record)
         failed += summary.get("failing", [])
     record.figure("pytest_gpu_failed", len(failed), "tests", "0", "; ".join(failed[:10]))
+
+
+def workers() -> list:
+    """pytest-xdist's arguments for KERNEL_WORKERS processes, or none where xdist is not installed."""
+    import importlib.util
+    return ["-n", str(KERNEL_WORKERS)] if importlib.util.find_spec("xdist") else []
+
+
+KERNEL_WORKERS = 8  # the lease machines have 16 cores; the H100 run's serial kernel group ran past 145 s
 
 
 def _pytest(args: list, timeout: float, junit: str | None = None):
@@ -98,14 +109,17 @@ def _run_group(name: str, files: list, timeout: float, record) -> dict:
 
 
 VERBOSE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)", re.M)
+VERBOSE_XDIST = re.compile(r"^\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|ERROR|SKIPPED) (\S+::\S+)", re.M)
 
 
 def verbose_summary(out: str) -> dict:
-    """Counts and failing ids from pytest -v output (a run killed before its JUnit report)."""
+    """Counts and failing ids from pytest -v output (a run killed before its JUnit report), with or without
+    xdist's workers."""
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     key = {"PASSED": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped"}
     failing = []
-    for case, outcome in VERBOSE.findall(out):
+    found = VERBOSE.findall(out) + [(case, outcome) for outcome, case in VERBOSE_XDIST.findall(out)]
+    for case, outcome in found:
         counts[key[outcome]] += 1
         if outcome in ("FAILED", "ERROR"):
             failing.append(case)
