@@ -275,6 +275,16 @@ def test_runs_merge_later_sections_over_earlier_and_count_hand_run_tests():
                                                                            "gloo ranks")
     with pytest.raises(ValueError, match="different cards"):
         merge([first, {**second, "card": "NVIDIA H200"}], ["a", "b"], [])
+    # a run without the card section (--only training) takes the named run's card; a hand-run group replaces the
+    # run's row of that group (killed for time)
+    killed = {"group": "gloo ranks", "passed": 2, "failed": 0, "failing": []}
+    unnamed = {**run({"correctness": _section(tables={"pytest_gpu": [killed]})}, "--only correctness"),
+               "card": "unknown card", "save_as": "y"}
+    merged = merge([unnamed, second], ["a", "b"], [("gloo ranks", log, "a")])
+    assert merged["card"] == "NVIDIA H100 80GB HBM3" and merged["save_as"] == "x"
+    assert [r["passed"] for r in merged["sections"]["correctness"]["tables"]["pytest_gpu"]] == [1]
+    with pytest.raises(ValueError, match="no run names its card"):
+        merge([unnamed], ["a"], [])
 
 
 def test_each_committed_gpu_result_has_its_generated_table_in_the_docs():

@@ -5,9 +5,10 @@
 
 A later run's section replaces an earlier run's section of the same name (a rerun after a fix, or with a
 larger budget); sections a later run left out (`--only`) are kept from the earlier one. Each section is
-marked with the run it came from, and `runs` lists every run (its command, commit, date and seconds). A
-`pytest -m gpu` group run by hand on the same lease (its `-v` output saved to FILE) is added to the
-correctness section as its own row, counted from its PASSED/FAILED lines. The goals are evaluated again over
+marked with the run it came from, and `runs` lists every run (its command, commit, date and seconds); a run
+without the card section takes the card of those with it (they must be of one lease). A `pytest -m gpu` group
+run by hand on the same lease (its `-v` output saved to FILE) is added to the correctness section as its own
+row, counted from its PASSED/FAILED lines, in place of a run's row of the same group (one killed for time). The goals are evaluated again over
 the merged sections.
 """
 from __future__ import annotations
@@ -20,11 +21,16 @@ from benchmarks.gpu import goals
 from benchmarks.gpu.correctness import verbose_summary
 
 
+UNNAMED = "unknown card"  # gpu_check's name for the card of a run without the card section
+
+
 def merge(runs: list, commits: list, pytest_logs: list) -> dict:
     """One results dict from `runs` (gpu_check.json dicts, oldest first) and (group, text, commit) logs."""
-    cards = {r["card"] for r in runs}
-    if len(cards) != 1:
+    cards = {r["card"] for r in runs} - {UNNAMED}  # a run --only'd without its card section names none
+    if len(cards) > 1:
         raise ValueError(f"the runs are of different cards ({', '.join(sorted(cards))}): merge one card's runs")
+    if not cards:
+        raise ValueError("no run names its card: include a run with the card section")
     sections = {}
     for i, run in enumerate(runs):
         for name, section in run["sections"].items():
@@ -33,8 +39,9 @@ def merge(runs: list, commits: list, pytest_logs: list) -> dict:
         summary = {**verbose_summary(text), "group": group, "source": f"pytest -m gpu -v by hand, commit {commit}"}
         correctness = sections.setdefault("correctness", {"status": "ok", "figures": {}, "tables": {}, "notes": [],
                                                           "skipped": {}})
-        correctness["tables"].setdefault("pytest_gpu", []).append(summary)
-    last = runs[-1]
+        rows = correctness["tables"].setdefault("pytest_gpu", [])
+        rows[:] = [r for r in rows if r.get("group") != group] + [summary]  # replaces a run's killed group
+    last = next(r for r in reversed(runs) if r["card"] != UNNAMED)  # its card, date and save_as name the file
     merged = {**last, "sections": sections, "command": "merged: see runs",
               "runs": [{"run": i + 1, "command": r["command"], "commit": c, "date": r["date"], "mode": r["mode"],
                         "total_s": r["total_s"], "sections": list(r["sections"])}

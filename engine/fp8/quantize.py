@@ -13,6 +13,7 @@ of it, so every layout quantizes the full tensor exactly as one rank does.
 from __future__ import annotations
 
 import functools
+import types
 from dataclasses import dataclass
 from typing import Optional
 
@@ -75,12 +76,21 @@ def _cast_ops(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _fused_cast():
+def _fused_cast(dtype=E4M3, scale_dims: int = 0):
     """_cast_ops as one kernel (inductor's): eager PyTorch runs it as four passes over the tensor with an fp32
     copy between them, about 30 bytes moved per element where 3 are needed. On the H100 of 2026-11-26 the 1.3B
     step in FP8 ran at 0.56x bf16's with the eager casts, and the 8192³ FP8 GEMM with both operands cast per
-    call at 418 TFLOP/s against 1,378 without (benchmarks/results/NOTES.md). Built on first use on CUDA."""
-    return torch.compile(_cast_ops, dynamic=True)
+    call at 418 TFLOP/s against 1,378 without (benchmarks/results/NOTES.md). Built on first use on CUDA.
+
+    One compiled function per FP8 format and scale shape (a scalar, or one broadcast along x), each over its own
+    copy of _cast_ops' code: dynamo keeps at most `recompile_limit` (8) compiled versions per code object and past
+    that runs the function eagerly, saying so only in a log line. One shared function saw every operand kind (two
+    formats x scalar or tile scales x bf16 or fp32 x row- or column-major, and the autograd flag before its
+    input was detached) and hit that limit in the H200 run of 2026-11-26, whose FP8 step fell to 0.45x bf16's.
+    Each copy now sees only x's dtype and layout (at most 4 versions)."""
+    del dtype, scale_dims  # the cache's key: each pair gets its own code object, hence its own dynamo cache
+    code = _cast_ops.__code__.replace()
+    return torch.compile(types.FunctionType(code, _cast_ops.__globals__, _cast_ops.__name__), dynamic=True)
 
 
 def _amax_ops(x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +118,8 @@ def cast(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
     fp32(x) * scale, saturated to the format's range, rounded to it (to nearest, ties to even); the data
     `quantize` and `quantize_tiles` store, element by element the same for any such layout."""
     if _fused(x):
-        return _fused_cast()(x, scale, dtype)
+        # detached: the codes carry no gradient, and x's autograd flag or view base would be guarded on
+        return _fused_cast(dtype, scale.dim())(x.detach(), scale, dtype)
     return _cast_ops(x, scale, dtype)
 
 
