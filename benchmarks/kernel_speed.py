@@ -26,14 +26,25 @@ from kernels import dispatch, reference
 EPS = 1e-5
 
 
+QUEUE_AHEAD_CYCLES = 4_000_000  # ~2 ms of the GPU's clock (1.98 GHz on the H100/H200): more than fn's host time
+
+
 def median_ms(fn, reps: int, cuda: bool) -> float:
-    """Median milliseconds of fn() after warm-up (device events on CUDA, so queued work is not mistaken for done)."""
+    """Median milliseconds of fn() after warm-up (device events on CUDA, so queued work is not mistaken for done).
+
+    On CUDA each timed call is queued behind a ~2 ms device-side sleep, so the start event, fn's kernels and the
+    end event wait on the device together and the events time the kernels alone, not the host's launch work
+    (Triton's Python launcher, autograd) on an idle device, as in training, where the host runs ahead. Without
+    it, the H200 sweep of 2026-11-26 put RMSNorm's forward anywhere from 2.0 to 2.7 TB/s across settings that
+    change only its backward, and the short kernels (norms, RoPE: 60-150 us of traffic) were timed below the
+    long ones (SwiGLU, cross-entropy) by more than their bytes explain."""
     for _ in range(3):
         fn()
     times = []
     for _ in range(reps):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
             start.record()
             fn()
             end.record()

@@ -317,3 +317,28 @@ def test_only_runs_the_sections_named_and_refuses_unknown_ones(tmp_path, capsys)
     for bad, says in (("kernals=5", "no section named kernals"), ("card=soon", "seconds must be a number")):
         assert gpu_check.main(["--device", "cpu", "--dry-run", "--budgets", bad, "--out", str(tmp_path)]) == 2
         assert says in capsys.readouterr().err
+
+
+def test_device_timing_queues_each_call_behind_a_device_sleep(monkeypatch):
+    """benchmarks.kernel_speed.median_ms on CUDA: the sleep is queued before the start event, and the events
+    bracket fn alone, so the host's launch work is hidden behind the sleep instead of timed on an idle device."""
+    from benchmarks import kernel_speed
+    order = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.name = f"event{len(order)}"
+
+        def record(self):
+            order.append(("record", self.name))
+
+        def elapsed_time(self, other):
+            return 1.5
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: order.append(("sleep", cycles)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: order.append(("sync",)))
+    assert kernel_speed.median_ms(lambda: order.append(("fn",)), 2, cuda=True) == 1.5
+    timed = order[3:]  # after the three warm-up calls
+    assert [step[0] for step in timed] == ["sleep", "record", "fn", "record", "sync"] * 2
+    assert timed[0][1] == kernel_speed.QUEUE_AHEAD_CYCLES >= 1_000_000
