@@ -52,10 +52,12 @@ def pytest_gpu(opts, record) -> None:
         record.figure("pytest_gpu_collected", int(found.group(1)) if found else 0, "tests", note="collected only")
         record.skip("pytest -m gpu (run)", "skipped: dry run (real sizes)" if opts.cuda else NEEDS_CUDA)
         return
-    # the kernel cases spend most of their time compiling Triton kernels on the host: spread them over workers
-    # (pytest-xdist, where installed) that share the one card; the torchrun jobs start ranks of their own
-    groups = (("kernels and planner", [f for f in files if not f.endswith(MULTI_RANK)] + workers()),
-              ("gloo ranks on one GPU", [f for f in files if f.endswith(MULTI_RANK)]))
+    # spread over pytest-xdist workers (where installed) that share the one card: the kernel cases spend most of
+    # their time compiling Triton kernels on the host (H100, serial: past 145 s; H200, 8 workers: 63 s), the
+    # six torchrun jobs mostly starting processes (H200, serial: 132 s, two of them 37 s each); torchrun
+    # --standalone and the harness's ranks each take a free port
+    groups = (("kernels and planner", [f for f in files if not f.endswith(MULTI_RANK)] + workers(KERNEL_WORKERS)),
+              ("gloo ranks on one GPU", [f for f in files if f.endswith(MULTI_RANK)] + workers(JOB_WORKERS)))
     failed = []
     for name, group in groups:
         if not [f for f in group if f.endswith(".py")] or not record.has_time(f"pytest -m gpu ({name})", 10.0 + reserve):
@@ -65,13 +67,13 @@ def pytest_gpu(opts, record) -> None:
     record.figure("pytest_gpu_failed", len(failed), "tests", "0", "; ".join(failed[:10]))
 
 
-def workers() -> list:
-    """pytest-xdist's arguments for KERNEL_WORKERS processes, or none where xdist is not installed."""
+def workers(n: int) -> list:
+    """pytest-xdist's arguments for n processes, or none where xdist is not installed."""
     import importlib.util
-    return ["-n", str(KERNEL_WORKERS)] if importlib.util.find_spec("xdist") else []
+    return ["-n", str(n)] if importlib.util.find_spec("xdist") else []
 
 
-KERNEL_WORKERS = 8  # the lease machines have 16 cores; the H100 run's serial kernel group ran past 145 s
+KERNEL_WORKERS, JOB_WORKERS = 8, 3  # the lease machines have 16 cores; a job group runs 2 ranks a job
 
 
 def _pytest(args: list, timeout: float, junit: str | None = None):

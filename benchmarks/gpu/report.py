@@ -103,10 +103,11 @@ def training(result: dict) -> list:
     out = _t(["model", "loop", "mode", "mbs", "tokens/s", "MFU/989", "MFU/measured", "peak GiB", "planner GiB",
               "Δloss vs plain", "warm-up s", "error"], table) if table else []
     prof = result["sections"].get("training", {}).get("tables", {}).get("profile", [])
-    if prof:  # where the engine's step spends its device time: the top operators per model
-        families = dict.fromkeys(r["family"] for r in prof)
-        shown = [r for fam in families for r in [x for x in prof if x["family"] == fam][:8]]
-        out += ["", *_t(["model", "engine step", "operator", "device ms", "share", "calls"],
+    if prof:  # where a step spends its device time: the top operators per model and step (engine eager first)
+        steps = dict.fromkeys((r["family"], r["phase"]) for r in prof)
+        top = 8 if len(steps) == 1 else 5
+        shown = [r for step in steps for r in [x for x in prof if (x["family"], x["phase"]) == step][:top]]
+        out += ["", *_t(["model", "step", "operator", "device ms", "share", "calls"],
                         [[r["family"], r["phase"], r["op"], r["device_ms"], _pct(r["share"]), r["calls"]]
                          for r in shown])]
     return out

@@ -63,16 +63,19 @@ def train(opts, record, family: str, matmul) -> None:
             bench.rounds(warm, False, "compile")
             bench.rounds(iters, True, "compile")
             report(record, bench, "compile", matmul, backend)
+            for name in ("engine", "plain"):  # why the compiled loops differ (H200: plain 1.11x the engine)
+                if name in bench.loops and record.has_time(f"{family} {name} compiled profile", opts.pick(10, 10, 2)):
+                    profile(record, bench, family, name, "compile")
     finally:
         bench.close()
 
 
-def profile(record, bench, family: str) -> None:
-    """Where the engine's eager step spends its device time: the top operators, and a note of the first five."""
-    rows = bench.profile("engine")
+def profile(record, bench, family: str, loop: str = "engine", phase: str = "eager") -> None:
+    """Where one loop's step spends its device time: the top operators, and a note of the first five."""
+    rows = bench.profile(loop)
     for row in rows:
-        record.row("profile", {"family": family, "phase": "eager", **row})
-    record.note(f"{family} engine step (eager), most device time: "
+        record.row("profile", {"family": family, "phase": phase if loop == "engine" else f"{phase} ({loop})", **row})
+    record.note(f"{family} {loop} step ({phase}), most device time: "
                 + "; ".join(f"{r['op']} {100 * r['share']:.0f}%" for r in rows[:5]))
 
 
