@@ -159,7 +159,7 @@ def _sdpa(q, k, v, causal, dropout_p, softmax_scale, window=None, doc_bounds=Non
     # SDPA wants [b, heads, s, d]; grouped-query heads are handled by enable_gqa (torch >= 2.5).
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                          dropout_p=dropout_p, is_causal=causal, scale=softmax_scale,
-                                         enable_gqa=group > 1)
+                                         enable_gqa=bool(group > 1))  # a plain bool under torch.compile too
     return out.transpose(1, 2)
 
 

@@ -73,6 +73,8 @@ class AttentionCore:
             self.attend = attention_for(ctx, backend, device)
 
     def _run(self, q, k, v, mask: AttentionMask, dropout_p: float, softmax_scale):
+        if dropout_p == 0.0:  # draws no random numbers: no stream to switch to (reading one breaks a compiled graph)
+            return self.attend(q, k, v, mask, dropout_p, softmax_scale)
         with self.ctx.dropout_rng(split_over_tp=True):  # heads are split over TP
             return self.attend(q, k, v, mask, dropout_p, softmax_scale)
 
