@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 _CHECK = """
 import torch
 from torch._dynamo.testing import CompileCounter
@@ -38,6 +40,7 @@ print("one graph")
 """
 
 
+@pytest.mark.slow  # a fresh process and six dynamo captures: ~9 s
 def test_a_decoder_layer_compiles_as_one_graph():
     root = os.path.join(os.path.dirname(__file__), "..")
     done = subprocess.run([sys.executable, "-c", _CHECK], cwd=root, capture_output=True, text=True, timeout=300,

@@ -379,6 +379,7 @@ print("compiled", first)
 """
 
 
+@pytest.mark.slow  # a fresh process and every recipe traced twice: ~6 s
 def test_the_fused_casts_stay_compiled_for_every_operand_kind():
     """On CUDA each amax and cast is a compiled function; dynamo keeps at most recompile_limit (8) versions of one
     and then runs it eagerly without an error (the H200 run of 2026-11-26: 9 operand kinds through one function,

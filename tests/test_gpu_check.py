@@ -90,6 +90,7 @@ def _last(opts, record, earlier):
     record.figure("seen", len(earlier), "sections")
 
 
+@pytest.mark.slow  # three forked sections, one of them hanging to its budget: ~6 s
 def test_a_failing_hanging_or_dying_section_costs_only_itself(tmp_path, monkeypatch):
     from benchmarks.gpu import runner
     from benchmarks.gpu.context import Options

@@ -193,7 +193,7 @@ def _blockwise(q, k, v, window, backend, chunks=4):
     return out, do, grads, len(pairs)
 
 
-@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=tk.needs_triton)])
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=[tk.needs_triton, pytest.mark.slow])])
 def test_block_kernels_at_offsets_merge_to_window_attention(backend):
     """Blocks whose rows partly see nothing (lse -inf) merge exactly; blocks wholly outside are not run."""
     for window in (2, 9, None):
