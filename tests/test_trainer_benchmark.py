@@ -19,6 +19,7 @@ def bench(args, timeout=120):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # two training loops in a subprocess: ~5 s
 def test_benchmark_reports_both_loops_on_the_same_work():
     from engine.config import ModelConfig
     from engine.flops import flops_per_iteration

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from engine.data import IndexedDatasetWriter
 
@@ -40,6 +41,7 @@ def test_an_unknown_flag_is_one_line_from_rank_0_without_the_usage():
     assert "usage:" not in proc.stdout + proc.stderr and "exitcode  : 2" in proc.stderr
 
 
+@pytest.mark.slow  # a torchrun job that trains: ~5 s
 def test_data_path_beats_a_configs_mock_data_and_the_summary_is_printed_once(tmp_path):
     config = tmp_path / "tiny-mock.yaml"
     config.write_text(open(os.path.join(ROOT, "configs", "gpt-tiny.yaml")).read() + "mock_data: true\n")
