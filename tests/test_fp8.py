@@ -189,8 +189,8 @@ def test_gpu_experts_run_on_fp8_tensor_cores():
     cores' accumulation: Hopper's FP8 MMA keeps fewer bits in its running sum than fp32 (DeepSeek-V3 report,
     section 3.3.2), which on the H200 of 2026-11-26 put this test's outputs up to 2^-10 from the bf16 path's
     (489 of 64,000 beyond one bf16 rounding) and the dense FP8 linear 1.8e-4 of its largest value from the CPU's;
-    the bound is one bf16 rounding of each value plus 1e-3 of the largest. The weight gradient (dequantized either way, exact bf16 operands)
-    equals the bf16 dequantized path's to one rounding."""
+    the bound is one bf16 rounding of each value plus 1e-3 of the largest. The weight gradient (dequantized
+    either way, exact bf16 operands) equals the bf16 dequantized path's to one rounding."""
     g = torch.Generator().manual_seed(6)
     x, w = torch.randn(250, 512, generator=g), torch.randn(4, 512, 256, generator=g) * 0.05  # 61-64 tokens each
     dy = torch.randn(250, 256, generator=g)

@@ -60,7 +60,8 @@ def pytest_gpu(opts, record) -> None:
               ("gloo ranks on one GPU", [f for f in files if f.endswith(MULTI_RANK)] + workers(JOB_WORKERS)))
     failed = []
     for name, group in groups:
-        if not [f for f in group if f.endswith(".py")] or not record.has_time(f"pytest -m gpu ({name})", 10.0 + reserve):
+        tests = [f for f in group if f.endswith(".py")]  # the group's modules, without xdist's arguments
+        if not tests or not record.has_time(f"pytest -m gpu ({name})", 10.0 + reserve):
             continue
         summary = _run_group(name, group, record.left() - reserve, record)
         failed += summary.get("failing", [])

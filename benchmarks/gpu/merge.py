@@ -8,8 +8,8 @@ larger budget); sections a later run left out (`--only`) are kept from the earli
 marked with the run it came from, and `runs` lists every run (its command, commit, date and seconds); a run
 without the card section takes the card of those with it (they must be of one lease). A `pytest -m gpu` group
 run by hand on the same lease (its `-v` output saved to FILE) is added to the correctness section as its own
-row, counted from its PASSED/FAILED lines, in place of a run's row of the same group (one killed for time). The goals are evaluated again over
-the merged sections.
+row, counted from its PASSED/FAILED lines, in place of a run's row of the same group (one killed for time).
+The goals are evaluated again over the merged sections.
 """
 from __future__ import annotations
 
