@@ -360,3 +360,17 @@ def peak_rss_growth(module: str, argv: list, paths: list) -> tuple:
         return None, None, out.stderr
     result = json.loads(lines[-1])
     return result["code"], result["peak_bytes"], out.stderr
+
+
+def run_in_fresh_process(code: str, says: str, timeout: float = 300) -> str:
+    """Run `code` in a new Python process from the repository's root (its engine importable), assert that it
+    exits 0 having printed `says` (the tail of its stderr is the failure's message), and return what it printed. For checks that must not share
+    this process's state: dynamo's caches and counters, inductor's import of triton (which breaks the interpreter
+    the kernel tests use)."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0 and says in done.stdout, done.stderr[-3000:]
+    return done.stdout

@@ -6,11 +6,8 @@ attention (reading a generator's state), taken even with no dropout; and in the 
 `enable_gqa` given a symbolic bool (now a plain one).
 
 Traced with a counting backend (no inductor) in a process of its own: dynamo's state is process-wide."""
-import os
-import subprocess
-import sys
-
 import pytest
+from harness import run_in_fresh_process
 
 _CHECK = """
 import torch
@@ -42,7 +39,4 @@ print("one graph")
 
 @pytest.mark.slow  # a fresh process and six dynamo captures: ~9 s
 def test_a_decoder_layer_compiles_as_one_graph():
-    root = os.path.join(os.path.dirname(__file__), "..")
-    done = subprocess.run([sys.executable, "-c", _CHECK], cwd=root, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": root})
-    assert done.returncode == 0 and "one graph" in done.stdout, done.stderr[-3000:]
+    run_in_fresh_process(_CHECK, "one graph")

@@ -5,7 +5,6 @@ and within fp32 accumulation order (1x128 / 128x128 tiles, summed per K block of
 delayed scaling follows its amax history; the experts scale per token and per expert; the flags.
 """
 import contextlib
-import os
 import math
 from unittest import mock
 
@@ -30,6 +29,7 @@ from engine.planner.software import Software
 from engine.planner.step_time import estimate
 from engine.report import fp8_lines
 from engine.validation import validate
+from harness import run_in_fresh_process
 
 SHAPES = [(37, 200, 130), (256, 128, 384), (5, 17, 3), (130, 300, 129)]  # tokens, in, out
 RECIPES = [(fmt, kind) for fmt in ("e4m3", "hybrid") for kind in ("tensorwise", "delayed", "blockwise")]
@@ -386,12 +386,7 @@ def test_the_fused_casts_stay_compiled_for_every_operand_kind():
     the FP8 step at 0.45x bf16's). Every operand kind a step makes (formats, recipes, linears and experts, bf16 and
     fp32, views, transposes, autograd flags) stays under that limit and a second step compiles nothing new.
     Traced here with a counting backend (no inductor), in a process of its own as below."""
-    import subprocess
-    import sys
-    root = os.path.join(os.path.dirname(__file__), "..")
-    done = subprocess.run([sys.executable, "-c", _COMPILES_CHECK], cwd=root, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": root})
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    run_in_fresh_process(_COMPILES_CHECK, "compiled")
 
 
 _FUSED_CAST_CHECK = """
@@ -414,9 +409,4 @@ def test_the_fused_cast_is_the_eager_cast_bit_for_bit():
     """What CUDA runs (quantize._fused_cast and _fused_amax: inductor's kernels) rounds and saturates exactly as the eager ops
     (checked here with inductor's CPU code, at shapes that are no multiple of anything, values beyond the range).
     In a process of its own: inductor's import of triton would leave the interpreter the kernel tests use broken."""
-    import subprocess
-    import sys
-    root = os.path.join(os.path.dirname(__file__), "..")
-    done = subprocess.run([sys.executable, "-c", _FUSED_CAST_CHECK], cwd=root, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": root})
-    assert done.returncode == 0 and "bitwise" in done.stdout, done.stderr[-3000:]
+    run_in_fresh_process(_FUSED_CAST_CHECK, "bitwise")

@@ -8,7 +8,6 @@ import importlib
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -38,6 +37,7 @@ if not CUDA:
 
 from engine.parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
 from engine.parallel.topology import ParallelContext  # noqa: E402
+from harness import run_in_fresh_process  # noqa: E402
 from kernels import dispatch, reference  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
@@ -431,10 +431,8 @@ def test_dispatch_works_without_triton():
             "x = torch.randn(2, 8, requires_grad=True)\n"
             "dispatch.rms_norm(x, torch.ones(8), 1e-5).sum().backward()\n"
             "print(dispatch.kernel_report('cuda'))\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "'rms_norm': 'reference'" in done.stdout and "'attention': 'triton'" not in done.stdout
+    printed = run_in_fresh_process(code, "'rms_norm': 'reference'", timeout=120)
+    assert "'attention': 'triton'" not in printed
 
 
 def test_dispatch_on_cpu_uses_references():

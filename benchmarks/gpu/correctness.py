@@ -56,14 +56,13 @@ def pytest_gpu(opts, record) -> None:
     # their time compiling Triton kernels on the host (H100, serial: past 145 s; H200, 8 workers: 63 s), the
     # six torchrun jobs mostly starting processes (H200, serial: 132 s, two of them 37 s each); torchrun
     # --standalone and the harness's ranks each take a free port
-    groups = (("kernels and planner", [f for f in files if not f.endswith(MULTI_RANK)] + workers(KERNEL_WORKERS)),
-              ("gloo ranks on one GPU", [f for f in files if f.endswith(MULTI_RANK)] + workers(JOB_WORKERS)))
+    groups = (("kernels and planner", [f for f in files if not f.endswith(MULTI_RANK)], KERNEL_WORKERS),
+              ("gloo ranks on one GPU", [f for f in files if f.endswith(MULTI_RANK)], JOB_WORKERS))
     failed = []
-    for name, group in groups:
-        tests = [f for f in group if f.endswith(".py")]  # the group's modules, without xdist's arguments
-        if not tests or not record.has_time(f"pytest -m gpu ({name})", 10.0 + reserve):
+    for name, group, n in groups:
+        if not group or not record.has_time(f"pytest -m gpu ({name})", 10.0 + reserve):
             continue
-        summary = _run_group(name, group, record.left() - reserve, record)
+        summary = _run_group(name, group + workers(n), record.left() - reserve, record)
         failed += summary.get("failing", [])
     record.figure("pytest_gpu_failed", len(failed), "tests", "0", "; ".join(failed[:10]))
 
