@@ -203,12 +203,13 @@ def _sdpa_fused(q, k, v, causal, dropout_p, softmax_scale, window=None, doc_boun
     SDPA's fused kernels, cuDNN's first, then flash's and the memory-efficient one (on the H100 of
     benchmarks/results/gpu-h100-80gb-hbm3-2026-11-26.json, causal fwd+bwd at head dim 128, seq 2048: cuDNN 376,
     SDPA-flash 213, the Triton kernel 182 TFLOP/s); a window or packed documents go to the Triton kernel, which
-    skips the blocks they hide where SDPA would read a mask. Under torch.compile everything is left to SDPA's
-    own choice (the backend list is a context manager, which a compiled region need not keep)."""
+    skips the blocks they hide where SDPA would read a mask. Under torch.compile too: dynamo keeps the backend
+    list's priority (torch >= 2.7) and the compiled graph calls the kernel it picks. Left to SDPA's own order
+    (flash first), compiled layers ran SDPA-flash, 1.55-1.9x slower than cuDNN's on the H200 (benchmarks/results/
+    gpu-h200-2026-11-26.json), where the eager engine ran cuDNN's (its profile there). tests/test_compiled_layer.py
+    checks the capture has no break, test_gpu_auto_attention_keeps_its_kernel_under_torch_compile the kernel."""
     if window is not None or doc_bounds is not None:
         return _triton_flash(q, k, v, causal, dropout_p, softmax_scale, window, doc_bounds)
-    if torch.compiler.is_compiling():
-        return _sdpa(q, k, v, causal, dropout_p, softmax_scale)
     from torch.nn.attention import sdpa_kernel
     with sdpa_kernel(_fused_sdpa_backends(), set_priority=True):
         return _sdpa(q, k, v, causal, dropout_p, softmax_scale)

@@ -3,7 +3,8 @@ Python between graphs (a "graph break"), at its first shapes or after the recomp
 H200 run of 2026-11-26 compiled the engine's layers (benchmarks/gpu/loops.compile_layers); on the CPU the
 same capture (gpu_check's CPU dry run) showed the break: the switch to the tensor-parallel random stream around
 attention (reading a generator's state), taken even with no dropout; and in the frames resumed after it, SDPA's
-`enable_gqa` given a symbolic bool (now a plain one).
+`enable_gqa` given a symbolic bool (now a plain one). The fused attention CUDA runs in half precision keeps its
+backend list under compile, without a break either.
 
 Traced with a counting backend (no inductor) in a process of its own: dynamo's state is process-wide."""
 import pytest
@@ -31,6 +32,14 @@ for heads, groups in ((4, 2), (4, 4), (8, 2)):  # other head counts make them dy
         x = torch.randn(s, b, cfg.hidden_size, requires_grad=True)
         positions = torch.arange(s)
         compiled(x, model.rope_freqs(positions), positions).square().sum().backward()
+# What `auto` runs on CUDA in half precision (kernels.dispatch._sdpa_fused): its backend priority list, a context
+# manager, is captured into the graph, not a break (on the CPU the list leaves SDPA its CPU flash kernel).
+from kernels import dispatch
+fused = torch.compile(dispatch.attention_fn("sdpa-fused"), backend=counter)
+q, k, v = (torch.randn(2, 32, n, 16, requires_grad=True) for n in (4, 2, 2))
+out = fused(q, k, v, True, 0.0, None)
+assert torch.equal(out, dispatch.attention_fn("sdpa")(q, k, v, True, 0.0, None))
+out.sum().backward()
 breaks = dict(counters["graph_break"])
 assert not breaks and counter.frame_count > 0, breaks
 print("one graph")

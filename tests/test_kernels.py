@@ -518,6 +518,27 @@ def test_gpu_auto_attention_through_fused_sdpa(causal, d, dtype):
                  lambda *t: reference.attention(*t, causal=True, window=300), [q, k, v], tol=2e-2)
 
 
+@gpu_test
+def test_gpu_auto_attention_keeps_its_kernel_under_torch_compile():
+    """`auto`'s fused SDPA (kernels.dispatch._sdpa_fused) runs the same attention kernel, forward and backward,
+    in a compiled graph as eagerly: its backend priority (cuDNN's first) holds under torch.compile, where left to
+    SDPA's own order (flash first) compiled layers ran SDPA-flash. Grouped-query heads, as the Llama models have."""
+    from torch.profiler import ProfilerActivity, profile
+    fused = dispatch.attention_fn("sdpa-fused")
+    compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
+    q, k, v = (t.requires_grad_() for t in _qkv(2, 2048, 16, 4, 128, "cuda", torch.bfloat16))
+
+    def kernels(fn):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn(q, k, v, True, 0.0, None).float().square().sum().backward()
+        return {e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product_")}
+
+    compiled(q, k, v, True, 0.0, None)  # traced here, outside the profile
+    eager = kernels(fused)
+    assert any(name.endswith("_backward") for name in eager), eager
+    assert kernels(compiled) == eager, f"eager ran {sorted(eager)}"
+
+
 def test_benchmark_script_runs_and_writes_json(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location(
         "kernels_benchmark", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernel_speed.py"))
