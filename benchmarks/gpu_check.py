@@ -56,6 +56,9 @@ def parse(argv):
                    f"left out): {', '.join(s.name for s in SECTIONS)}")
     p.add_argument("--budgets", metavar="NAME=S,...", help="seconds for the sections named, in place of their "
                    "defaults (a rerun of a few sections with --only can give them what the others left)")
+    p.add_argument("--models", metavar="NAMES", default="llama,gpt2",
+                   help="the training section's models, in this order (default llama,gpt2): gpt2 alone reruns the "
+                   "rows a budget left out")
     p.add_argument("--table", metavar="FILE.json",
                    help="print docs/evidence.md's 'Measured on GPU' table of a results file")
     return p.parse_args(argv)
@@ -68,6 +71,9 @@ def problem(args):
     unknown = sorted(set(chosen(args)) - {s.name for s in SECTIONS}) if args.only else []
     if unknown:
         return f"--only: no section named {', '.join(unknown)}; the sections are {', '.join(s.name for s in SECTIONS)}"
+    if not models(args) or set(models(args)) - set(training.FAMILIES):
+        return (f"--models {args.models}: choose from {', '.join(training.FAMILIES)} (comma-separated, e.g. "
+                f"--models gpt2)")
     try:
         budgets(args)
     except ValueError as exc:
@@ -88,6 +94,11 @@ def chosen(args) -> list:
     if not args.only:
         return [s.name for s in SECTIONS]
     return [n.strip() for n in args.only.split(",") if n.strip()]
+
+
+def models(args) -> tuple:
+    """The training section's models --models names, in its order."""
+    return tuple(m.strip() for m in args.models.split(",") if m.strip())
 
 
 def budgets(args) -> dict:
@@ -153,7 +164,7 @@ def main(argv=None) -> int:
     # before any CUDA context (the sections' forked children make theirs): three 1.3B loops resident leave little
     # room, and the H100 run's out-of-memory had 3 GiB reserved but unallocated
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    opts = Options(args.device, args.quick, args.dry_run, args.out, time.time())
+    opts = Options(args.device, args.quick, args.dry_run, args.out, time.time(), models(args))
     say(opts, f"gpu-check {opts.mode} on {opts.device}, within {TOTAL[opts.mode]} s; output in {opts.out}")
     # after each section the figures so far are saved: a run killed from outside (a lease's limit) keeps them
     given = budgets(args)

@@ -3,11 +3,13 @@ sizes (~60 s on 2 cores), the JSON it writes has the shape the README table and 
 the last thing printed (a lease returns only the output's tail), and one section failing, hanging or dying
 costs that section only.
 """
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -318,6 +320,25 @@ def test_only_runs_the_sections_named_and_refuses_unknown_ones(tmp_path, capsys)
     for bad, says in (("kernals=5", "no section named kernals"), ("card=soon", "seconds must be a number")):
         assert gpu_check.main(["--device", "cpu", "--dry-run", "--budgets", bad, "--out", str(tmp_path)]) == 2
         assert says in capsys.readouterr().err
+    for bad in ("gpt3", "llama,,bert", ","):
+        assert gpu_check.main(["--device", "cpu", "--dry-run", "--models", bad, "--out", str(tmp_path)]) == 2
+        assert "--models" in capsys.readouterr().err
+
+
+def test_models_picks_the_training_sections_models_in_order(monkeypatch):
+    """--models gpt2 reruns only GPT-2's training rows (what a budget left out), without the Llama ones again."""
+    from benchmarks import gpu_check
+    from benchmarks.gpu import training
+    from benchmarks.gpu.context import Options
+    trained = []
+    monkeypatch.setattr(training, "train", lambda opts, record, family, matmul: trained.append(family))
+    monkeypatch.setattr(training, "process_group", lambda cuda: contextlib.nullcontext())
+    record = types.SimpleNamespace(has_time=lambda what, need: True)
+    for flag, want in (("gpt2", ["gpt2"]), ("gpt2,llama", ["gpt2", "llama"]), (None, ["llama", "gpt2"])):
+        args = gpu_check.parse(["--device", "cpu", "--dry-run"] + (["--models", flag] if flag else []))
+        trained.clear()
+        training.run(Options("cpu", False, True, "out", time.time(), gpu_check.models(args)), record, {})
+        assert trained == want
 
 
 def test_device_timing_queues_each_call_behind_a_device_sleep(monkeypatch):
