@@ -56,9 +56,9 @@ def parse(argv):
                    f"left out): {', '.join(s.name for s in SECTIONS)}")
     p.add_argument("--budgets", metavar="NAME=S,...", help="seconds for the sections named, in place of their "
                    "defaults (a rerun of a few sections with --only can give them what the others left)")
-    p.add_argument("--models", metavar="NAMES", default="llama,gpt2",
-                   help="the training section's models, in this order (default llama,gpt2): gpt2 alone reruns the "
-                   "rows a budget left out")
+    p.add_argument("--models", metavar="NAMES", default=",".join(training.FAMILIES),
+                   help=f"the training section's models, in this order (default {','.join(training.FAMILIES)}): "
+                   "gpt2 alone reruns the rows a budget left out")
     p.add_argument("--table", metavar="FILE.json",
                    help="print docs/evidence.md's 'Measured on GPU' table of a results file")
     return p.parse_args(argv)

@@ -23,7 +23,7 @@ class Options:
     dry_run: bool
     out: str
     started: float   # time.time() when the whole check began (progress lines show seconds since)
-    models: tuple = ("llama", "gpt2")  # the training section's models, in order (--models)
+    models: tuple = ()  # the training section's models, in order (--models); () every one
 
     @property
     def cuda(self) -> bool:

@@ -34,7 +34,7 @@ ANCHOR = "llm.c GPT-2 124M ~41% MFU; published 1-1.5B runs 40-50% MFU on H100"
 def run(opts, record, earlier) -> None:
     matmul = earlier.get("card", {}).get("figures", {}).get("matmul_tflops", {}).get("value")
     with process_group(opts.cuda):
-        for family in opts.models:
+        for family in opts.models or FAMILIES:
             if record.has_time(f"{family} training", opts.pick(*NEED[family])):
                 train(opts, record, family, matmul)
 
