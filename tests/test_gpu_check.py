@@ -288,6 +288,21 @@ def test_runs_merge_later_sections_over_earlier_and_count_hand_run_tests():
     assert [r["passed"] for r in merged["sections"]["correctness"]["tables"]["pytest_gpu"]] == [1]
     with pytest.raises(ValueError, match="no run names its card"):
         merge([unnamed], ["a"], [])
+    # a rerun --models gpt2 adds GPT-2's training rows beside the earlier run's Llama ones (and clears their skip)
+    row = lambda family, rate: {"family": family, "loop": "plain", "mode": "eager", "tokens_per_s": rate}  # noqa: E731
+    llama = _section(figures={"llama_micro_batch": {"value": 8}}, tables={"training": [row("llama", 1.0)],
+                                                                            "profile": [row("llama", 0)]})
+    llama.update(status="partial", skipped={"gpt2 training": "out of time budget"}, notes=["llama engine step: mm"])
+    gpt2 = _section(figures={"gpt2_micro_batch": {"value": 32}}, tables={"training": [row("gpt2", 2.0)]})
+    merged = merge([run({"training": llama}, "a"), run({"training": gpt2}, "--only training --models gpt2")],
+                   ["a", "b"], [])["sections"]["training"]
+    assert [(r["family"], r["run"]) for r in merged["tables"]["training"]] == [("llama", 1), ("gpt2", 2)]
+    assert [r["family"] for r in merged["tables"]["profile"]] == ["llama"]
+    assert merged["notes"] == ["llama engine step: mm"]
+    assert set(merged["figures"]) == {"llama_micro_batch", "gpt2_micro_batch"}
+    assert merged["skipped"] == {} and merged["status"] == "ok"
+    again = merge([run({"training": llama}, "a"), run({"training": llama}, "b")], ["a", "b"], [])
+    assert [r["run"] for r in again["sections"]["training"]["tables"]["training"]] == [2]  # the same model: replaced
 
 
 def test_each_committed_gpu_result_has_its_generated_table_in_the_docs():

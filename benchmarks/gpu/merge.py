@@ -4,7 +4,10 @@
                                    [--pytest-log "GROUP=FILE@SHA" ...]
 
 A later run's section replaces an earlier run's section of the same name (a rerun after a fix, or with a
-larger budget); sections a later run left out (`--only`) are kept from the earlier one. Each section is
+larger budget); sections a later run left out (`--only`) are kept from the earlier one. In a section whose rows
+name their model (`family`: the training section's), the later run replaces the rows, figures, notes and skips
+of the models it measured and keeps the earlier run's of the others (a rerun `--models gpt2` adds GPT-2's rows
+beside the Llama ones), each kept row marked with its run. Each section is
 marked with the run it came from, and `runs` lists every run (its command, commit, date and seconds); a run
 without the card section takes the card of those with it (they must be of one lease). A `pytest -m gpu` group
 run by hand on the same lease (its `-v` output saved to FILE) is added to the correctness section as its own
@@ -34,7 +37,7 @@ def merge(runs: list, commits: list, pytest_logs: list) -> dict:
     sections = {}
     for i, run in enumerate(runs):
         for name, section in run["sections"].items():
-            sections[name] = {**section, "run": i + 1}
+            sections[name] = by_model(sections.get(name), {**section, "run": i + 1})
     for group, text, commit in pytest_logs:
         summary = {**verbose_summary(text), "group": group, "source": f"pytest -m gpu -v by hand, commit {commit}"}
         correctness = sections.setdefault("correctness", {"status": "ok", "figures": {}, "tables": {}, "notes": [],
@@ -50,6 +53,33 @@ def merge(runs: list, commits: list, pytest_logs: list) -> dict:
               "total_s": round(sum(r["total_s"] for r in runs), 1)}
     merged["goals"] = goals.evaluate(sections, last["mode"])
     return merged
+
+
+def _models(section: dict) -> set:
+    return {row["family"] for rows in section.get("tables", {}).values() for row in rows if "family" in row}
+
+
+def by_model(earlier, later: dict) -> dict:
+    """`later` over `earlier` (one section of two runs): whole, unless its rows name their model; then only the
+    models `later` measured are replaced."""
+    if earlier is None or not _models(later):
+        return later
+    fresh = _models(later)
+    kept = _models(earlier) - fresh
+
+    def ours(key: str) -> bool:  # a figure, note or skip of a kept model ("llama_micro_batch", "llama engine ...")
+        return key.replace("_", " ").split(" ")[0] in kept
+
+    tables = {key: [{**row, "run": row.get("run", earlier["run"])} for row in earlier["tables"].get(key, [])
+                    if row.get("family") in kept]
+                   + [{**row, "run": later["run"]} for row in later["tables"].get(key, [])]
+              for key in {**earlier["tables"], **later["tables"]}}
+    skipped = {**{k: v for k, v in earlier["skipped"].items() if ours(k)},
+               **{k: v for k, v in later["skipped"].items() if not ours(k)}}
+    return {**later, "tables": tables, "skipped": skipped,
+            "figures": {**{k: v for k, v in earlier["figures"].items() if ours(k)}, **later["figures"]},
+            "notes": [n for n in earlier["notes"] if ours(n)] + later["notes"],
+            "status": later["status"] if later["status"] not in ("ok", "partial") else "partial" if skipped else "ok"}
 
 
 def main(argv=None) -> int:
