@@ -31,7 +31,7 @@ import time
 
 from benchmarks.gpu import card, correctness, fp8, goals, kernels, memory_check, report, training, tuning
 from benchmarks.gpu.context import Options, say
-from benchmarks.gpu.runner import Section, cuda_visible, run_sections
+from benchmarks.gpu.runner import GRACE, Section, cuda_visible, run_sections
 
 PROG = "benchmarks/gpu_check.py"
 TOTAL = {"full": 600, "quick": 340, "dry-run": 360}  # seconds the whole check may take
@@ -75,9 +75,14 @@ def problem(args):
         return (f"--models {args.models}: choose from {', '.join(training.FAMILIES)} (comma-separated, e.g. "
                 f"--models gpt2)")
     try:
-        budgets(args)
+        given = budgets(args)
     except ValueError as exc:
         return f"--budgets {args.budgets}: {exc}; write e.g. kernels=120,tuning=40"
+    mode = "dry-run" if args.dry_run else "quick" if args.quick else "full"
+    need = sum(given.get(s.name, s.budget[mode]) + GRACE for s in SECTIONS if s.name in chosen(args))
+    if need > TOTAL[mode]:  # the runner would starve the first sections to keep the later ones' budgets
+        return (f"--budgets {args.budgets}: the sections chosen need {need:.0f} s with {GRACE:.0f} s of grace each, "
+                f"over the {TOTAL[mode]} s a {mode} run may take; give them less")
     if args.device == "cuda" and not cuda_visible():
         return "--device cuda: no CUDA device is visible; use --device cpu --dry-run"
     try:

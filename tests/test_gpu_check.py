@@ -332,7 +332,8 @@ def test_only_runs_the_sections_named_and_refuses_unknown_ones(tmp_path, capsys)
     assert gpu_check.main(["--device", "cpu", "--dry-run", "--only", "card", "--budgets", "card=0.5",
                            "--out", str(tmp_path)]) == 0  # under runner.MIN_BUDGET: the one section is skipped
     assert json.loads((tmp_path / "gpu_check.json").read_text())["sections"]["card"]["status"] == "skipped"
-    for bad, says in (("kernals=5", "no section named kernals"), ("card=soon", "seconds must be a number")):
+    for bad, says in (("kernals=5", "no section named kernals"), ("card=soon", "seconds must be a number"),
+                      ("training=300,fp8=100", "over the 360 s a dry-run run may take")):
         assert gpu_check.main(["--device", "cpu", "--dry-run", "--budgets", bad, "--out", str(tmp_path)]) == 2
         assert says in capsys.readouterr().err
     for bad in ("gpt3", "llama,,bert", ","):
