@@ -71,15 +71,15 @@ def problem(args):
     unknown = sorted(set(chosen(args)) - {s.name for s in SECTIONS}) if args.only else []
     if unknown:
         return f"--only: no section named {', '.join(unknown)}; the sections are {', '.join(s.name for s in SECTIONS)}"
-    if not models(args) or set(models(args)) - set(training.FAMILIES):
+    names = models(args)
+    if not names or set(names) - set(training.FAMILIES):
         return (f"--models {args.models}: choose from {', '.join(training.FAMILIES)} (comma-separated, e.g. "
                 f"--models gpt2)")
+    mode = options(args).mode
     try:
-        given = budgets(args)
+        need = sum(s.budget[mode] + GRACE for s in planned(args, mode))
     except ValueError as exc:
         return f"--budgets {args.budgets}: {exc}; write e.g. kernels=120,tuning=40"
-    mode = "dry-run" if args.dry_run else "quick" if args.quick else "full"
-    need = sum(given.get(s.name, s.budget[mode]) + GRACE for s in SECTIONS if s.name in chosen(args))
     if need > TOTAL[mode]:  # the runner would starve the first sections to keep the later ones' budgets
         return (f"--budgets {args.budgets}: the sections chosen need {need:.0f} s with {GRACE:.0f} s of grace each, "
                 f"over the {TOTAL[mode]} s a {mode} run may take; give them less")
@@ -104,6 +104,18 @@ def chosen(args) -> list:
 def models(args) -> tuple:
     """The training section's models --models names, in its order."""
     return tuple(m.strip() for m in args.models.split(",") if m.strip())
+
+
+def options(args) -> Options:
+    """The run's options, its clock started now."""
+    return Options(args.device, args.quick, args.dry_run, args.out, time.time(), models(args))
+
+
+def planned(args, mode: str) -> list:
+    """The sections --only chooses, in their order, with the seconds --budgets gives them in `mode`."""
+    given = budgets(args)
+    return [dataclasses.replace(s, budget={**s.budget, mode: given[s.name]}) if s.name in given else s
+            for s in SECTIONS if s.name in chosen(args)]
 
 
 def budgets(args) -> dict:
@@ -169,12 +181,10 @@ def main(argv=None) -> int:
     # before any CUDA context (the sections' forked children make theirs): three 1.3B loops resident leave little
     # room, and the H100 run's out-of-memory had 3 GiB reserved but unallocated
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    opts = Options(args.device, args.quick, args.dry_run, args.out, time.time(), models(args))
+    opts = options(args)
     say(opts, f"gpu-check {opts.mode} on {opts.device}, within {TOTAL[opts.mode]} s; output in {opts.out}")
     # after each section the figures so far are saved: a run killed from outside (a lease's limit) keeps them
-    given = budgets(args)
-    sections = [dataclasses.replace(s, budget={**s.budget, opts.mode: given[s.name]}) if s.name in given else s
-                for s in SECTIONS if s.name in chosen(args)]
+    sections = planned(args, opts.mode)
     result = assemble(opts, run_sections(sections, opts, TOTAL[opts.mode], after=lambda done: save(opts, done)))
     save(opts, result["sections"], result)  # first: the figures are safe whatever the rendering does
     try:
