@@ -92,16 +92,25 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """fc2(act(fc1(x))), act SwiGLU or GELU. `fp8`: under FP8 training with SwiGLU and no biases, the three as one
+    function keeping SwiGLU's tensors in FP8 (engine.fp8.attach gives it; engine.fp8.mlp), else None."""
+    fp8 = None
+
     def __init__(self, cfg: ModelConfig, ctx, out_std, device, dtype, ffn: Optional[int] = None):
         super().__init__()
         ffn, bias = ffn or cfg.resolved_ffn_hidden_size(), not cfg.disable_bias_linear
+        self.ctx = ctx
         self.swiglu, self.gelu_form = cfg.swiglu, "tanh" if cfg.openai_gelu else "none"
+        self.swiglu_between_linears = cfg.swiglu and not bias
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, ffn, ctx, bias=bias, std=cfg.init_method_std,
                                         stack=2 if cfg.swiglu else 1, device=device, dtype=dtype)
         self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, ctx, bias=bias, std=out_std, device=device, dtype=dtype)
 
     def forward(self, x, positions=None):
         """`positions`: unused here (an MoE block routes by them; the two blocks take the same arguments)."""
+        if self.fp8 is not None:  # the linears' own entry into and exit from the tensor-parallel region
+            y = self.fp8(mappings.enter_tp(x, self.ctx), self.fc1.weight, self.fc2.weight)
+            return mappings.exit_tp(y, self.ctx)
         y = self.fc1(x)
         if self.swiglu:
             gate, up = y.chunk(2, dim=-1)

@@ -85,6 +85,20 @@ def swiglu(gate, up):
     return reference.swiglu(gate, up)
 
 
+def swiglu_fp8(gate, up, scale, dtype, want_amax):
+    """SwiGLU's output as FP8 codes without its bf16 copy: (codes, codes transposed, amax), kernels.reference's."""
+    if _on_triton(gate):
+        return _triton_module("swiglu_fp8_triton").swiglu_fp8(gate, up, scale, dtype, want_amax)
+    return reference.swiglu_fp8(gate, up, scale, dtype, want_amax)
+
+
+def swiglu_grad_fp8(gate, up, dy, scale, dtype, want_amax):
+    """SwiGLU's input gradient [d gate | d up] as FP8 codes, as swiglu_fp8 gives its output's."""
+    if _on_triton(gate):
+        return _triton_module("swiglu_fp8_triton").swiglu_grad_fp8(gate, up, dy, scale, dtype, want_amax)
+    return reference.swiglu_grad_fp8(gate, up, dy, scale, dtype, want_amax)
+
+
 def ce_stats(logits, target, vocab_start, valid_cols):
     """Per-row (max, sum exp(logit - max), target logit or 0) over this shard's valid columns, all fp32 [N]."""
     if _on_triton(logits):

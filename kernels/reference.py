@@ -119,25 +119,64 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return _Rope.apply(x, freqs)
 
 
+def swiglu_values(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, computed in fp32, in gate's dtype."""
+    return (F.silu(_wide(gate)) * _wide(up)).to(gate.dtype)
+
+
+def swiglu_grads(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> tuple:
+    """SwiGLU's (d gate, d up) for the output gradient dy, silu recomputed, in gate's and up's dtypes."""
+    gf, dyf = _wide(gate), _wide(dy)
+    sig = torch.sigmoid(gf)
+    dgate = dyf * _wide(up) * sig * (1.0 + gf * (1.0 - sig))
+    return dgate.to(gate.dtype), (dyf * gf * sig).to(up.dtype)
+
+
 class _SwiGLU(torch.autograd.Function):
     """silu(gate) * up, keeping gate and up (views of one fc1 output) and recomputing silu in backward."""
 
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
-        return (F.silu(_wide(gate)) * _wide(up)).to(gate.dtype)
+        return swiglu_values(gate, up)
 
     @staticmethod
     def backward(ctx, dy):
-        gate, up = ctx.saved_tensors
-        gf, dyf = _wide(gate), _wide(dy)
-        sig = torch.sigmoid(gf)
-        dgate = dyf * _wide(up) * sig * (1.0 + gf * (1.0 - sig))
-        return dgate.to(gate.dtype), (dyf * gf * sig).to(up.dtype)
+        return swiglu_grads(*ctx.saved_tensors, dy)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _SwiGLU.apply(gate, up)
+
+
+def fp8_cast(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
+    """x's FP8 codes under encode `scale`: fp32(x) * scale, saturated to the format's range, rounded to nearest
+    (ties to even); a NaN stays NaN."""
+    top = torch.finfo(dtype).max
+    return (x.float() * scale).clamp_(-top, top).to(dtype)
+
+
+def _fp8_out(y: torch.Tensor, scale: Optional[torch.Tensor], dtype, want_amax: bool) -> tuple:
+    """(y's codes [M, N] or None without `scale`, their transpose [N, M] contiguous or None, max |y| fp32 or None)."""
+    top = (y.abs().amax().float() if y.numel() else y.new_zeros((), dtype=torch.float32)) if want_amax else None
+    if scale is None:
+        return None, None, top
+    codes = fp8_cast(y, scale, dtype)
+    return codes, codes.t().contiguous(), top
+
+
+def swiglu_fp8(gate: torch.Tensor, up: torch.Tensor, scale: Optional[torch.Tensor], dtype, want_amax: bool) -> tuple:
+    """SwiGLU's output [M, F] for gate and up [M, F] (any row strides) straight to FP8: (its codes under encode
+    `scale`, their transpose, its amax) as `_fp8_out` gives them; the output itself is never kept. The values
+    are swiglu's, rounded to gate's dtype, then cast (fp8_cast)."""
+    return _fp8_out(swiglu_values(gate, up), scale, dtype, want_amax)
+
+
+def swiglu_grad_fp8(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor, scale: Optional[torch.Tensor], dtype,
+                    want_amax: bool) -> tuple:
+    """SwiGLU's input gradient [M, 2F] = [d gate | d up] for dy [M, F] straight to FP8, as swiglu_fp8 gives the
+    output's: the gradient fc1's output receives (gate and up its two halves)."""
+    return _fp8_out(torch.cat(swiglu_grads(gate, up, dy), dim=-1), scale, dtype, want_amax)
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: Optional[int],

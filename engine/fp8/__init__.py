@@ -1,9 +1,10 @@
 """FP8 training (Megatron-LM's recipes): which GEMMs run in FP8, and the per-step life of their scales.
 
 `attach` gives every column- and row-parallel linear of a model chunk (QKV, projection, MLP) an
-`Fp8Linear` and the routed experts an `Fp8Experts`; the output layer and the router stay in the run's
-precision, as in Megatron-LM. `finish_step` ends a step of delayed scaling: every tensor's amax of the step
-is reduced over the pipeline stage's ranks (tp x cp, then dp x cp) in one all-reduce each and pushed into its
+`Fp8Linear`, the routed experts an `Fp8Experts`, and a SwiGLU MLP without biases under tensor scaling an
+`Fp8SwiGLU` over its two linears (engine.fp8.mlp: SwiGLU's tensors made as FP8 codes); the output layer and
+the router stay in the run's precision, as in Megatron-LM. `finish_step` ends a step of delayed scaling: every
+tensor's amax of the step is reduced over the pipeline stage's ranks (tp x cp, then dp x cp) in one all-reduce each and pushed into its
 history. `state_dict`/`load_state_dict` carry the histories in checkpoints, keyed by layer name (global layer
 numbers), so they reshard to any layout. `weights_held` spans a step's forward/backward schedule: each linear
 and each routed expert has its weight quantized once for all the schedule's microbatches (engine.fp8.linear,
@@ -18,6 +19,7 @@ import torch
 
 from engine.fp8.experts import Fp8Experts
 from engine.fp8.linear import Fp8Linear
+from engine.fp8.mlp import Fp8SwiGLU, fusable
 from engine.fp8.scaling import Recipe
 from engine.moe.experts import Experts
 from engine.parallel import comm
@@ -35,6 +37,9 @@ def attach(chunk, recipe: Optional[Recipe], ctx) -> None:
             module.fp8 = Fp8Linear(recipe, module.weight, ctx)
         elif isinstance(module, Experts):
             module.fp8 = Fp8Experts(recipe, may_hold=not ctx.layout.sharding.params)
+    for module in chunk.modules():
+        if fusable(module):
+            module.fp8 = Fp8SwiGLU(module.fc1.fp8, module.fc2.fp8)
 
 
 def experts(chunks) -> list:

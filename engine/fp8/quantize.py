@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from engine.parallel import comm
+from kernels import reference
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -71,8 +72,7 @@ class Quantized:
 
 
 def _cast_ops(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
-    m = fp8_max(dtype)
-    return (x.float() * scale).clamp_(-m, m).to(dtype)
+    return reference.fp8_cast(x, scale, dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,6 +137,11 @@ def amax(x: torch.Tensor, group=None) -> torch.Tensor:
         a = _fused_amax()(x.detach())
     else:
         a = _amax_ops(x.detach())
+    return group_amax(a, group)
+
+
+def group_amax(a: torch.Tensor, group=None) -> torch.Tensor:
+    """The scalar amax `a` of this rank's part of a tensor, the largest over `group` (its other parts' ranks)."""
     if group is not None:
         a = a.reshape(1)
         comm.all_reduce(a, group, op=comm.ReduceOp.MAX)

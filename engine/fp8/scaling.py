@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from engine.fp8.quantize import Quantized, Split, amax, fp8_dtype, quantize, quantize_tiles, scale_of
+from engine.fp8.quantize import Quantized, Split, amax, fp8_dtype, group_amax, quantize, quantize_tiles, scale_of
 
 ACTIVATION_TILE, WEIGHT_TILE = (1, 128), (128, 128)
 
@@ -59,10 +59,22 @@ class Scaler:
 
     def tensor(self, x: torch.Tensor, group=None) -> Quantized:
         """x [M, K] with one scale; `group`: the other ranks holding parts of x (current scaling reduces over it)."""
-        now = amax(x, None if self.from_history else group)
+        return self.produce(lambda: amax(x), lambda scale: (quantize(x, scale, self.dtype), None), group)
+
+    def produce(self, measure, make, group=None):
+        """A tensor with one scale that `make(encode scale)` quantizes, returning (what it made, the tensor's amax
+        or None), `measure()` giving that amax alone (this rank's part). A scale from the history is known before:
+        the tensor is made at once, the amax taken with it where `make` gives it; current scaling measures first and
+        reduces over `group`. What `make` made is returned; the amax is noted as `tensor`'s is."""
+        if self.from_history:
+            made, now = make(self.scale)
+            now = measure() if now is None else now
+        else:
+            now = group_amax(measure(), group)
+            made, _ = make(self.encode_scale(now))
         self.saw(now)
         self.noted = now
-        return quantize(x, self.encode_scale(now), self.dtype)
+        return made
 
     @property
     def from_history(self) -> bool:

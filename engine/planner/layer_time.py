@@ -79,6 +79,13 @@ FP8_GEMM_SPEEDUP = 2.0 * 0.8
 # gradient (1 read, 1 written): 7 bytes; blockwise quantizes the bf16 operand a second time along the tokens
 # instead (5 more): 10.
 FP8_CAST_TRAFFIC = {"tensorwise": 7, "delayed": 7, "blockwise": 10}
+# A SwiGLU MLP without biases under tensor scaling makes SwiGLU's output (fc2's input) and input gradient (fc1's
+# output gradient) as FP8 codes, row-major and transposed, in the kernel that computes them (engine/fp8/mlp.py):
+# its two 1-byte writes replace SwiGLU's own 2-byte bf16 write, so under delayed scaling quantizing them costs
+# nothing beyond SwiGLU's traffic; current scaling (tensorwise) first reads SwiGLU's inputs once more for the amax:
+# gate and up (4 bytes an output element) forward, gate, up and the output gradient (6 bytes for the 2 elements
+# of the input gradient: 3) backward. (fc2-input bytes, fc1-output-gradient bytes) per element.
+FUSED_SWIGLU_CAST_TRAFFIC = {"tensorwise": (4, 3), "delayed": (0, 0)}
 
 
 def gemm_seconds(m: float, n: float, k: float, gpu: GPUSpec, speedup: float = 1.0) -> float:
@@ -103,10 +110,15 @@ def experts_fp8_speedups(sw: Software) -> tuple:
     return fast, (fast if sw.fp8_format == "e4m3" else 1.0), 1.0
 
 
-def _mlp_cast_width(model: ModelConfig, ffn: float) -> float:
-    """Elements per token an MLP of width ffn (this rank's share) quantizes: fc1's and fc2's inputs and outputs."""
+def _mlp_cast_bytes(model: ModelConfig, ffn: float, sw: Software, routed: bool = False) -> float:
+    """Bytes per token an MLP of width ffn (this rank's share) moves quantizing fc1's and fc2's inputs and output
+    gradients: FP8_CAST_TRAFFIC an element, but FUSED_SWIGLU_CAST_TRAFFIC for SwiGLU's two tensors where the MLP
+    makes them as codes (a dense or shared-expert SwiGLU MLP without biases, tensor scaling; not `routed` experts)."""
     (fc1_rows, fc1_cols), (fc2_rows, fc2_cols) = mlp_matrices(model, ffn)
-    return fc1_cols + fc1_rows + fc2_cols + fc2_rows
+    each = FP8_CAST_TRAFFIC[sw.fp8]
+    fused = not routed and model.swiglu and model.disable_bias_linear and sw.fp8 in FUSED_SWIGLU_CAST_TRAFFIC
+    swiglu_out, swiglu_grad = FUSED_SWIGLU_CAST_TRAFFIC[sw.fp8] if fused else (each, each)
+    return each * (fc1_cols + fc2_rows) + swiglu_out * fc2_cols + swiglu_grad * fc1_rows
 
 
 def _fp8_casts(model: ModelConfig, tokens: float, t: int, gpu: GPUSpec, sw: Software,
@@ -120,14 +132,15 @@ def _fp8_casts(model: ModelConfig, tokens: float, t: int, gpu: GPUSpec, sw: Soft
     local, rows = experts
     if local:
         shared = model.moe_shared_expert_intermediate_size or 0
-        width = _mlp_cast_width(model, shared / t) if shared else 0.0
-        elements = local * rows * _mlp_cast_width(model, model.resolved_moe_ffn_hidden_size())
+        per_token = _mlp_cast_bytes(model, shared / t, sw) if shared else 0.0
+        routed = local * rows * _mlp_cast_bytes(model, model.resolved_moe_ffn_hidden_size(), sw, routed=True)
     else:
-        width, elements = _mlp_cast_width(model, model.resolved_ffn_hidden_size() / t), 0.0
+        per_token, routed = _mlp_cast_bytes(model, model.resolved_ffn_hidden_size() / t, sw), 0.0
     for (rows_, cols), axis in zip(attention_matrices(model), attention_splits(model)):
         if tensor_parallel(axis):  # the FP8 linears (MLA's replicated latents are not)
-            width += (cols / t if axis == 1 else cols) + (rows_ / t if axis == 0 else rows_)
-    return FP8_CAST_TRAFFIC[sw.fp8] * (tokens * width + elements) / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
+            width = (cols / t if axis == 1 else cols) + (rows_ / t if axis == 0 else rows_)
+            per_token += FP8_CAST_TRAFFIC[sw.fp8] * width
+    return (tokens * per_token + routed) / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
 
 
 def _attention_seconds(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: Software) -> tuple:

@@ -1,0 +1,153 @@
+"""SwiGLU straight to FP8, in Triton: its output, or its input gradient, leaves the kernel as FP8 codes.
+
+Under FP8 training SwiGLU's output is only ever fc2's GEMM operand, and its input gradient only fc1's, so neither
+needs to exist in bf16: each kernel reads gate and up (and the output gradient), computes the values in fp32,
+rounds them to the activations' dtype as `kernels.reference` does, and writes their codes under the encode scale
+twice, row-major and transposed (the weight gradient's operand), with each block's largest magnitude. Under
+delayed scaling (the scale known before) that is one pass: 6 bytes an output element moved against 13 for
+SwiGLU, amax, cast and transpose one after the other; current scaling runs the kernel first for the amax alone
+(the scale needs the whole tensor's, over its tensor-parallel group) and then for the codes.
+
+Triton's interpreter (the CPU test of every kernel here) converts fp32 to FP8 wrongly, even normal values
+(Triton 3.6), so off a GPU the codes are computed with integer arithmetic, `_fp8_bits`: to nearest, ties to even,
+saturated to the format's largest value, NaN kept, which is torch's conversion after the clamp of
+`kernels.reference.fp8_cast` (tests/test_kernels.py: every code, every midpoint, random values). On CUDA the
+hardware converts (HARDWARE_CONVERSION_ON_CUDA); the GPU test checks both ways against torch's on the card.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_ROWS, BLOCK_COLS = 64, 64
+
+# (mantissa bits, exponent bias) of the two formats; the largest value is torch.finfo's
+_FORMATS = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}
+# On CUDA the codes come from the hardware's conversion (Hopper's cvt.rn.satfinite), checked against torch's on a
+# card by tests/test_kernels.py::test_gpu_swiglu_straight_to_fp8, and cheaper than the integer arithmetic, which
+# the interpreter runs; False: the integer arithmetic on CUDA too (that test checks both)
+HARDWARE_CONVERSION_ON_CUDA = True
+
+
+@triton.jit
+def _fp8_bits(v, M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr):
+    """fp32 v -> the FP8 code (its bits, uint8) of clamp(v, -TOP, TOP) rounded to nearest, ties to even."""
+    EMIN: tl.constexpr = 1 - BIAS
+    nan = v != v  # before the clamp: the language's minimum and maximum may drop a NaN
+    sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
+    c = tl.where(nan, 0.0, tl.minimum(tl.maximum(v, -TOP), TOP))
+    bits = c.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)  # the exponent, subnormals at the smallest normal one's
+    ulp = ((e - M + 127) << 23).to(tl.float32, bitcast=True)  # the code's spacing there, a power of two
+    # |c| / ulp < 2^(M + 1): adding 1.5 * 2^23 rounds it to an integer, to nearest, ties to even
+    r = ((tl.abs(c) / ulp + 12582912.0) - 12582912.0) * ulp
+    normal = (r.to(tl.int32, bitcast=True) >> (23 - M)) - ((127 - BIAS) << M)
+    sub = (r * (2.0 ** (M - EMIN))).to(tl.int32)
+    mag = tl.where(nan, 0x7F, tl.where(r < 2.0 ** EMIN, sub, normal))
+    return (mag | sign).to(tl.uint8)
+
+
+@triton.jit
+def _amax(y):
+    """max |y| over the block, NaN if it holds one (as torch's amax; the language's max skips NaNs)."""
+    top = tl.max(tl.max(tl.abs(y), 1), 0)
+    nans = tl.sum(tl.sum((y != y).to(tl.int32), 1), 0)
+    return tl.where(nans > 0, float("nan"), top)
+
+
+@triton.jit
+def _store_codes(C, CT, S, y, rows, cols, mask, n_rows, n_cols, col0,
+                 M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr, HW: tl.constexpr):
+    """y's codes at C[rows, col0 + cols] ([n_rows, n_cols]) and CT[col0 + cols, rows] ([n_cols, n_rows]), by the
+    hardware's conversion (HW) or by _fp8_bits."""
+    v = y * tl.load(S)
+    if HW:  # saturated first: the conversion is to nearest, ties to even (NaN stays NaN)
+        v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -TOP), TOP))
+        if M == 3:
+            q = v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        else:
+            q = v.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    else:
+        q = _fp8_bits(v, M, BIAS, TOP)
+    tl.store(C + rows[:, None] * n_cols + (col0 + cols)[None, :], q, mask=mask)
+    tl.store(CT + (col0 + cols)[None, :] * n_rows + rows[:, None], q, mask=mask)
+
+
+@triton.jit
+def _swiglu_fp8_fwd(G, U, C, CT, S, A, stride_g, stride_u, n_rows, F,
+                    M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr, HW: tl.constexpr,
+                    CODES: tl.constexpr, AMAX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    pr, pc = tl.program_id(0), tl.program_id(1)
+    rows = (pr * BR + tl.arange(0, BR)).to(tl.int64)
+    cols = pc * BC + tl.arange(0, BC)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < F)
+    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = (g * tl.sigmoid(g) * u).to(G.dtype.element_ty).to(tl.float32)  # swiglu_triton's value, rounded as it
+    if AMAX:
+        tl.store(A + pr * tl.num_programs(1) + pc, _amax(y))
+    if CODES:
+        _store_codes(C, CT, S, y, rows, cols, mask, n_rows, F, 0, M, BIAS, TOP, HW)
+
+
+@triton.jit
+def _swiglu_fp8_bwd(G, U, DY, C, CT, S, A, stride_g, stride_u, stride_dy, n_rows, F,
+                    M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr, HW: tl.constexpr,
+                    CODES: tl.constexpr, AMAX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    pr, pc = tl.program_id(0), tl.program_id(1)
+    rows = (pr * BR + tl.arange(0, BR)).to(tl.int64)
+    cols = pc * BC + tl.arange(0, BC)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < F)
+    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    # swiglu_triton's backward, rounded as it
+    dg = (dy * u * sig * (1.0 + g * (1.0 - sig))).to(G.dtype.element_ty).to(tl.float32)
+    du = (dy * silu).to(U.dtype.element_ty).to(tl.float32)
+    if AMAX:
+        tl.store(A + pr * tl.num_programs(1) + pc, tl.maximum(_amax(dg), _amax(du), propagate_nan=tl.PropagateNan.ALL))
+    if CODES:
+        _store_codes(C, CT, S, dg, rows, cols, mask, n_rows, 2 * F, 0, M, BIAS, TOP, HW)
+        _store_codes(C, CT, S, du, rows, cols, mask, n_rows, 2 * F, F, M, BIAS, TOP, HW)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _launch(kernel, tensors, width, scale, dtype, want_amax):
+    """(codes [rows, width] or None, their transpose, the amax or None) from `kernel` over `tensors` [rows, F]."""
+    n, f = tensors[0].shape
+    grid = (triton.cdiv(n, BLOCK_ROWS), triton.cdiv(f, BLOCK_COLS))
+    dev = tensors[0].device
+    partial = torch.zeros(max(grid[0] * grid[1], 1) if want_amax else 1, device=dev)  # no rows: amax 0
+    codes = None if scale is None else torch.empty((n, width), dtype=torch.uint8, device=dev)
+    codes_t = None if scale is None else torch.empty((width, n), dtype=torch.uint8, device=dev)
+    mantissa, bias = _FORMATS[dtype]
+    if n and f:
+        dummy = partial  # an unused pointer where no codes are written
+        kernel[grid](*tensors, dummy if codes is None else codes, dummy if codes_t is None else codes_t,
+                     dummy if scale is None else scale.float().reshape(1), partial,
+                     *(t.stride(0) for t in tensors), n, f, M=mantissa, BIAS=bias, TOP=torch.finfo(dtype).max,
+                     HW=HARDWARE_CONVERSION_ON_CUDA and dev.type == "cuda", CODES=scale is not None,
+                     AMAX=want_amax, BR=BLOCK_ROWS, BC=BLOCK_COLS, num_warps=4)
+    top = partial.amax() if want_amax else None
+    if codes is None:
+        return None, None, top
+    return codes.view(dtype), codes_t.view(dtype), top
+
+
+def swiglu_fp8(gate, up, scale, dtype, want_amax):
+    """kernels.reference.swiglu_fp8, in one pass over gate and up (two with `scale` None and then given)."""
+    g2, u2 = _rows(gate), _rows(up)
+    return _launch(_swiglu_fp8_fwd, (g2, u2), g2.shape[1], scale, dtype, want_amax)
+
+
+def swiglu_grad_fp8(gate, up, dy, scale, dtype, want_amax):
+    """kernels.reference.swiglu_grad_fp8, in one pass over gate, up and dy."""
+    g2, u2, dy2 = _rows(gate), _rows(up), _rows(dy)
+    return _launch(_swiglu_fp8_bwd, (g2, u2, dy2), 2 * g2.shape[1], scale, dtype, want_amax)
