@@ -39,9 +39,11 @@ def _fp8_bits(v, M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr):
     c = tl.where(nan, 0.0, tl.minimum(tl.maximum(v, -TOP), TOP))
     bits = c.to(tl.int32, bitcast=True)
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)  # the exponent, subnormals at the smallest normal one's
-    ulp = ((e - M + 127) << 23).to(tl.float32, bitcast=True)  # the code's spacing there, a power of two
+    # the code's spacing there, ulp, a power of two, and 1 / ulp, both exact (no division: the GPU's is approximate)
+    ulp = ((e - M + 127) << 23).to(tl.float32, bitcast=True)
+    per_ulp = ((127 - e + M) << 23).to(tl.float32, bitcast=True)
     # |c| / ulp < 2^(M + 1): adding 1.5 * 2^23 rounds it to an integer, to nearest, ties to even
-    r = ((tl.abs(c) / ulp + 12582912.0) - 12582912.0) * ulp
+    r = ((tl.abs(c) * per_ulp + 12582912.0) - 12582912.0) * ulp
     normal = (r.to(tl.int32, bitcast=True) >> (23 - M)) - ((127 - BIAS) << M)
     sub = (r * (2.0 ** (M - EMIN))).to(tl.int32)
     mag = tl.where(nan, 0x7F, tl.where(r < 2.0 ** EMIN, sub, normal))
@@ -75,18 +77,27 @@ def _store_codes(C, CT, S, y, rows, cols, mask, n_rows, n_cols, col0,
 
 
 @triton.jit
+def _block(n_rows, n_cols, BR: tl.constexpr, BC: tl.constexpr):
+    """This program's block of a [n_rows, n_cols] grid: its rows (int64), columns and which of them exist."""
+    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    return rows, cols, (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+
+
+@triton.jit
+def _load(P, stride, rows, cols, mask):
+    return tl.load(P + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _swiglu_fp8_fwd(G, U, C, CT, S, A, stride_g, stride_u, n_rows, F,
                     M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr, HW: tl.constexpr,
                     CODES: tl.constexpr, AMAX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    pr, pc = tl.program_id(0), tl.program_id(1)
-    rows = (pr * BR + tl.arange(0, BR)).to(tl.int64)
-    cols = pc * BC + tl.arange(0, BC)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < F)
-    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rows, cols, mask = _block(n_rows, F, BR, BC)
+    g, u = _load(G, stride_g, rows, cols, mask), _load(U, stride_u, rows, cols, mask)
     y = (g * tl.sigmoid(g) * u).to(G.dtype.element_ty).to(tl.float32)  # swiglu_triton's value, rounded as it
     if AMAX:
-        tl.store(A + pr * tl.num_programs(1) + pc, _amax(y))
+        tl.store(A + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), _amax(y))
     if CODES:
         _store_codes(C, CT, S, y, rows, cols, mask, n_rows, F, 0, M, BIAS, TOP, HW)
 
@@ -95,20 +106,17 @@ def _swiglu_fp8_fwd(G, U, C, CT, S, A, stride_g, stride_u, n_rows, F,
 def _swiglu_fp8_bwd(G, U, DY, C, CT, S, A, stride_g, stride_u, stride_dy, n_rows, F,
                     M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr, HW: tl.constexpr,
                     CODES: tl.constexpr, AMAX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    pr, pc = tl.program_id(0), tl.program_id(1)
-    rows = (pr * BR + tl.arange(0, BR)).to(tl.int64)
-    cols = pc * BC + tl.arange(0, BC)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < F)
-    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rows, cols, mask = _block(n_rows, F, BR, BC)
+    g, u = _load(G, stride_g, rows, cols, mask), _load(U, stride_u, rows, cols, mask)
+    dy = _load(DY, stride_dy, rows, cols, mask)
     sig = tl.sigmoid(g)
     silu = g * sig
     # swiglu_triton's backward, rounded as it
     dg = (dy * u * sig * (1.0 + g * (1.0 - sig))).to(G.dtype.element_ty).to(tl.float32)
     du = (dy * silu).to(U.dtype.element_ty).to(tl.float32)
     if AMAX:
-        tl.store(A + pr * tl.num_programs(1) + pc, tl.maximum(_amax(dg), _amax(du), propagate_nan=tl.PropagateNan.ALL))
+        top = tl.maximum(_amax(dg), _amax(du), propagate_nan=tl.PropagateNan.ALL)
+        tl.store(A + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), top)
     if CODES:
         _store_codes(C, CT, S, dg, rows, cols, mask, n_rows, 2 * F, 0, M, BIAS, TOP, HW)
         _store_codes(C, CT, S, du, rows, cols, mask, n_rows, 2 * F, F, M, BIAS, TOP, HW)
