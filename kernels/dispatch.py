@@ -85,18 +85,24 @@ def swiglu(gate, up):
     return reference.swiglu(gate, up)
 
 
+def _fp8(t: torch.Tensor):
+    """Where the FP8 code functions for `t` live (the same names and meaning in both)."""
+    return _triton_module("fp8_triton") if _on_triton(t) else reference
+
+
+def fp8_codes(x, scale, dtype, want_amax):
+    """x [M, K]'s FP8 codes and their transpose in one pass: (codes, codes transposed, amax), kernels.reference's."""
+    return _fp8(x).fp8_codes(x, scale, dtype, want_amax)
+
+
 def swiglu_fp8(gate, up, scale, dtype, want_amax):
     """SwiGLU's output as FP8 codes without its bf16 copy: (codes, codes transposed, amax), kernels.reference's."""
-    if _on_triton(gate):
-        return _triton_module("swiglu_fp8_triton").swiglu_fp8(gate, up, scale, dtype, want_amax)
-    return reference.swiglu_fp8(gate, up, scale, dtype, want_amax)
+    return _fp8(gate).swiglu_fp8(gate, up, scale, dtype, want_amax)
 
 
 def swiglu_grad_fp8(gate, up, dy, scale, dtype, want_amax):
     """SwiGLU's input gradient [d gate | d up] as FP8 codes, as swiglu_fp8 gives its output's."""
-    if _on_triton(gate):
-        return _triton_module("swiglu_fp8_triton").swiglu_grad_fp8(gate, up, dy, scale, dtype, want_amax)
-    return reference.swiglu_grad_fp8(gate, up, dy, scale, dtype, want_amax)
+    return _fp8(gate).swiglu_grad_fp8(gate, up, dy, scale, dtype, want_amax)
 
 
 def ce_stats(logits, target, vocab_start, valid_cols):

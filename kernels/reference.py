@@ -156,8 +156,9 @@ def fp8_cast(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
     return (x.float() * scale).clamp_(-top, top).to(dtype)
 
 
-def _fp8_out(y: torch.Tensor, scale: Optional[torch.Tensor], dtype, want_amax: bool) -> tuple:
-    """(y's codes [M, N] or None without `scale`, their transpose [N, M] contiguous or None, max |y| fp32 or None)."""
+def fp8_codes(y: torch.Tensor, scale: Optional[torch.Tensor], dtype, want_amax: bool) -> tuple:
+    """y [M, N] for a GEMM and, transposed, for another: (its codes under encode `scale` (fp8_cast) or None without
+    one, their transpose [N, M] contiguous or None, max |y| in fp32 (0 for no elements) or None)."""
     top = (y.abs().amax().float() if y.numel() else y.new_zeros((), dtype=torch.float32)) if want_amax else None
     if scale is None:
         return None, None, top
@@ -167,16 +168,16 @@ def _fp8_out(y: torch.Tensor, scale: Optional[torch.Tensor], dtype, want_amax: b
 
 def swiglu_fp8(gate: torch.Tensor, up: torch.Tensor, scale: Optional[torch.Tensor], dtype, want_amax: bool) -> tuple:
     """SwiGLU's output [M, F] for gate and up [M, F] (any row strides) straight to FP8: (its codes under encode
-    `scale`, their transpose, its amax) as `_fp8_out` gives them; the output itself is never kept. The values
-    are swiglu's, rounded to gate's dtype, then cast (fp8_cast)."""
-    return _fp8_out(swiglu_values(gate, up), scale, dtype, want_amax)
+    `scale`, their transpose, its amax) as `fp8_codes` gives them; the output itself is never kept. The values
+    are swiglu's, rounded to gate's dtype."""
+    return fp8_codes(swiglu_values(gate, up), scale, dtype, want_amax)
 
 
 def swiglu_grad_fp8(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor, scale: Optional[torch.Tensor], dtype,
                     want_amax: bool) -> tuple:
     """SwiGLU's input gradient [M, 2F] = [d gate | d up] for dy [M, F] straight to FP8, as swiglu_fp8 gives the
     output's: the gradient fc1's output receives (gate and up its two halves)."""
-    return _fp8_out(torch.cat(swiglu_grads(gate, up, dy), dim=-1), scale, dtype, want_amax)
+    return fp8_codes(torch.cat(swiglu_grads(gate, up, dy), dim=-1), scale, dtype, want_amax)
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: Optional[int],

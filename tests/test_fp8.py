@@ -238,15 +238,15 @@ def test_the_planner_prices_fp8_gemms_and_casts():
     layout = Layout(micro_batch_size=2)
     step = {r: estimate(cfg.model, layout, gpu, 16, 2048, software=Software(fp8=r)).step_time_s
             for r in (None, "tensorwise", "delayed", "blockwise")}
-    # SwiGLU writes its tensors' codes itself (engine/fp8/mlp.py): free under delayed scaling, an amax pass under
-    # current scaling; with biases (nothing fused) the two recipes move the same bytes
+    # delayed scaling writes the codes in one pass, current scaling reads for the amax first; and SwiGLU writes its
+    # tensors' codes itself (engine/fp8/mlp.py), not with biases
     assert step["delayed"] < step["tensorwise"] < step[None] / 1.1, step
     assert step[None] / step["delayed"] < FP8_GEMM_SPEEDUP, step
     assert step["blockwise"] > step[None], step
     cfg.model.disable_bias_linear = False
     biased = {r: estimate(cfg.model, layout, gpu, 16, 2048, software=Software(fp8=r)).step_time_s
               for r in ("tensorwise", "delayed")}
-    assert biased["tensorwise"] == biased["delayed"] > step["tensorwise"], biased
+    assert biased["tensorwise"] > step["tensorwise"] and biased["delayed"] > step["delayed"], (biased, step)
     # Mixtral: the routed experts' forward runs on FP8 tensor cores (row-wise scales), their input gradient too
     # under e4m3 (hybrid's e5m2 gradients are not taken), their weight gradient never; blockwise none of them.
     moe, layout = parse_config(["--config", "configs/mixtral-8x7b.yaml"]).model, Layout(dp=8, ep=8, micro_batch_size=1)

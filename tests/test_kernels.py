@@ -31,7 +31,7 @@ if not CUDA:
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
         _interp._patch_lang_tensor = _patch_lang_tensor
-    for _name in ("norm_triton", "rope_triton", "swiglu_triton", "swiglu_fp8_triton", "ce_triton", "flash_triton_jit",
+    for _name in ("norm_triton", "rope_triton", "swiglu_triton", "fp8_triton", "ce_triton", "flash_triton_jit",
                   "flash_triton"):
         if f"kernels.{_name}" in sys.modules:
             importlib.reload(sys.modules[f"kernels.{_name}"])
@@ -228,7 +228,7 @@ if dispatch.triton_available():
     import triton.language as tl
     from triton import jit
 
-    from kernels.swiglu_fp8_triton import _fp8_bits
+    from kernels.fp8_triton import _fp8_bits
 
     @jit
     def _fp8_codes(X, C, n, M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr, B: tl.constexpr):
@@ -249,10 +249,10 @@ def _same(a, b):
 @needs_triton
 @pytest.mark.parametrize("fp8", FP8)
 def test_the_fp8_code_arithmetic_is_torch_conversion(fp8):
-    """swiglu_fp8_triton._fp8_bits (integer arithmetic, not the language's conversion, which Triton's interpreter
+    """fp8_triton._fp8_bits (integer arithmetic, not the language's conversion, which Triton's interpreter
     gets wrong) gives torch's code after the saturating clamp for every FP8 value, every midpoint between two
     neighbours and the fp32 values next to it (ties to even), values beyond the range, tiny ones, zeros, inf, NaN."""
-    mantissa, bias = _tk("swiglu_fp8_triton")._FORMATS[fp8]
+    mantissa, bias = _tk("fp8_triton")._FORMATS[fp8]
     top = torch.finfo(fp8).max
     every = torch.arange(256, dtype=torch.uint8).view(fp8).float()
     every = every[torch.isfinite(every)].sort().values
@@ -277,11 +277,12 @@ def _swiglu_fp8_case(shape, act, seed):
 
 @needs_triton
 @pytest.mark.parametrize("act, fp8", [(torch.float32, FP8[0]), (torch.bfloat16, FP8[1])])
-def test_swiglu_straight_to_fp8_is_swiglu_then_the_cast_bit_for_bit(act, fp8):
-    """SwiGLU's output and input gradient made as FP8 codes in the kernel equal swiglu_triton's values cast by
-    kernels.reference.fp8_cast, code for code, row-major and transposed, with the same amax (NaN included), at
-    shapes that are no multiple of the 64 x 64 block; the amax alone (no scale) and the codes alone likewise."""
-    fused = _tk("swiglu_fp8_triton")
+def test_fp8_codes_and_swiglu_straight_to_fp8_are_the_cast_bit_for_bit(act, fp8):
+    """A tensor's FP8 codes and their transpose made in one pass, and SwiGLU's output and input gradient made as
+    FP8 codes in the kernel, equal the values (the tensor's; swiglu_triton's) cast by kernels.reference.fp8_cast,
+    code for code, row-major and transposed, with the same amax (NaN included), at shapes that are no multiple of
+    the 64 x 64 block and from row-strided views; the amax alone (no scale) and the codes alone likewise."""
+    fused = _tk("fp8_triton")
     for shape in ((3, 37, 70), (1, 5), (0, 9)):
         gate, up, dy = _swiglu_fp8_case(shape, act, len(shape) + shape[-1])
         if gate.numel() > 40:
@@ -289,7 +290,7 @@ def test_swiglu_straight_to_fp8_is_swiglu_then_the_cast_bit_for_bit(act, fp8):
         gg, uu = _leaf(gate), _leaf(up)
         y = _tk("swiglu_triton").swiglu(gg, uu)
         y.backward(dy)
-        for kernel, tensors, value in ((fused.swiglu_fp8, (gate, up), y.detach()),
+        for kernel, tensors, value in ((fused.fp8_codes, (gate,), gate), (fused.swiglu_fp8, (gate, up), y.detach()),
                                        (fused.swiglu_grad_fp8, (gate, up, dy), torch.cat([gg.grad, uu.grad], -1))):
             v2 = value.reshape(-1, value.shape[-1])
             top = v2.abs().amax().float() if v2.numel() else torch.zeros((), device=DEVICE)
@@ -548,18 +549,18 @@ def test_gpu_rope_and_swiglu():
 
 @gpu_test
 @pytest.mark.parametrize("hardware", [True, False])
-def test_gpu_swiglu_straight_to_fp8(hardware):
-    """The FP8 SwiGLU kernels compiled for the card at a 1.3B model's size (4096 tokens, ffn 8192), bf16: the codes
-    are swiglu_triton's values under torch's own cast, the amax theirs; by the hardware's conversion (what CUDA
-    runs) and by the integer arithmetic (what the CPU tests check)."""
+def test_gpu_fp8_codes_and_swiglu_straight_to_fp8(hardware):
+    """The FP8 code kernels compiled for the card at a 1.3B model's MLP size (4096 tokens, ffn 8192), bf16: the codes
+    are the tensor's or swiglu_triton's values under torch's own cast, the amax theirs; by the hardware's
+    conversion (what CUDA runs) and by the integer arithmetic (what the CPU tests check)."""
     from unittest import mock
-    fused = _tk("swiglu_fp8_triton")
+    fused = _tk("fp8_triton")
     gate, up, dy = _swiglu_fp8_case((4096, 8192), torch.bfloat16, 7)
     gg, uu = _leaf(gate), _leaf(up)
     y = dispatch.swiglu(gg, uu)
     y.backward(dy)
     scale = torch.tensor(40.0, device="cuda")
-    cases = ((fused.swiglu_fp8, (gate, up), y.detach()),
+    cases = ((fused.fp8_codes, (dy,), dy), (fused.swiglu_fp8, (gate, up), y.detach()),
              (fused.swiglu_grad_fp8, (gate, up, dy), torch.cat([gg.grad, uu.grad], dim=-1)))
     with mock.patch.object(fused, "HARDWARE_CONVERSION_ON_CUDA", hardware):
         for (kernel, tensors, value), fp8 in ((c, f) for c in cases for f in FP8):

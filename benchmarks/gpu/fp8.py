@@ -36,15 +36,16 @@ from kernels import dispatch, reference
 GEMM_ANCHOR = "FP8 peak 2x bf16's (H100 SXM 1,979 vs 989 TFLOP/s); torchao measures 1.5-1.8x at large shapes"
 STEP_ANCHOR = "torchtitan Llama 3 8B: 6,667 -> 8,532 tokens/s/GPU (1.28x) with FP8"
 STEP_RECIPES = ("tensorwise", "delayed")
-# bytes per output element (forward) or per ffn column of the gradient (backward), apart against delayed: forward
-# SwiGLU 6 + amax 2 + cast 3 + transpose 2 = 13 against 6; backward SwiGLU 10 + chunk's copy into one gradient 8 +
-# amax 4 + cast 6 + transpose 4 = 32 against 10
-SWIGLU_ANCHORS = {"forward": "~2x (13 bytes an element against 6)", "backward": "~3x (32 bytes a column against 10)"}
+# bytes an element apart against delayed (SwiGLU backward: a column of the gradient): a cast 2 (amax) + 3 (cast) +
+# 2 (transpose) = 7 against 4; SwiGLU forward 6 (its kernel: gate and up read, the output written) + 7 = 13 against
+# 6; SwiGLU backward 10 + 8 (chunk's copy into one gradient) + 2 x 7 = 32 against 10
+CODES_ANCHORS = {"cast": "~1.7x (7 bytes an element against 4)", "swiglu forward": "~2x (13 against 6)",
+                 "swiglu backward": "~3x (32 bytes a column against 10)"}
 
 
 def run(opts, record, earlier) -> None:
     gemm_rates(opts, record)
-    swiglu_codes(opts, record)
+    fp8_codes(opts, record)
     if opts.cuda:
         try:
             linear_on_device(opts, record)
@@ -79,39 +80,45 @@ def gemm_rates(opts, record) -> None:
     record.figure("fp8_over_bf16_gemm", round(fp8 / bf16, 3), "x", "~1.5-2x" if opts.cuda else "")
 
 
-def swiglu_codes(opts, record) -> None:
-    """SwiGLU's output (forward) and input gradient (backward) made as FP8 codes and their transpose, at the 1.3B
-    Llama's MLP (4096 tokens, ffn 8192): apart (SwiGLU in bf16, then the linear's amax, cast and transpose) against
-    engine.fp8.mlp's kernels, one pass under delayed scaling and two under current scaling. TB/s over the fewest
-    bytes: gate and up read, the codes and their transpose written (forward 6 bytes an output element, backward
-    10: the output gradient read too, two gradient elements written). Predicted (NOTES section 8): the delayed pass
-    `SWIGLU_ANCHORS` faster than apart, from the bytes each moves."""
-    t, f = opts.pick((4096, 8192), (4096, 8192), (256, 512))
+def fp8_codes(opts, record) -> None:
+    """FP8 codes and their transpose, as the FP8 linears' operands get them: a linear's input (4096 tokens, hidden
+    2048: the 1.3B Llama's), SwiGLU's output (forward) and input gradient (backward) at its MLP (ffn 8192). Apart
+    (the tensor, or SwiGLU's bf16 output from its kernel, then the linear's amax, cast and transpose) against
+    kernels/fp8_triton.py's one pass under delayed scaling and two under current scaling. TB/s over the fewest
+    bytes (the bf16 inputs read, the codes and their transpose written). Predicted: CODES_ANCHORS."""
+    t, h, f = opts.pick((4096, 2048, 8192), (4096, 2048, 8192), (256, 128, 512))
     dtype, reps, dev = (torch.bfloat16 if opts.cuda else torch.float32), opts.pick(30, 15, 2), opts.device
     g = torch.Generator().manual_seed(2)
-    h = torch.randn(t, 2 * f, generator=g).to(dev, dtype).requires_grad_()
-    gate, up = h.chunk(2, dim=-1)
+    x = torch.randn(t, h, generator=g).to(dev, dtype)
+    gh = torch.randn(t, 2 * f, generator=g).to(dev, dtype).requires_grad_()
+    gate, up = gh.chunk(2, dim=-1)
     dz = torch.randn(t, f, generator=g).to(dev, dtype)
-    y, scale = dispatch.swiglu(gate, up), torch.tensor(8.0, device=dev)
-    # apart, as the linears get them: SwiGLU's kernel (its backward through autograd, with chunk's copy into one
-    # gradient), then the linear's amax, cast and transpose
-    fwd = (lambda *a: dispatch.swiglu_fp8(gate, up, *a), lambda: dispatch.swiglu(gate, up), 6 * t * f)
-    bwd = (lambda *a: dispatch.swiglu_grad_fp8(gate, up, dz, *a),
-           lambda: torch.autograd.grad(y, h, dz, retain_graph=True)[0], 10 * t * f)
-    for name, (fused, values, nbytes) in (("forward", fwd), ("backward", bwd)):
+    y = dispatch.swiglu(gate, up)
+    # (the one-pass function of (scale, dtype, want_amax), what apart quantizes, its shape, its fewest bytes); apart
+    # takes SwiGLU's kernel (its backward through autograd, with chunk's copy into one gradient)
+    cases = {"cast": (lambda *a: dispatch.fp8_codes(x, *a), lambda: x, (t, h), 4 * t * h),
+             "swiglu forward": (lambda *a: dispatch.swiglu_fp8(gate, up, *a), lambda: dispatch.swiglu(gate, up),
+                                (t, f), 6 * t * f),
+             "swiglu backward": (lambda *a: dispatch.swiglu_grad_fp8(gate, up, dz, *a),
+                                 lambda: torch.autograd.grad(y, gh, dz, retain_graph=True)[0], (t, f), 10 * t * f)}
+    scale = torch.tensor(8.0, device=dev)
+    for name, (fused, values, shape, nbytes) in cases.items():
         def apart():
             v = values().detach()
             return quantize(v, scale_of(amax(v), E4M3), E4M3).t()
+
+        def current():
+            return fused(scale_of(fused(None, E4M3, True)[2], E4M3), E4M3, False)
         times = {"apart": median_ms(apart, reps, opts.cuda),
                  "delayed": median_ms(lambda: fused(scale, E4M3, True), reps, opts.cuda),
-                 "tensorwise": median_ms(lambda: fused(scale_of(fused(None, E4M3, True)[2], E4M3), E4M3, False),
-                                         reps, opts.cuda)}
-        row = {"pass": name, "shape": [t, f], **{f"{k}_ms": round(v, 4) for k, v in times.items()},
+                 "tensorwise": median_ms(current, reps, opts.cuda)}
+        row = {"pass": name, "shape": list(shape), **{f"{k}_ms": round(v, 4) for k, v in times.items()},
                **{f"{k}_tbps": float(f"{nbytes / (v * 1e-3) / 1e12:.4g}") for k, v in times.items()},
-               "delayed_over_apart": round(times["apart"] / times["delayed"], 3), "anchor": SWIGLU_ANCHORS[name]}
-        record.row("fp8_swiglu", row, f"SwiGLU {name} to FP8 codes {t}x{f}: apart {times['apart']:.3f} ms, delayed "
-                   f"{times['delayed']:.3f} ms ({row['delayed_tbps']:.3g} TB/s, {row['delayed_over_apart']:.2f}x "
-                   f"apart; predicted {SWIGLU_ANCHORS[name]}), tensorwise {times['tensorwise']:.3f} ms")
+               "delayed_over_apart": round(times["apart"] / times["delayed"], 3), "anchor": CODES_ANCHORS[name]}
+        record.row("fp8_codes", row, f"{name} to FP8 codes {shape[0]}x{shape[1]}: apart {times['apart']:.3f} ms, "
+                   f"delayed {times['delayed']:.3f} ms ({row['delayed_tbps']:.3g} TB/s, "
+                   f"{row['delayed_over_apart']:.2f}x apart; predicted {CODES_ANCHORS[name]}), tensorwise "
+                   f"{times['tensorwise']:.3f} ms")
 
 
 def linear_on_device(opts, record) -> None:

@@ -137,10 +137,9 @@ def fp8(result: dict) -> list:
     rows += [[f"linear {r['recipe']} {r['shape']}: device vs CPU",
               f"y {r['y_rel_diff']:.1e}, dx {r['dx_rel_diff']:.1e}, dw {r['dw_rel_diff']:.1e}", "max |Δ| / max", ""]
              for r in tables.get("fp8_linear", [])]
-    rows += [[f"SwiGLU {r['pass']} to FP8 codes {r['shape']}", f"apart {r['apart_ms']:.3f} ms, delayed "
+    rows += [[f"{r['pass']} to FP8 codes {r['shape']}", f"apart {r['apart_ms']:.3f} ms, delayed "
               f"{r['delayed_ms']:.3f} ms ({r['delayed_tbps']:.3g} TB/s), tensorwise {r['tensorwise_ms']:.3f} ms",
-              f"{r['delayed_over_apart']:.2f}x apart", r["anchor"]]
-             for r in tables.get("fp8_swiglu", [])]
+              f"{r['delayed_over_apart']:.2f}x apart", r["anchor"]] for r in tables.get("fp8_codes", [])]
     rows += [[f"llama step {r['precision']}", f"{r['step_s'] * 1e3:.1f} ms, {r['speedup_vs_bf16']:.2f}x bf16, loss "
               f"{r['final_loss']:.4f} ({100 * r['loss_rel_diff_vs_bf16']:.2f}%)", f"{r['steps']} steps",
               ">= 1.2x, within 1%"] for r in tables.get("fp8_step", [])]

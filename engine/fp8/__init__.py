@@ -4,11 +4,11 @@
 `Fp8Linear`, the routed experts an `Fp8Experts`, and a SwiGLU MLP without biases under tensor scaling an
 `Fp8SwiGLU` over its two linears (engine.fp8.mlp: SwiGLU's tensors made as FP8 codes); the output layer and
 the router stay in the run's precision, as in Megatron-LM. `finish_step` ends a step of delayed scaling: every
-tensor's amax of the step is reduced over the pipeline stage's ranks (tp x cp, then dp x cp) in one all-reduce each and pushed into its
-history. `state_dict`/`load_state_dict` carry the histories in checkpoints, keyed by layer name (global layer
-numbers), so they reshard to any layout. `weights_held` spans a step's forward/backward schedule: each linear
-and each routed expert has its weight quantized once for all the schedule's microbatches (engine.fp8.linear,
-`Held`; engine.fp8.experts).
+tensor's amax of the step is reduced over the pipeline stage's ranks (tp x cp, then dp x cp) in one all-reduce
+each and pushed into its history. `state_dict`/`load_state_dict` carry the histories in checkpoints, keyed by
+layer name (global layer numbers), so they reshard to any layout. `weights_held` spans a step's forward/backward
+schedule: each linear and each routed expert has its weight quantized once for all the schedule's microbatches
+(engine.fp8.linear, `Held`; engine.fp8.experts).
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 Each GEMM quantizes its two operands along their contraction dimension: forward x [T, K] and W [N, K]; input
 gradient dy [T, N] and W^T; weight gradient dy^T [N, T] and x^T [K, T]. Under tensor scaling x, W and dy are
-quantized once and transposed for the later GEMMs; under blockwise scaling x and dy are quantized again along
+quantized once and transposed for the later GEMMs (x and dy in the same pass as their codes: `Scaler.tensor`'s
+`transposed`); under blockwise scaling x and dy are quantized again along
 the tokens for the weight gradient (1x128 tiles along the contraction, as DeepSeek-V3 does), W's 128x128 tiles
 serve both of its GEMMs. Biases and everything outside the GEMMs stay in the run's precision.
 
@@ -97,8 +98,8 @@ class Fp8Linear:
     def quantize(self, role: str, x: torch.Tensor, transposed: bool = False):
         """One operand: `role` input | weight | grad; `transposed`: x^T for the weight gradient (tokens last)."""
         scaler = getattr(self, role)
-        if not self.recipe.blockwise:
-            q = scaler.tensor(x, self.group)
+        if not self.recipe.blockwise:  # an input or gradient is taken transposed too: made with its transpose
+            q = scaler.tensor(x, self.group, transposed=role != "weight")
         else:
             q = scaler.tiles(x, WEIGHT_TILE if role == "weight" else ACTIVATION_TILE,
                              None if transposed else self.splits.get(role))

@@ -22,23 +22,22 @@ import torch
 
 from engine.fp8 import gemm
 from engine.fp8.linear import Fp8Linear
-from engine.fp8.quantize import Quantized
+from engine.fp8.quantize import Quantized, both_ways
 from engine.fp8.scaling import Scaler
 from engine.parallel.weight_grad_store import deferral_of
 from kernels import dispatch
 
 
-def _codes(scaler: Scaler, group, fused, *tensors) -> tuple:
+def _codes(scaler: Scaler, group, fused, *tensors) -> Quantized:
     """`fused`'s output (dispatch.swiglu_fp8 or swiglu_grad_fp8 over `tensors`) quantized by `scaler` as
-    `Scaler.tensor` would quantize it: (Q, Q^T)."""
+    `Scaler.tensor(..., transposed=True)` would quantize it."""
     def make(scale):
         codes, codes_t, now = fused(*tensors, scale, scaler.dtype, scaler.from_history)
-        inv = scale.float().reshape(()).reciprocal()
-        return (Quantized(codes, inv), Quantized(codes_t, inv)), now
+        return both_ways(codes, codes_t, scale), now
 
-    q, qt = scaler.produce(lambda: fused(*tensors, None, scaler.dtype, True)[2], make, group)
+    q = scaler.produce(lambda: fused(*tensors, None, scaler.dtype, True)[2], make, group)
     scaler.last = q.scale_inv
-    return q, qt
+    return q
 
 
 class Fp8SwiGLU:
@@ -60,10 +59,11 @@ class _Fp8SwiGLUFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         xq, w1q = fc1.quantize("input", x2), fc1.weight_operand(w1)
         h = gemm.mm(xq, w1q, x.dtype)  # [tokens, 2F]: gate, then up
-        zq, ctx.zt = _codes(fc2.input, fc2.group, dispatch.swiglu_fp8, *h.chunk(2, dim=-1))
+        zq = _codes(fc2.input, fc2.group, dispatch.swiglu_fp8, *h.chunk(2, dim=-1))
         w2q = fc2.weight_operand(w2)
         y = gemm.mm(zq, w2q, x.dtype)
-        ctx.h, ctx.xt, ctx.w1q, ctx.w2q, ctx.mlp, ctx.deferrals = h, xq.t(), w1q, w2q, mlp, (d1, d2)
+        ctx.h, ctx.xt, ctx.zt, ctx.w1q, ctx.w2q = h, xq.t(), zq.t(), w1q, w2q
+        ctx.mlp, ctx.deferrals = mlp, (d1, d2)
         ctx.shapes = (x.shape, (w1.shape, w1.dtype), (w2.shape, w2.dtype))
         return y.view(*x.shape[:-1], y.shape[-1])
 
@@ -75,7 +75,8 @@ class _Fp8SwiGLUFn(torch.autograd.Function):
         dyq = fc2.quantize("grad", dy2)
         dz = gemm.mm(dyq, fc2.weight_transposed(ctx.w2q), dy.dtype)
         dyt, zt = dyq.t(), ctx.zt
-        dhq, dht = _codes(fc1.grad, fc1.group, dispatch.swiglu_grad_fp8, *ctx.h.chunk(2, dim=-1), dz)
+        dhq = _codes(fc1.grad, fc1.group, dispatch.swiglu_grad_fp8, *ctx.h.chunk(2, dim=-1), dz)
+        dht = dhq.t()
         dx = gemm.mm(dhq, fc1.weight_transposed(ctx.w1q), dy.dtype).view(x_shape) if ctx.needs_input_grad[0] else None
         xt = ctx.xt
 

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from engine.parallel import comm
-from kernels import reference
+from kernels import dispatch, reference
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -57,6 +57,7 @@ class Quantized:
     data: torch.Tensor                      # FP8, 2-D
     scale_inv: torch.Tensor                 # fp32: a scalar, or one per tile [tile rows, tile columns]
     tile_of: Optional[tuple] = None         # per-tile: (each row's tile row [M], each column's tile column [K])
+    transposed: Optional["Quantized"] = None  # the transpose, when it was made with the codes (`codes_of`)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 values (exactly data x scale_inv; with power-of-two tile scales no rounding at all)."""
@@ -66,6 +67,8 @@ class Quantized:
 
     def t(self) -> "Quantized":
         """The transpose (its tiles transposed with it), contiguous: the layout a GEMM wants."""
+        if self.transposed is not None:
+            return self.transposed
         if self.tile_of is None:
             return Quantized(self.data.t().contiguous(), self.scale_inv)
         return Quantized(self.data.t().contiguous(), self.scale_inv.t(), self.tile_of[::-1])
@@ -127,6 +130,19 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype) -> Quantized:
     """x [M, K] with one encode scale."""
     scale = scale.float().reshape(())
     return Quantized(cast(x, scale, dtype), scale.reciprocal())
+
+
+def both_ways(codes: torch.Tensor, codes_t: torch.Tensor, scale: torch.Tensor) -> Quantized:
+    """A tensor's codes [M, K] under one encode `scale` with their transpose [K, M], made together."""
+    inv = scale.float().reshape(()).reciprocal()
+    return Quantized(codes, inv, transposed=Quantized(codes_t, inv))
+
+
+def codes_of(x: torch.Tensor, scale: torch.Tensor, dtype, want_amax: bool) -> tuple:
+    """(x [M, K] quantized as `quantize` does with its transpose attached, x's amax or None): one pass over x on
+    CUDA (kernels.fp8_triton), the same codes and amax; for a tensor two GEMMs take, once transposed."""
+    codes, codes_t, now = dispatch.fp8_codes(x, scale.float().reshape(()), dtype, want_amax)
+    return both_ways(codes, codes_t, scale), now
 
 
 def amax(x: torch.Tensor, group=None) -> torch.Tensor:

@@ -15,7 +15,8 @@ from typing import Optional
 
 import torch
 
-from engine.fp8.quantize import Quantized, Split, amax, fp8_dtype, group_amax, quantize, quantize_tiles, scale_of
+from engine.fp8.quantize import (Quantized, Split, amax, codes_of, fp8_dtype, group_amax, quantize, quantize_tiles,
+                                 scale_of)
 
 ACTIVATION_TILE, WEIGHT_TILE = (1, 128), (128, 128)
 
@@ -57,8 +58,12 @@ class Scaler:
         self.last = None                                # the decode scale(s) it last quantized with
         self.noted = None                               # the amax its last `tensor` call noted (as `saw` took it)
 
-    def tensor(self, x: torch.Tensor, group=None) -> Quantized:
-        """x [M, K] with one scale; `group`: the other ranks holding parts of x (current scaling reduces over it)."""
+    def tensor(self, x: torch.Tensor, group=None, transposed: bool = False) -> Quantized:
+        """x [M, K] with one scale; `group`: the other ranks holding parts of x (current scaling reduces over it);
+        `transposed`: with its transpose made in the same pass (`Quantized.t` then gives it)."""
+        if transposed:
+            return self.produce(lambda: amax(x), lambda scale: codes_of(x, scale, self.dtype, self.from_history),
+                                group)
         return self.produce(lambda: amax(x), lambda scale: (quantize(x, scale, self.dtype), None), group)
 
     def produce(self, measure, make, group=None):

@@ -74,11 +74,12 @@ FP32_SLOWDOWN = 15.0
 # bf16 rate in this engine (engine/fp8/gemm.py); the output layer and the attention core stay in bf16.
 FP8_GEMM_SPEEDUP = 2.0 * 0.8
 # Quantizing, per element of each FP8 operand but the weights (the GEMMs' inputs and output gradients; a weight is
-# quantized once a step, engine.fp8.weights_held), as engine/fp8 does it on CUDA: read for its amax (2 bytes),
-# read again and written in FP8 (3 more), and under tensor scaling the FP8 copy transposed for the weight
-# gradient (1 read, 1 written): 7 bytes; blockwise quantizes the bf16 operand a second time along the tokens
-# instead (5 more): 10.
-FP8_CAST_TRAFFIC = {"tensorwise": 7, "delayed": 7, "blockwise": 10}
+# quantized once a step, engine.fp8.weights_held), as engine/fp8 does it on CUDA. Tensor scaling reads the bf16
+# operand once and writes its codes and their transpose (the weight gradient's operand) in one pass
+# (kernels/fp8_triton.py): 4 bytes under delayed scaling, whose scale is known before; current scaling (tensorwise)
+# reads it once more first for the amax: 6. Blockwise reads it for its tiles' amaxes (2) and casts it (3), then
+# does both again along the tokens for the weight gradient: 10.
+FP8_CAST_TRAFFIC = {"tensorwise": 6, "delayed": 4, "blockwise": 10}
 # A SwiGLU MLP without biases under tensor scaling makes SwiGLU's output (fc2's input) and input gradient (fc1's
 # output gradient) as FP8 codes, row-major and transposed, in the kernel that computes them (engine/fp8/mlp.py):
 # its two 1-byte writes replace SwiGLU's own 2-byte bf16 write, so under delayed scaling quantizing them costs

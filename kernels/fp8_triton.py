@@ -1,12 +1,17 @@
-"""SwiGLU straight to FP8, in Triton: its output, or its input gradient, leaves the kernel as FP8 codes.
+"""Kernels whose outputs are FP8 codes, in Triton: a tensor's codes and their transpose in one pass, and SwiGLU's
+output or input gradient straight to codes.
+
+A linear's input or output gradient is quantized for two GEMMs, once as it is and once transposed (the weight
+gradient contracts over the tokens). `fp8_codes` reads the tensor once and writes both with each block's largest
+magnitude: 4 bytes an element moved for a bf16 tensor under delayed scaling (the scale known before), where an
+amax pass, a cast and a transpose one after the other move 7; current scaling needs the whole tensor's amax (over
+its tensor-parallel group) before the cast, a pass of its own (6).
 
 Under FP8 training SwiGLU's output is only ever fc2's GEMM operand, and its input gradient only fc1's, so neither
-needs to exist in bf16: each kernel reads gate and up (and the output gradient), computes the values in fp32,
-rounds them to the activations' dtype as `kernels.reference` does, and writes their codes under the encode scale
-twice, row-major and transposed (the weight gradient's operand), with each block's largest magnitude. Under
-delayed scaling (the scale known before) that is one pass: 6 bytes an output element moved against 13 for
-SwiGLU, amax, cast and transpose one after the other; current scaling runs the kernel first for the amax alone
-(the scale needs the whole tensor's, over its tensor-parallel group) and then for the codes.
+needs to exist in bf16: `swiglu_fp8` and `swiglu_grad_fp8` read gate and up (and the output gradient), compute the
+values in fp32, round them to the activations' dtype as `kernels.reference` does, and write their codes and the
+transposed codes likewise. Under delayed scaling that is one pass: 6 bytes an output element moved against 13 for
+SwiGLU, amax, cast and transpose one after the other; current scaling runs the kernel first for the amax alone.
 
 Triton's interpreter (the CPU test of every kernel here) converts fp32 to FP8 wrongly, even normal values
 (Triton 3.6), so off a GPU the codes are computed with integer arithmetic, `_fp8_bits`: to nearest, ties to even,
@@ -24,9 +29,9 @@ BLOCK_ROWS, BLOCK_COLS = 64, 64
 
 # (mantissa bits, exponent bias) of the two formats; the largest value is torch.finfo's
 _FORMATS = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}
-# On CUDA the codes come from the hardware's conversion (Hopper's cvt.rn.satfinite), checked against torch's on a
-# card by tests/test_kernels.py::test_gpu_swiglu_straight_to_fp8, and cheaper than the integer arithmetic, which
-# the interpreter runs; False: the integer arithmetic on CUDA too (that test checks both)
+# On CUDA the codes come from the hardware's conversion (Hopper's cvt.rn.satfinite), cheaper than the integer
+# arithmetic, which the interpreter runs, and checked against torch's on a card by tests/test_kernels.py::
+# test_gpu_fp8_codes_and_swiglu_straight_to_fp8; False: the integer arithmetic on CUDA too (that test checks both)
 HARDWARE_CONVERSION_ON_CUDA = True
 
 
@@ -90,6 +95,18 @@ def _load(P, stride, rows, cols, mask):
 
 
 @triton.jit
+def _codes_fwd(X, C, CT, S, A, stride_x, n_rows, n_cols,
+               M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr, HW: tl.constexpr,
+               CODES: tl.constexpr, AMAX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    rows, cols, mask = _block(n_rows, n_cols, BR, BC)
+    x = _load(X, stride_x, rows, cols, mask)
+    if AMAX:
+        tl.store(A + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), _amax(x))
+    if CODES:
+        _store_codes(C, CT, S, x, rows, cols, mask, n_rows, n_cols, 0, M, BIAS, TOP, HW)
+
+
+@triton.jit
 def _swiglu_fp8_fwd(G, U, C, CT, S, A, stride_g, stride_u, n_rows, F,
                     M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr, HW: tl.constexpr,
                     CODES: tl.constexpr, AMAX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
@@ -147,6 +164,12 @@ def _launch(kernel, tensors, width, scale, dtype, want_amax):
     if codes is None:
         return None, None, top
     return codes.view(dtype), codes_t.view(dtype), top
+
+
+def fp8_codes(x, scale, dtype, want_amax):
+    """kernels.reference.fp8_codes of x [M, K] (any row stride), in one pass."""
+    x2 = _rows(x)
+    return _launch(_codes_fwd, (x2,), x2.shape[1], scale, dtype, want_amax)
 
 
 def swiglu_fp8(gate, up, scale, dtype, want_amax):
