@@ -433,21 +433,27 @@ def _mlp_pair(recipe, dtype):
             g = torch.Generator().manual_seed(3)
             for p in mlp.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-        fp8.attach(mlp, recipe, ctx)
-        assert (mlp.fp8 is not None) == (not recipe.blockwise)
-        if not fused:
-            mlp.fp8 = None
+        with _one_pass(fused):
+            fp8.attach(mlp, recipe, ctx)
+        assert (mlp.fp8 is not None) == (fused and not recipe.blockwise)
         pair.append(mlp)
     return pair
+
+
+def _one_pass(on: bool):
+    """engine.fp8.quantize.ONE_PASS_CODES set: off, every cast apart and SwiGLU's tensors made in bf16."""
+    from engine.fp8 import quantize as quantization
+    return mock.patch.object(quantization, "ONE_PASS_CODES", on)
 
 
 @pytest.mark.parametrize("kind", ["tensorwise", "delayed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fp8_swiglu_mlp_is_its_three_linears_apart_bit_for_bit(kind, dtype):
-    """engine.fp8.mlp makes SwiGLU's output and input gradient as FP8 codes inside one function: its output, input
-    gradient and weight gradients, and every scaler's last scales, step amaxes and histories, equal fc1 -> SwiGLU
-    -> fc2 apart (each linear the emulation oracle's, above) bit for bit, over three steps of two microbatches
-    (under delayed scaling the first step scales currently, the later ones from the history)."""
+    """engine.fp8.mlp makes SwiGLU's output and input gradient as FP8 codes inside one function, and the linears
+    make their inputs' and gradients' codes with their transpose: the output, input gradient and weight gradients,
+    and every scaler's last scales, step amaxes and histories, equal fc1 -> SwiGLU -> fc2 apart with every cast
+    apart (quantize.ONE_PASS_CODES off; each linear the emulation oracle's, above) bit for bit, over three steps of
+    two microbatches (under delayed scaling the first step scales currently, the later ones from the history)."""
     pair = _mlp_pair(Recipe("hybrid", kind, history_len=2, algo="max"), dtype)
     g = torch.Generator().manual_seed(4)
     for step in range(3):
@@ -455,10 +461,11 @@ def test_the_fp8_swiglu_mlp_is_its_three_linears_apart_bit_for_bit(kind, dtype):
             x = (torch.randn(6, 3, 40, generator=g) * (1 + step)).to(dtype)
             dy = torch.randn(6, 3, 40, generator=g).to(dtype)
             outs = []
-            for mlp in pair:
+            for mlp, one_pass in zip(pair, (True, False)):
                 xi = x.clone().requires_grad_()
-                y = mlp(xi)
-                y.backward(dy)
+                with _one_pass(one_pass):
+                    y = mlp(xi)
+                    y.backward(dy)
                 lins = (mlp.fc1.fp8, mlp.fc2.fp8)
                 outs.append([y, xi.grad, *(p.grad for p in mlp.parameters()),
                              *(getattr(lin, r).last for lin in lins for r in fp8.ROLES),

@@ -59,6 +59,8 @@ def test_dry_run_figures(dry_run):
     assert all(r["tokens_per_s"] > 0 and r["loss_max_diff_vs_plain"] < 1e-4 for r in eager)
     assert all(r["measured_over_expected"] <= 1.05 for r in s["memory"]["tables"]["saved_bytes"])
     assert result["goals"] and {g["verdict"] for g in result["goals"]} == {"not measured"}
+    delayed = {r["precision"]: r["final_loss"] for r in s["fp8"]["tables"]["fp8_step"] if "delayed" in r["precision"]}
+    assert len(set(delayed.values())) == 1, delayed  # the one-pass codes change no number
     codes = s["fp8"]["tables"]["fp8_codes"]
     assert [r["pass"] for r in codes] == ["cast", "swiglu forward", "swiglu backward"]
     assert all(r[f"{k}_ms"] > 0 for r in codes for k in ("apart", "delayed", "tensorwise"))

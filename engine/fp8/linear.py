@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from engine.fp8 import gemm
-from engine.fp8.quantize import Quantized, Split
+from engine.fp8.quantize import Quantized, Split, one_pass
 from engine.fp8.scaling import ACTIVATION_TILE, WEIGHT_TILE, Recipe, Scaler
 from engine.parallel.weight_grad_store import bias_grad, deferral_of, rows
 
@@ -99,7 +99,7 @@ class Fp8Linear:
         """One operand: `role` input | weight | grad; `transposed`: x^T for the weight gradient (tokens last)."""
         scaler = getattr(self, role)
         if not self.recipe.blockwise:  # an input or gradient is taken transposed too: made with its transpose
-            q = scaler.tensor(x, self.group, transposed=role != "weight")
+            q = scaler.tensor(x, self.group, transposed=role != "weight" and one_pass())
         else:
             q = scaler.tiles(x, WEIGHT_TILE if role == "weight" else ACTIVATION_TILE,
                              None if transposed else self.splits.get(role))

@@ -22,7 +22,7 @@ import torch
 
 from engine.fp8 import gemm
 from engine.fp8.linear import Fp8Linear
-from engine.fp8.quantize import Quantized, both_ways
+from engine.fp8.quantize import Quantized, both_ways, one_pass
 from engine.fp8.scaling import Scaler
 from engine.parallel.weight_grad_store import deferral_of
 from kernels import dispatch
@@ -98,8 +98,9 @@ class _Fp8SwiGLUFn(torch.autograd.Function):
 
 def fusable(module) -> bool:
     """Whether `module` is an MLP this function can run: SwiGLU between a column- and a row-parallel linear, both
-    in FP8 with tensor scaling and neither with a bias (`swiglu_between_linears`, engine.model.MLP)."""
-    if not getattr(module, "swiglu_between_linears", False):
+    in FP8 with tensor scaling and neither with a bias (`swiglu_between_linears`, engine.model.MLP); not when
+    quantize.ONE_PASS_CODES is off."""
+    if not (one_pass() and getattr(module, "swiglu_between_linears", False)):
         return False
     fc1, fc2 = module.fc1.fp8, module.fc2.fp8
     return isinstance(fc1, Fp8Linear) and isinstance(fc2, Fp8Linear) and not fc1.recipe.blockwise

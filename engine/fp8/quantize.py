@@ -109,6 +109,15 @@ def _fused_amax():
 
 
 FUSE_CASTS_ON_CUDA = True  # False: the eager ops on CUDA too (to compare a run with and without)
+# False: each input and output gradient cast as before 2026-11-27 (an amax pass, the cast, the transpose apart) and
+# SwiGLU's tensors made in bf16 and then cast (engine.fp8.mlp not taken: read when a model is built), to compare a
+# run with and without the one-pass codes (benchmarks/gpu/fp8.py); the same numbers either way
+ONE_PASS_CODES = True
+
+
+def one_pass() -> bool:
+    """Whether inputs and gradients are quantized with their transpose in one pass (ONE_PASS_CODES)."""
+    return ONE_PASS_CODES
 
 
 def _fused(x: torch.Tensor) -> bool:
