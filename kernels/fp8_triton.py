@@ -64,11 +64,11 @@ def _amax(y):
 
 
 @triton.jit
-def _store_codes(C, CT, S, y, rows, cols, mask, n_rows, n_cols, col0,
+def _store_codes(OUT8, OUT8_T, SCALE, y, rows, cols, mask, n_rows, n_cols, col0,
                  M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr, HW: tl.constexpr):
-    """y's codes at C[rows, col0 + cols] ([n_rows, n_cols]) and CT[col0 + cols, rows] ([n_cols, n_rows]), by the
-    hardware's conversion (HW) or by _fp8_bits."""
-    v = y * tl.load(S)
+    """y's FP8 codes (as uint8) at OUT8[rows, col0 + cols] ([n_rows, n_cols]) and OUT8_T[col0 + cols, rows]
+    ([n_cols, n_rows]), by the hardware's conversion (HW) or by _fp8_bits."""
+    v = y * tl.load(SCALE)
     if HW:  # saturated first: the conversion is to nearest, ties to even (NaN stays NaN)
         v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -TOP), TOP))
         if M == 3:
@@ -77,8 +77,8 @@ def _store_codes(C, CT, S, y, rows, cols, mask, n_rows, n_cols, col0,
             q = v.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
     else:
         q = _fp8_bits(v, M, BIAS, TOP)
-    tl.store(C + rows[:, None] * n_cols + (col0 + cols)[None, :], q, mask=mask)
-    tl.store(CT + (col0 + cols)[None, :] * n_rows + rows[:, None], q, mask=mask)
+    tl.store(OUT8 + rows[:, None] * n_cols + (col0 + cols)[None, :], q, mask=mask)
+    tl.store(OUT8_T + (col0 + cols).to(tl.int64)[None, :] * n_rows + rows[:, None], q, mask=mask)
 
 
 @triton.jit
@@ -95,35 +95,35 @@ def _load(P, stride, rows, cols, mask):
 
 
 @triton.jit
-def _codes_fwd(X, C, CT, S, A, stride_x, n_rows, n_cols,
+def _codes_fwd(X, OUT8, OUT8_T, SCALE, PEAKS, stride_x, n_rows, n_cols,
                M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr, HW: tl.constexpr,
                CODES: tl.constexpr, AMAX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     rows, cols, mask = _block(n_rows, n_cols, BR, BC)
     x = _load(X, stride_x, rows, cols, mask)
     if AMAX:
-        tl.store(A + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), _amax(x))
+        tl.store(PEAKS + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), _amax(x))
     if CODES:
-        _store_codes(C, CT, S, x, rows, cols, mask, n_rows, n_cols, 0, M, BIAS, TOP, HW)
+        _store_codes(OUT8, OUT8_T, SCALE, x, rows, cols, mask, n_rows, n_cols, 0, M, BIAS, TOP, HW)
 
 
 @triton.jit
-def _swiglu_fp8_fwd(G, U, C, CT, S, A, stride_g, stride_u, n_rows, F,
+def _swiglu_fp8_fwd(G, U, OUT8, OUT8_T, SCALE, PEAKS, stride_g, stride_u, n_rows, n_cols,
                     M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr, HW: tl.constexpr,
                     CODES: tl.constexpr, AMAX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    rows, cols, mask = _block(n_rows, F, BR, BC)
+    rows, cols, mask = _block(n_rows, n_cols, BR, BC)
     g, u = _load(G, stride_g, rows, cols, mask), _load(U, stride_u, rows, cols, mask)
     y = (g * tl.sigmoid(g) * u).to(G.dtype.element_ty).to(tl.float32)  # swiglu_triton's value, rounded as it
     if AMAX:
-        tl.store(A + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), _amax(y))
+        tl.store(PEAKS + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), _amax(y))
     if CODES:
-        _store_codes(C, CT, S, y, rows, cols, mask, n_rows, F, 0, M, BIAS, TOP, HW)
+        _store_codes(OUT8, OUT8_T, SCALE, y, rows, cols, mask, n_rows, n_cols, 0, M, BIAS, TOP, HW)
 
 
 @triton.jit
-def _swiglu_fp8_bwd(G, U, DY, C, CT, S, A, stride_g, stride_u, stride_dy, n_rows, F,
+def _swiglu_fp8_bwd(G, U, DY, OUT8, OUT8_T, SCALE, PEAKS, stride_g, stride_u, stride_dy, n_rows, n_cols,
                     M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr, HW: tl.constexpr,
                     CODES: tl.constexpr, AMAX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    rows, cols, mask = _block(n_rows, F, BR, BC)
+    rows, cols, mask = _block(n_rows, n_cols, BR, BC)
     g, u = _load(G, stride_g, rows, cols, mask), _load(U, stride_u, rows, cols, mask)
     dy = _load(DY, stride_dy, rows, cols, mask)
     sig = tl.sigmoid(g)
@@ -133,10 +133,10 @@ def _swiglu_fp8_bwd(G, U, DY, C, CT, S, A, stride_g, stride_u, stride_dy, n_rows
     du = (dy * silu).to(U.dtype.element_ty).to(tl.float32)
     if AMAX:
         top = tl.maximum(_amax(dg), _amax(du), propagate_nan=tl.PropagateNan.ALL)
-        tl.store(A + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), top)
+        tl.store(PEAKS + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), top)
     if CODES:
-        _store_codes(C, CT, S, dg, rows, cols, mask, n_rows, 2 * F, 0, M, BIAS, TOP, HW)
-        _store_codes(C, CT, S, du, rows, cols, mask, n_rows, 2 * F, F, M, BIAS, TOP, HW)
+        _store_codes(OUT8, OUT8_T, SCALE, dg, rows, cols, mask, n_rows, 2 * n_cols, 0, M, BIAS, TOP, HW)
+        _store_codes(OUT8, OUT8_T, SCALE, du, rows, cols, mask, n_rows, 2 * n_cols, n_cols, M, BIAS, TOP, HW)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

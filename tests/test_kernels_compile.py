@@ -21,7 +21,8 @@ except ImportError:  # the ahead-of-time API moved
 
 HOPPER_SHARED_BYTES = 232448  # 227 KiB of opt-in dynamic shared memory per block on H100/H200
 FP32_POINTERS = {"MEAN", "RSTD", "LSE", "DELTA", "MAX", "SUMEXP", "TLOGIT", "COEF_S", "COEF_O", "DW_PART",
-                 "DB_PART", "FREQS"}
+                 "DB_PART", "FREQS", "SCALE", "PEAKS"}
+U8_POINTERS = {"OUT8", "OUT8_T"}  # FP8 codes, written as their bits
 SIZES = {"BATCH", "H", "M", "N", "S", "NQ", "NKV", "NH", "HALF", "GROUP", "TOTAL"}  # upper-case scalars
 
 
@@ -38,6 +39,8 @@ def _signature(fn, dtype, constexprs):
             sig[name] = "*i32"
         elif name in FP32_POINTERS:
             sig[name] = "*fp32"
+        elif name in U8_POINTERS:
+            sig[name] = "*u8"
         elif name.isupper() and name not in SIZES:
             sig[name] = "*" + dtype
         elif name in ("sm_scale", "eps", "sign"):
@@ -67,8 +70,14 @@ def test_kernels_compile_for_sm90():
 
 
 def compile_all():
-    from kernels import ce_triton, flash_triton, norm_triton, rope_triton, swiglu_triton
+    from kernels import ce_triton, flash_triton, fp8_triton, norm_triton, rope_triton, swiglu_triton
     dt = "bf16"
+    block = dict(BR=fp8_triton.BLOCK_ROWS, BC=fp8_triton.BLOCK_COLS)
+    e4m3, e5m2 = dict(M=3, BIAS=7, TOP=448.0), dict(M=2, BIAS=15, TOP=57344.0)
+    for kernel in (fp8_triton._codes_fwd, fp8_triton._swiglu_fp8_fwd, fp8_triton._swiglu_fp8_bwd):
+        # the hardware's conversion (CUDA's path) in both formats, the integer one, and the amax pass alone
+        for fmt, hw, codes in ((e4m3, True, True), (e5m2, True, True), (e4m3, False, True), (e4m3, True, False)):
+            _compile(kernel, dt, dict(HW=hw, CODES=codes, AMAX=True, **fmt, **block), 4, 3)
     for rms in (True, False):
         flags = dict(IS_RMS=rms, HAS_BIAS=not rms, BLOCK=8192)
         _compile(norm_triton._norm_fwd, dt, dict(HAS_RES=True, **flags), 16, 3)
