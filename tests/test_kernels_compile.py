@@ -57,6 +57,7 @@ def _compile(fn, dtype, constexprs, warps, stages):
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     assert kernel.asm["cubin"], f"{fn.__name__}: no cubin"
     assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, f"{fn.__name__}: {kernel.metadata.shared} bytes shared"
+    return kernel
 
 
 @pytest.mark.slow  # about a minute on 2 cores: ptxas runs once per kernel variant
@@ -77,7 +78,10 @@ def compile_all():
     for kernel in (fp8_triton._codes_fwd, fp8_triton._swiglu_fp8_fwd, fp8_triton._swiglu_fp8_bwd):
         # the hardware's conversion (CUDA's path) in both formats, the integer one, and the amax pass alone
         for fmt, hw, codes in ((e4m3, True, True), (e5m2, True, True), (e4m3, False, True), (e4m3, True, False)):
-            _compile(kernel, dt, dict(HW=hw, CODES=codes, AMAX=True, **fmt, **block), 4, 3)
+            ptx = _compile(kernel, dt, dict(HW=hw, CODES=codes, AMAX=True, **fmt, **block), 4, 3).asm["ptx"]
+            # the hardware's conversion: to nearest, ties to even, saturating (torch's after the clamp)
+            want = f"cvt.rn.satfinite.{'e4m3' if fmt is e4m3 else 'e5m2'}x2.f32"
+            assert (want in ptx) == (hw and codes), (kernel.__name__, want, hw, codes)
     for rms in (True, False):
         flags = dict(IS_RMS=rms, HAS_BIAS=not rms, BLOCK=8192)
         _compile(norm_triton._norm_fwd, dt, dict(HAS_RES=True, **flags), 16, 3)
