@@ -61,10 +61,11 @@ class Scaler:
     def tensor(self, x: torch.Tensor, group=None, transposed: bool = False) -> Quantized:
         """x [M, K] with one scale; `group`: the other ranks holding parts of x (current scaling reduces over it);
         `transposed`: with its transpose made in the same pass (`Quantized.t` then gives it)."""
-        if transposed:
-            return self.produce(lambda: amax(x), lambda scale: codes_of(x, scale, self.dtype, self.from_history),
-                                group)
-        return self.produce(lambda: amax(x), lambda scale: (quantize(x, scale, self.dtype), None), group)
+        def make(scale):
+            if transposed:  # the amax comes with the codes where a scale from the history needs it
+                return codes_of(x, scale, self.dtype, self.from_history)
+            return quantize(x, scale, self.dtype), None
+        return self.produce(lambda: amax(x), make, group)
 
     def produce(self, measure, make, group=None):
         """A tensor with one scale that `make(encode scale)` quantizes, returning (what it made, the tensor's amax
