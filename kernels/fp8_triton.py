@@ -16,7 +16,7 @@ SwiGLU, amax, cast and transpose one after the other; current scaling runs the k
 Triton's interpreter (the CPU test of every kernel here) converts fp32 to FP8 wrongly, even normal values
 (Triton 3.6), so off a GPU the codes are computed with integer arithmetic, `_fp8_bits`: to nearest, ties to even,
 saturated to the format's largest value, NaN kept, which is torch's conversion after the clamp of
-`kernels.reference.fp8_cast` (tests/test_kernels.py: every code, every midpoint, random values). On CUDA the
+`kernels.reference.fp8_cast` (tests/test_kernels_fp8.py: every code, every midpoint, random values). On CUDA the
 hardware converts (HARDWARE_CONVERSION_ON_CUDA); the GPU test checks both ways against torch's on the card.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ BLOCK_ROWS, BLOCK_COLS = 64, 64
 # (mantissa bits, exponent bias) of the two formats; the largest value is torch.finfo's
 _FORMATS = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}
 # On CUDA the codes come from the hardware's conversion (Hopper's cvt.rn.satfinite), cheaper than the integer
-# arithmetic, which the interpreter runs, and checked against torch's on a card by tests/test_kernels.py::
+# arithmetic, which the interpreter runs, and checked against torch's on a card by tests/test_kernels_fp8.py::
 # test_gpu_fp8_codes_and_swiglu_straight_to_fp8; False: the integer arithmetic on CUDA too (that test checks both)
 HARDWARE_CONVERSION_ON_CUDA = True
 
