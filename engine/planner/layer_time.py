@@ -87,6 +87,9 @@ FP8_CAST_TRAFFIC = {"tensorwise": 6, "delayed": 4, "blockwise": 10}
 # gate and up (4 bytes an output element) forward, gate, up and the output gradient (6 bytes for the 2 elements
 # of the input gradient: 3) backward. (fc2-input bytes, fc1-output-gradient bytes) per element.
 FUSED_SWIGLU_CAST_TRAFFIC = {"tensorwise": (4, 3), "delayed": (0, 0)}
+# The routed experts quantize per token (engine/fp8/experts.py: each row's amax, the cast, and the codes
+# dequantized again for the weight gradient), apart from the kernels above: about 7 bytes an element (10 blockwise).
+EXPERT_CAST_TRAFFIC = {"tensorwise": 7, "delayed": 7, "blockwise": 10}
 
 
 def gemm_seconds(m: float, n: float, k: float, gpu: GPUSpec, speedup: float = 1.0) -> float:
@@ -113,10 +116,11 @@ def experts_fp8_speedups(sw: Software) -> tuple:
 
 def _mlp_cast_bytes(model: ModelConfig, ffn: float, sw: Software, routed: bool = False) -> float:
     """Bytes per token an MLP of width ffn (this rank's share) moves quantizing fc1's and fc2's inputs and output
-    gradients: FP8_CAST_TRAFFIC an element, but FUSED_SWIGLU_CAST_TRAFFIC for SwiGLU's two tensors where the MLP
-    makes them as codes (a dense or shared-expert SwiGLU MLP without biases, tensor scaling; not `routed` experts)."""
+    gradients: FP8_CAST_TRAFFIC an element (EXPERT_CAST_TRAFFIC for `routed` experts), but FUSED_SWIGLU_CAST_TRAFFIC
+    for SwiGLU's two tensors where the MLP makes them as codes (a dense or shared-expert SwiGLU MLP without biases,
+    tensor scaling)."""
     (fc1_rows, fc1_cols), (fc2_rows, fc2_cols) = mlp_matrices(model, ffn)
-    each = FP8_CAST_TRAFFIC[sw.fp8]
+    each = (EXPERT_CAST_TRAFFIC if routed else FP8_CAST_TRAFFIC)[sw.fp8]
     fused = not routed and model.swiglu and model.disable_bias_linear and sw.fp8 in FUSED_SWIGLU_CAST_TRAFFIC
     swiglu_out, swiglu_grad = FUSED_SWIGLU_CAST_TRAFFIC[sw.fp8] if fused else (each, each)
     return each * (fc1_cols + fc2_rows) + swiglu_out * fc2_cols + swiglu_grad * fc1_rows
