@@ -19,12 +19,18 @@ deps: $(STAMP)
 demo: deps
 	$(PYTHON) tools/demo.py
 
+# Two pytest workers, each taking whole test files (a file's fixtures and rank pools are built once). About a
+# third of the suite leaves a core idle when run alone (one-process tests, process starts, the Triton
+# interpreter); two workers fill it. TEST_WORKERS=0 runs the suite in this process, one test at a time.
+TEST_WORKERS ?= 2
+PYTEST := $(PYTHON) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+
 test: deps
-	$(PYTHON) -m pytest -q tests
+	$(PYTEST) tests
 
 # Skips the cases marked slow; for quick iteration only (CI runs `make test`).
 test-fast: deps
-	$(PYTHON) -m pytest -q -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 # The kernels in Triton's interpreter under the oldest and the newest Triton setup.py allows (3.6 is torch 2.11's,
 # 3.9 the newest); each wheel is fetched once into .cache and put first on the path.

@@ -25,6 +25,7 @@ setup(
     extras_require={
         "gpu": ["flash-attn"],
         # megatron-core: the reference tests/test_megatron_data.py compares the data order with (CPU dataset code).
-        "dev": ["pytest", "pytest-timeout", "transformers", "megatron-core==0.16.1"],
+        # pytest-xdist: `make test` runs two workers (Makefile).
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "transformers", "megatron-core==0.16.1"],
     },
 )

@@ -29,6 +29,11 @@ EPS = 1e-5
 QUEUE_AHEAD_CYCLES = 4_000_000  # ~2 ms of the GPU's clock (1.98 GHz on the H100/H200): more than fn's host time
 
 
+def significant(x: float, digits: int = 4) -> float:
+    """x to `digits` significant digits: a fixed number of decimals rounds a loaded CPU's small rates to 0."""
+    return float(f"{x:.{digits}g}")
+
+
 def median_ms(fn, reps: int, cuda: bool) -> float:
     """Median milliseconds of fn() after warm-up (device events on CUDA, so queued work is not mistaken for done).
 
@@ -182,9 +187,9 @@ def _measure(name, impl, fn, leaves, fwd_work, bwd_work, reps, cuda):
     row["fwd_ms"] = median_ms(fn, reps, cuda)
     row["bwd_ms"] = median_ms(lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True), reps, cuda)
     unit, scale = ("tflops", 1e-12) if name.startswith("attention") else ("gbps", 1e-9)
-    row[f"fwd_{unit}"] = round(fwd_work * scale / (row["fwd_ms"] * 1e-3), 2)
-    row[f"bwd_{unit}"] = round(bwd_work * scale / (row["bwd_ms"] * 1e-3), 2)
-    row[f"fwd_bwd_{unit}"] = round((fwd_work + bwd_work) * scale / ((row["fwd_ms"] + row["bwd_ms"]) * 1e-3), 2)
+    row[f"fwd_{unit}"] = significant(fwd_work * scale / (row["fwd_ms"] * 1e-3))
+    row[f"bwd_{unit}"] = significant(bwd_work * scale / (row["bwd_ms"] * 1e-3))
+    row[f"fwd_bwd_{unit}"] = significant((fwd_work + bwd_work) * scale / ((row["fwd_ms"] + row["bwd_ms"]) * 1e-3))
     row["fwd_ms"], row["bwd_ms"] = round(row["fwd_ms"], 4), round(row["bwd_ms"], 4)
     return row
 

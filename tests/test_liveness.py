@@ -127,9 +127,9 @@ signal.signal(signal.SIGTERM, lambda s, f: got.append(s))  # the pre-emption han
 guard.stacks_on_signal(signal.SIGTERM)
 def blocked_in_a_collective():  # until the handler has run (the launcher's SIGTERM, sent from outside)
     deadline = time.monotonic() + (30.0 if sys.argv[2] == "signal" else 0.2)
+    print("ready", flush=True)  # from in here: a signal right after it finds this frame on the stack
     while not got and time.monotonic() < deadline:
         time.sleep(0.01)
-print("ready", flush=True)
 blocked_in_a_collective()
 guard.release()
 print("handler ran" if got else "no signal")

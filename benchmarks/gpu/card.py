@@ -14,7 +14,7 @@ import subprocess
 
 import torch
 
-from benchmarks.kernel_speed import median_ms
+from benchmarks.kernel_speed import median_ms, significant
 
 MATMUL_ANCHOR = "~790 TFLOP/s (H100 798, H200 788 measured here)"
 
@@ -28,10 +28,10 @@ def run(opts, record, earlier) -> None:
     n = opts.pick(8192, 8192, 256 if not opts.cuda else 1024)
     dtype = torch.bfloat16 if opts.cuda else torch.float32
     tflops = matmul_tflops(n, dtype, opts.device)
-    record.figure("matmul_tflops", _digits(tflops), "TFLOP/s", MATMUL_ANCHOR if opts.cuda else "",
+    record.figure("matmul_tflops", significant(tflops), "TFLOP/s", MATMUL_ANCHOR if opts.cuda else "",
                   f"{str(dtype).removeprefix('torch.')} {n}^3, random inputs, median")
     size = opts.pick(2**30, 2**30, 2**23)
-    record.figure("copy_tbps", _digits(copy_tbps(size, opts.device)), "TB/s", copy_anchor(name) if opts.cuda else "",
+    record.figure("copy_tbps", significant(copy_tbps(size, opts.device)), "TB/s", copy_anchor(name) if opts.cuda else "",
                   f"{size / 2**20:.0f} MiB copy, read + write counted, median")
 
 
@@ -51,11 +51,6 @@ def describe(opts, record) -> str:
     for module in ("torch", "triton", "transformers"):
         record.figure(f"{module}_version", _version(module), "")
     return name
-
-
-def _digits(x: float) -> float:
-    """Four significant digits: a fixed number of decimals rounds a CPU dry run's 0.04 TFLOP/s to 0."""
-    return float(f"{x:.4g}")
 
 
 def matmul_tflops(n: int, dtype, device: str) -> float:

@@ -42,7 +42,7 @@ def rate(row: dict) -> tuple:
     """(fwd+bwd rate, unit) of a kernel_speed row: TB/s for bandwidth, TFLOP/s for attention."""
     if "fwd_bwd_tflops" in row:
         return row["fwd_bwd_tflops"], "TFLOP/s"
-    return round(row["fwd_bwd_gbps"] / 1000, 3), "TB/s"
+    return kernel_speed.significant(row["fwd_bwd_gbps"] / 1000), "TB/s"
 
 
 def run(opts, record, earlier) -> None:
