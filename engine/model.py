@@ -109,7 +109,7 @@ class MLP(nn.Module):
     def forward(self, x, positions=None):
         """`positions`: unused here (an MoE block routes by them; the two blocks take the same arguments)."""
         if self.fp8 is not None:  # the linears' own entry into and exit from the tensor-parallel region
-            y = self.fp8(mappings.enter_tp(x, self.ctx), self.fc1.weight, self.fc2.weight)
+            y = self.fp8.enter(x, self.fc1.weight, self.fc2.weight)
             return mappings.exit_tp(y, self.ctx)
         y = self.fc1(x)
         if self.swiglu:

@@ -199,6 +199,48 @@ def test_multi_latent_attention_and_mtp_in_fp8_follow_one_rank(references):
     assert {key.split(".", 1)[0] for key in scaled} == {"layers", "mtp"}, sorted(scaled)
 
 
+def _gathers(rank, world, steps):
+    """Per recipe at tp 2 + SP: the run with the entering inputs' FP8 codes all-gathered against the one gathering
+    them in fp32 first: whether the losses, weights and amax histories are the same bit for bit, and the bytes
+    this rank sent on the tp group per collective kind in each."""
+    from engine.fp8 import linear
+    from engine.parallel import comm
+    out = {}
+    for recipe in RECIPES:
+        cfg, runs = _cfg(recipe, tp=2), []
+        for codes in (False, True):
+            linear.GATHER_CODES = codes
+            ctx = context_for(Layout.from_config(cfg, world), rank, seed=cfg.training.seed)
+            try:
+                chunks = build_model_chunks(cfg, ctx, vocab_size=VOCAB)
+                with comm.counting() as counted:
+                    run = _run(cfg, chunks, ctx, range(steps))
+                sent = {op: counted.sent(ctx.tp_group, op) for op in ("all_gather", "reduce_scatter", "all_reduce")}
+                runs.append((run["curve"], [p.detach().clone() for p in chunks[0].parameters()], run["end"], sent))
+            finally:
+                linear.GATHER_CODES = True
+                ctx.destroy()
+        (curve, weights, end, fp32), (curve2, weights2, end2, codes_sent) = runs
+        same = curve == curve2 and end == end2 and all(torch.equal(a, b) for a, b in zip(weights, weights2))
+        out[recipe] = (same, fp32, codes_sent)
+    return out
+
+
+def test_sequence_parallel_gathers_fp8_codes_the_same_run_with_a_quarter_of_fp32s_bytes():
+    """Under tp 2 + SP each column-parallel linear (QKV, the SwiGLU MLP's fc1) quantizes its input shard and
+    all-gathers the FP8 codes: the same run bit for bit as gathering in fp32 (bf16 on a GPU: half its bytes) and
+    quantizing the whole, with 1 byte sent per gathered element instead of 4, exactly that many fewer bytes, every
+    other collective unchanged. Blockwise gathers first (its weight gradient's tiles run along the tokens)."""
+    steps, layers, entries, elements = 3, 2, 2, SEQ * 1 * 32  # two entering inputs a layer of [s, b, h] = [16, 1, 32]
+    saved = steps * MICROBATCHES * layers * entries * elements * (4 - 1) * (2 - 1) / 2  # ring all-gather, 2 ranks
+    for rank_result in run_ranks(_gathers, 2, steps, timeout=300):
+        for recipe, (same, fp32, codes) in rank_result.items():
+            assert same, recipe
+            want = 0 if recipe == "blockwise" else saved
+            assert fp32["all_gather"] - codes["all_gather"] == want, (recipe, fp32, codes)
+            assert (fp32["reduce_scatter"], fp32["all_reduce"]) == (codes["reduce_scatter"], codes["all_reduce"])
+
+
 def _leg(rank, world, cfg, load, save, start, stop) -> dict:
     """Steps [start, stop) under cfg's layout, loading `load` first and saving into `save` at the end."""
     ctx = context_for(Layout.from_config(cfg, world), rank, seed=cfg.training.seed)

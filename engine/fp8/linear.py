@@ -13,6 +13,14 @@ output gradient) is one part of a full tensor, whose amax (tensor scaling) or ti
 shares; under cp and sequence parallelism the tokens are. Under a split backward (zero-bubble schedules) the
 weight gradient is left to engine.parallel.weight_grad_store like any linear's.
 
+Under sequence parallelism a column-parallel linear's input enters the tensor-parallel region gathered (`enter`).
+With tensor scaling each rank quantizes its [s/tp, b, h] shard with the whole tensor's scale (current scaling's
+amax is the tp group's anyway, a history's scale is the same on every rank) and the FP8 codes are all-gathered:
+1 byte an element on the wire where the bf16 gather sends 2, and the codes are those of quantizing the gathered
+tensor, bit for bit (Transformer Engine gathers FP8 likewise). The input gradient is reduce-scattered in the run's
+precision as before. Blockwise scaling gathers bf16: the weight gradient quantizes x^T along the tokens, in tiles
+that cross the shards.
+
 Under `--fp8-param-gather` the weight arrives quantized: the optimizer's all-gather (engine.optim.fp8_gather;
 under ZeRO-3 each unit gather, engine.optim.fp8_shard) quantizes each replica's shard with the scale this linear
 would use and gathers the FP8 codes, and `gathered`
@@ -36,7 +44,12 @@ import torch
 from engine.fp8 import gemm
 from engine.fp8.quantize import Quantized, Split, one_pass
 from engine.fp8.scaling import ACTIVATION_TILE, WEIGHT_TILE, Recipe, Scaler
+from engine.parallel import comm, mappings
 from engine.parallel.weight_grad_store import bias_grad, deferral_of, rows
+
+# False: a column-parallel linear's input is gathered in the run's precision under sequence parallelism, then
+# quantized (as before 2026-11-27), to compare the bytes sent; the same numbers either way
+GATHER_CODES = True
 
 
 def _split_positions(spec, ctx) -> tuple:
@@ -84,6 +97,8 @@ class Fp8Linear:
         self.input, self.weight, self.grad = (Scaler(recipe, False, device), Scaler(recipe, False, device),
                                               Scaler(recipe, True, device))
         self.group = ctx.tp_cp_group if ctx.tp_size * ctx.cp_size > 1 else None
+        self.entry = ctx  # where a column-parallel input enters from (`enter`)
+        self.seq_group = ctx.tp_group if ctx.sequence_parallel and ctx.tp_size > 1 and not recipe.blockwise else None
         self.split_axis, self.splits = None, {}
         self.gathered = None  # a Gathered under --fp8-param-gather
         self.may_hold = not ctx.layout.sharding.params  # ZeRO-3 keeps no whole weight between its unit gathers
@@ -106,6 +121,23 @@ class Fp8Linear:
         if not transposed:
             scaler.last = q.scale_inv  # the full tensor's scale(s), the same under every layout
         return q
+
+    def gathers(self) -> Optional[object]:
+        """The tp group an entering input's FP8 codes are all-gathered over, or None (gathered before quantizing,
+        or copied)."""
+        return self.seq_group if GATHER_CODES else None
+
+    def input_operand(self, x2, gather=None) -> Quantized:
+        """Forward's Q(x) of x2 [tokens, K]; with `gather`, x2 holds this rank's rows of the tensor split over that
+        group along the sequence: quantized with the whole tensor's scale, the codes all-gathered."""
+        if gather is None:
+            return self.quantize("input", x2)
+        q = self.input.tensor(x2, self.group)
+        self.input.last = q.scale_inv
+        codes = torch.empty((x2.shape[0] * comm.world_size(gather), x2.shape[1]), dtype=torch.uint8,
+                            device=x2.device)
+        comm.all_gather_into(codes, q.data.view(torch.uint8), gather)
+        return Quantized(codes.view(q.data.dtype), q.scale_inv)
 
     def hold(self, on: bool) -> None:
         """Keep (on) or drop (off) the Q(W) made within a step's schedule."""
@@ -142,24 +174,41 @@ class Fp8Linear:
             h.t = wq.t()
         return h.t
 
-    def __call__(self, x, weight, bias=None):
+    def __call__(self, x, weight, bias=None, gather=None):
+        """`gather`: x is this rank's sequence shard, whose codes are gathered over that group (`enter`)."""
         deferral = deferral_of(weight)
-        return _Fp8LinearFn.apply(x, weight if deferral is None else weight.detach(), bias, self, deferral)
+        return _Fp8LinearFn.apply(x, weight if deferral is None else weight.detach(), bias, self, deferral, gather)
+
+    def enter(self, x, weight, bias=None):
+        """A column-parallel linear: x enters the tensor-parallel region (its codes gathered where `gathers`)."""
+        gather = self.gathers()
+        return self(x if gather is not None else mappings.enter_tp(x, self.entry), weight, bias, gather)
+
+
+def entered_shape(x, gather) -> tuple:
+    """The shape of x [s/tp, ...] once gathered along the sequence over `gather` (x's own without one)."""
+    return x.shape if gather is None else (x.shape[0] * comm.world_size(gather), *x.shape[1:])
+
+
+def leave_grad(dx, gather):
+    """The input gradient of an entered input, back to this rank's shard where its codes were gathered."""
+    return dx if gather is None or dx is None else mappings.scatter_seq_grad(dx, gather)
 
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, lin: Fp8Linear, deferral):
+    def forward(ctx, x, weight, bias, lin: Fp8Linear, deferral, gather):
         x2 = x.reshape(-1, x.shape[-1])
-        xq, wq = lin.quantize("input", x2), lin.weight_operand(weight)
+        xq, wq = lin.input_operand(x2, gather), lin.weight_operand(weight)
         y = gemm.mm(xq, wq, x.dtype)
         if bias is not None:
             y = y + bias.reshape(-1)
         # what the weight gradient contracts over the tokens: x^T quantized along them
         ctx.xt = lin.quantize("input", x2.t(), transposed=True) if lin.recipe.blockwise else xq.t()
-        ctx.wq, ctx.lin, ctx.deferral = wq, lin, deferral
-        ctx.shapes = (x.shape, weight.shape, weight.dtype, None if bias is None else bias.shape)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        ctx.wq, ctx.lin, ctx.deferral, ctx.gather = wq, lin, deferral, gather
+        x_shape = entered_shape(x, gather)
+        ctx.shapes = (x_shape, weight.shape, weight.dtype, None if bias is None else bias.shape)
+        return y.view(*x_shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
@@ -178,4 +227,4 @@ class _Fp8LinearFn(torch.autograd.Function):
             param, store = ctx.deferral
             store.append((param, weight_grad))
         db = bias_grad(dy, b_shape) if b_shape is not None and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None
+        return leave_grad(dx, ctx.gather), dw, db, None, None, None

@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch
 
 from engine.fp8 import gemm
-from engine.fp8.linear import Fp8Linear
+from engine.fp8.linear import Fp8Linear, entered_shape, leave_grad
 from engine.fp8.quantize import Quantized, both_ways, one_pass
 from engine.fp8.scaling import Scaler
+from engine.parallel import mappings
 from engine.parallel.weight_grad_store import deferral_of
 from kernels import dispatch
 
@@ -46,26 +47,32 @@ class Fp8SwiGLU:
     def __init__(self, fc1: Fp8Linear, fc2: Fp8Linear):
         self.fc1, self.fc2 = fc1, fc2
 
-    def __call__(self, x, w1, w2):
+    def __call__(self, x, w1, w2, gather=None):
         d1, d2 = deferral_of(w1), deferral_of(w2)
         return _Fp8SwiGLUFn.apply(x, w1 if d1 is None else w1.detach(), w2 if d2 is None else w2.detach(), self,
-                                  d1, d2)
+                                  d1, d2, gather)
+
+    def enter(self, x, w1, w2):
+        """x entering the tensor-parallel region as fc1's input enters (`Fp8Linear.enter`)."""
+        gather = self.fc1.gathers()
+        return self(x if gather is not None else mappings.enter_tp(x, self.fc1.entry), w1, w2, gather)
 
 
 class _Fp8SwiGLUFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w2, mlp: Fp8SwiGLU, d1, d2):
+    def forward(ctx, x, w1, w2, mlp: Fp8SwiGLU, d1, d2, gather):
         fc1, fc2 = mlp.fc1, mlp.fc2
         x2 = x.reshape(-1, x.shape[-1])
-        xq, w1q = fc1.quantize("input", x2), fc1.weight_operand(w1)
+        xq, w1q = fc1.input_operand(x2, gather), fc1.weight_operand(w1)
         h = gemm.mm(xq, w1q, x.dtype)  # [tokens, 2F]: gate, then up
         zq = _codes(fc2.input, fc2.group, dispatch.swiglu_fp8, *h.chunk(2, dim=-1))
         w2q = fc2.weight_operand(w2)
         y = gemm.mm(zq, w2q, x.dtype)
         ctx.h, ctx.xt, ctx.zt, ctx.w1q, ctx.w2q = h, xq.t(), zq.t(), w1q, w2q
-        ctx.mlp, ctx.deferrals = mlp, (d1, d2)
-        ctx.shapes = (x.shape, (w1.shape, w1.dtype), (w2.shape, w2.dtype))
-        return y.view(*x.shape[:-1], y.shape[-1])
+        ctx.mlp, ctx.deferrals, ctx.gather = mlp, (d1, d2), gather
+        x_shape = entered_shape(x, gather)
+        ctx.shapes = (x_shape, (w1.shape, w1.dtype), (w2.shape, w2.dtype))
+        return y.view(*x_shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
@@ -93,7 +100,7 @@ class _Fp8SwiGLUFn(torch.autograd.Function):
             if deferral is not None:  # a split backward's W pass computes it (the weight came in detached)
                 param, store = deferral
                 store.append((param, grad))
-        return dx, dw[1], dw[2], None, None, None
+        return leave_grad(dx, ctx.gather), dw[1], dw[2], None, None, None, None
 
 
 def fusable(module) -> bool:

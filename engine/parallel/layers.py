@@ -140,8 +140,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = make_param(shape[:-1], axis, ctx, ("zeros",), device, dtype) if bias else None
 
     def forward(self, x):
-        if self.fp8 is not None:  # FP8 GEMMs (engine.fp8): the entered input is quantized whole
-            return self.fp8(mappings.enter_tp(x, self.ctx), self.weight, self.bias)
+        if self.fp8 is not None:  # FP8 GEMMs (engine.fp8), entering the input itself (FP8 codes gathered under SP)
+            return self.fp8.enter(x, self.weight, self.bias)
         return mappings.enter_tp_linear(x, self.weight, self.bias, self.ctx)  # stacked blocks become output rows
 
 

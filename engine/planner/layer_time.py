@@ -213,9 +213,9 @@ def layer_costs(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: 
                                     flash_attention=True, cp=layout.cp)
     elementwise = ELEMENTWISE_TRAFFIC * stored / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY) + \
         _fp8_casts(model, tokens, t, gpu, sw) / 3  # forward's third; backward's two thirds come with 2 x elementwise
-    tp_comm = 2 * all_reduce(2 * tokens * h, t, links.tp) * (1 - sw.tp_comm_overlap)
-    fwd = gemm + attn_fwd + elementwise + tp_comm
-    bwd = 2 * gemm + attn_bwd + 2 * elementwise + tp_comm
+    tp_fwd, tp_bwd = _tp_comm(2, tokens * h, layout, sw, links.tp)
+    fwd = gemm + attn_fwd + elementwise + tp_fwd
+    bwd = 2 * gemm + attn_bwd + 2 * elementwise + tp_bwd
     recompute = {"full": fwd, "selective": attn_fwd}.get(layout.recompute, 0.0)
     vocab = model.padded_vocab_size(t)
     logits_traffic = CROSS_ENTROPY_TRAFFIC * tokens * vocab / t / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
@@ -226,6 +226,18 @@ def layer_costs(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: 
     cp_comm = _cp_comm(model, layout, seq, sw, links.cp, (attn_fwd, attn_bwd))
     moe = _moe_layer(model, layout, seq, gpu, sw, links, (attn_gemm, attn_fwd, attn_bwd)) if model.num_experts else ()
     return LayerCosts(fwd, bwd, recompute, embed, head, p2p, cp_comm, *moe)
+
+
+def _tp_comm(entries: int, elements: float, layout: Layout, sw: Software, link: Link) -> tuple:
+    """(forward, backward) exposed seconds of `entries` entries into and exits from the tensor-parallel region
+    of `elements` activations each (this rank's tokens x hidden): each pair an all-reduce's volume of bf16 (an
+    all-gather in and a reduce-scatter out under sequence parallelism, a copy in and an all-reduce out without).
+    Under SP with FP8 tensor scaling the forward all-gathers move 1-byte codes (engine.fp8.linear): 1 + 2 bytes an
+    element for the pair, the volume of an all-reduce of 1.5; backward's collectives carry bf16 gradients."""
+    whole = entries * all_reduce(2 * elements, layout.tp, link) * (1 - sw.tp_comm_overlap)
+    if not (layout.sequence_parallel and sw.fp8 in ("tensorwise", "delayed")):
+        return whole, whole
+    return entries * all_reduce(1.5 * elements, layout.tp, link) * (1 - sw.tp_comm_overlap), whole
 
 
 def _attention_gemm(model: ModelConfig, layout: Layout, tokens: float, gpu: GPUSpec,
@@ -270,9 +282,9 @@ def _moe_layer(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: S
         _fp8_casts(model, tokens, t, gpu, sw, (E / ep, rows)) / 3  # forward's third, as in a dense layer
     # The attention's TP collectives, and the shared expert's; the routed experts need none (tokens stay put).
     n_tp = 1 + bool(model.moe_shared_expert_intermediate_size)
-    tp_comm = n_tp * all_reduce(2 * tokens * h, t, links.tp) * (1 - sw.tp_comm_overlap)
+    tp_fwd, tp_bwd = _tp_comm(n_tp, tokens * h, layout, sw, links.tp)
     a2a = 2 * all_to_all(2 * k * routed * h, ep, links)  # dispatch and combine, bf16 activations
-    fwd = gemm + forward + attn_fwd + elementwise + tp_comm + a2a
-    bwd = 2 * gemm + dgrad + wgrad + attn_bwd + 2 * elementwise + tp_comm + a2a
+    fwd = gemm + forward + attn_fwd + elementwise + tp_fwd + a2a
+    bwd = 2 * gemm + dgrad + wgrad + attn_bwd + 2 * elementwise + tp_bwd + a2a
     recompute = {"full": fwd, "selective": attn_fwd}.get(layout.recompute, 0.0)
     return fwd, bwd, recompute, 2 * a2a
