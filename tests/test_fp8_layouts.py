@@ -228,11 +228,13 @@ def _gathers(rank, world, steps):
 
 def test_sequence_parallel_gathers_fp8_codes_the_same_run_with_a_quarter_of_fp32s_bytes():
     """Under tp 2 + SP each column-parallel linear (QKV, the SwiGLU MLP's fc1) quantizes its input shard and
-    all-gathers the FP8 codes: the same run bit for bit as gathering in fp32 (bf16 on a GPU: half its bytes) and
-    quantizing the whole, with 1 byte sent per gathered element instead of 4, exactly that many fewer bytes, every
-    other collective unchanged. Blockwise gathers first (its weight gradient's tiles run along the tokens)."""
-    steps, layers, entries, elements = 3, 2, 2, SEQ * 1 * 32  # two entering inputs a layer of [s, b, h] = [16, 1, 32]
-    saved = steps * MICROBATCHES * layers * entries * elements * (4 - 1) * (2 - 1) / 2  # ring all-gather, 2 ranks
+    all-gathers the FP8 codes, and each row-parallel one (the projection, fc2) its output gradient's shard in
+    backward: the same run bit for bit as gathering in fp32 (bf16 on a GPU: half its bytes) and quantizing the
+    whole, with 1 byte sent per gathered element instead of 4, exactly that many fewer bytes, every other collective
+    unchanged. Blockwise gathers first (its weight gradient's tiles run along the tokens)."""
+    # a layer's two entering inputs and two leaving outputs' gradients, each [s, b, h] = [16, 1, 32]
+    steps, layers, gathers, elements = 3, 2, 4, SEQ * 1 * 32
+    saved = steps * MICROBATCHES * layers * gathers * elements * (4 - 1) * (2 - 1) / 2  # ring all-gather, 2 ranks
     for rank_result in run_ranks(_gathers, 2, steps, timeout=300):
         for recipe, (same, fp32, codes) in rank_result.items():
             assert same, recipe

@@ -13,13 +13,14 @@ output gradient) is one part of a full tensor, whose amax (tensor scaling) or ti
 shares; under cp and sequence parallelism the tokens are. Under a split backward (zero-bubble schedules) the
 weight gradient is left to engine.parallel.weight_grad_store like any linear's.
 
-Under sequence parallelism a column-parallel linear's input enters the tensor-parallel region gathered (`enter`).
+Under sequence parallelism a column-parallel linear's input enters the tensor-parallel region all-gathered
+(`enter`), and a row-parallel linear's output gradient comes back into it all-gathered in backward (`leave`).
 With tensor scaling each rank quantizes its [s/tp, b, h] shard with the whole tensor's scale (current scaling's
 amax is the tp group's anyway, a history's scale is the same on every rank) and the FP8 codes are all-gathered:
 1 byte an element on the wire where the bf16 gather sends 2, and the codes are those of quantizing the gathered
-tensor, bit for bit (Transformer Engine gathers FP8 likewise). The input gradient is reduce-scattered in the run's
-precision as before. Blockwise scaling gathers bf16: the weight gradient quantizes x^T along the tokens, in tiles
-that cross the shards.
+tensor, bit for bit (Transformer Engine gathers FP8 likewise). The reduce-scatters (a column-parallel input's
+gradient, a row-parallel output) stay in the run's precision. Blockwise scaling gathers bf16: the weight gradient
+quantizes x^T and dy^T along the tokens, in tiles that cross the shards.
 
 Under `--fp8-param-gather` the weight arrives quantized: the optimizer's all-gather (engine.optim.fp8_gather;
 under ZeRO-3 each unit gather, engine.optim.fp8_shard) quantizes each replica's shard with the scale this linear
@@ -123,17 +124,18 @@ class Fp8Linear:
         return q
 
     def gathers(self) -> Optional[object]:
-        """The tp group an entering input's FP8 codes are all-gathered over, or None (gathered before quantizing,
-        or copied)."""
+        """The tp group an entering input's (a leaving output's gradient's) FP8 codes are all-gathered over, or None
+        (gathered before quantizing, or not gathered)."""
         return self.seq_group if GATHER_CODES else None
 
-    def input_operand(self, x2, gather=None) -> Quantized:
-        """Forward's Q(x) of x2 [tokens, K]; with `gather`, x2 holds this rank's rows of the tensor split over that
-        group along the sequence: quantized with the whole tensor's scale, the codes all-gathered."""
+    def operand(self, role: str, x2, gather=None) -> Quantized:
+        """Q(x2), x2 [tokens, K] the `role` input | grad; with `gather`, x2 holds this rank's rows of the tensor
+        split over that group along the sequence: quantized with the whole tensor's scale, the codes all-gathered."""
         if gather is None:
-            return self.quantize("input", x2)
-        q = self.input.tensor(x2, self.group)
-        self.input.last = q.scale_inv
+            return self.quantize(role, x2)
+        scaler = getattr(self, role)
+        q = scaler.tensor(x2, self.group)
+        scaler.last = q.scale_inv
         codes = torch.empty((x2.shape[0] * comm.world_size(gather), x2.shape[1]), dtype=torch.uint8,
                             device=x2.device)
         comm.all_gather_into(codes, q.data.view(torch.uint8), gather)
@@ -174,15 +176,24 @@ class Fp8Linear:
             h.t = wq.t()
         return h.t
 
-    def __call__(self, x, weight, bias=None, gather=None):
-        """`gather`: x is this rank's sequence shard, whose codes are gathered over that group (`enter`)."""
+    def __call__(self, x, weight, bias=None, gather=None, scatter=None):
+        """`gather`: x is this rank's sequence shard, whose codes are gathered over that group (`enter`);
+        `scatter`: the output is reduce-scattered over that group, its gradient's codes gathered (`leave`)."""
         deferral = deferral_of(weight)
-        return _Fp8LinearFn.apply(x, weight if deferral is None else weight.detach(), bias, self, deferral, gather)
+        return _Fp8LinearFn.apply(x, weight if deferral is None else weight.detach(), bias, self, deferral, gather,
+                                  scatter)
 
     def enter(self, x, weight, bias=None):
         """A column-parallel linear: x enters the tensor-parallel region (its codes gathered where `gathers`)."""
         gather = self.gathers()
         return self(x if gather is not None else mappings.enter_tp(x, self.entry), weight, bias, gather)
+
+    def leave(self, x, weight):
+        """A row-parallel linear: its partial sums leave the tensor-parallel region (their gradient's codes
+        gathered where `gathers`)."""
+        scatter = self.gathers()
+        y = self(x, weight, scatter=scatter)
+        return y if scatter is not None else mappings.exit_tp(y, self.entry)
 
 
 def entered_shape(x, gather) -> tuple:
@@ -190,31 +201,31 @@ def entered_shape(x, gather) -> tuple:
     return x.shape if gather is None else (x.shape[0] * comm.world_size(gather), *x.shape[1:])
 
 
-def leave_grad(dx, gather):
-    """The input gradient of an entered input, back to this rank's shard where its codes were gathered."""
-    return dx if gather is None or dx is None else mappings.scatter_seq_grad(dx, gather)
+def scatter_seq(t, group):
+    """t [s, ...] summed over `group` and cut to this rank's sequence shard; t itself without a group (or None)."""
+    return t if group is None or t is None else mappings.reduce_scatter_seq(t, group)
 
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, lin: Fp8Linear, deferral, gather):
+    def forward(ctx, x, weight, bias, lin: Fp8Linear, deferral, gather, scatter):
         x2 = x.reshape(-1, x.shape[-1])
-        xq, wq = lin.input_operand(x2, gather), lin.weight_operand(weight)
+        xq, wq = lin.operand("input", x2, gather), lin.weight_operand(weight)
         y = gemm.mm(xq, wq, x.dtype)
         if bias is not None:
             y = y + bias.reshape(-1)
         # what the weight gradient contracts over the tokens: x^T quantized along them
         ctx.xt = lin.quantize("input", x2.t(), transposed=True) if lin.recipe.blockwise else xq.t()
-        ctx.wq, ctx.lin, ctx.deferral, ctx.gather = wq, lin, deferral, gather
+        ctx.wq, ctx.lin, ctx.deferral, ctx.gather, ctx.scatter = wq, lin, deferral, gather, scatter
         x_shape = entered_shape(x, gather)
         ctx.shapes = (x_shape, weight.shape, weight.dtype, None if bias is None else bias.shape)
-        return y.view(*x_shape[:-1], y.shape[-1])
+        return scatter_seq(y.view(*x_shape[:-1], y.shape[-1]), scatter)
 
     @staticmethod
     def backward(ctx, dy):
         lin, (x_shape, w_shape, w_dtype, b_shape) = ctx.lin, ctx.shapes
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dyq = lin.quantize("grad", dy2)
+        dyq = lin.operand("grad", dy2, ctx.scatter)
         dx = gemm.mm(dyq, lin.weight_transposed(ctx.wq), dy.dtype).view(x_shape) if ctx.needs_input_grad[0] else None
         dyt = lin.quantize("grad", dy2.t(), transposed=True) if lin.recipe.blockwise else dyq.t()
         xt = ctx.xt
@@ -227,4 +238,4 @@ class _Fp8LinearFn(torch.autograd.Function):
             param, store = ctx.deferral
             store.append((param, weight_grad))
         db = bias_grad(dy, b_shape) if b_shape is not None and ctx.needs_input_grad[2] else None
-        return leave_grad(dx, ctx.gather), dw, db, None, None, None
+        return scatter_seq(dx, ctx.gather), dw, db, None, None, None, None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from engine.fp8 import gemm
-from engine.fp8.linear import Fp8Linear, entered_shape, leave_grad
+from engine.fp8.linear import Fp8Linear, entered_shape, scatter_seq
 from engine.fp8.quantize import Quantized, both_ways, one_pass
 from engine.fp8.scaling import Scaler
 from engine.parallel import mappings
@@ -47,23 +47,26 @@ class Fp8SwiGLU:
     def __init__(self, fc1: Fp8Linear, fc2: Fp8Linear):
         self.fc1, self.fc2 = fc1, fc2
 
-    def __call__(self, x, w1, w2, gather=None):
+    def __call__(self, x, w1, w2):
+        """x into the tensor-parallel region as fc1's input enters it, the output out of it as fc2's leaves
+        (`Fp8Linear.enter`, `leave`: under SP with their codes gathered, the input's and the output gradient's)."""
         d1, d2 = deferral_of(w1), deferral_of(w2)
-        return _Fp8SwiGLUFn.apply(x, w1 if d1 is None else w1.detach(), w2 if d2 is None else w2.detach(), self,
-                                  d1, d2, gather)
-
-    def enter(self, x, w1, w2):
-        """x entering the tensor-parallel region as fc1's input enters (`Fp8Linear.enter`)."""
         gather = self.fc1.gathers()
-        return self(x if gather is not None else mappings.enter_tp(x, self.fc1.entry), w1, w2, gather)
+        if gather is None:
+            x = mappings.enter_tp(x, self.fc1.entry)
+        y = _Fp8SwiGLUFn.apply(x, w1 if d1 is None else w1.detach(), w2 if d2 is None else w2.detach(), self,
+                               d1, d2, gather)
+        return y if gather is not None else mappings.exit_tp(y, self.fc1.entry)
 
 
 class _Fp8SwiGLUFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w2, mlp: Fp8SwiGLU, d1, d2, gather):
+        """`gather`: x is this rank's sequence shard, its codes gathered over that group, and the output is
+        reduce-scattered over it (its gradient's codes gathered in backward)."""
         fc1, fc2 = mlp.fc1, mlp.fc2
         x2 = x.reshape(-1, x.shape[-1])
-        xq, w1q = fc1.input_operand(x2, gather), fc1.weight_operand(w1)
+        xq, w1q = fc1.operand("input", x2, gather), fc1.weight_operand(w1)
         h = gemm.mm(xq, w1q, x.dtype)  # [tokens, 2F]: gate, then up
         zq = _codes(fc2.input, fc2.group, dispatch.swiglu_fp8, *h.chunk(2, dim=-1))
         w2q = fc2.weight_operand(w2)
@@ -72,14 +75,14 @@ class _Fp8SwiGLUFn(torch.autograd.Function):
         ctx.mlp, ctx.deferrals, ctx.gather = mlp, (d1, d2), gather
         x_shape = entered_shape(x, gather)
         ctx.shapes = (x_shape, (w1.shape, w1.dtype), (w2.shape, w2.dtype))
-        return y.view(*x_shape[:-1], y.shape[-1])
+        return scatter_seq(y.view(*x_shape[:-1], y.shape[-1]), gather)
 
     @staticmethod
     def backward(ctx, dy):
         fc1, fc2 = ctx.mlp.fc1, ctx.mlp.fc2
         x_shape, (w1_shape, w1_dtype), (w2_shape, w2_dtype) = ctx.shapes
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dyq = fc2.quantize("grad", dy2)
+        dyq = fc2.operand("grad", dy2, ctx.gather)
         dz = gemm.mm(dyq, fc2.weight_transposed(ctx.w2q), dy.dtype)
         dyt, zt = dyq.t(), ctx.zt
         dhq = _codes(fc1.grad, fc1.group, dispatch.swiglu_grad_fp8, *ctx.h.chunk(2, dim=-1), dz)
@@ -100,7 +103,7 @@ class _Fp8SwiGLUFn(torch.autograd.Function):
             if deferral is not None:  # a split backward's W pass computes it (the weight came in detached)
                 param, store = deferral
                 store.append((param, grad))
-        return leave_grad(dx, ctx.gather), dw[1], dw[2], None, None, None, None
+        return scatter_seq(dx, ctx.gather), dw[1], dw[2], None, None, None, None
 
 
 def fusable(module) -> bool:

@@ -171,8 +171,10 @@ class RowParallelLinear(nn.Module):
             if bias else None
 
     def forward(self, x):
-        y = self.fp8(x, self.weight) if self.fp8 is not None else weight_grad_store.linear(x, self.weight)
-        y = mappings.exit_tp(y, self.ctx)
+        if self.fp8 is not None:  # FP8 GEMMs (engine.fp8), leaving the region itself (FP8 gradient codes under SP)
+            y = self.fp8.leave(x, self.weight)
+        else:
+            y = mappings.exit_tp(weight_grad_store.linear(x, self.weight), self.ctx)
         return y + self.bias if self.bias is not None else y
 
 

@@ -95,10 +95,10 @@ def gather_from_sp(x, group):
     return _GatherSeq.apply(x, group)
 
 
-def scatter_seq_grad(dx, group):
-    """The sequence all-gather's adjoint, for an autograd function that gathers its input itself (engine.fp8's
-    linears gather FP8 codes): `dx` summed over `group`, this rank's dim-0 slice kept."""
-    return _reduce_scatter_seq(dx, group)
+def reduce_scatter_seq(x, group):
+    """`x` summed over `group`, this rank's dim-0 (sequence) slice kept, outside autograd: for an autograd function
+    that does its own tensor-parallel communication (engine.fp8's linears gather FP8 codes under SP)."""
+    return _reduce_scatter_seq(x, group)
 
 
 def reduce_scatter_to_sp(x, group):

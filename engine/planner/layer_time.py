@@ -231,13 +231,13 @@ def layer_costs(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: 
 def _tp_comm(entries: int, elements: float, layout: Layout, sw: Software, link: Link) -> tuple:
     """(forward, backward) exposed seconds of `entries` entries into and exits from the tensor-parallel region
     of `elements` activations each (this rank's tokens x hidden): each pair an all-reduce's volume of bf16 (an
-    all-gather in and a reduce-scatter out under sequence parallelism, a copy in and an all-reduce out without).
-    Under SP with FP8 tensor scaling the forward all-gathers move 1-byte codes (engine.fp8.linear): 1 + 2 bytes an
-    element for the pair, the volume of an all-reduce of 1.5; backward's collectives carry bf16 gradients."""
-    whole = entries * all_reduce(2 * elements, layout.tp, link) * (1 - sw.tp_comm_overlap)
-    if not (layout.sequence_parallel and sw.fp8 in ("tensorwise", "delayed")):
-        return whole, whole
-    return entries * all_reduce(1.5 * elements, layout.tp, link) * (1 - sw.tp_comm_overlap), whole
+    all-gather in and a reduce-scatter out under sequence parallelism, a copy in and an all-reduce out without; the
+    adjoints in backward). Under SP with FP8 tensor scaling the all-gathers move 1-byte codes, forward's of the
+    inputs and backward's of the output gradients (engine.fp8.linear): 1 + 2 bytes an element for the pair, the
+    volume of an all-reduce of 1.5."""
+    width = 1.5 if layout.sequence_parallel and sw.fp8 in ("tensorwise", "delayed") else 2
+    seconds = entries * all_reduce(width * elements, layout.tp, link) * (1 - sw.tp_comm_overlap)
+    return seconds, seconds
 
 
 def _attention_gemm(model: ModelConfig, layout: Layout, tokens: float, gpu: GPUSpec,
