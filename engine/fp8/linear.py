@@ -48,8 +48,9 @@ from engine.fp8.scaling import ACTIVATION_TILE, WEIGHT_TILE, Recipe, Scaler
 from engine.parallel import comm, mappings
 from engine.parallel.weight_grad_store import bias_grad, deferral_of, rows
 
-# False: a column-parallel linear's input is gathered in the run's precision under sequence parallelism, then
-# quantized (as before 2026-11-27), to compare the bytes sent; the same numbers either way
+# False: under sequence parallelism a column-parallel linear's input and a row-parallel one's output gradient are
+# gathered in the run's precision, then quantized (as before 2026-11-27), to compare the bytes sent; the same
+# numbers either way
 GATHER_CODES = True
 
 
@@ -98,7 +99,7 @@ class Fp8Linear:
         self.input, self.weight, self.grad = (Scaler(recipe, False, device), Scaler(recipe, False, device),
                                               Scaler(recipe, True, device))
         self.group = ctx.tp_cp_group if ctx.tp_size * ctx.cp_size > 1 else None
-        self.entry = ctx  # where a column-parallel input enters from (`enter`)
+        self.entry = ctx  # whose tensor-parallel collectives `enter` and `leave` take where they gather no codes
         self.seq_group = ctx.tp_group if ctx.sequence_parallel and ctx.tp_size > 1 and not recipe.blockwise else None
         self.split_axis, self.splits = None, {}
         self.gathered = None  # a Gathered under --fp8-param-gather

@@ -213,9 +213,9 @@ def layer_costs(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: 
                                     flash_attention=True, cp=layout.cp)
     elementwise = ELEMENTWISE_TRAFFIC * stored / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY) + \
         _fp8_casts(model, tokens, t, gpu, sw) / 3  # forward's third; backward's two thirds come with 2 x elementwise
-    tp_fwd, tp_bwd = _tp_comm(2, tokens * h, layout, sw, links.tp)
-    fwd = gemm + attn_fwd + elementwise + tp_fwd
-    bwd = 2 * gemm + attn_bwd + 2 * elementwise + tp_bwd
+    tp_comm = _tp_comm(2, tokens * h, layout, sw, links.tp)
+    fwd = gemm + attn_fwd + elementwise + tp_comm
+    bwd = 2 * gemm + attn_bwd + 2 * elementwise + tp_comm
     recompute = {"full": fwd, "selective": attn_fwd}.get(layout.recompute, 0.0)
     vocab = model.padded_vocab_size(t)
     logits_traffic = CROSS_ENTROPY_TRAFFIC * tokens * vocab / t / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
@@ -228,16 +228,15 @@ def layer_costs(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: 
     return LayerCosts(fwd, bwd, recompute, embed, head, p2p, cp_comm, *moe)
 
 
-def _tp_comm(entries: int, elements: float, layout: Layout, sw: Software, link: Link) -> tuple:
-    """(forward, backward) exposed seconds of `entries` entries into and exits from the tensor-parallel region
-    of `elements` activations each (this rank's tokens x hidden): each pair an all-reduce's volume of bf16 (an
-    all-gather in and a reduce-scatter out under sequence parallelism, a copy in and an all-reduce out without; the
-    adjoints in backward). Under SP with FP8 tensor scaling the all-gathers move 1-byte codes, forward's of the
+def _tp_comm(entries: int, elements: float, layout: Layout, sw: Software, link: Link) -> float:
+    """The exposed seconds, forward's and again backward's, of `entries` entries into and exits from the
+    tensor-parallel region of `elements` activations each (this rank's tokens x hidden): each pair an
+    all-reduce's volume of bf16 (an all-gather in and a reduce-scatter out under sequence parallelism, a copy in
+    and an all-reduce out without; the adjoints in backward). Under SP with FP8 tensor scaling the all-gathers move 1-byte codes, forward's of the
     inputs and backward's of the output gradients (engine.fp8.linear): 1 + 2 bytes an element for the pair, the
     volume of an all-reduce of 1.5."""
     width = 1.5 if layout.sequence_parallel and sw.fp8 in ("tensorwise", "delayed") else 2
-    seconds = entries * all_reduce(width * elements, layout.tp, link) * (1 - sw.tp_comm_overlap)
-    return seconds, seconds
+    return entries * all_reduce(width * elements, layout.tp, link) * (1 - sw.tp_comm_overlap)
 
 
 def _attention_gemm(model: ModelConfig, layout: Layout, tokens: float, gpu: GPUSpec,
@@ -282,9 +281,9 @@ def _moe_layer(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: S
         _fp8_casts(model, tokens, t, gpu, sw, (E / ep, rows)) / 3  # forward's third, as in a dense layer
     # The attention's TP collectives, and the shared expert's; the routed experts need none (tokens stay put).
     n_tp = 1 + bool(model.moe_shared_expert_intermediate_size)
-    tp_fwd, tp_bwd = _tp_comm(n_tp, tokens * h, layout, sw, links.tp)
+    tp_comm = _tp_comm(n_tp, tokens * h, layout, sw, links.tp)
     a2a = 2 * all_to_all(2 * k * routed * h, ep, links)  # dispatch and combine, bf16 activations
-    fwd = gemm + forward + attn_fwd + elementwise + tp_fwd + a2a
-    bwd = 2 * gemm + dgrad + wgrad + attn_bwd + 2 * elementwise + tp_bwd + a2a
+    fwd = gemm + forward + attn_fwd + elementwise + tp_comm + a2a
+    bwd = 2 * gemm + dgrad + wgrad + attn_bwd + 2 * elementwise + tp_comm + a2a
     recompute = {"full": fwd, "selective": attn_fwd}.get(layout.recompute, 0.0)
     return fwd, bwd, recompute, 2 * a2a
