@@ -232,9 +232,9 @@ def _tp_comm(entries: int, elements: float, layout: Layout, sw: Software, link: 
     """The exposed seconds, forward's and again backward's, of `entries` entries into and exits from the
     tensor-parallel region of `elements` activations each (this rank's tokens x hidden): each pair an
     all-reduce's volume of bf16 (an all-gather in and a reduce-scatter out under sequence parallelism, a copy in
-    and an all-reduce out without; the adjoints in backward). Under SP with FP8 tensor scaling the all-gathers move 1-byte codes, forward's of the
-    inputs and backward's of the output gradients (engine.fp8.linear): 1 + 2 bytes an element for the pair, the
-    volume of an all-reduce of 1.5."""
+    and an all-reduce out without; the adjoints in backward). Under SP with FP8 tensor scaling the all-gathers
+    move 1-byte codes, forward's of the inputs and backward's of the output gradients (engine.fp8.linear): 1 + 2
+    bytes an element for the pair, the volume of an all-reduce of 1.5."""
     width = 1.5 if layout.sequence_parallel and sw.fp8 in ("tensorwise", "delayed") else 2
     return entries * all_reduce(width * elements, layout.tp, link) * (1 - sw.tp_comm_overlap)
 
