@@ -184,17 +184,26 @@ class Fp8Linear:
         return _Fp8LinearFn.apply(x, weight if deferral is None else weight.detach(), bias, self, deferral, gather,
                                   scatter)
 
+    def entering(self, x) -> tuple:
+        """(x as the GEMMs take it, the group they gather its codes over): this rank's shard and the tp group where
+        `gathers`, else x entered into the tensor-parallel region by mappings, and None."""
+        gather = self.gathers()
+        return (x, gather) if gather is not None else (mappings.enter_tp(x, self.entry), None)
+
+    def leaving(self, y, scattered):
+        """The GEMMs' output y out of the tensor-parallel region: as it is where they `scattered` it themselves."""
+        return y if scattered is not None else mappings.exit_tp(y, self.entry)
+
     def enter(self, x, weight, bias=None):
         """A column-parallel linear: x enters the tensor-parallel region (its codes gathered where `gathers`)."""
-        gather = self.gathers()
-        return self(x if gather is not None else mappings.enter_tp(x, self.entry), weight, bias, gather)
+        x, gather = self.entering(x)
+        return self(x, weight, bias, gather)
 
     def leave(self, x, weight):
         """A row-parallel linear: its partial sums leave the tensor-parallel region (their gradient's codes
         gathered where `gathers`)."""
         scatter = self.gathers()
-        y = self(x, weight, scatter=scatter)
-        return y if scatter is not None else mappings.exit_tp(y, self.entry)
+        return self.leaving(self(x, weight, scatter=scatter), scatter)
 
 
 def entered_shape(x, gather) -> tuple:

@@ -24,7 +24,6 @@ from engine.fp8 import gemm
 from engine.fp8.linear import Fp8Linear, entered_shape, scatter_seq
 from engine.fp8.quantize import Quantized, both_ways, one_pass
 from engine.fp8.scaling import Scaler
-from engine.parallel import mappings
 from engine.parallel.weight_grad_store import deferral_of
 from kernels import dispatch
 
@@ -51,12 +50,10 @@ class Fp8SwiGLU:
         """x into the tensor-parallel region as fc1's input enters it, the output out of it as fc2's leaves
         (`Fp8Linear.enter`, `leave`: under SP with their codes gathered, the input's and the output gradient's)."""
         d1, d2 = deferral_of(w1), deferral_of(w2)
-        gather = self.fc1.gathers()
-        if gather is None:
-            x = mappings.enter_tp(x, self.fc1.entry)
+        x, gather = self.fc1.entering(x)
         y = _Fp8SwiGLUFn.apply(x, w1 if d1 is None else w1.detach(), w2 if d2 is None else w2.detach(), self,
                                d1, d2, gather)
-        return y if gather is not None else mappings.exit_tp(y, self.fc1.entry)
+        return self.fc2.leaving(y, gather)
 
 
 class _Fp8SwiGLUFn(torch.autograd.Function):
