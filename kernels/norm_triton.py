@@ -88,14 +88,30 @@ def _norm_bwd(X, W, DY, DSUM, DX, DW_PART, DB_PART, MEAN, RSTD, stride_x, stride
         tl.store(DB_PART + pid * N + cols, db, mask=mask)
 
 
-# Launch settings, from the sweep of benchmarks/gpu/tuning.py on the H100 (RMSNorm 16k x 8192 bf16): 4 warps a
-# row 2.26 TB/s forward against 1.79 at 16; 2 backward programs per multiprocessor 1.71 TB/s against 1.64 at 4
-# (within the run's noise of about 4%; fewer programs also means fewer dw partial rows to add).
-MAX_WARPS = 4            # warps per row's program (one per 256 elements of the row, at most this)
-BWD_PROGRAMS_PER_SM = 2  # backward: programs per multiprocessor, each looping over its rows (dw partial sums)
-# Backward rows per loop iteration, loaded as one [rows, BLOCK] block so that more loads are in flight (1: one row
-# at a time, as measured above). Untested on a GPU at 2 or 4: tuning.py's sweep decides.
-BWD_ROWS_PER_ITER = 1
+# Launch settings, from the sweep of benchmarks/gpu/tuning.py (RMSNorm 16k x 8192 bf16). On the H200 of 2026-11-27,
+# with each timed call queued behind a device sleep (earlier sweeps timed host launch work too): the forward 3.98-4.05
+# TB/s at 4 to 16 warps a row (2.96 at 32); the backward best at 16 warps, 8 programs per multiprocessor, 2 rows a
+# loop iteration, 3.45 TB/s against 2.78-3.16 one row at a time (3.67 forward + backward against 3.38 with the earlier
+# settings, 4, 2 and 1: 86% of the card's 4.25 TB/s copy against 80%). Two rows at 4 warps, or four at 8, spilled
+# (0.22-0.27 TB/s): 64 fp32 values of each loaded tensor a thread or more.
+MAX_WARPS = 16           # warps per row's program (one per 256 elements of the row, at most this)
+BWD_PROGRAMS_PER_SM = 8  # backward: programs per multiprocessor, each looping over its rows (dw partial sums)
+# Backward rows per loop iteration, loaded as one [rows, BLOCK] block so that more loads are in flight; fewer where a
+# thread would hold more than BWD_MAX_PER_THREAD elements of a block (the measured best held 32; 64 ran slower than
+# one row, 128 spilled).
+BWD_ROWS_PER_ITER = 2
+BWD_MAX_PER_THREAD = 32
+
+
+def _bwd_rows(block: int, warps: int) -> int:
+    """Backward rows a loop iteration: BWD_ROWS_PER_ITER, halved until a thread holds at most BWD_MAX_PER_THREAD
+    elements of the [rows, block] block."""
+    rows = BWD_ROWS_PER_ITER
+    if rows < 1 or rows & (rows - 1):
+        raise ValueError(f"BWD_ROWS_PER_ITER must be a power of two (a Triton block size), got {rows}")
+    while rows > 1 and rows * block > BWD_MAX_PER_THREAD * 32 * warps:
+        rows //= 2
+    return rows
 
 
 def _launch_config(n: int):
@@ -148,9 +164,7 @@ class _FusedNorm(torch.autograd.Function):
         has_dsum = ctx.has_res and dsum is not None
         ds2 = _rows(dsum) if has_dsum else dy2
         dx = torch.empty_like(x2)
-        rows_per_iter = BWD_ROWS_PER_ITER
-        if rows_per_iter < 1 or rows_per_iter & (rows_per_iter - 1):
-            raise ValueError(f"BWD_ROWS_PER_ITER must be a power of two (a Triton block size), got {rows_per_iter}")
+        rows_per_iter = _bwd_rows(block, warps)
         # Whole iterations per program: a stripe of a multiple of rows_per_iter rows (the kernel relies on it).
         rows_per_program = triton.cdiv(triton.cdiv(m, _bwd_programs(x2, m)), rows_per_iter) * rows_per_iter
         programs = triton.cdiv(m, rows_per_program)

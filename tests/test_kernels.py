@@ -140,6 +140,22 @@ def _abs_weight_terms(inputs, dy, variant):
 
 
 @needs_triton
+def test_norm_backward_takes_fewer_rows_an_iteration_where_a_thread_would_hold_too_many():
+    """The launch the H200 sweep chose (2 rows an iteration at 16 warps for hidden 8192: 32 elements a thread) holds;
+    wider rows or fewer warps fall back towards one row (the sweep's 2 rows at 4 warps spilled); not a power of two
+    is refused."""
+    from unittest import mock
+    norm_triton = _tk("norm_triton")
+    assert norm_triton._launch_config(8192) == (8192, 16) and norm_triton._bwd_rows(8192, 16) == 2
+    assert norm_triton._launch_config(2048) == (2048, 8) and norm_triton._bwd_rows(2048, 8) == 2
+    assert norm_triton._bwd_rows(16384, 16) == 1 and norm_triton._bwd_rows(8192, 4) == 1
+    with mock.patch.object(norm_triton, "BWD_ROWS_PER_ITER", 4):
+        assert norm_triton._bwd_rows(8192, 16) == 2 and norm_triton._bwd_rows(64, 1) == 4
+    with mock.patch.object(norm_triton, "BWD_ROWS_PER_ITER", 3), pytest.raises(ValueError, match="power of two"):
+        norm_triton._bwd_rows(64, 1)
+
+
+@needs_triton
 @pytest.mark.parametrize("variant", sorted(NORMS))
 def test_norm_backward_rows_per_iteration(variant):
     """The backward's BWD_ROWS_PER_ITER at 1, 2 and 4 rows a loop iteration: every gradient equals the reference,
