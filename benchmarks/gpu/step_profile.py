@@ -1,0 +1,95 @@
+"""Where one engine step's time goes, for each precision named: wall time against the profiler's device and host
+time, the operators with the most device time and those with the most host time, and dynamo's counters.
+
+A step whose wall time is far above its device time is host-bound (launches, Python, guards); one whose device
+time is high has slow kernels. Issue 34's FP8 steps ran at 0.47-0.65x bf16 on the H200 (2026-11-27) while their
+GEMMs and casts were each faster in isolation: this says which.
+
+    PYTHONPATH=. python3 -m benchmarks.gpu.step_profile --precisions bf16,delayed,tensorwise --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.gpu import models
+from benchmarks.gpu.bench import MICROBATCHES, release
+from benchmarks.train import engine_trainer, process_group
+
+
+def profile_step(precision: str, size: str, micro: int, warm: int, top: int) -> dict:
+    """Warm `warm` steps, time them, then profile one: a dict of figures and operator rows."""
+    cuda = torch.cuda.is_available()
+    extra = [] if precision == "bf16" else ["--fp8-format", "hybrid", "--fp8-recipe", precision]
+    cfg = models.config("llama", size, micro, MICROBATCHES, warm + 1, bf16=cuda, extra=extra)
+    ctx, trainer = engine_trainer(cfg, "cuda:0" if cuda else "cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    try:
+        walls = []
+        for _ in range(warm):
+            sync()
+            t0 = time.perf_counter()
+            trainer.iterate()
+            sync()
+            walls.append(time.perf_counter() - t0)
+        from torch.profiler import ProfilerActivity, profile
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        sync()
+        t0 = time.perf_counter()
+        with profile(activities=activities) as prof:
+            trainer.iterate()
+            sync()
+        profiled = time.perf_counter() - t0
+        events = list(prof.key_averages())
+        device = sum(e.self_device_time_total for e in events) / 1e3
+        host = sum(e.self_cpu_time_total for e in events) / 1e3
+        kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+
+        def rows(key):
+            return [{"op": e.key[:90], "ms": round(key(e) / 1e3, 3), "calls": e.count}
+                    for e in sorted(events, key=key, reverse=True)[:top]]
+        from torch._dynamo.utils import counters
+        return {"precision": precision, "step_ms": round(1e3 * statistics.median(walls[1:] or walls), 2),
+                "profiled_step_ms": round(1e3 * profiled, 2), "device_ms": round(device, 2),
+                "host_self_ms": round(host, 2), "kernels": kernels,
+                "dynamo": {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles")},
+                "by_device": rows(lambda e: e.self_device_time_total),
+                "by_host": rows(lambda e: e.self_cpu_time_total)}
+    finally:
+        del trainer
+        ctx.destroy()
+        release(cuda)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--precisions", default="bf16,delayed,tensorwise")
+    parser.add_argument("--size", default="full")
+    parser.add_argument("--micro", type=int, default=2)
+    parser.add_argument("--warm", type=int, default=6)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    results = []
+    for precision in args.precisions.split(","):
+        with process_group(torch.cuda.is_available()):
+            r = profile_step(precision, args.size, args.micro, args.warm, args.top)
+        results.append(r)
+        print(f"\n## {precision}: step {r['step_ms']} ms (profiled {r['profiled_step_ms']}), device {r['device_ms']} ms, "
+              f"host self {r['host_self_ms']} ms, {r['kernels']} kernels; dynamo {r['dynamo']}", flush=True)
+        for title, key in (("device", "by_device"), ("host", "by_host")):
+            print(f"| {precision} by {title} | ms | calls |\n|---|---|---|")
+            for row in r[key]:
+                print(f"| {row['op']} | {row['ms']} | {row['calls']} |")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "step_profile.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
