@@ -20,6 +20,9 @@ from benchmarks.train import engine_trainer
 
 MICROBATCHES = 2   # per step: the gradient accumulation every real run does, so the optimizer step is amortised
 MAX_ITERS = 64     # the engine's schedule and mock data are sized for this many steps
+# the matrix products a profile lists by input shapes (the H200's compiled engine step of 2026-11-27 ran 390 aten::mm
+# against the plain loop's 326, the same model: which ones differ is what the shapes say)
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::_scaled_mm")
 
 
 class Bench:
@@ -106,14 +109,15 @@ class Bench:
         return {"step_s": statistics.median(times) if times else None, "steps": len(times),
                 "warm_up_s": round(sum(warm), 2), "peak_bytes": peak}
 
-    def profile(self, name: str, top: int = 15) -> list:
-        """One step of loop `name` under torch.profiler: the `top` operators by their own device time, as
-        {op, device_ms, share, calls}; the shares are of the step's whole device time. The other loops take the
-        same round's step untimed, so that all still train on the same batches."""
+    def profile(self, name: str, top: int = 15) -> tuple:
+        """One step of loop `name` under torch.profiler: (the `top` operators by their own device time, as
+        {op, device_ms, share, calls}, the shares of the step's whole device time; every matrix product, as
+        {op, shapes, device_ms, calls}, by operator and input shapes). The other loops take the same round's step
+        untimed, so that all still train on the same batches."""
         from torch.profiler import ProfilerActivity, profile
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self._sync()
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, record_shapes=True) as prof:
             self.losses[name].append(self.loops[name].step(self.round))
             self._sync()
         for other in [n for n in self.loops if n != name]:
@@ -123,8 +127,13 @@ class Bench:
         own = (lambda e: e.self_device_time_total) if self.cuda else (lambda e: e.self_cpu_time_total)
         total = sum(own(e) for e in events) or 1.0
         events.sort(key=own, reverse=True)
-        return [{"op": e.key[:80], "device_ms": round(own(e) / 1e3, 3), "share": round(own(e) / total, 4),
+        rows = [{"op": e.key[:80], "device_ms": round(own(e) / 1e3, 3), "share": round(own(e) / total, 4),
                  "calls": e.count} for e in events[:top]]
+        products = sorted((e for e in prof.key_averages(group_by_input_shape=True) if e.key in GEMM_OPS),
+                          key=own, reverse=True)
+        gemms = [{"op": e.key, "shapes": str(e.input_shapes)[:120], "device_ms": round(own(e) / 1e3, 3),
+                  "calls": e.count} for e in products]
+        return rows, gemms
 
     def close(self) -> None:
         """Free everything (the next model, or the next micro batch to try, needs the memory)."""

@@ -110,6 +110,10 @@ def training(result: dict) -> list:
         out += ["", *_t(["model", "step", "operator", "device ms", "share", "calls"],
                         [[r["family"], r["phase"], r["op"], r["device_ms"], _pct(r["share"]), r["calls"]]
                          for r in shown])]
+    gemms = result["sections"].get("training", {}).get("tables", {}).get("gemms", [])
+    if gemms:  # every matrix product of each profiled step, by input shapes: where two loops' products differ
+        out += ["", *_t(["model", "step", "operator", "input shapes", "device ms", "calls"],
+                        [[r["family"], r["phase"], r["op"], r["shapes"], r["device_ms"], r["calls"]] for r in gemms])]
     return out
 
 

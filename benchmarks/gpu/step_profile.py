@@ -66,7 +66,7 @@ def profile_step(precision: str, size: str, micro: int, warm: int, top: int) -> 
         release(cuda)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--precisions", default="bf16,delayed,tensorwise")
     parser.add_argument("--size", default="full")
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=6)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", default="")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     results = []
     for precision in args.precisions.split(","):
         with process_group(torch.cuda.is_available()):

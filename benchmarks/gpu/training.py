@@ -72,9 +72,12 @@ def train(opts, record, family: str, matmul) -> None:
 
 def profile(record, bench, family: str, loop: str = "engine", phase: str = "eager") -> None:
     """Where one loop's step spends its device time: the top operators, and a note of the first five."""
-    rows = bench.profile(loop)
+    rows, gemms = bench.profile(loop)
+    step = phase if loop == "engine" else f"{phase} ({loop})"
     for row in rows:
-        record.row("profile", {"family": family, "phase": phase if loop == "engine" else f"{phase} ({loop})", **row})
+        record.row("profile", {"family": family, "phase": step, **row})
+    for row in gemms:
+        record.row("gemms", {"family": family, "phase": step, **row})
     record.note(f"{family} {loop} step ({phase}), most device time: "
                 + "; ".join(f"{r['op']} {100 * r['share']:.0f}%" for r in rows[:5]))
 
