@@ -46,7 +46,8 @@ def profile_step(precision: str, size: str, micro: int, warm: int, top: int) -> 
             sync()
         profiled = time.perf_counter() - t0
         events = list(prof.key_averages())
-        device = sum(e.self_device_time_total for e in events) / 1e3
+        # kernels only: an operator's own device time is its kernels', which are listed too
+        device = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
         host = sum(e.self_cpu_time_total for e in events) / 1e3
         kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
 
@@ -80,8 +81,9 @@ def main(argv=None) -> None:
         with process_group(torch.cuda.is_available()):
             r = profile_step(precision, args.size, args.micro, args.warm, args.top)
         results.append(r)
-        print(f"\n## {precision}: step {r['step_ms']} ms (profiled {r['profiled_step_ms']}), device {r['device_ms']} ms, "
-              f"host self {r['host_self_ms']} ms, {r['kernels']} kernels; dynamo {r['dynamo']}", flush=True)
+        print(f"\n## {precision}: step {r['step_ms']} ms (profiled {r['profiled_step_ms']}), "
+              f"device {r['device_ms']} ms, host self {r['host_self_ms']} ms, {r['kernels']} kernels; "
+              f"dynamo {r['dynamo']}", flush=True)
         for title, key in (("device", "by_device"), ("host", "by_host")):
             print(f"| {precision} by {title} | ms | calls |\n|---|---|---|")
             for row in r[key]:
