@@ -90,19 +90,20 @@ def _fp8(t: torch.Tensor):
     return _triton_module("fp8_triton") if _on_triton(t) else reference
 
 
-def fp8_codes(x, scale, dtype, want_amax):
-    """x [M, K]'s FP8 codes and their transpose in one pass: (codes, codes transposed, amax), kernels.reference's."""
-    return _fp8(x).fp8_codes(x, scale, dtype, want_amax)
+def fp8_codes(x, scale, dtype, want_amax, into=None):
+    """x [M, K]'s FP8 codes and their transpose in one pass: (codes, codes transposed, amax), kernels.reference's;
+    `into`: a running amax the tensor's is max-ed into in place (one launch on CUDA, no separate reduction)."""
+    return _fp8(x).fp8_codes(x, scale, dtype, want_amax, into)
 
 
-def swiglu_fp8(gate, up, scale, dtype, want_amax):
+def swiglu_fp8(gate, up, scale, dtype, want_amax, into=None):
     """SwiGLU's output as FP8 codes without its bf16 copy: (codes, codes transposed, amax), kernels.reference's."""
-    return _fp8(gate).swiglu_fp8(gate, up, scale, dtype, want_amax)
+    return _fp8(gate).swiglu_fp8(gate, up, scale, dtype, want_amax, into)
 
 
-def swiglu_grad_fp8(gate, up, dy, scale, dtype, want_amax):
+def swiglu_grad_fp8(gate, up, dy, scale, dtype, want_amax, into=None):
     """SwiGLU's input gradient [d gate | d up] as FP8 codes, as swiglu_fp8 gives its output's."""
-    return _fp8(gate).swiglu_grad_fp8(gate, up, dy, scale, dtype, want_amax)
+    return _fp8(gate).swiglu_grad_fp8(gate, up, dy, scale, dtype, want_amax, into)
 
 
 def ce_stats(logits, target, vocab_start, valid_cols):

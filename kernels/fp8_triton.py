@@ -64,6 +64,18 @@ def _amax(y):
 
 
 @triton.jit
+def _peak(PEAKS, top, INTO: tl.constexpr):
+    """This block's amax `top`: stored in its own slot of PEAKS [programs], or with INTO max-ed into PEAKS [1] in
+    place, as int32 bits. An amax is +0, positive, +inf or the canonical NaN (_amax), whose bits as integers order
+    as their values with the NaN above all (0x7FC00000 > 0x7F800000): the integer maximum is torch.maximum's, NaN
+    kept, and it is exact, so the blocks' order does not matter."""
+    if INTO:
+        tl.atomic_max(PEAKS, top.to(tl.int32, bitcast=True))
+    else:
+        tl.store(PEAKS + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), top)
+
+
+@triton.jit
 def _store_codes(OUT8, OUT8_T, SCALE, y, rows, cols, mask, n_rows, n_cols, col0,
                  M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr, HW: tl.constexpr):
     """y's FP8 codes (as uint8) at OUT8[rows, col0 + cols] ([n_rows, n_cols]) and OUT8_T[col0 + cols, rows]
@@ -97,11 +109,11 @@ def _load(P, stride, rows, cols, mask):
 @triton.jit
 def _codes_fwd(X, OUT8, OUT8_T, SCALE, PEAKS, stride_x, n_rows, n_cols,
                M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr, HW: tl.constexpr,
-               CODES: tl.constexpr, AMAX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+               CODES: tl.constexpr, AMAX: tl.constexpr, INTO: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     rows, cols, mask = _block(n_rows, n_cols, BR, BC)
     x = _load(X, stride_x, rows, cols, mask)
     if AMAX:
-        tl.store(PEAKS + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), _amax(x))
+        _peak(PEAKS, _amax(x), INTO)
     if CODES:
         _store_codes(OUT8, OUT8_T, SCALE, x, rows, cols, mask, n_rows, n_cols, 0, M, BIAS, TOP, HW)
 
@@ -109,12 +121,13 @@ def _codes_fwd(X, OUT8, OUT8_T, SCALE, PEAKS, stride_x, n_rows, n_cols,
 @triton.jit
 def _swiglu_fp8_fwd(G, U, OUT8, OUT8_T, SCALE, PEAKS, stride_g, stride_u, n_rows, n_cols,
                     M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr, HW: tl.constexpr,
-                    CODES: tl.constexpr, AMAX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                    CODES: tl.constexpr, AMAX: tl.constexpr, INTO: tl.constexpr, BR: tl.constexpr,
+                    BC: tl.constexpr):
     rows, cols, mask = _block(n_rows, n_cols, BR, BC)
     g, u = _load(G, stride_g, rows, cols, mask), _load(U, stride_u, rows, cols, mask)
     y = (g * tl.sigmoid(g) * u).to(G.dtype.element_ty).to(tl.float32)  # swiglu_triton's value, rounded as it
     if AMAX:
-        tl.store(PEAKS + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), _amax(y))
+        _peak(PEAKS, _amax(y), INTO)
     if CODES:
         _store_codes(OUT8, OUT8_T, SCALE, y, rows, cols, mask, n_rows, n_cols, 0, M, BIAS, TOP, HW)
 
@@ -122,7 +135,8 @@ def _swiglu_fp8_fwd(G, U, OUT8, OUT8_T, SCALE, PEAKS, stride_g, stride_u, n_rows
 @triton.jit
 def _swiglu_fp8_bwd(G, U, DY, OUT8, OUT8_T, SCALE, PEAKS, stride_g, stride_u, stride_dy, n_rows, n_cols,
                     M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr, HW: tl.constexpr,
-                    CODES: tl.constexpr, AMAX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                    CODES: tl.constexpr, AMAX: tl.constexpr, INTO: tl.constexpr, BR: tl.constexpr,
+                    BC: tl.constexpr):
     rows, cols, mask = _block(n_rows, n_cols, BR, BC)
     g, u = _load(G, stride_g, rows, cols, mask), _load(U, stride_u, rows, cols, mask)
     dy = _load(DY, stride_dy, rows, cols, mask)
@@ -132,8 +146,7 @@ def _swiglu_fp8_bwd(G, U, DY, OUT8, OUT8_T, SCALE, PEAKS, stride_g, stride_u, st
     dg = (dy * u * sig * (1.0 + g * (1.0 - sig))).to(G.dtype.element_ty).to(tl.float32)
     du = (dy * silu).to(U.dtype.element_ty).to(tl.float32)
     if AMAX:
-        top = tl.maximum(_amax(dg), _amax(du), propagate_nan=tl.PropagateNan.ALL)
-        tl.store(PEAKS + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), top)
+        _peak(PEAKS, tl.maximum(_amax(dg), _amax(du), propagate_nan=tl.PropagateNan.ALL), INTO)
     if CODES:
         _store_codes(OUT8, OUT8_T, SCALE, dg, rows, cols, mask, n_rows, 2 * n_cols, 0, M, BIAS, TOP, HW)
         _store_codes(OUT8, OUT8_T, SCALE, du, rows, cols, mask, n_rows, 2 * n_cols, n_cols, M, BIAS, TOP, HW)
@@ -144,41 +157,49 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch(kernel, tensors, width, scale, dtype, want_amax):
-    """(codes [rows, width] or None, their transpose, the amax or None) from `kernel` over `tensors` [rows, F]."""
+def _launch(kernel, tensors, width, scale, dtype, want_amax, into=None):
+    """(codes [rows, width] or None, their transpose, the amax or None) from `kernel` over `tensors` [rows, F];
+    with `into` (a 0-d fp32 tensor) the amax is max-ed into it in place and `into` is the amax returned."""
+    if into is not None and not want_amax:
+        raise ValueError("an amax to accumulate `into` needs want_amax")
     n, f = tensors[0].shape
     grid = (triton.cdiv(n, BLOCK_ROWS), triton.cdiv(f, BLOCK_COLS))
     dev = tensors[0].device
-    partial = torch.zeros(max(grid[0] * grid[1], 1) if want_amax else 1, device=dev)  # no rows: amax 0
+    if into is not None:
+        peaks = into.view(torch.int32).reshape(1)
+    elif want_amax and n and f:
+        peaks = torch.empty(grid[0] * grid[1], device=dev)  # every program writes its own
+    else:
+        peaks = torch.zeros(1, device=dev)  # no rows: amax 0
     codes = None if scale is None else torch.empty((n, width), dtype=torch.uint8, device=dev)
     codes_t = None if scale is None else torch.empty((width, n), dtype=torch.uint8, device=dev)
     mantissa, bias = _FORMATS[dtype]
     if n and f:
-        dummy = partial  # an unused pointer where no codes are written
+        dummy = peaks  # an unused pointer where no codes are written
         kernel[grid](*tensors, dummy if codes is None else codes, dummy if codes_t is None else codes_t,
-                     dummy if scale is None else scale.float().reshape(1), partial,
+                     dummy if scale is None else scale.float().reshape(1), peaks,
                      *(t.stride(0) for t in tensors), n, f, M=mantissa, BIAS=bias, TOP=torch.finfo(dtype).max,
                      HW=HARDWARE_CONVERSION_ON_CUDA and dev.type == "cuda", CODES=scale is not None,
-                     AMAX=want_amax, BR=BLOCK_ROWS, BC=BLOCK_COLS, num_warps=4)
-    top = partial.amax() if want_amax else None
+                     AMAX=want_amax, INTO=into is not None, BR=BLOCK_ROWS, BC=BLOCK_COLS, num_warps=4)
+    top = into if into is not None else peaks.amax() if want_amax else None
     if codes is None:
         return None, None, top
     return codes.view(dtype), codes_t.view(dtype), top
 
 
-def fp8_codes(x, scale, dtype, want_amax):
+def fp8_codes(x, scale, dtype, want_amax, into=None):
     """kernels.reference.fp8_codes of x [M, K] (any row stride), in one pass."""
     x2 = _rows(x)
-    return _launch(_codes_fwd, (x2,), x2.shape[1], scale, dtype, want_amax)
+    return _launch(_codes_fwd, (x2,), x2.shape[1], scale, dtype, want_amax, into)
 
 
-def swiglu_fp8(gate, up, scale, dtype, want_amax):
+def swiglu_fp8(gate, up, scale, dtype, want_amax, into=None):
     """kernels.reference.swiglu_fp8, in one pass over gate and up (two with `scale` None and then given)."""
     g2, u2 = _rows(gate), _rows(up)
-    return _launch(_swiglu_fp8_fwd, (g2, u2), g2.shape[1], scale, dtype, want_amax)
+    return _launch(_swiglu_fp8_fwd, (g2, u2), g2.shape[1], scale, dtype, want_amax, into)
 
 
-def swiglu_grad_fp8(gate, up, dy, scale, dtype, want_amax):
+def swiglu_grad_fp8(gate, up, dy, scale, dtype, want_amax, into=None):
     """kernels.reference.swiglu_grad_fp8, in one pass over gate, up and dy."""
     g2, u2, dy2 = _rows(gate), _rows(up), _rows(dy)
-    return _launch(_swiglu_fp8_bwd, (g2, u2, dy2), 2 * g2.shape[1], scale, dtype, want_amax)
+    return _launch(_swiglu_fp8_bwd, (g2, u2, dy2), 2 * g2.shape[1], scale, dtype, want_amax, into)

@@ -156,28 +156,35 @@ def fp8_cast(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
     return (x.float() * scale).clamp_(-top, top).to(dtype)
 
 
-def fp8_codes(y: torch.Tensor, scale: Optional[torch.Tensor], dtype, want_amax: bool) -> tuple:
+def fp8_codes(y: torch.Tensor, scale: Optional[torch.Tensor], dtype, want_amax: bool,
+              into: Optional[torch.Tensor] = None) -> tuple:
     """y [M, N] for a GEMM and, transposed, for another: (its codes under encode `scale` (fp8_cast) or None without
-    one, their transpose [N, M] contiguous or None, max |y| in fp32 (0 for no elements) or None)."""
+    one, their transpose [N, M] contiguous or None, max |y| in fp32 (0 for no elements) or None). `into`: a 0-d
+    fp32 tensor the amax is max-ed into in place (NaN kept), returned as the amax (a step's running amax)."""
+    if into is not None and not want_amax:
+        raise ValueError("an amax to accumulate `into` needs want_amax")
     top = (y.abs().amax().float() if y.numel() else y.new_zeros((), dtype=torch.float32)) if want_amax else None
+    if into is not None:
+        top = torch.maximum(into, top, out=into)
     if scale is None:
         return None, None, top
     codes = fp8_cast(y, scale, dtype)
     return codes, codes.t().contiguous(), top
 
 
-def swiglu_fp8(gate: torch.Tensor, up: torch.Tensor, scale: Optional[torch.Tensor], dtype, want_amax: bool) -> tuple:
+def swiglu_fp8(gate: torch.Tensor, up: torch.Tensor, scale: Optional[torch.Tensor], dtype, want_amax: bool,
+               into: Optional[torch.Tensor] = None) -> tuple:
     """SwiGLU's output [M, F] for gate and up [M, F] (any row strides) straight to FP8: (its codes under encode
     `scale`, their transpose, its amax) as `fp8_codes` gives them; the output itself is never kept. The values
     are swiglu's, rounded to gate's dtype."""
-    return fp8_codes(swiglu_values(gate, up), scale, dtype, want_amax)
+    return fp8_codes(swiglu_values(gate, up), scale, dtype, want_amax, into)
 
 
 def swiglu_grad_fp8(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor, scale: Optional[torch.Tensor], dtype,
-                    want_amax: bool) -> tuple:
+                    want_amax: bool, into: Optional[torch.Tensor] = None) -> tuple:
     """SwiGLU's input gradient [M, 2F] = [d gate | d up] for dy [M, F] straight to FP8, as swiglu_fp8 gives the
     output's: the gradient fc1's output receives (gate and up its two halves)."""
-    return fp8_codes(torch.cat(swiglu_grads(gate, up, dy), dim=-1), scale, dtype, want_amax)
+    return fp8_codes(torch.cat(swiglu_grads(gate, up, dy), dim=-1), scale, dtype, want_amax, into)
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: Optional[int],

@@ -52,8 +52,9 @@ def _signature(fn, dtype, constexprs):
     return sig
 
 
-def _compile(fn, dtype, constexprs, warps, stages):
-    src = ASTSource(fn, _signature(fn, dtype, constexprs), constexprs=constexprs)
+def _compile(fn, dtype, constexprs, warps, stages, types=None):
+    """`types`: argument types that differ from the naming convention's ({name: Triton type})."""
+    src = ASTSource(fn, {**_signature(fn, dtype, constexprs), **(types or {})}, constexprs=constexprs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     assert kernel.asm["cubin"], f"{fn.__name__}: no cubin"
     assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, f"{fn.__name__}: {kernel.metadata.shared} bytes shared"
@@ -78,10 +79,15 @@ def compile_all():
     for kernel in (fp8_triton._codes_fwd, fp8_triton._swiglu_fp8_fwd, fp8_triton._swiglu_fp8_bwd):
         # the hardware's conversion (CUDA's path) in both formats, the integer one, and the amax pass alone
         for fmt, hw, codes in ((e4m3, True, True), (e5m2, True, True), (e4m3, False, True), (e4m3, True, False)):
-            ptx = _compile(kernel, dt, dict(HW=hw, CODES=codes, AMAX=True, **fmt, **block), 4, 3).asm["ptx"]
+            ptx = _compile(kernel, dt, dict(HW=hw, CODES=codes, AMAX=True, INTO=False, **fmt, **block), 4,
+                           3).asm["ptx"]
             # the hardware's conversion: to nearest, ties to even, saturating (torch's after the clamp)
             want = f"cvt.rn.satfinite.{'e4m3' if fmt is e4m3 else 'e5m2'}x2.f32"
             assert (want in ptx) == (hw and codes), (kernel.__name__, want, hw, codes)
+        # the amax max-ed into a running one (delayed scaling's step amax): an integer atomic maximum on its bits
+        ptx = _compile(kernel, dt, dict(HW=True, CODES=True, AMAX=True, INTO=True, **e4m3, **block), 4, 3,
+                       {"PEAKS": "*i32"}).asm["ptx"]
+        assert "atom.global" in ptx and ".max.s32" in ptx, kernel.__name__
     for rms in (True, False):
         flags = dict(IS_RMS=rms, HAS_BIAS=not rms, BLOCK=8192)
         _compile(norm_triton._norm_fwd, dt, dict(HAS_RES=True, **flags), 16, 3)

@@ -93,6 +93,17 @@ def test_fp8_codes_and_swiglu_straight_to_fp8_are_the_cast_bit_for_bit(act, fp8)
                 want = _bits(reference.fp8_cast(v2, scale, fp8))
                 assert torch.equal(_bits(codes), want) and torch.equal(_bits(codes_t), want.t().contiguous())
                 assert (amax is None) != want_amax and (not want_amax or _same(amax, top))
+            # a step's running amax, max-ed into in place by the launch (blocks' atomic maxima): below, above, NaN
+            for start in (0.5, 1e30, float("nan")):
+                into = torch.tensor(start, device=DEVICE)
+                codes, codes_t, amax = kernel(*tensors, scale, fp8, True, into)
+                assert amax is into and _same(into, torch.maximum(torch.tensor(start, device=DEVICE), top)), start
+                assert torch.equal(_bits(codes), want) and torch.equal(_bits(codes_t), want.t().contiguous())
+            with pytest.raises(ValueError, match="needs want_amax"):
+                kernel(*tensors, scale, fp8, False, into)
+            into = torch.tensor(0.5)  # the reference's (what the CPU runs) likewise
+            assert reference.fp8_codes(v2.cpu(), None, fp8, True, into)[2] is into
+            assert _same(into, torch.maximum(torch.tensor(0.5), top.cpu()))
 
 
 
@@ -117,3 +128,6 @@ def test_gpu_fp8_codes_and_swiglu_straight_to_fp8(hardware):
             want = _bits(reference.fp8_cast(value, scale, fp8))
             assert torch.equal(_bits(codes), want) and torch.equal(_bits(codes_t), want.t().contiguous())
             assert torch.equal(top, value.abs().amax().float())
+            into = torch.tensor(0.25, device="cuda")  # the running amax, by 8,192 blocks' atomic maxima on the card
+            kernel(*tensors, scale, fp8, True, into)
+            assert torch.equal(into, top)

@@ -20,7 +20,7 @@ import torch
 from engine.fp8.experts import Fp8Experts
 from engine.fp8.linear import Fp8Linear
 from engine.fp8.mlp import Fp8SwiGLU, fusable
-from engine.fp8.scaling import Recipe
+from engine.fp8.scaling import Recipe, push_all
 from engine.moe.experts import Experts
 from engine.parallel import comm
 from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -88,8 +88,7 @@ def finish_step(chunks, ctx) -> None:
     for group, size in ((ctx.tp_cp_group, ctx.tp_size * ctx.cp_size), (ctx.dp_cp_group, ctx.dp_cp_size)):
         if size > 1:
             comm.all_reduce(step, group, op=comm.ReduceOp.MAX)
-    for scaler, a in zip(found, step):
-        scaler.push(a)
+    push_all(found, step)
 
 
 def state_dict(chunks) -> dict:

@@ -35,10 +35,13 @@ def fp8_max(dtype) -> float:
 
 
 def scale_of(amax: torch.Tensor, dtype, margin: int = 0, pow2: bool = False) -> torch.Tensor:
-    """The encode scale for an amax (any shape): fp8_max / amax / 2^margin, 1 where amax is 0 or not finite."""
+    """The encode scale for an amax (any shape): fp8_max / amax / 2^margin, 1 where amax is 0 or not finite.
+    `dtype`: the FP8 format, or a tensor of formats' largest values, one per amax (several scalers at once). The
+    division is by the reciprocal (what `fp8_max / tensor` computes in PyTorch), the same numbers either way."""
     amax = amax.float()
+    top = dtype if isinstance(dtype, torch.Tensor) else fp8_max(dtype)
     ok = (amax > 0) & torch.isfinite(amax)
-    scale = torch.where(ok, fp8_max(dtype) / torch.where(ok, amax, 1.0), 1.0) / (2.0 ** margin)
+    scale = torch.where(ok, torch.where(ok, amax, 1.0).reciprocal() * top, 1.0) / (2.0 ** margin)
     return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
 
 
@@ -135,23 +138,25 @@ def cast(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
     return _cast_ops(x, scale, dtype)
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, dtype) -> Quantized:
-    """x [M, K] with one encode scale."""
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype, scale_inv: Optional[torch.Tensor] = None) -> Quantized:
+    """x [M, K] with one encode scale; `scale_inv`: its reciprocal where already known."""
     scale = scale.float().reshape(())
-    return Quantized(cast(x, scale, dtype), scale.reciprocal())
+    return Quantized(cast(x, scale, dtype), scale.reciprocal() if scale_inv is None else scale_inv)
 
 
-def both_ways(codes: torch.Tensor, codes_t: torch.Tensor, scale: torch.Tensor) -> Quantized:
-    """A tensor's codes [M, K] under one encode `scale` with their transpose [K, M], made together."""
-    inv = scale.float().reshape(()).reciprocal()
-    return Quantized(codes, inv, transposed=Quantized(codes_t, inv))
+def both_ways(codes: torch.Tensor, codes_t: torch.Tensor, scale_inv: torch.Tensor) -> Quantized:
+    """A tensor's codes [M, K] under one encode scale, whose reciprocal is `scale_inv`, with their transpose [K, M],
+    made together."""
+    return Quantized(codes, scale_inv, transposed=Quantized(codes_t, scale_inv))
 
 
-def codes_of(x: torch.Tensor, scale: torch.Tensor, dtype, want_amax: bool) -> tuple:
+def codes_of(x: torch.Tensor, scale: torch.Tensor, dtype, want_amax: bool, scale_inv: torch.Tensor,
+             into: Optional[torch.Tensor] = None) -> tuple:
     """(x [M, K] quantized as `quantize` does with its transpose attached, x's amax or None): one pass over x on
-    CUDA (kernels.fp8_triton), the same codes and amax; for a tensor two GEMMs take, once transposed."""
-    codes, codes_t, now = dispatch.fp8_codes(x, scale.float().reshape(()), dtype, want_amax)
-    return both_ways(codes, codes_t, scale), now
+    CUDA (kernels.fp8_triton), the same codes and amax; for a tensor two GEMMs take, once transposed. `scale_inv`:
+    1 / scale; `into`: a running amax x's is max-ed into in place (then the amax returned is `into`)."""
+    codes, codes_t, now = dispatch.fp8_codes(x, scale.float().reshape(()), dtype, want_amax, into)
+    return both_ways(codes, codes_t, scale_inv), now
 
 
 def amax(x: torch.Tensor, group=None) -> torch.Tensor:
