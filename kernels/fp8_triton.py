@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 BLOCK_ROWS, BLOCK_COLS = 64, 64
+WARPS = 4  # per program; the block shape and this are what benchmarks/gpu/tuning.py sweeps
 
 # (mantissa bits, exponent bias) of the two formats; the largest value is torch.finfo's
 _FORMATS = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}
@@ -180,7 +181,7 @@ def _launch(kernel, tensors, width, scale, dtype, want_amax, into=None):
                      dummy if scale is None else scale.float().reshape(1), peaks,
                      *(t.stride(0) for t in tensors), n, f, M=mantissa, BIAS=bias, TOP=torch.finfo(dtype).max,
                      HW=HARDWARE_CONVERSION_ON_CUDA and dev.type == "cuda", CODES=scale is not None,
-                     AMAX=want_amax, INTO=into is not None, BR=BLOCK_ROWS, BC=BLOCK_COLS, num_warps=4)
+                     AMAX=want_amax, INTO=into is not None, BR=BLOCK_ROWS, BC=BLOCK_COLS, num_warps=WARPS)
     top = into if into is not None else peaks.amax() if want_amax else None
     if codes is None:
         return None, None, top

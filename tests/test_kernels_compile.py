@@ -88,6 +88,10 @@ def compile_all():
         ptx = _compile(kernel, dt, dict(HW=True, CODES=True, AMAX=True, INTO=True, **e4m3, **block), 4, 3,
                        {"PEAKS": "*i32"}).asm["ptx"]
         assert "atom.global" in ptx and ".max.s32" in ptx, kernel.__name__
+    from benchmarks.gpu.tuning import CODES_LAUNCHES
+    for rows, cols, warps in CODES_LAUNCHES[1:]:  # the block shapes and warps the GPU sweep times
+        _compile(fp8_triton._swiglu_fp8_fwd, dt, dict(HW=True, CODES=True, AMAX=True, INTO=True, M=3, BIAS=7,
+                                                       TOP=448.0, BR=rows, BC=cols), warps, 3, {"PEAKS": "*i32"})
     for rms in (True, False):
         flags = dict(IS_RMS=rms, HAS_BIAS=not rms, BLOCK=8192)
         _compile(norm_triton._norm_fwd, dt, dict(HAS_RES=True, **flags), 16, 3)

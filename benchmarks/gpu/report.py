@@ -120,10 +120,11 @@ def training(result: dict) -> list:
 def tuning(result: dict) -> list:
     rows = result["sections"].get("tuning", {}).get("tables", {}).get("tuning", [])
     # Norm rows before BWD_ROWS_PER_ITER was swept ran the backward one row a loop iteration.
-    return _t(["kernel", "warps", "programs/SM", "rows/iter", "fwd", "bwd", "fwd+bwd"],
+    # FP8 codes rows (one pass, no backward) name their block shape; norm and RoPE rows their rows a program
+    return _t(["kernel", "warps", "programs/SM", "rows/iter or block", "fwd", "bwd", "fwd+bwd"],
               [[r["kernel"], r["warps"], r.get("programs_per_sm", "-"),
-                r.get("rows_per_iter", 1 if r["kernel"] == "rms_norm" else "-"), _n(r["fwd_tbps"]),
-                _n(r["bwd_tbps"]), _n(r["fwd_bwd_tbps"])] for r in rows]) if rows else []
+                r.get("block") or r.get("rows_per_iter", 1 if r["kernel"] == "rms_norm" else "-"), _n(r["fwd_tbps"]),
+                _n(r.get("bwd_tbps")), _n(r.get("fwd_bwd_tbps"))] for r in rows]) if rows else []
 
 
 def memory(result: dict) -> list:

@@ -1,17 +1,16 @@
 """Section 3b, launch settings of the bandwidth kernels measured side by side: what the goals table's misses
 would be changed to (METHOD: measure the variants in one run, then choose).
 
-RMSNorm at 16k rows x 8192 (bf16), in two passes. First, one row a backward loop iteration, the warps per row
-program (norm_triton.MAX_WARPS, forward and backward) against the backward programs per multiprocessor
-(BWD_PROGRAMS_PER_SM: how many rows each program loops over); 16 programs/SM is left out, the slowest backward
-at every warp count on the H100 (2026-11-26). Then, at the programs/SM whose backward was fastest, the backward's
-rows a loop iteration (BWD_ROWS_PER_ITER 2 and 4, one [rows, 8192] block) against the warps again: a block of
-more rows holds that many times the registers per thread, which more warps spread. The second pass is 8
-variants, not the 24 of the full three-way grid, to keep within the section's 20 s (the 16-variant grid and
-RoPE took 10 s). RoPE at [4096, 4, 32, 128]: warps per program (rope_triton.MAX_WARPS) at one row a program,
-then 2 and 4 (position, sample) rows a program (ROWS_PER_PROGRAM) at 4 and 8 warps. Each variant: median
-of device-event timings, TB/s of the fewest bytes (norm forward 2 passes, backward 3; RoPE 2 each way). The
-module constants are set for each variant with unittest.mock and restored after it.
+First the FP8 codes kernels (kernels/fp8_triton.py) under delayed scaling: a cast's codes (4096 x 2048) and
+SwiGLU's (4096 x 8192), bf16, at each block shape and warp count of CODES_LAUNCHES. Then RMSNorm at 16k rows x
+8192 (bf16) at the launches of NORM_LAUNCHES: the default the H200 sweep of 2026-11-27 chose (16 warps a row, 8
+backward programs per multiprocessor, 2 rows a backward loop iteration), its neighbours, and the earlier default.
+(That sweep ran the full grid: warps 4-32 x programs 2-8 at one row, then rows 2 and 4 at the best programs; two
+rows at 4 warps spilled.) Then RoPE at [4096, 4, 32, 128]: warps per program (rope_triton.MAX_WARPS) at one row a
+program, then 2 and 4 (position, sample) rows a program (ROWS_PER_PROGRAM) at 4 and 8 warps. Each variant: median
+of device-event timings, TB/s of the fewest bytes (FP8 codes: 2 bytes in, 2 out an element; SwiGLU's 6; norm
+forward 2 passes, backward 3; RoPE 2 each way). The module constants are set for each variant with unittest.mock
+and restored after it.
 """
 from __future__ import annotations
 
@@ -23,17 +22,54 @@ from benchmarks.gpu.context import NEEDS_CUDA
 from benchmarks.kernel_speed import median_ms
 from kernels import dispatch
 
-NORM_WARPS, NORM_PROGRAMS, NORM_ROWS, ROPE_WARPS = (4, 8, 16, 32), (2, 4, 8), (2, 4), (2, 4, 8, 16)
+# RMSNorm (warps, backward programs per SM, backward rows an iteration): the default first, the earlier one last
+NORM_LAUNCHES = ((16, 8, 2), (16, 8, 1), (8, 8, 2), (32, 8, 2), (16, 4, 2), (4, 2, 1))
+ROPE_WARPS = (2, 4, 8, 16)
 ROPE_ROWS, ROPE_ROWS_WARPS = (2, 4), (4, 8)  # RoPE's rows per program beyond 1, at the two best warp counts so far
+# the FP8 codes kernels (fp8_triton): block rows x columns and warps; the first is the default. On the H200 of
+# 2026-11-27 the defaults ran at 1.64 TB/s (a cast's codes, 4096 x 2048) and 2.56 (SwiGLU's, 4096 x 8192)
+CODES_LAUNCHES = ((64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 128, 8), (32, 128, 4), (128, 128, 8))
 
 
 def run(opts, record, earlier) -> None:
     if not opts.cuda or not dispatch.triton_available():  # launch settings mean nothing to the interpreter
         record.skip("launch-setting sweep", NEEDS_CUDA)
         return
-    from kernels import norm_triton, rope_triton
-    dev, cuda, dtype = "cuda", True, torch.bfloat16
+    dev, cuda = "cuda", True
     reps = opts.pick(20, 10, 2)
+    if fp8_codes(opts, record, dev, reps):
+        norms_and_rope(opts, record, dev, reps)
+
+
+def fp8_codes(opts, record, dev, reps) -> bool:
+    """The FP8 codes kernels under delayed scaling (the scale known, the amax max-ed into a running one) at each of
+    CODES_LAUNCHES: a cast's codes and SwiGLU's, TB/s of their fewest bytes (bf16 in, two FP8 copies out); False
+    when time ran out."""
+    from kernels import fp8_triton
+    g = torch.Generator().manual_seed(5)
+    tokens, hidden, ffn = opts.pick((4096, 2048, 8192), (4096, 2048, 8192), (64, 64, 128))
+    x = torch.randn(tokens, hidden, generator=g).to(dev, torch.bfloat16)
+    gate, up = torch.randn(tokens, 2 * ffn, generator=g).to(dev, torch.bfloat16).chunk(2, dim=-1)
+    scale, into = torch.tensor(30.0, device=dev), torch.zeros((), device=dev)
+    cases = (("cast", lambda: fp8_triton.fp8_codes(x, scale, torch.float8_e4m3fn, True, into), 4 * x.numel()),
+             ("swiglu forward", lambda: fp8_triton.swiglu_fp8(gate, up, scale, torch.float8_e4m3fn, True, into),
+              6 * gate.numel()))
+    for rows, cols, warps in CODES_LAUNCHES:
+        if not record.has_time(f"fp8 codes {rows}x{cols} warps {warps}", 4.0):
+            return False
+        with mock.patch.multiple(fp8_triton, BLOCK_ROWS=rows, BLOCK_COLS=cols, WARPS=warps):
+            for name, fn, nbytes in cases:
+                ms = median_ms(fn, reps, True)
+                record.row("tuning", {"kernel": f"fp8 codes: {name}", "warps": warps, "block": f"{rows}x{cols}",
+                                      "fwd_ms": ms, "fwd_tbps": nbytes / ms / 1e9},
+                           f"fp8 codes {name} block {rows}x{cols} warps {warps}: {nbytes / ms / 1e9:.2f} TB/s")
+    return True
+
+
+def norms_and_rope(opts, record, dev, reps) -> None:
+    """The RMSNorm and RoPE sweeps (the module docstring)."""
+    from kernels import norm_triton, rope_triton
+    cuda, dtype = True, torch.bfloat16
     m, n = opts.pick((16384, 8192), (16384, 8192), (256, 512))
     g = torch.Generator().manual_seed(3)
     x = torch.randn(m, n, generator=g).to(dev, dtype).requires_grad_(True)
@@ -55,17 +91,9 @@ def run(opts, record, earlier) -> None:
         record.row("tuning", row, f"{what}: fwd {row['fwd_tbps']:.2f} TB/s, bwd {row['bwd_tbps']:.2f} TB/s")
         return row
 
-    grid = []
-    for warps in NORM_WARPS:
-        for per_sm in NORM_PROGRAMS:
-            grid.append(norm_variant(warps, per_sm, 1))
-            if grid[-1] is None:
-                return
-    best_per_sm = max(grid, key=lambda r: r["bwd_tbps"])["programs_per_sm"]
-    for rows in NORM_ROWS:
-        for warps in NORM_WARPS:
-            if norm_variant(warps, best_per_sm, rows) is None:
-                return
+    for warps, per_sm, rows in NORM_LAUNCHES:
+        if norm_variant(warps, per_sm, rows) is None:
+            return
     s, b, h, d = opts.pick((4096, 4, 32, 128), (4096, 4, 32, 128), (64, 2, 4, 16))
     q = torch.randn(s, b, h, d, generator=g).to(dev, dtype).requires_grad_(True)
     freqs = torch.rand(s, d // 2, generator=g).to(dev)
