@@ -26,7 +26,11 @@ import triton
 import triton.language as tl
 
 BLOCK_ROWS, BLOCK_COLS = 64, 64
-WARPS = 4  # per program; the block shape and this are what benchmarks/gpu/tuning.py sweeps
+# Warps per program; the block shape and this are what benchmarks/gpu/tuning.py sweeps. ptxas's report for sm_90
+# (tests/test_kernels_compile.py): at 4 warps every codes kernel used all 255 registers a thread (two programs, 8
+# warps, a multiprocessor) and SwiGLU's backward spilled 156 bytes; at 8, 128-204 registers and no spills. Not yet
+# timed on a GPU (the H200 of 2026-11-27 ran 4: 1.6-2.7 TB/s).
+WARPS = 8
 
 # (mantissa bits, exponent bias) of the two formats; the largest value is torch.finfo's
 _FORMATS = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}

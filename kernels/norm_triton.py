@@ -97,19 +97,23 @@ def _norm_bwd(X, W, DY, DSUM, DX, DW_PART, DB_PART, MEAN, RSTD, stride_x, stride
 MAX_WARPS = 16           # warps per row's program (one per 256 elements of the row, at most this)
 BWD_PROGRAMS_PER_SM = 8  # backward: programs per multiprocessor, each looping over its rows (dw partial sums)
 # Backward rows per loop iteration, loaded as one [rows, BLOCK] block so that more loads are in flight; fewer where a
-# thread would hold more than BWD_MAX_PER_THREAD elements of a block (the measured best held 32; 64 ran slower than
-# one row, 128 spilled).
+# thread would hold more than BWD_MAX_PER_THREAD elements of a row block (RMSNorm; LayerNorm, which keeps its means
+# and bias gradient too, half as many). ptxas's report for sm_90 (no GPU needed; tests/test_kernels_compile.py) at
+# hidden 8192 and 16 warps: RMSNorm spills 156 bytes a thread at 2 rows (the measured best, 3.45 TB/s backward) and
+# none at 1; LayerNorm 372 at 2 rows, none at 1; the earlier 4 warps spilled 412 (RMSNorm) and 2,000 (LayerNorm:
+# 1.68 TB/s forward + backward on the H200, against RMSNorm's 3.36).
 BWD_ROWS_PER_ITER = 2
 BWD_MAX_PER_THREAD = 32
 
 
-def _bwd_rows(block: int, warps: int) -> int:
+def _bwd_rows(block: int, warps: int, is_rms: bool = True) -> int:
     """Backward rows a loop iteration: BWD_ROWS_PER_ITER, halved until a thread holds at most BWD_MAX_PER_THREAD
-    elements of the [rows, block] block."""
+    elements of the [rows, block] block (half that for LayerNorm)."""
     rows = BWD_ROWS_PER_ITER
     if rows < 1 or rows & (rows - 1):
         raise ValueError(f"BWD_ROWS_PER_ITER must be a power of two (a Triton block size), got {rows}")
-    while rows > 1 and rows * block > BWD_MAX_PER_THREAD * 32 * warps:
+    most = BWD_MAX_PER_THREAD if is_rms else BWD_MAX_PER_THREAD // 2
+    while rows > 1 and rows * block > most * 32 * warps:
         rows //= 2
     return rows
 
@@ -164,7 +168,7 @@ class _FusedNorm(torch.autograd.Function):
         has_dsum = ctx.has_res and dsum is not None
         ds2 = _rows(dsum) if has_dsum else dy2
         dx = torch.empty_like(x2)
-        rows_per_iter = _bwd_rows(block, warps)
+        rows_per_iter = _bwd_rows(block, warps, ctx.is_rms)
         # Whole iterations per program: a stripe of a multiple of rows_per_iter rows (the kernel relies on it).
         rows_per_program = triton.cdiv(triton.cdiv(m, _bwd_programs(x2, m)), rows_per_iter) * rows_per_iter
         programs = triton.cdiv(m, rows_per_program)

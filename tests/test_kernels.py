@@ -149,6 +149,8 @@ def test_norm_backward_takes_fewer_rows_an_iteration_where_a_thread_would_hold_t
     assert norm_triton._launch_config(8192) == (8192, 16) and norm_triton._bwd_rows(8192, 16) == 2
     assert norm_triton._launch_config(2048) == (2048, 8) and norm_triton._bwd_rows(2048, 8) == 2
     assert norm_triton._bwd_rows(16384, 16) == 1 and norm_triton._bwd_rows(8192, 4) == 1
+    # LayerNorm keeps more per row (its means, the bias gradient): half the elements a thread
+    assert norm_triton._bwd_rows(8192, 16, is_rms=False) == 1 and norm_triton._bwd_rows(4096, 16, is_rms=False) == 2
     with mock.patch.object(norm_triton, "BWD_ROWS_PER_ITER", 4):
         assert norm_triton._bwd_rows(8192, 16) == 2 and norm_triton._bwd_rows(64, 1) == 4
     with mock.patch.object(norm_triton, "BWD_ROWS_PER_ITER", 3), pytest.raises(ValueError, match="power of two"):
@@ -569,3 +571,43 @@ def test_benchmark_script_runs_and_writes_json(tmp_path, capsys):
     assert all("error" not in r and r["fwd_ms"] > 0 for r in report["results"])
     assert "rms_norm" in capsys.readouterr().out
     assert bench.main(["--ops", "nope"]) == 2
+
+
+@needs_triton
+@pytest.mark.slow  # ~6 s: every launch variant of the GPU sweep under the interpreter
+@pytest.mark.skipif(CUDA, reason="the sweep's CPU stand-in; on a GPU gpu-check runs the sweep itself")
+def test_the_gpu_launch_sweep_runs_every_variant():
+    """benchmarks/gpu/tuning.py runs only on a GPU, so a lease would be the first to find it broken: here each of its
+    variants runs at tiny sizes under the interpreter (timing stubbed), each gives its row, and the report renders
+    them all."""
+    from unittest import mock
+    from benchmarks.gpu import report, tuning
+
+    class Opts:
+        dry_run, quick, cuda = True, False, False
+
+        def pick(self, full, quick, dry):
+            return dry
+
+    class Record:
+        def __init__(self):
+            self.rows = []
+
+        def has_time(self, what, need):
+            return True
+
+        def row(self, table, row, text=""):
+            self.rows.append(row)
+
+    record = Record()
+    with mock.patch.object(tuning, "median_ms", lambda fn, reps, cuda: (fn(), 1.0)[1]), \
+            mock.patch.object(torch, "bfloat16", torch.float32):  # the interpreter's arithmetic, in fp32
+        assert tuning.fp8_codes(Opts(), record, DEVICE, 1)
+        tuning.norms_and_rope(Opts(), record, DEVICE, 1)
+    kernels = [r["kernel"] for r in record.rows]
+    assert kernels.count("fp8 codes: cast") == kernels.count("fp8 codes: swiglu forward") == len(tuning.CODES_LAUNCHES)
+    assert kernels.count("rms_norm") == len(tuning.NORM_LAUNCHES)
+    assert kernels.count("add_rms_norm") + kernels.count("layer_norm") == len(tuning.NORM_OTHERS)
+    assert kernels.count("rope") == len(tuning.ROPE_WARPS) + len(tuning.ROPE_ROWS) * len(tuning.ROPE_ROWS_WARPS)
+    table = report.tuning({"sections": {"tuning": {"tables": {"tuning": record.rows}}}})
+    assert len(table) == 2 + len(record.rows)

@@ -24,6 +24,10 @@ from kernels import dispatch
 
 # RMSNorm (warps, backward programs per SM, backward rows an iteration): the default first, the earlier one last
 NORM_LAUNCHES = ((16, 8, 2), (16, 8, 1), (8, 8, 2), (32, 8, 2), (16, 4, 2), (4, 2, 1))
+# the other norms at the rows a loop iteration the spill rule decides between (ptxas: add + RMSNorm spills 252 bytes
+# at 2 rows, LayerNorm 372, neither at 1), and LayerNorm's earlier launch (2,000 bytes spilled)
+NORM_OTHERS = (("add_rms_norm", 16, 8, 2), ("add_rms_norm", 16, 8, 1), ("layer_norm", 16, 8, 1),
+               ("layer_norm", 16, 8, 2), ("layer_norm", 4, 2, 1))
 ROPE_WARPS = (2, 4, 8, 16)
 ROPE_ROWS, ROPE_ROWS_WARPS = (2, 4), (4, 8)  # RoPE's rows per program beyond 1, at the two best warp counts so far
 # the FP8 codes kernels (fp8_triton): block rows x columns and warps; the first is the default. On the H200 of
@@ -70,31 +74,43 @@ def norms_and_rope(opts, record, dev, reps) -> None:
     """The RMSNorm and RoPE sweeps (the module docstring)."""
     from kernels import norm_triton, rope_triton
     cuda, dtype = True, torch.bfloat16
-    m, n = opts.pick((16384, 8192), (16384, 8192), (256, 512))
+    m, n = opts.pick((16384, 8192), (16384, 8192), (32, 256))
     g = torch.Generator().manual_seed(3)
     x = torch.randn(m, n, generator=g).to(dev, dtype).requires_grad_(True)
     w = torch.rand(n, generator=g).to(dev, dtype).requires_grad_(True)
     dy = torch.randn(m, n, generator=g).to(dev, dtype)
     size = m * n * x.element_size()
 
-    def norm_variant(warps: int, per_sm: int, rows: int) -> dict | None:
-        what = f"rms_norm warps {warps} programs/SM {per_sm} rows/iter {rows}"
+    r = torch.randn(m, n, generator=g).to(dev, dtype).requires_grad_(True)
+    b = torch.rand(n, generator=g).to(dev, dtype).requires_grad_(True)
+    # (forward, backward inputs, passes over the tensor forward and backward): the residual variant reads and writes
+    # the sum too and takes its gradient back
+    kinds = {"rms_norm": (lambda: norm_triton.rms_norm(x, w, 1e-5), (x, w), 2, 3),
+             "add_rms_norm": (lambda: norm_triton.add_rms_norm(x, r, w, 1e-5), (x, r, w), 4, 4),
+             "layer_norm": (lambda: norm_triton.layer_norm(x, w, b, 1e-5), (x, w, b), 2, 3)}
+
+    def norm_variant(kind: str, warps: int, per_sm: int, rows: int) -> dict | None:
+        what = f"{kind} warps {warps} programs/SM {per_sm} rows/iter {rows}"
         if not record.has_time(what, 3.0):
             return None
-        with mock.patch.multiple(norm_triton, MAX_WARPS=warps, BWD_PROGRAMS_PER_SM=per_sm, BWD_ROWS_PER_ITER=rows):
-            fwd = median_ms(lambda: norm_triton.rms_norm(x, w, 1e-5), reps, cuda)
-            y = norm_triton.rms_norm(x, w, 1e-5)
-            bwd = median_ms(lambda: torch.autograd.grad(y, (x, w), dy, retain_graph=True), reps, cuda)
-        row = {"kernel": "rms_norm", "warps": warps, "programs_per_sm": per_sm, "rows_per_iter": rows, "fwd_ms": fwd,
-               "bwd_ms": bwd, "fwd_tbps": 2 * size / fwd / 1e9, "bwd_tbps": 3 * size / bwd / 1e9,
-               "fwd_bwd_tbps": 5 * size / (fwd + bwd) / 1e9}
+        forward, inputs, fwd_passes, bwd_passes = kinds[kind]
+        # the rows asked for, whatever the launcher's rule for a thread's elements would pick
+        with mock.patch.multiple(norm_triton, MAX_WARPS=warps, BWD_PROGRAMS_PER_SM=per_sm, BWD_ROWS_PER_ITER=rows,
+                                 BWD_MAX_PER_THREAD=1 << 20):
+            fwd = median_ms(forward, reps, cuda)
+            y = forward()
+            outs, grads = (y, (dy,)) if kind != "add_rms_norm" else (y, (dy, dy))
+            bwd = median_ms(lambda: torch.autograd.grad(outs, inputs, grads, retain_graph=True), reps, cuda)
+        row = {"kernel": kind, "warps": warps, "programs_per_sm": per_sm, "rows_per_iter": rows, "fwd_ms": fwd,
+               "bwd_ms": bwd, "fwd_tbps": fwd_passes * size / fwd / 1e9, "bwd_tbps": bwd_passes * size / bwd / 1e9,
+               "fwd_bwd_tbps": (fwd_passes + bwd_passes) * size / (fwd + bwd) / 1e9}
         record.row("tuning", row, f"{what}: fwd {row['fwd_tbps']:.2f} TB/s, bwd {row['bwd_tbps']:.2f} TB/s")
         return row
 
-    for warps, per_sm, rows in NORM_LAUNCHES:
-        if norm_variant(warps, per_sm, rows) is None:
+    for launch in [("rms_norm", *v) for v in NORM_LAUNCHES] + list(NORM_OTHERS):
+        if norm_variant(*launch) is None:
             return
-    s, b, h, d = opts.pick((4096, 4, 32, 128), (4096, 4, 32, 128), (64, 2, 4, 16))
+    s, b, h, d = opts.pick((4096, 4, 32, 128), (4096, 4, 32, 128), (8, 2, 2, 16))
     q = torch.randn(s, b, h, d, generator=g).to(dev, dtype).requires_grad_(True)
     freqs = torch.rand(s, d // 2, generator=g).to(dev)
     dq = torch.randn(s, b, h, d, generator=g).to(dev, dtype)
