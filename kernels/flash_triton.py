@@ -33,17 +33,22 @@ _counts: Optional[dict] = None  # inside counting(): blocks visited by each kern
 def _configs(d: int, dtype: torch.dtype, on_gpu: bool):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the forward, dK/dV and dQ kernels.
 
-    The GPU choices are the spill-free (or nearly: dK/dV at d=128 spills 40 bytes) ones among those compiled
-    for sm_90 with ptxas -v; fp32 and wide heads get small tiles to fit shared memory. The interpreter gets
-    small blocks so tests cross several blocks, partial blocks and the diagonal on tiny inputs.
+    The GPU choices spill least among those compiled for sm_90 with ptxas -v that keep Hopper's wgmma products
+    (tests/test_kernels_compile.py checks the bound): at d=128 dK/dV spills 248 bytes a thread at (32, 64, 8, 2);
+    (64, 64, 8, 3), its launch until 2026-11-27, spills 1,320 with the kernel as it is now (this docstring said 40
+    when it was chosen), and tiles of 32 keys spill less still but fall back to mma.sync. dQ at d=128 spills 24
+    bytes. The forward at d=64 runs 8 warps: at 4 it spilled up to 456 bytes with a window or documents (none
+    without); everything at d=64 spills at most 44 now. fp32 and wide heads get small tiles to fit shared memory;
+    fp32 still spills (d=128: up to 2.5 KB a thread in the backward, three-pass tf32 products), untuned. The
+    interpreter gets small blocks so tests cross several blocks, partial blocks and the diagonal on tiny inputs.
     """
     if not on_gpu:
         return (32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1)
     if d > 128 or dtype == torch.float32:
         return (64, 32, 4, 2), (32, 32, 4, 2), (64, 32, 4, 2)
     if d <= 64:
-        return (128, 64, 4, 3), (32, 128, 8, 2), (128, 64, 8, 3)
-    return (128, 64, 8, 3), (64, 64, 8, 3), (128, 64, 8, 3)
+        return (128, 64, 8, 3), (32, 128, 8, 2), (128, 64, 8, 3)
+    return (128, 64, 8, 3), (32, 64, 8, 2), (128, 64, 8, 3)
 
 
 def _precision(q):

@@ -89,12 +89,13 @@ def _spill_stores(kernel) -> int:
 
 def check_default_launches_do_not_spill():
     """The launches the kernels run at by default keep their arrays in registers (METHOD: spills are local-memory
-    traffic): the norms' backward at hidden 2048, 4096 and 8192, RMSNorm and LayerNorm, and the FP8 codes kernels.
+    traffic): the norms' backward at hidden 2048, 4096 and 8192, RMSNorm and LayerNorm, the FP8 codes kernels, and
+    the attention kernels within 256 bytes (flash_triton._configs says which spill what).
     One exception, measured: RMSNorm's backward at 8192 spills 156 bytes at 2 rows an iteration (252 with the fused
     residual's gradient), the fastest setting the H200 sweep found (3.45 TB/s against 3.01 at 1 row, which spills
     none; the residual variant is swept next). At the earlier launch (4 warps) LayerNorm's backward spilled 2,000
     bytes a thread and ran at half RMSNorm's rate."""
-    from kernels import fp8_triton, norm_triton
+    from kernels import flash_triton, fp8_triton, norm_triton
     for hidden in (2048, 4096, 8192):
         block, warps = norm_triton._launch_config(hidden)
         for rms in (True, False):
@@ -104,6 +105,15 @@ def check_default_launches_do_not_spill():
                     IS_RMS=rms, HAS_BIAS=not rms, HAS_DSUM=dsum, BLOCK=block, ROWS=rows), warps, 3))
                 allowed = (256 if dsum else 160) if rms and hidden == 8192 else 0
                 assert spilled <= allowed, (hidden, "rms" if rms else "layer", dsum, warps, rows, spilled)
+    for d in (64, 128):  # the Triton attention's kernels at their launches, plain causal and with both masks
+        configs = flash_triton._configs(d, torch.bfloat16, True)
+        for kernel, (bm, bn, warps, stages) in zip((flash_triton._attn_fwd, flash_triton._attn_bwd_dkdv,
+                                                    flash_triton._attn_bwd_dq), configs):
+            for masks in (False, True):
+                spilled = _spill_stores(_compile(kernel, "bf16", dict(
+                    CAUSAL=True, WINDOWED=masks, DOCUMENTS=masks, COUNT=False, D=d, BLOCK_M=bm, BLOCK_N=bn,
+                    BLOCK_D=d, PRECISION="tf32"), warps, stages))
+                assert spilled <= 256, (kernel.__name__, d, masks, spilled)
     for kernel in (fp8_triton._codes_fwd, fp8_triton._swiglu_fp8_fwd, fp8_triton._swiglu_fp8_bwd):
         spilled = _spill_stores(_compile(kernel, "bf16", dict(
             HW=True, CODES=True, AMAX=True, INTO=True, M=3, BIAS=7, TOP=448.0, BR=fp8_triton.BLOCK_ROWS,
