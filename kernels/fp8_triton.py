@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import FromAmax, encode_scale
+
 BLOCK_ROWS, BLOCK_COLS = 64, 64
 # Warps per program; the block shape and this are what benchmarks/gpu/tuning.py sweeps. ptxas's report for sm_90
 # (tests/test_kernels_compile.py): at 4 warps every codes kernel used all 255 registers a thread (two programs, 8
@@ -81,11 +83,27 @@ def _peak(PEAKS, top, INTO: tl.constexpr):
 
 
 @triton.jit
-def _store_codes(OUT8, OUT8_T, SCALE, y, rows, cols, mask, n_rows, n_cols, col0,
+def _encode_scale(SCALE, INV, FROM_AMAX: tl.constexpr, TOP: tl.constexpr, SHRINK: tl.constexpr):
+    """The encode scale: the one SCALE points to, or with FROM_AMAX the one derived from the amax SCALE points to,
+    as kernels.reference.fp8_scale derives it (TOP the format's largest value, SHRINK 2^margin), its reciprocal
+    written to INV by the first program. Correctly rounded divisions (div_rn): the GPU's `/` is approximate
+    (div.full.f32), torch's reciprocal is not."""
+    a = tl.load(SCALE)
+    if FROM_AMAX:
+        ok = (a > 0) & (a < float("inf"))  # a NaN fails both
+        s = tl.math.div_rn(tl.where(ok, tl.math.div_rn(1.0, tl.where(ok, a, 1.0)) * TOP, 1.0), SHRINK)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(INV, tl.math.div_rn(1.0, s))
+        return s
+    return a
+
+
+@triton.jit
+def _store_codes(OUT8, OUT8_T, scale, y, rows, cols, mask, n_rows, n_cols, col0,
                  M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr, HW: tl.constexpr):
-    """y's FP8 codes (as uint8) at OUT8[rows, col0 + cols] ([n_rows, n_cols]) and OUT8_T[col0 + cols, rows]
-    ([n_cols, n_rows]), by the hardware's conversion (HW) or by _fp8_bits."""
-    v = y * tl.load(SCALE)
+    """y's FP8 codes (as uint8) under encode `scale` at OUT8[rows, col0 + cols] ([n_rows, n_cols]) and
+    OUT8_T[col0 + cols, rows] ([n_cols, n_rows]), by the hardware's conversion (HW) or by _fp8_bits."""
+    v = y * scale
     if HW:  # saturated first: the conversion is to nearest, ties to even (NaN stays NaN)
         v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -TOP), TOP))
         if M == 3:
@@ -112,36 +130,39 @@ def _load(P, stride, rows, cols, mask):
 
 
 @triton.jit
-def _codes_fwd(X, OUT8, OUT8_T, SCALE, PEAKS, stride_x, n_rows, n_cols,
+def _codes_fwd(X, OUT8, OUT8_T, SCALE, INV, PEAKS, stride_x, n_rows, n_cols,
                M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr, HW: tl.constexpr,
-               CODES: tl.constexpr, AMAX: tl.constexpr, INTO: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+               CODES: tl.constexpr, AMAX: tl.constexpr, INTO: tl.constexpr, FROM_AMAX: tl.constexpr,
+               SHRINK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     rows, cols, mask = _block(n_rows, n_cols, BR, BC)
     x = _load(X, stride_x, rows, cols, mask)
     if AMAX:
         _peak(PEAKS, _amax(x), INTO)
     if CODES:
-        _store_codes(OUT8, OUT8_T, SCALE, x, rows, cols, mask, n_rows, n_cols, 0, M, BIAS, TOP, HW)
+        scale = _encode_scale(SCALE, INV, FROM_AMAX, TOP, SHRINK)
+        _store_codes(OUT8, OUT8_T, scale, x, rows, cols, mask, n_rows, n_cols, 0, M, BIAS, TOP, HW)
 
 
 @triton.jit
-def _swiglu_fp8_fwd(G, U, OUT8, OUT8_T, SCALE, PEAKS, stride_g, stride_u, n_rows, n_cols,
+def _swiglu_fp8_fwd(G, U, OUT8, OUT8_T, SCALE, INV, PEAKS, stride_g, stride_u, n_rows, n_cols,
                     M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr, HW: tl.constexpr,
-                    CODES: tl.constexpr, AMAX: tl.constexpr, INTO: tl.constexpr, BR: tl.constexpr,
-                    BC: tl.constexpr):
+                    CODES: tl.constexpr, AMAX: tl.constexpr, INTO: tl.constexpr, FROM_AMAX: tl.constexpr,
+                    SHRINK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     rows, cols, mask = _block(n_rows, n_cols, BR, BC)
     g, u = _load(G, stride_g, rows, cols, mask), _load(U, stride_u, rows, cols, mask)
     y = (g * tl.sigmoid(g) * u).to(G.dtype.element_ty).to(tl.float32)  # swiglu_triton's value, rounded as it
     if AMAX:
         _peak(PEAKS, _amax(y), INTO)
     if CODES:
-        _store_codes(OUT8, OUT8_T, SCALE, y, rows, cols, mask, n_rows, n_cols, 0, M, BIAS, TOP, HW)
+        scale = _encode_scale(SCALE, INV, FROM_AMAX, TOP, SHRINK)
+        _store_codes(OUT8, OUT8_T, scale, y, rows, cols, mask, n_rows, n_cols, 0, M, BIAS, TOP, HW)
 
 
 @triton.jit
-def _swiglu_fp8_bwd(G, U, DY, OUT8, OUT8_T, SCALE, PEAKS, stride_g, stride_u, stride_dy, n_rows, n_cols,
+def _swiglu_fp8_bwd(G, U, DY, OUT8, OUT8_T, SCALE, INV, PEAKS, stride_g, stride_u, stride_dy, n_rows, n_cols,
                     M: tl.constexpr, BIAS: tl.constexpr, TOP: tl.constexpr, HW: tl.constexpr,
-                    CODES: tl.constexpr, AMAX: tl.constexpr, INTO: tl.constexpr, BR: tl.constexpr,
-                    BC: tl.constexpr):
+                    CODES: tl.constexpr, AMAX: tl.constexpr, INTO: tl.constexpr, FROM_AMAX: tl.constexpr,
+                    SHRINK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     rows, cols, mask = _block(n_rows, n_cols, BR, BC)
     g, u = _load(G, stride_g, rows, cols, mask), _load(U, stride_u, rows, cols, mask)
     dy = _load(DY, stride_dy, rows, cols, mask)
@@ -153,8 +174,9 @@ def _swiglu_fp8_bwd(G, U, DY, OUT8, OUT8_T, SCALE, PEAKS, stride_g, stride_u, st
     if AMAX:
         _peak(PEAKS, tl.maximum(_amax(dg), _amax(du), propagate_nan=tl.PropagateNan.ALL), INTO)
     if CODES:
-        _store_codes(OUT8, OUT8_T, SCALE, dg, rows, cols, mask, n_rows, 2 * n_cols, 0, M, BIAS, TOP, HW)
-        _store_codes(OUT8, OUT8_T, SCALE, du, rows, cols, mask, n_rows, 2 * n_cols, n_cols, M, BIAS, TOP, HW)
+        scale = _encode_scale(SCALE, INV, FROM_AMAX, TOP, SHRINK)
+        _store_codes(OUT8, OUT8_T, scale, dg, rows, cols, mask, n_rows, 2 * n_cols, 0, M, BIAS, TOP, HW)
+        _store_codes(OUT8, OUT8_T, scale, du, rows, cols, mask, n_rows, 2 * n_cols, n_cols, M, BIAS, TOP, HW)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -164,7 +186,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def _launch(kernel, tensors, width, scale, dtype, want_amax, into=None):
     """(codes [rows, width] or None, their transpose, the amax or None) from `kernel` over `tensors` [rows, F];
-    with `into` (a 0-d fp32 tensor) the amax is max-ed into it in place and `into` is the amax returned."""
+    `scale` a 0-d tensor, None (the amax alone) or a FromAmax (the kernel derives the scale and writes its
+    reciprocal); with `into` (a 0-d fp32 tensor) the amax is max-ed into it in place and `into` is the amax
+    returned."""
     if into is not None and not want_amax:
         raise ValueError("an amax to accumulate `into` needs want_amax")
     n, f = tensors[0].shape
@@ -178,14 +202,19 @@ def _launch(kernel, tensors, width, scale, dtype, want_amax, into=None):
         peaks = torch.zeros(1, device=dev)  # no rows: amax 0
     codes = None if scale is None else torch.empty((n, width), dtype=torch.uint8, device=dev)
     codes_t = None if scale is None else torch.empty((width, n), dtype=torch.uint8, device=dev)
+    derive = isinstance(scale, FromAmax)
+    if derive and not (n and f):  # no launch to derive it in
+        encode_scale(scale, dtype)
     mantissa, bias = _FORMATS[dtype]
     if n and f:
         dummy = peaks  # an unused pointer where no codes are written
+        given = None if scale is None else (scale.amax if derive else scale).float().reshape(1)
         kernel[grid](*tensors, dummy if codes is None else codes, dummy if codes_t is None else codes_t,
-                     dummy if scale is None else scale.float().reshape(1), peaks,
+                     dummy if given is None else given, scale.inv.reshape(1) if derive else dummy, peaks,
                      *(t.stride(0) for t in tensors), n, f, M=mantissa, BIAS=bias, TOP=torch.finfo(dtype).max,
                      HW=HARDWARE_CONVERSION_ON_CUDA and dev.type == "cuda", CODES=scale is not None,
-                     AMAX=want_amax, INTO=into is not None, BR=BLOCK_ROWS, BC=BLOCK_COLS, num_warps=WARPS)
+                     AMAX=want_amax, INTO=into is not None, FROM_AMAX=derive,
+                     SHRINK=2.0 ** scale.margin if derive else 1.0, BR=BLOCK_ROWS, BC=BLOCK_COLS, num_warps=WARPS)
     top = into if into is not None else peaks.amax() if want_amax else None
     if codes is None:
         return None, None, top

@@ -11,6 +11,7 @@ formula in float64.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -149,6 +150,36 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _SwiGLU.apply(gate, up)
 
 
+def fp8_scale(amax: torch.Tensor, top, margin: int = 0, pow2: bool = False) -> torch.Tensor:
+    """The FP8 encode scale for an amax (any shape; Transformer Engine's rule): top / amax / 2^margin, 1 where amax is
+    0 or not finite; `top` the format's largest value (a float, or a tensor broadcast against amax); `pow2` rounds
+    it down to a power of two. The division is by the reciprocal (what `top / tensor` computes in PyTorch), so a
+    kernel reproduces it with a correctly rounded reciprocal and a product."""
+    amax = amax.float()
+    ok = (amax > 0) & torch.isfinite(amax)
+    scale = torch.where(ok, torch.where(ok, amax, 1.0).reciprocal() * top, 1.0) / (2.0 ** margin)
+    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+
+
+@dataclass
+class FromAmax:
+    """An encode scale to derive from a tensor's amax (current scaling) where the codes are made: `fp8_scale(amax,
+    the format's largest value, margin)`, its reciprocal written to `inv` (a 0-d fp32 tensor: the GEMM's decode
+    scale). On CUDA the codes kernel does it, sparing the ten or so small operations apart."""
+    amax: torch.Tensor
+    margin: int
+    inv: torch.Tensor
+
+
+def encode_scale(scale, dtype) -> torch.Tensor:
+    """The encode scale `scale` stands for: itself, or for a FromAmax the derived one (its reciprocal into .inv)."""
+    if not isinstance(scale, FromAmax):
+        return scale
+    derived = fp8_scale(scale.amax, torch.finfo(dtype).max, scale.margin)
+    scale.inv.copy_(derived.reciprocal())
+    return derived
+
+
 def fp8_cast(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
     """x's FP8 codes under encode `scale`: fp32(x) * scale, saturated to the format's range, rounded to nearest
     (ties to even); a NaN stays NaN."""
@@ -156,10 +187,10 @@ def fp8_cast(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
     return (x.float() * scale).clamp_(-top, top).to(dtype)
 
 
-def fp8_codes(y: torch.Tensor, scale: Optional[torch.Tensor], dtype, want_amax: bool,
-              into: Optional[torch.Tensor] = None) -> tuple:
-    """y [M, N] for a GEMM and, transposed, for another: (its codes under encode `scale` (fp8_cast) or None without
-    one, their transpose [N, M] contiguous or None, max |y| in fp32 (0 for no elements) or None). `into`: a 0-d
+def fp8_codes(y: torch.Tensor, scale, dtype, want_amax: bool, into: Optional[torch.Tensor] = None) -> tuple:
+    """y [M, N] for a GEMM and, transposed, for another: (its codes under encode `scale` (fp8_cast; a tensor, or a
+    FromAmax) or None without one, their transpose [N, M] contiguous or None, max |y| in fp32 (0 for no elements) or
+    None). `into`: a 0-d
     fp32 tensor the amax is max-ed into in place (NaN kept), returned as the amax (a step's running amax)."""
     if into is not None and not want_amax:
         raise ValueError("an amax to accumulate `into` needs want_amax")
@@ -168,7 +199,7 @@ def fp8_codes(y: torch.Tensor, scale: Optional[torch.Tensor], dtype, want_amax: 
         top = torch.maximum(into, top, out=into)
     if scale is None:
         return None, None, top
-    codes = fp8_cast(y, scale, dtype)
+    codes = fp8_cast(y, encode_scale(scale, dtype), dtype)
     return codes, codes.t().contiguous(), top
 
 

@@ -21,7 +21,7 @@ except ImportError:  # the ahead-of-time API moved
 
 HOPPER_SHARED_BYTES = 232448  # 227 KiB of opt-in dynamic shared memory per block on H100/H200
 FP32_POINTERS = {"MEAN", "RSTD", "LSE", "DELTA", "MAX", "SUMEXP", "TLOGIT", "COEF_S", "COEF_O", "DW_PART",
-                 "DB_PART", "FREQS", "SCALE", "PEAKS"}
+                 "DB_PART", "FREQS", "SCALE", "PEAKS", "INV"}
 U8_POINTERS = {"OUT8", "OUT8_T"}  # FP8 codes, written as their bits
 SIZES = {"BATCH", "H", "M", "N", "S", "NQ", "NKV", "NH", "HALF", "GROUP", "TOTAL"}  # upper-case scalars
 
@@ -115,10 +115,12 @@ def check_default_launches_do_not_spill():
                     BLOCK_D=d, PRECISION="tf32"), warps, stages))
                 assert spilled <= 256, (kernel.__name__, d, masks, spilled)
     for kernel in (fp8_triton._codes_fwd, fp8_triton._swiglu_fp8_fwd, fp8_triton._swiglu_fp8_bwd):
-        spilled = _spill_stores(_compile(kernel, "bf16", dict(
-            HW=True, CODES=True, AMAX=True, INTO=True, M=3, BIAS=7, TOP=448.0, BR=fp8_triton.BLOCK_ROWS,
-            BC=fp8_triton.BLOCK_COLS), fp8_triton.WARPS, 3, {"PEAKS": "*i32"}))
-        assert spilled == 0, (kernel.__name__, spilled)
+        for delayed in (True, False):  # the amax max-ed into a running one; the scale derived from one
+            spilled = _spill_stores(_compile(kernel, "bf16", dict(
+                HW=True, CODES=True, AMAX=delayed, INTO=delayed, FROM_AMAX=not delayed, SHRINK=1.0, M=3, BIAS=7,
+                TOP=448.0, BR=fp8_triton.BLOCK_ROWS, BC=fp8_triton.BLOCK_COLS), fp8_triton.WARPS, 3,
+                {"PEAKS": "*i32"}))
+            assert spilled == 0, (kernel.__name__, delayed, spilled)
 
 
 def compile_all():
@@ -129,19 +131,26 @@ def compile_all():
     for kernel in (fp8_triton._codes_fwd, fp8_triton._swiglu_fp8_fwd, fp8_triton._swiglu_fp8_bwd):
         # the hardware's conversion (CUDA's path) in both formats, the integer one, and the amax pass alone
         for fmt, hw, codes in ((e4m3, True, True), (e5m2, True, True), (e4m3, False, True), (e4m3, True, False)):
-            ptx = _compile(kernel, dt, dict(HW=hw, CODES=codes, AMAX=True, INTO=False, **fmt, **block), 4,
-                           3).asm["ptx"]
+            ptx = _compile(kernel, dt, dict(HW=hw, CODES=codes, AMAX=True, INTO=False, FROM_AMAX=False, SHRINK=1.0,
+                                            **fmt, **block), 4, 3).asm["ptx"]
             # the hardware's conversion: to nearest, ties to even, saturating (torch's after the clamp)
             want = f"cvt.rn.satfinite.{'e4m3' if fmt is e4m3 else 'e5m2'}x2.f32"
             assert (want in ptx) == (hw and codes), (kernel.__name__, want, hw, codes)
         # the amax max-ed into a running one (delayed scaling's step amax): an integer atomic maximum on its bits
-        ptx = _compile(kernel, dt, dict(HW=True, CODES=True, AMAX=True, INTO=True, **e4m3, **block), 4, 3,
-                       {"PEAKS": "*i32"}).asm["ptx"]
+        ptx = _compile(kernel, dt, dict(HW=True, CODES=True, AMAX=True, INTO=True, FROM_AMAX=False, SHRINK=1.0,
+                                        **e4m3, **block), 4, 3, {"PEAKS": "*i32"}).asm["ptx"]
         assert "atom.global" in ptx and ".max.s32" in ptx, kernel.__name__
+        # current scaling: the scale derived from the amax in the kernel, by correctly rounded divisions (SwiGLU's
+        # sigmoid divides approximately, as swiglu_triton's, which its values match)
+        ptx = _compile(kernel, dt, dict(HW=True, CODES=True, AMAX=False, INTO=False, FROM_AMAX=True, SHRINK=2.0,
+                                        **e5m2, **block), 4, 3).asm["ptx"]
+        assert "div.rn.f32" in ptx, kernel.__name__
+        assert kernel is not fp8_triton._codes_fwd or ("div.full" not in ptx and "div.approx" not in ptx)
     from benchmarks.gpu.tuning import CODES_LAUNCHES
     for rows, cols, warps in CODES_LAUNCHES[1:]:  # the block shapes and warps the GPU sweep times
-        _compile(fp8_triton._swiglu_fp8_fwd, dt, dict(HW=True, CODES=True, AMAX=True, INTO=True, M=3, BIAS=7,
-                                                       TOP=448.0, BR=rows, BC=cols), warps, 3, {"PEAKS": "*i32"})
+        _compile(fp8_triton._swiglu_fp8_fwd, dt, dict(HW=True, CODES=True, AMAX=True, INTO=True, FROM_AMAX=False,
+                                                       SHRINK=1.0, M=3, BIAS=7, TOP=448.0, BR=rows, BC=cols), warps, 3,
+                 {"PEAKS": "*i32"})
     for rms in (True, False):
         flags = dict(IS_RMS=rms, HAS_BIAS=not rms, BLOCK=8192)
         _compile(norm_triton._norm_fwd, dt, dict(HAS_RES=True, **flags), 16, 3)

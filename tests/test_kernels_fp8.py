@@ -104,6 +104,22 @@ def test_fp8_codes_and_swiglu_straight_to_fp8_are_the_cast_bit_for_bit(act, fp8)
             into = torch.tensor(0.5)  # the reference's (what the CPU runs) likewise
             assert reference.fp8_codes(v2.cpu(), None, fp8, True, into)[2] is into
             assert _same(into, torch.maximum(torch.tensor(0.5), top.cpu()))
+            # current scaling: the scale derived in the kernel from an amax (0, inf, NaN: scale 1; tiny: saturating),
+            # its reciprocal written out, both those of kernels.reference.fp8_scale bit for bit
+            for a, margin in ((top, 0), (top, 2), (0.0, 0), (float("inf"), 0), (float("nan"), 1), (1e-30, 0),
+                              (3e38, 0)):
+                a = torch.as_tensor(a, dtype=torch.float32, device=DEVICE)
+                derived = reference.fp8_scale(a, torch.finfo(fp8).max, margin)
+                ref = getattr(reference, kernel.__name__)
+                flat = [t.reshape(-1, t.shape[-1]) for t in tensors]  # the reference takes [M, N], as the engine's
+                # the kernel against the values cast; the reference against itself given the scale (its own SwiGLU
+                # values may carry a NaN's sign otherwise)
+                for impl, args, want in ((kernel, tensors, _bits(reference.fp8_cast(v2, derived, fp8))),
+                                         (ref, flat, _bits(ref(*flat, derived, fp8, False)[0]))):
+                    inv = torch.full((), -1.0, device=DEVICE)
+                    codes, codes_t, _ = impl(*args, reference.FromAmax(a, margin, inv), fp8, False)
+                    assert torch.equal(_bits(codes), want) and torch.equal(_bits(codes_t), want.t().contiguous())
+                    assert torch.equal(inv, derived.reciprocal()), (impl, a, margin)
 
 
 
@@ -131,3 +147,9 @@ def test_gpu_fp8_codes_and_swiglu_straight_to_fp8(hardware):
             into = torch.tensor(0.25, device="cuda")  # the running amax, by 8,192 blocks' atomic maxima on the card
             kernel(*tensors, scale, fp8, True, into)
             assert torch.equal(into, top)
+            # current scaling's scale derived on the card (div_rn) as torch derives it, and its reciprocal
+            for margin in (0, 1):
+                derived, inv = reference.fp8_scale(top, torch.finfo(fp8).max, margin), torch.empty((), device="cuda")
+                codes, _, _ = kernel(*tensors, reference.FromAmax(top, margin, inv), fp8, False)
+                assert torch.equal(_bits(codes), _bits(reference.fp8_cast(value, derived, fp8)))
+                assert torch.equal(inv, derived.reciprocal())

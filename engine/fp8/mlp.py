@@ -35,7 +35,7 @@ def _codes(scaler: Scaler, group, fused, *tensors) -> Quantized:
         codes, codes_t, now = fused(*tensors, scale, scaler.dtype, scaler.from_history, scaler.running())
         return both_ways(codes, codes_t, scaler.decode(scale)), now
 
-    q = scaler.produce(lambda: fused(*tensors, None, scaler.dtype, True)[2], make, group)
+    q = scaler.produce(lambda: fused(*tensors, None, scaler.dtype, True)[2], make, group, derive=True)
     scaler.last = q.scale_inv
     return q
 

@@ -35,14 +35,10 @@ def fp8_max(dtype) -> float:
 
 
 def scale_of(amax: torch.Tensor, dtype, margin: int = 0, pow2: bool = False) -> torch.Tensor:
-    """The encode scale for an amax (any shape): fp8_max / amax / 2^margin, 1 where amax is 0 or not finite.
-    `dtype`: the FP8 format, or a tensor of formats' largest values, one per amax (several scalers at once). The
-    division is by the reciprocal (what `fp8_max / tensor` computes in PyTorch), the same numbers either way."""
-    amax = amax.float()
-    top = dtype if isinstance(dtype, torch.Tensor) else fp8_max(dtype)
-    ok = (amax > 0) & torch.isfinite(amax)
-    scale = torch.where(ok, torch.where(ok, amax, 1.0).reciprocal() * top, 1.0) / (2.0 ** margin)
-    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+    """The encode scale for an amax (any shape): fp8_max / amax / 2^margin, 1 where amax is 0 or not finite
+    (kernels.reference.fp8_scale, the rule's one place). `dtype`: the FP8 format, or a tensor of formats' largest
+    values, one per amax (several scalers at once)."""
+    return reference.fp8_scale(amax, dtype if isinstance(dtype, torch.Tensor) else fp8_max(dtype), margin, pow2)
 
 
 @dataclass(frozen=True)
@@ -153,9 +149,12 @@ def both_ways(codes: torch.Tensor, codes_t: torch.Tensor, scale_inv: torch.Tenso
 def codes_of(x: torch.Tensor, scale: torch.Tensor, dtype, want_amax: bool, scale_inv: torch.Tensor,
              into: Optional[torch.Tensor] = None) -> tuple:
     """(x [M, K] quantized as `quantize` does with its transpose attached, x's amax or None): one pass over x on
-    CUDA (kernels.fp8_triton), the same codes and amax; for a tensor two GEMMs take, once transposed. `scale_inv`:
-    1 / scale; `into`: a running amax x's is max-ed into in place (then the amax returned is `into`)."""
-    codes, codes_t, now = dispatch.fp8_codes(x, scale.float().reshape(()), dtype, want_amax, into)
+    CUDA (kernels.fp8_triton), the same codes and amax; for a tensor two GEMMs take, once transposed. `scale`: the
+    encode scale, or a kernels.reference.FromAmax to derive it from; `scale_inv`: 1 / scale; `into`: a running amax
+    x's is max-ed into in place (then the amax returned is `into`)."""
+    if isinstance(scale, torch.Tensor):
+        scale = scale.float().reshape(())
+    codes, codes_t, now = dispatch.fp8_codes(x, scale, dtype, want_amax, into)
     return both_ways(codes, codes_t, scale_inv), now
 
 

@@ -17,6 +17,7 @@ import torch
 
 from engine.fp8.quantize import (Quantized, Split, amax, codes_of, fp8_dtype, fp8_max, group_amax, quantize,
                                  quantize_tiles, scale_of)
+from kernels.reference import FromAmax
 
 ACTIVATION_TILE, WEIGHT_TILE = (1, 128), (128, 128)
 
@@ -66,14 +67,16 @@ class Scaler:
             if transposed:  # the amax comes with the codes where a scale from the history needs it
                 return codes_of(x, scale, self.dtype, self.from_history, self.decode(scale), self.running())
             return quantize(x, scale, self.dtype, self.decode(scale)), None
-        return self.produce(lambda: amax(x), make, group)
+        return self.produce(lambda: amax(x), make, group, derive=transposed)
 
-    def produce(self, measure, make, group=None):
+    def produce(self, measure, make, group=None, derive: bool = False):
         """A tensor with one scale that `make(encode scale)` quantizes, returning (what it made, the tensor's amax
         or None), `measure()` giving that amax alone (this rank's part). A scale from the history is known before:
         the tensor is made at once, the amax taken with it where `make` gives it (or max-ed by it into the step's
-        running amax, `running`: then none is noted); current scaling measures first and reduces over `group`. What
-        `make` made is returned; the amax is noted as `tensor`'s is."""
+        running amax, `running`: then none is noted); current scaling measures first and reduces over `group`, and
+        with `derive` hands `make` a FromAmax, whose scale the codes kernel derives itself (one launch instead of the
+        ten or so small operations of `encode_scale` and the decode scale). What `make` made is returned; the amax is
+        noted as `tensor`'s is."""
         if self.from_history:
             made, now = make(self.scale)
             if now is self.seen:  # `make` max-ed the tensor's amax into the step's in place (`running`)
@@ -82,7 +85,9 @@ class Scaler:
             now = measure() if now is None else now
         else:
             now = group_amax(measure(), group)
-            made, _ = make(self.encode_scale(now))
+            scale = FromAmax(now, self.recipe.margin, torch.empty((), device=now.device)) if derive \
+                else self.encode_scale(now)
+            made, _ = make(scale)
         self.saw(now)
         self.noted = now
         return made
@@ -134,6 +139,8 @@ class Scaler:
     def decode(self, scale: torch.Tensor) -> torch.Tensor:
         """1 / `scale`, the decode scale a GEMM takes: the history's was computed with it (once a step for every
         scaler, `push_all`), any other here."""
+        if isinstance(scale, FromAmax):  # written where the scale is derived
+            return scale.inv
         return self.scale_inv if scale is self.scale else scale.float().reshape(()).reciprocal()
 
 
