@@ -32,7 +32,8 @@ def _codes(scaler: Scaler, group, fused, *tensors) -> Quantized:
     """`fused`'s output (dispatch.swiglu_fp8 or swiglu_grad_fp8 over `tensors`) quantized by `scaler` as
     `Scaler.tensor(..., transposed=True)` would quantize it."""
     def make(scale):
-        codes, codes_t, now = fused(*tensors, scale, scaler.dtype, scaler.from_history, scaler.running())
+        codes, codes_t, now = fused(*tensors, scale, scaler.dtype, scaler.from_history,
+                                     scaler.running(tensors[0].device))
         return both_ways(codes, codes_t, scaler.decode(scale)), now
 
     q = scaler.produce(lambda: fused(*tensors, None, scaler.dtype, True)[2], make, group, derive=True)

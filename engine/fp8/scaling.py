@@ -65,7 +65,8 @@ class Scaler:
         `transposed`: with its transpose made in the same pass (`Quantized.t` then gives it)."""
         def make(scale):
             if transposed:  # the amax comes with the codes where a scale from the history needs it
-                return codes_of(x, scale, self.dtype, self.from_history, self.decode(scale), self.running())
+                return codes_of(x, scale, self.dtype, self.from_history, self.decode(scale),
+                                self.running(x.device))
             return quantize(x, scale, self.dtype, self.decode(scale)), None
         return self.produce(lambda: amax(x), make, group, derive=transposed)
 
@@ -92,11 +93,11 @@ class Scaler:
         self.noted = now
         return made
 
-    def running(self) -> Optional[torch.Tensor]:
-        """Where a tensor made with the history's scale may max its amax into in place: the step's running amax
-        (`seen`; the codes kernels do it in the launch that writes the codes), or None before the history has an
-        entry (current scaling needs the amax first)."""
-        return self.seen if self.from_history else None
+    def running(self, device) -> Optional[torch.Tensor]:
+        """Where a tensor on `device` made with the history's scale may max its amax into in place: the step's
+        running amax (`seen`; the codes kernels do it in the launch that writes the codes), or None before the
+        history has an entry (current scaling needs the amax first) or where `seen` lives elsewhere."""
+        return self.seen if self.from_history and self.seen.device == device else None
 
     @property
     def from_history(self) -> bool:
