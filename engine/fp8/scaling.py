@@ -10,6 +10,7 @@ engine.fp8.quantize), no state.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -145,11 +146,17 @@ class Scaler:
         return self.scale_inv if scale is self.scale else scale.float().reshape(()).reciprocal()
 
 
+@functools.lru_cache(maxsize=16)
+def _tops(dtypes: tuple, device) -> torch.Tensor:
+    """The formats' largest values [n] on `device`, made once (a copy from host memory every step would wait for
+    the device's queue to drain)."""
+    return torch.tensor([fp8_max(d) for d in dtypes], device=device)
+
+
 def _scales(histories: torch.Tensor, recipe: Recipe, dtypes: list) -> tuple:
     """(encode scales [n], their reciprocals) of n histories [n, L] under `recipe`, scaler i's format dtypes[i]."""
     use = histories.amax(1) if recipe.algo == "max" else histories[:, 0]
-    tops = torch.tensor([fp8_max(d) for d in dtypes], device=histories.device)
-    scales = scale_of(use, tops, recipe.margin)
+    scales = scale_of(use, _tops(tuple(dtypes), histories.device), recipe.margin)
     return scales, scales.reciprocal()
 
 
