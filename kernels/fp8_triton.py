@@ -13,6 +13,11 @@ values in fp32, round them to the activations' dtype as `kernels.reference` does
 transposed codes likewise. Under delayed scaling that is one pass: 6 bytes an output element moved against 13 for
 SwiGLU, amax, cast and transpose one after the other; current scaling runs the kernel first for the amax alone.
 
+Each is one launch besides: under delayed scaling the kernel maxes its amax into the step's running amax in place
+(`into`: an integer atomic maximum on the bits), and under current scaling it derives the encode scale from the
+amax itself (a kernels.reference.FromAmax) and writes its reciprocal for the GEMM. Apart, those were four and about
+ten small operations a tensor, which left the H200's FP8 step of 2026-11-27 waiting on the host.
+
 Triton's interpreter (the CPU test of every kernel here) converts fp32 to FP8 wrongly, even normal values
 (Triton 3.6), so off a GPU the codes are computed with integer arithmetic, `_fp8_bits`: to nearest, ties to even,
 saturated to the format's largest value, NaN kept, which is torch's conversion after the clamp of

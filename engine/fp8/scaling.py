@@ -118,10 +118,6 @@ class Scaler:
     def tiles(self, x: torch.Tensor, tile: tuple, split: Optional[Split] = None) -> Quantized:
         return quantize_tiles(x, tile, self.dtype, self.recipe.margin, split)
 
-    def push(self, step_amax: torch.Tensor) -> None:
-        """End of step: the step's amax (reduced over the stage's ranks) enters the history; the scale follows."""
-        push_all([self], step_amax.reshape(1))
-
     def state(self) -> dict:
         """What a checkpoint keeps (JSON: fp32 values are exact as Python floats)."""
         return {"history": self.history.tolist(), "steps": self.steps}
