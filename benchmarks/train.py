@@ -160,7 +160,8 @@ def process_group(use_cuda: bool):
 
 
 def engine_trainer(cfg, device) -> tuple:
-    """(context, started Trainer) of a one-device run of `cfg`, inside `process_group`."""
+    """(context, started Trainer) of a one-device run of `cfg`, inside `process_group`; the caller closes the
+    trainer when done (it gives the process's signal handlers back)."""
     import torch
 
     from engine.layout import Layout
@@ -211,6 +212,7 @@ def run(own, cfg) -> dict:
                 if i >= own.warmup:
                     times[name].append(time.perf_counter() - t0)
                 losses[name].append(loss)
+        trainer.close()
         ctx.destroy()
 
     if measured:

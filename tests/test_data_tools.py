@@ -72,6 +72,36 @@ def test_preprocess_matches_direct_encoding_with_eod(corpus, tmp_path):
     assert "dropped 1: malformed JSON or missing key" in result.stdout
 
 
+def test_preprocess_ends_its_workers_by_telling_them_to_finish_not_by_sigterm(corpus, tmp_path):
+    """The tokenizing pool's workers are told to finish and waited for before the pool is left; leaving a pool with
+    workers alive ends them by SIGTERM. There, a worker waiting for the task queue's lock that the pool's own
+    shutdown took never reads its stop and must be killed, and a process whose SIGTERM handler does not exit (a
+    trainer's stop-signal handler, which a test once left installed in a pytest worker, and which forked workers
+    inherit) waits on it for ever: the suite hung so on 2026-11-27. Checked in a process of its own, with such a
+    handler: no worker is left alive when the pool is left, and the run ends (killed with every worker it forked
+    if it outlives its time)."""
+    import signal
+    d, path, texts, _ = corpus
+    code = (f"import signal; signal.signal(signal.SIGTERM, lambda *a: None)\n"
+            f"import multiprocessing.pool as pools\n"
+            f"alive, terminate = [], pools.Pool.terminate\n"
+            f"pools.Pool.terminate = lambda self: (alive.append(sum(p.is_alive() for p in self._pool)), "
+            f"terminate(self))\n"
+            f"from engine.data.preprocess import Options, preprocess\n"
+            f"s = preprocess([{str(path)!r}], {str(d / 'tok.model')!r}, {str(tmp_path / 'out')!r}, Options(), "
+            f"workers=4, progress=False)\n"
+            f"print('kept', s.kept, 'alive when left', alive)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the process and the pool workers it forked
+        proc.communicate()
+        pytest.fail("preprocess never returned: its pool waited on workers that SIGTERM does not end")
+    assert proc.returncode == 0 and f"kept {len(texts)} alive when left [0]" in out, (out, err[-2000:])
+
+
 def test_preprocess_plain_text_has_one_document_per_line(corpus, tmp_path):
     d, _, texts, _ = corpus
     path = tmp_path / "lines.txt"

@@ -404,9 +404,13 @@ def test_device_timing_queues_each_call_behind_a_device_sleep(monkeypatch):
 def test_step_profile_splits_a_steps_time_into_device_and_host(tmp_path, capsys):
     """benchmarks/gpu/step_profile.py (the H200's FP8 steps were host-bound: it said so) runs on the CPU at tiny
     size: each precision's step time, host time and top operators, in its printed tables and its JSON."""
+    import signal
     from benchmarks.gpu import step_profile
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     step_profile.main(["--size", "tiny", "--warm", "2", "--top", "4", "--precisions", "bf16,delayed",
                        "--out", str(tmp_path)])
+    # the trainers it drove gave this process's stop-signal handlers back (left behind, they once hung the suite)
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
     results = json.loads((tmp_path / "step_profile.json").read_text())
     assert [r["precision"] for r in results] == ["bf16", "delayed"]
     for r in results:

@@ -36,6 +36,7 @@ class Bench:
         self.times, self.losses, self.peaks, self.errors = {}, {}, {}, {}
         base = self._allocated()
         self.ctx, trainer = engine_trainer(self.cfg, device)  # the engine's model and optimizer: its bytes
+        self.trainer = trainer
         try:
             self._add(lambda: loops.EngineLoop(trainer), base)
             plain = self._add(lambda: loops.TorchLoop(self.cfg, self.ctx, trainer, device))
@@ -138,6 +139,8 @@ class Bench:
     def close(self) -> None:
         """Free everything (the next model, or the next micro batch to try, needs the memory)."""
         self.loops.clear()
+        self.trainer.close()
+        self.trainer = None
         self.ctx.destroy()
         release(self.cuda)
 

@@ -153,6 +153,11 @@ def preprocess(inputs: Sequence[str], tokenizer_model, prefix: str, options: Opt
                     summary.tokens += length
             bar.set_postfix_str(f"{summary.documents:,} documents, {summary.tokens:,} tokens", refresh=False)
             bar.update(nbytes)
+        # the workers told to finish and waited for. Leaving the block with them alive ends them by SIGTERM: the
+        # pool's shutdown takes the task queue's lock, a worker waiting for it must be killed, and where this
+        # process has a SIGTERM handler that does not exit (its forks inherit it) that wait never ends
+        pool.close()
+        pool.join()
     for key, writer in writers.items():
         writer.finalize()
         summary.outputs.append(writer.prefix)
