@@ -160,8 +160,10 @@ def process_group(use_cuda: bool):
 
 
 def engine_trainer(cfg, device) -> tuple:
-    """(context, started Trainer) of a one-device run of `cfg`, inside `process_group`; the caller closes the
-    trainer when done (it gives the process's signal handlers back)."""
+    """(context, started Trainer) of a one-device run of `cfg`, inside `process_group`. When done, the caller puts
+    back the stop-signal handlers the trainer installed (`trainer.preemption.restore()`; only `train()` does it
+    itself): left behind, this process and every process it forks would ignore SIGTERM, and a forked pool's
+    shutdown once hung the test suite so."""
     import torch
 
     from engine.layout import Layout
@@ -212,7 +214,7 @@ def run(own, cfg) -> dict:
                 if i >= own.warmup:
                     times[name].append(time.perf_counter() - t0)
                 losses[name].append(loss)
-        trainer.close()
+        trainer.preemption.restore()
         ctx.destroy()
 
     if measured:

@@ -205,15 +205,6 @@ class Trainer:
                 return True
         return False
 
-    def close(self) -> None:
-        """Give back what the trainer holds in its process: the stop-signal handlers it installed when built
-        (SIGTERM, SIGUSR1, SIGINT: left behind, they would keep this process, and every process it forks, from
-        being stopped by them) and its metrics files. `train` ends with it; a caller that drives the steps itself
-        (start, iterate) calls it when done. Idempotent."""
-        if self.metrics is not None:
-            self.metrics.close()
-        self.preemption.restore()
-
     def train(self) -> None:
         cfg, save = self.cfg, self.cfg.checkpoint.save
         if self.metrics is None:
@@ -229,5 +220,6 @@ class Trainer:
         self.profiler.close(self.iteration)
         if self.trace is not None:
             self.trace.write(cfg.logging.pipeline_trace)
-        self.close()
+        self.metrics.close()
+        self.preemption.restore()
         self.phase.text = "tearing down"

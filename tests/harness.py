@@ -90,7 +90,7 @@ def train_logged(cfg, ctx) -> list:
         trainer.train()
     finally:
         if trainer is not None:
-            trainer.close()
+            trainer.preemption.restore()
         ctx.destroy()
     return lines
 

@@ -45,7 +45,7 @@ def _start(rank, world, cases):
             out.append(("refused", str(e)))
         finally:
             if trainer is not None:
-                trainer.close()  # SIGTERM ends this rank again
+                trainer.preemption.restore()  # SIGTERM ends this rank again
             ctx.destroy()
     return out
 

@@ -139,7 +139,7 @@ class Bench:
     def close(self) -> None:
         """Free everything (the next model, or the next micro batch to try, needs the memory)."""
         self.loops.clear()
-        self.trainer.close()
+        self.trainer.preemption.restore()
         self.trainer = None
         self.ctx.destroy()
         release(self.cuda)

@@ -216,7 +216,7 @@ def _train(size, micro, iters, cuda, device, warm, extra) -> dict:
         return {"step_s": round(step, 5), "tokens_per_s": round(tokens / step, 1),
                 "final_loss": round(statistics.mean(losses[-10:]), 5), "seconds": time.time() - started}
     finally:
-        trainer.close()
+        trainer.preemption.restore()
         del trainer
         ctx.destroy()
         release(cuda)

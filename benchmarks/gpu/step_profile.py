@@ -69,7 +69,7 @@ def profile_step(precision: str, size: str, micro: int, warm: int, top: int) -> 
                                              key=lambda e: e.self_device_time_total, reverse=True)[:top]
                              if e.device_type != torch.autograd.DeviceType.CUDA]}
     finally:
-        trainer.close()
+        trainer.preemption.restore()
         del trainer
         ctx.destroy()
         release(cuda)
