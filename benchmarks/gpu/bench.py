@@ -139,10 +139,31 @@ class Bench:
     def close(self) -> None:
         """Free everything (the next model, or the next micro batch to try, needs the memory)."""
         self.loops.clear()
-        self.trainer.preemption.restore()
+        finish(self.ctx, self.trainer)
         self.trainer = None
-        self.ctx.destroy()
         release(self.cuda)
+
+
+def timed_iterations(trainer, n: int, cuda: bool) -> tuple:
+    """(seconds, loss) of each of `n` engine iterations, each timed from a drained device to a drained device."""
+    times, losses = [], []
+    for _ in range(n):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        trainer.iterate()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(trainer.last_record["lm_loss"])
+    return times, losses
+
+
+def finish(ctx, trainer) -> None:
+    """After a trainer driven step by step: its stop-signal handlers put back (engine_trainer says why) and the
+    parallel context destroyed; the caller drops the trainer, then `release`s the device memory."""
+    trainer.preemption.restore()
+    ctx.destroy()
 
 
 def release(cuda: bool) -> None:

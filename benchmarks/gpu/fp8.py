@@ -18,7 +18,7 @@ from unittest import mock
 import torch
 
 from benchmarks.gpu import models
-from benchmarks.gpu.bench import MICROBATCHES, release
+from benchmarks.gpu.bench import MICROBATCHES, finish, release, timed_iterations
 from benchmarks.gpu.context import NEEDS_CUDA
 from benchmarks.kernel_speed import median_ms
 from benchmarks.train import engine_trainer, process_group
@@ -201,22 +201,12 @@ def _train(size, micro, iters, cuda, device, warm, extra) -> dict:
     started = time.time()
     ctx, trainer = engine_trainer(cfg, device)
     try:
-        times, losses = [], []
-        for i in range(iters):
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            trainer.iterate()
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-            losses.append(trainer.last_record["lm_loss"])
+        times, losses = timed_iterations(trainer, iters, cuda)
         step = statistics.median(times[warm:] or times)
         tokens = micro * MICROBATCHES * cfg.model.seq_length
         return {"step_s": round(step, 5), "tokens_per_s": round(tokens / step, 1),
                 "final_loss": round(statistics.mean(losses[-10:]), 5), "seconds": time.time() - started}
     finally:
-        trainer.preemption.restore()
+        finish(ctx, trainer)
         del trainer
-        ctx.destroy()
         release(cuda)

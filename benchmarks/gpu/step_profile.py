@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu import models
-from benchmarks.gpu.bench import MICROBATCHES, release
+from benchmarks.gpu.bench import MICROBATCHES, finish, release, timed_iterations
 from benchmarks.train import engine_trainer, process_group
 
 
@@ -30,13 +30,7 @@ def profile_step(precision: str, size: str, micro: int, warm: int, top: int) -> 
     ctx, trainer = engine_trainer(cfg, "cuda:0" if cuda else "cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     try:
-        walls = []
-        for _ in range(warm):
-            sync()
-            t0 = time.perf_counter()
-            trainer.iterate()
-            sync()
-            walls.append(time.perf_counter() - t0)
+        walls = timed_iterations(trainer, warm, cuda)[0]
         from torch.profiler import ProfilerActivity, profile
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         sync()
@@ -69,9 +63,8 @@ def profile_step(precision: str, size: str, micro: int, warm: int, top: int) -> 
                                              key=lambda e: e.self_device_time_total, reverse=True)[:top]
                              if e.device_type != torch.autograd.DeviceType.CUDA]}
     finally:
-        trainer.preemption.restore()
+        finish(ctx, trainer)
         del trainer
-        ctx.destroy()
         release(cuda)
 
 
