@@ -63,6 +63,17 @@ def test_dry_run_figures(dry_run):
              for step in ("eager", "compile", "compile (plain)")}
     assert calls["eager"] > 0 and len(set(calls.values())) == 1, calls
     assert all(r["shapes"].startswith("[[") for r in gemms)
+    # ... and each of those steps' products carry the model's FLOPs, no more, no fewer (the H200's compiled plain
+    # step of 2026-11-27 ran fewer: its products' time would have meant 1.15x the card's matmul rate)
+    totals = s["training"]["tables"]["product_totals"]
+    assert len(totals) == 6 and all(r["tflop"] == pytest.approx(r["model_tflop"], rel=1e-5) for r in totals), totals
+    # every loop's compiled gradients are its eager ones (on the CPU dynamo captures only: exactly)
+    grads = s["training"]["tables"]["compiled_grads"]
+    assert {(r["family"], r["loop"]) for r in grads} == {(f, n) for f in ("llama", "gpt2")
+                                                         for n in ("engine", "plain", "transformers")}
+    assert all(r["match"] and r["params"] > 0 and r["worst_rel_diff"] == 0.0 for r in grads), grads
+    compiled = [r for r in s["training"]["tables"]["training"] if r["mode"] == "compile"]
+    assert compiled and all(r["grads_match_eager"] is True for r in compiled)
     assert result["goals"] and {g["verdict"] for g in result["goals"]} == {"not measured"}
     delayed = {r["precision"]: r["final_loss"] for r in s["fp8"]["tables"]["fp8_step"] if "delayed" in r["precision"]}
     assert len(set(delayed.values())) == 1, delayed  # the one-pass codes change no number
@@ -185,6 +196,73 @@ def test_goals_judge_gpu_figures():
     assert verdicts["attention_d128_s4096 auto (sdpa-cudnn) fwd+bwd vs sdpa-flash"] == "not measured"  # its row failed
     assert verdicts["planner memory, engine llama eager"] == "met"   # 30 / 31
     assert verdicts["planner memory, engine gpt2 eager"] == "missed"  # 12 / 8
+
+
+def test_a_compiled_row_whose_gradients_are_not_its_eager_ones_is_left_out_of_the_speed_goal():
+    from benchmarks.gpu import goals
+    sections = gpu_shaped_sections()
+    rows = sections["training"]["tables"]["training"]
+    rows.append({**_train("llama", "plain", "compile", 0.20), "grads_match_eager": False})  # 1.5x the engine, not so
+    verdict = next(g for g in goals.evaluate(sections, "full") if g["goal"] == "engine 1.3B step vs best baseline")
+    assert verdict["verdict"] == "met" and verdict["measured"].startswith("1.13x (transformers compile)")
+    assert "plain compile" in verdict["note"]
+    rows[-1]["grads_match_eager"] = True
+    verdict = next(g for g in goals.evaluate(sections, "full") if g["goal"] == "engine 1.3B step vs best baseline")
+    assert verdict["verdict"] == "missed" and verdict["measured"].startswith("0.67x (plain compile)")
+
+
+class _Loop:
+    """A loop as grad_check sees one: its model, its mean loss on a batch and its autocast dtype."""
+    autocast = None
+
+    def __init__(self, forward):
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(4, 3)
+        self.model.extra = torch.nn.Parameter(torch.randn(3))
+        self.frozen = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+        self.model.register_parameter("frozen", self.frozen)
+        self.model.forward = forward.__get__(self.model)
+
+    def loss(self, batch):
+        return self.model(batch["tokens"]).square().mean()
+
+
+def _drops_extra_when_compiled(self, x):
+    extra = self.extra.detach() if torch.compiler.is_compiling() else self.extra
+    return torch.nn.functional.linear(x, self.weight, self.bias) * extra + self.frozen
+
+
+def _scales_when_compiled(self, x):
+    weight = self.weight * 1.1 if torch.compiler.is_compiling() else self.weight
+    return torch.nn.functional.linear(x, weight, self.bias) * self.extra
+
+
+def test_grad_check_finds_a_gradient_a_compiled_step_drops_or_changes():
+    """What the training section asks of each compiled loop, shown failing: a compiled graph that loses a
+    parameter's gradient, and one that computes another one (dynamo traces the `is_compiling` branch; the eager
+    side runs under set_stance("force_eager"))."""
+    from benchmarks.gpu import grad_check
+    batch = {"tokens": torch.randn(5, 4)}
+    for forward, missing, worst in ((_drops_extra_when_compiled, ["extra"], None), (_scales_when_compiled, [], "bias")):
+        loop = _Loop(forward)
+        torch._dynamo.reset()
+        loop.model.compile(backend="eager")
+        got = grad_check.compiled_vs_eager(loop, batch)
+        assert got["params"] == 3 and got["missing_first"] == missing and not got["match"], got
+        if worst:  # the 1.1x weight changes every gradient; the bias's most (its loss term is the one scaled)
+            assert got["worst_rel_diff"] > grad_check.TOLERANCE and got["worst_param"] in ("weight", "bias", "extra")
+    honest = _Loop(lambda self, x: torch.nn.functional.linear(x, self.weight, self.bias) * self.extra)
+    torch._dynamo.reset()
+    honest.model.compile(backend="eager")
+    assert grad_check.compiled_vs_eager(honest, batch)["match"]
+
+
+def test_product_flops_from_the_profilers_input_shapes():
+    from benchmarks.gpu.bench import product_tflop
+    assert product_tflop("aten::mm", [[16384, 2048], [2048, 8192], [16384, 8192]], 2) == 2 * 2 * 16384 * 2048 * 8192 / 1e12
+    assert product_tflop("aten::addmm", [[10], [4, 5], [5, 10]], 3) == 3 * 2 * 4 * 5 * 10 / 1e12
+    assert product_tflop("aten::bmm", [[3, 4, 5], [3, 5, 6]], 1) == 2 * 3 * 4 * 5 * 6 / 1e12
+    assert product_tflop("aten::matmul", [[4, 5], [5, 6]], 1) is None  # its aten::mm is listed too
 
 
 def test_gpu_figures_render_as_the_printed_and_the_readme_table():

@@ -95,6 +95,11 @@ class Bench:
         if self.cuda and measured:  # steady state: not the compiling or first steps
             self.peaks[key] = max(self.peaks.get(key, 0), torch.cuda.max_memory_allocated() - base)
 
+    def batch(self) -> dict:
+        """The first microbatch of the run's first step, on the device (what a check outside the rounds runs)."""
+        from engine.data import make_batch
+        return make_batch(self.trainer.train_ds, list(range(self.cfg.training.micro_batch_size)), device=self.device)
+
     def drop(self, name: str) -> None:
         """Stop stepping a loop that failed (its state is no longer trustworthy)."""
         self.loops.pop(name, None)
@@ -133,7 +138,7 @@ class Bench:
         products = sorted((e for e in prof.key_averages(group_by_input_shape=True) if e.key in GEMM_OPS),
                           key=own, reverse=True)
         gemms = [{"op": e.key, "shapes": str(e.input_shapes)[:120], "device_ms": round(own(e) / 1e3, 3),
-                  "calls": e.count} for e in products]
+                  "calls": e.count, "tflop": product_tflop(e.key, e.input_shapes, e.count)} for e in products]
         return rows, gemms
 
     def close(self) -> None:
@@ -142,6 +147,16 @@ class Bench:
         finish(self.ctx, self.trainer)
         self.trainer = None
         release(self.cuda)
+
+
+def product_tflop(op: str, shapes: list, calls: int):
+    """TFLOP of `calls` matrix products `op` with these input shapes (2 m n k each, times the batch), or None for
+    aten::matmul, a wrapper whose product is also listed as the aten::mm or aten::bmm it runs."""
+    if op == "aten::matmul" or not shapes:
+        return None
+    a, b = shapes[1:3] if op in ("aten::addmm", "aten::baddbmm") else shapes[:2]  # addmm's first is what it adds
+    batch = a[0] if len(a) == 3 else 1
+    return 2.0 * batch * a[-2] * a[-1] * b[-1] * calls / 1e12
 
 
 def timed_iterations(trainer, n: int, cuda: bool) -> tuple:

@@ -41,15 +41,19 @@ def evaluate(sections: dict, mode: str) -> list:
 def training_goals(sections: dict) -> list:
     rows = [r for r in _rows(sections, "training", "training") if r["family"] == "llama" and r.get("step_s")]
     engine = next((r for r in rows if r["loop"] == "engine" and r["mode"] == "eager"), None)
-    others = [r for r in rows if r is not engine]
+    # a compiled row whose gradients are not its eager ones does not run the same training step (grad_check)
+    unlike = [r for r in rows if r.get("grads_match_eager") is False]
+    others = [r for r in rows if r is not engine and r not in unlike]
+    left_out = "; left out, compiled gradients not the eager ones: " + ", ".join(
+        f"{r['loop']} {r['mode']}" for r in unlike) if unlike else ""
     if engine is None or not others:
         why = "no engine 1.3B row" if engine is None else "no baseline row"
-        return [goal("engine 1.3B step vs best baseline", None, ">= 1.1x", None, why),
+        return [goal("engine 1.3B step vs best baseline", None, ">= 1.1x", None, why + left_out),
                 goal("engine 1.3B MFU", None, ">= 45%", None, why)]
     best = min(others, key=lambda r: r["step_s"])
     speedup = best["step_s"] / engine["step_s"]
     return [goal("engine 1.3B step vs best baseline", f"{speedup:.2f}x ({best['loop']} {best['mode']})", ">= 1.1x",
-                 speedup >= 1.1),
+                 speedup >= 1.1, left_out.lstrip("; ")),
             goal("engine 1.3B MFU", f"{100 * engine['mfu_989']:.1f}%", ">= 45%", engine["mfu_989"] >= 0.45)]
 
 

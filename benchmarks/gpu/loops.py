@@ -22,9 +22,12 @@ from benchmarks.train import PlainLoop
 
 class EngineLoop:
     name = "engine"
+    autocast = None  # bf16 weights (--bf16): nothing to cast
+    loss = PlainLoop.loss  # one microbatch's mean loss (the gradient check's): the same model class, called alike
 
     def __init__(self, trainer):
         self.trainer = trainer
+        self.model = trainer.chunks[0]  # one device: one chunk, the whole GPTModel
 
     def step(self, iteration: int) -> float:
         """One engine iteration; it consumes the same samples as the others' `iteration` (its sampler's order)."""

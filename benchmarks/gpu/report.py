@@ -98,10 +98,11 @@ def training(result: dict) -> list:
     rows = result["sections"].get("training", {}).get("tables", {}).get("training", [])
     table = [[r["family"], r["loop"], r["mode"], r["micro_batch"], _count(r.get("tokens_per_s")),
               _pct(r.get("mfu_989")), _pct(r.get("mfu_measured")), _n(r.get("peak_gib")), _n(r.get("planner_gib")),
-              _n(r.get("loss_max_diff_vs_plain"), 2), _n(r.get("warm_up_s")), (r.get("error") or "")[:120]]
+              _n(r.get("loss_max_diff_vs_plain"), 2), _n(r.get("warm_up_s")), _GRADS.get(r.get("grads_match_eager")),
+              (r.get("error") or "")[:120]]
              for r in rows]
     out = _t(["model", "loop", "mode", "mbs", "tokens/s", "MFU/989", "MFU/measured", "peak GiB", "planner GiB",
-              "Δloss vs plain", "warm-up s", "error"], table) if table else []
+              "Δloss vs plain", "warm-up s", "compiled grads", "error"], table) if table else []
     prof = result["sections"].get("training", {}).get("tables", {}).get("profile", [])
     if prof:  # where a step spends its device time: the top operators per model and step (engine eager first)
         steps = dict.fromkeys((r["family"], r["phase"]) for r in prof)
@@ -110,11 +111,19 @@ def training(result: dict) -> list:
         out += ["", *_t(["model", "step", "operator", "device ms", "share", "calls"],
                         [[r["family"], r["phase"], r["op"], r["device_ms"], _pct(r["share"]), r["calls"]]
                          for r in shown])]
+    totals = result["sections"].get("training", {}).get("tables", {}).get("product_totals", [])
+    if totals:  # each profiled step's products summed, against the model's: fewer TFLOP, or above the card's rate,
+        out += ["", *_t(["model", "step", "products", "TFLOP", "model's TFLOP", "device ms", "TFLOP/s", "x matmul"],
+                        [[r["family"], r["phase"], r["calls"], _n(r["tflop"], 4), _n(r["model_tflop"], 4),
+                          r["device_ms"], _n(r["tflops_rate"]), _n(r["rate_over_matmul"])] for r in totals])]
     gemms = result["sections"].get("training", {}).get("tables", {}).get("gemms", [])
     if gemms:  # every matrix product of each profiled step, by input shapes: where two loops' products differ
         out += ["", *_t(["model", "step", "operator", "input shapes", "device ms", "calls"],
                         [[r["family"], r["phase"], r["op"], r["shapes"], r["device_ms"], r["calls"]] for r in gemms])]
     return out
+
+
+_GRADS = {True: "= eager", False: "NOT eager's", None: "-"}  # grad_check's verdict on a compiled row
 
 
 def tuning(result: dict) -> list:
@@ -220,7 +229,8 @@ def _training_rows(result: dict, name: str, date: str) -> list:
     for family in dict.fromkeys(r["family"] for r in rows):
         case = [r for r in rows if r["family"] == family]
         ours = next((r for r in case if r["loop"] == "engine" and r["mode"] == "eager"), None)
-        best = max((r for r in case if r is not ours), key=lambda r: r["tokens_per_s"], default=None)
+        best = max((r for r in case if r is not ours and r.get("grads_match_eager") is not False),  # as the goal
+                   key=lambda r: r["tokens_per_s"], default=None)
         out.append([name, date, f"{case[0]['model']} training, micro batch {case[0]['micro_batch']}", _speed(ours),
                     _speed(best, True), case[0]["mfu_anchor"], goal if family == "llama" else "-"])
     return out

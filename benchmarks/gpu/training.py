@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.gpu import models
+from benchmarks.gpu import grad_check, models
 from benchmarks.gpu.bench import MICROBATCHES, Bench, release
 from benchmarks.gpu.context import NEEDS_CUDA
 from benchmarks.train import process_group
@@ -51,7 +51,7 @@ def train(opts, record, family: str, matmul) -> None:
         bench.rounds(iters, True, "eager")
         report(record, bench, "eager", matmul)
         if "engine" in bench.loops and record.has_time(f"{family} engine profile", opts.pick(10, 10, 2)):
-            profile(record, bench, family)
+            profile(record, bench, family, matmul)
         if record.has_time(f"{family} torch.compile", opts.pick(*COMPILE_NEED[family])):
             backend = "inductor" if opts.cuda else "eager"  # on CPU only dynamo's capture runs: no C++ build
             for name in list(bench.loops):
@@ -62,24 +62,73 @@ def train(opts, record, family: str, matmul) -> None:
                     bench.drop(name)
             bench.rounds(warm, False, "compile")
             bench.rounds(iters, True, "compile")
-            report(record, bench, "compile", matmul, backend)
+            checked = check_gradients(opts, record, bench)
+            report(record, bench, "compile", matmul, backend, checked)
             for name in ("engine", "plain"):  # why the compiled loops differ (H200: plain 1.11x the engine)
                 if name in bench.loops and record.has_time(f"{family} {name} compiled profile", opts.pick(10, 10, 2)):
-                    profile(record, bench, family, name, "compile")
+                    profile(record, bench, family, matmul, name, "compile")
     finally:
         bench.close()
 
 
-def profile(record, bench, family: str, loop: str = "engine", phase: str = "eager") -> None:
-    """Where one loop's step spends its device time: the top operators, and a note of the first five."""
+def check_gradients(opts, record, bench) -> dict:
+    """{loop: whether its compiled gradients are its eager ones} (grad_check says why this is asked), each loop's
+    comparison a row of the `compiled_grads` table; a loop that could not be checked is left out (None)."""
+    checked = {}
+    if not record.has_time(f"{bench.family} compiled gradients", opts.pick(20, 20, 2)):
+        return checked
+    batch = bench.batch()
+    for name, loop in list(bench.loops.items()):
+        try:
+            result = grad_check.compiled_vs_eager(loop, batch)
+        except Exception as exc:  # noqa: BLE001 - an out-of-memory here costs this check, not the rows
+            result = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        release(opts.cuda)
+        checked[name] = result.get("match")
+        record.row("compiled_grads", {"family": bench.family, "loop": name, **result})
+        if checked[name] is False:
+            record.note(f"{bench.family} {name}: its compiled gradients are not its eager ones ({result['missing']} "
+                        f"missing, worst relative difference {result['worst_rel_diff']:.2e} in "
+                        f"{result['worst_param']}): its compiled row is left out of the goals")
+    return checked
+
+
+def profile(record, bench, family: str, matmul, loop: str = "engine", phase: str = "eager") -> None:
+    """Where one loop's step spends its device time: the top operators, and a note of the first five; its matrix
+    products by shapes, and their sum against the model's (`product_totals`)."""
     rows, gemms = bench.profile(loop)
     step = phase if loop == "engine" else f"{phase} ({loop})"
     for row in rows:
         record.row("profile", {"family": family, "phase": step, **row})
     for row in gemms:
         record.row("gemms", {"family": family, "phase": step, **row})
+    totals = product_totals(bench, gemms, matmul)
+    record.row("product_totals", {"family": family, "phase": step, **totals})
     record.note(f"{family} {loop} step ({phase}), most device time: "
-                + "; ".join(f"{r['op']} {100 * r['share']:.0f}%" for r in rows[:5]))
+                + "; ".join(f"{r['op']} {100 * r['share']:.0f}%" for r in rows[:5])
+                + f"; its products {totals['tflop']:.4g} TFLOP of the model's {totals['model_tflop']:.4g}"
+                + (f", at {totals['rate_over_matmul']:.2f}x the card's matmul rate" if totals["rate_over_matmul"]
+                   else ""))
+
+
+def product_totals(bench, gemms: list, matmul) -> dict:
+    """The profiled step's matrix products summed: TFLOP, device ms, their rate, that rate over the card's measured
+    matmul rate, and the TFLOP the model's products need (engine.flops: the linears' and the output layer's;
+    attention's own products run inside its kernels). A step whose products carry fewer TFLOP than the model's, or
+    run above the card's rate, skipped some (H200, 2026-11-27: the compiled plain loop's ran at 1.15x)."""
+    counted = [g for g in gemms if g["tflop"] is not None]
+    tflop, ms = sum(g["tflop"] for g in counted), sum(g["device_ms"] for g in counted)
+    rate = tflop / (ms / 1e3) if ms else None
+    cfg = bench.cfg
+    f = flops.forward_flops_per_sequence(cfg.model, cfg.model.seq_length)  # each product once forward, twice back
+    model = 3 * (f["linear"] + f["logits"]) * cfg.training.global_batch_size / 1e12
+    return {"calls": sum(g["calls"] for g in counted), "tflop": _digits(tflop), "device_ms": round(ms, 3),
+            "tflops_rate": round(rate, 1) if rate else None, "model_tflop": _digits(model),
+            "rate_over_matmul": round(rate / matmul, 3) if rate and matmul else None}
+
+
+def _digits(x: float) -> float:
+    return float(f"{x:.6g}")
 
 
 def fit(opts, record, family: str):
@@ -123,11 +172,13 @@ def resident_bytes(family: str, micro: int) -> float:
     return kept + max(engine.activations + engine.logits, plain.activations + plain.logits + plain.grads)
 
 
-def report(record, bench, phase: str, matmul, backend: str = "") -> None:
+def report(record, bench, phase: str, matmul, backend: str = "", checked=None) -> None:
+    """Each loop's row of `phase`; `checked`: {loop: whether its compiled gradients are its eager ones}."""
     for name in ("engine", "plain", "transformers"):
         row = {"model": FAMILIES[bench.family], "family": bench.family, "loop": name, "mode": phase,
                "compile_backend": backend, **shape(bench), **bench.summary(name, phase),
-               "precision": precision(bench, name), "error": bench.errors.get((name, phase))}
+               "precision": precision(bench, name), "error": bench.errors.get((name, phase)),
+               "grads_match_eager": (checked or {}).get(name)}
         row.update(speed(bench, row, matmul))
         row.update(memory(bench, name, row["peak_bytes"]))
         row["loss_max_diff_vs_plain"] = loss_gap(bench, name)
@@ -188,4 +239,5 @@ def line(row: dict) -> str:
         mfu += f", {100 * row['mfu_measured']:.1f}% of measured"
     peak = f"peak {row['peak_gib']:.2f} GiB (planner {row['planner_gib']:.2f})" if row["peak_gib"] is not None \
         else f"planner {row['planner_gib']:.3f} GiB"
-    return head + f"{row['tokens_per_s']:.0f} tokens/s, {mfu}, {peak} (anchor {ANCHOR})"
+    flag = "; its compiled gradients are NOT its eager ones" if row.get("grads_match_eager") is False else ""
+    return head + f"{row['tokens_per_s']:.0f} tokens/s, {mfu}, {peak} (anchor {ANCHOR}){flag}"

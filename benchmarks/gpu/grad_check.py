@@ -1,0 +1,55 @@
+"""Whether a compiled loop still trains what its eager self trains: each parameter's gradient on one microbatch,
+the loop's compiled layers against the same layers forced eager (torch.compiler.set_stance("force_eager")).
+
+Why the training section runs it: the H200 run of 2026-11-27 timed the plain loop's compiled step at 459 ms, and
+its profile put 262.6 ms of device time on 326 matrix products. The model's products carry 243 TFLOP a step (the
+engine's 390 ran at 739 TFLOP/s), so the plain loop's would have run at 925 TFLOP/s, 1.15x the card's measured
+matmul rate: that step did not compute them all. The learning rate is still warming up over the first steps a row
+times, so neither its loss nor the others' could show a gradient gone missing; a speed row is only comparable with
+the others if its gradients are the ones its eager step computes.
+
+The eager gradients go to host memory while the compiled ones are computed (one more set of the model's gradients
+on the device, not two, beside the three loops resident).
+"""
+from __future__ import annotations
+
+import torch
+
+TOLERANCE = 2e-2  # the largest relative difference accepted: bf16 products summed in another order differ ~1e-3
+
+
+def trainable(loop) -> list:
+    """(name, parameter) of each parameter `loop.model` trains."""
+    return [(n, p) for n, p in loop.model.named_parameters() if p.requires_grad]
+
+
+def gradients(loop, batch) -> list:
+    """Every trainable parameter's gradient of `loop`'s mean loss on `batch` (None where nothing reaches it),
+    through torch.autograd.grad, so nothing is accumulated into the loop's own gradients or buffers."""
+    params = [p for _, p in trainable(loop)]
+    with torch.autocast(batch["tokens"].device.type, dtype=loop.autocast, enabled=loop.autocast is not None):
+        loss = loop.loss(batch)
+    return list(torch.autograd.grad(loss, params, allow_unused=True))
+
+
+def compiled_vs_eager(loop, batch) -> dict:
+    """{params, missing (how many gradients the eager step computes and the compiled one does not, or leaves all
+    zero), missing_first (their first names), worst_rel_diff, worst_param, match}: `loop`'s compiled gradients
+    against its eager ones on `batch`."""
+    names = [n for n, _ in trainable(loop)]
+    with torch.compiler.set_stance("force_eager"):
+        eager = [None if g is None else g.to("cpu") for g in gradients(loop, batch)]
+    compiled = gradients(loop, batch)
+    missing, worst, worst_name = [], 0.0, None
+    for name, e, c in zip(names, eager, compiled):
+        if e is None:
+            continue
+        e = e.to(c.device if c is not None else "cpu").float()
+        if c is None or (not torch.count_nonzero(c) and torch.count_nonzero(e)):
+            missing.append(name)
+            continue
+        diff = float((c.float() - e).norm() / e.norm().clamp_min(1e-30))
+        if diff > worst:
+            worst, worst_name = diff, name
+    return {"params": len(names), "missing": len(missing), "missing_first": missing[:8],
+            "worst_rel_diff": worst, "worst_param": worst_name, "match": not missing and worst <= TOLERANCE}
