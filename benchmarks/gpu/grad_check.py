@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import torch
 
-TOLERANCE = 2e-2  # the largest relative difference accepted: bf16 products summed in another order differ ~1e-3
+# The largest relative difference accepted. The same bf16 step summed in another order differs by ~1e-3 (the CPU's
+# inductor against eager on the tiny model: 8e-4 at worst), more through 16 layers; a gradient that lost or doubled
+# one of its terms differs by tens of percent or more.
+TOLERANCE = 5e-2
 
 
 def trainable(loop) -> list:
