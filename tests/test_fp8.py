@@ -399,8 +399,9 @@ def test_a_split_backward_defers_the_fp8_weight_gradient():
 @pytest.mark.parametrize("kind, moe", [("tensorwise", True), ("delayed", False), ("blockwise", True)])
 def test_a_step_quantizes_each_weight_once_for_all_its_microbatches(kind, moe):
     """engine.fp8.weights_held: over a step of 2 microbatches each FP8 linear casts its weight once and transposes
-    it once, and each routed expert's weight is cast once, not once a microbatch, and the run (losses, amax
-    histories, final weights) is bit for bit the one that quantizes per microbatch."""
+    it once (in the same pass under tensor scaling: no transpose of the codes apart), and each routed expert's
+    weight is cast once, not once a microbatch, and the run (losses, amax histories, final weights) is bit for bit
+    the one that quantizes per microbatch."""
     from test_fp8_layouts import MICROBATCHES, VOCAB, _cfg, _run
 
     from engine.fp8.quantize import Quantized
@@ -417,18 +418,23 @@ def test_a_step_quantizes_each_weight_once_for_all_its_microbatches(kind, moe):
         cast, transpose, expert_cast = Fp8Linear.quantize, Quantized.t, Fp8Experts.weight
         with mock.patch.object(Fp8Linear, "quantize", lambda self, role, x, transposed=False: (
                 casts.append(role), cast(self, role, x, transposed))[1]), \
-                mock.patch.object(Quantized, "t", lambda self: (transposes.append(1), transpose(self))[1]), \
+                mock.patch.object(Quantized, "t", lambda self: (transposes.append(self.transposed is None),
+                                                                transpose(self))[1]), \
                 mock.patch.object(Fp8Experts, "weight", lambda self, w: (expert_casts.append(1),
                                                                          expert_cast(self, w))[1]):
             run = _run(cfg, [model], ctx, steps=range(steps))
         assert not any(k.holding or k.held for k in keepers)  # nothing outlives the schedule
         runs[hold] = dict(run, weights=[p.detach().clone() for p in model.parameters()],
-                          casts=casts.count("weight"), transposes=len(transposes), expert_casts=len(expert_casts),
+                          casts=casts.count("weight"), transposes=len(transposes), apart=sum(transposes),
+                          expert_casts=len(expert_casts),
                           linears=len(fp8.linears([model])))
     held, each = runs[True], runs[False]
     assert held["linears"] > 0 and held["casts"] == steps * held["linears"]
     assert each["casts"] == MICROBATCHES * held["casts"]
     assert each["transposes"] - held["transposes"] == (MICROBATCHES - 1) * steps * held["linears"]
+    # a held W's transpose comes with its codes in one pass (Fp8Linear.both_ways), tiles' apart once a step
+    assert held["apart"] == (steps * held["linears"] if kind == "blockwise" else 0)
+    assert each["apart"] == MICROBATCHES * steps * held["linears"]
     assert (held["expert_casts"] > 0) == moe and each["expert_casts"] == MICROBATCHES * held["expert_casts"]
     assert held["curve"] == each["curve"] and held["end"] == each["end"]
     assert all(torch.equal(a, b) for a, b in zip(held["weights"], each["weights"]))

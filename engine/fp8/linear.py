@@ -31,9 +31,9 @@ moved); forward then takes them instead of quantizing the weight, the same codes
 Without the flag, within one step's forward/backward schedule of several microbatches the weight does not change,
 so the linear quantizes it once: `held` keeps forward's Q(W) and, once the first backward makes it, its transpose
 (the input gradient's operand), for the later microbatches; engine.fp8.weights_held turns this on for the schedule
-and drops them after it. That is one amax, one cast and one transpose of W a step instead of one per microbatch
-(Transformer Engine caches its FP8 weights across microbatches likewise), the same codes and scale bit for bit, and
-one copy of Q(W) however many microbatches are in flight. Not under ZeRO-3, whose point is not to keep whole weights.
+and drops them after it. That is one pass over W a step (its codes, their transpose and its amax, `both_ways`)
+instead of one per microbatch (Transformer Engine caches its FP8 weights across microbatches likewise), the same
+codes and scale bit for bit, and one copy of Q(W) however many microbatches are in flight. Not under ZeRO-3, whose point is not to keep whole weights.
 """
 from __future__ import annotations
 
@@ -69,8 +69,9 @@ def _split_positions(spec, ctx) -> tuple:
 @dataclass
 class Held:
     """W quantized here for this step's first microbatch: its codes and scale, the amax that call noted (`now`,
-    noted again by each later microbatch as its own call would) and the weight's version then; `t`: the transposed
-    codes the input gradient takes, once the first backward has made them."""
+    noted again by each later microbatch as its own call would; None where there is nothing to note again) and the
+    weight's version then; `t`: the transposed codes the input gradient takes, once the first backward has taken
+    them (made with the codes, `Fp8Linear.both_ways`, or apart)."""
     q: Quantized
     now: object
     version: int
@@ -115,14 +116,24 @@ class Fp8Linear:
     def quantize(self, role: str, x: torch.Tensor, transposed: bool = False):
         """One operand: `role` input | weight | grad; `transposed`: x^T for the weight gradient (tokens last)."""
         scaler = getattr(self, role)
-        if not self.recipe.blockwise:  # an input or gradient is taken transposed too: made with its transpose
-            q = scaler.tensor(x, self.group, transposed=role != "weight" and one_pass())
+        if not self.recipe.blockwise:  # made with its transpose where a GEMM takes it transposed too (`both_ways`)
+            q = scaler.tensor(x, self.group, transposed=self.both_ways(role) and one_pass())
         else:
             q = scaler.tiles(x, WEIGHT_TILE if role == "weight" else ACTIVATION_TILE,
                              None if transposed else self.splits.get(role))
         if not transposed:
             scaler.last = q.scale_inv  # the full tensor's scale(s), the same under every layout
         return q
+
+    def both_ways(self, role: str) -> bool:
+        """Whether the `role` operand is quantized with its transpose in one pass: an input or gradient always (the
+        weight gradient takes them transposed); W when it is held for the schedule, whose backwards take Q(W)^T
+        (the input gradient's operand): the pass writes it for one byte an element more, where a transpose of the
+        codes apart reads and writes them again (on the H200 a strided copy, 88 us for fc1's 33.5M codes, 64 a
+        step). An evaluation schedule holds W too and leaves that transpose unused, once a schedule. A W quantized
+        per microbatch (not held: ZeRO-3) keeps its transpose apart, made in backward: not kept from forward to
+        backward for every microbatch in flight."""
+        return role != "weight" or self.holding
 
     def gathers(self) -> Optional[object]:
         """The tp group an entering input's (a leaving output's gradient's) FP8 codes are all-gathered over, or None
@@ -160,7 +171,8 @@ class Fp8Linear:
                                    "histories move")
         h = self.held
         if h is not None and h.version == weight._version:
-            self.weight.saw(h.now)
+            if h.now is not None:  # None: tiles (no amax), or the codes kernel max-ed it into the step's amax in place
+                self.weight.saw(h.now)
             self.weight.last = h.q.scale_inv
             return h.q
         q = self.quantize("weight", rows(weight))
