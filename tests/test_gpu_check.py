@@ -209,6 +209,12 @@ def test_a_compiled_row_whose_gradients_are_not_its_eager_ones_is_left_out_of_th
     rows[-1]["grads_match_eager"] = True
     verdict = next(g for g in goals.evaluate(sections, "full") if g["goal"] == "engine 1.3B step vs best baseline")
     assert verdict["verdict"] == "missed" and verdict["measured"].startswith("0.67x (plain compile)")
+    # the engine's own compiled row counts (a torch.compile row); the best plain or transformers row is said beside
+    rows[-1]["grads_match_eager"] = False
+    rows.append({**_train("llama", "engine", "compile", 0.29), "grads_match_eager": True})
+    verdict = next(g for g in goals.evaluate(sections, "full") if g["goal"] == "engine 1.3B step vs best baseline")
+    assert verdict["verdict"] == "missed" and verdict["measured"].startswith("0.97x (engine compile)")
+    assert "1.13x the best plain or transformers row (transformers compile)" in verdict["note"]
 
 
 class _Loop:

@@ -52,8 +52,14 @@ def training_goals(sections: dict) -> list:
                 goal("engine 1.3B MFU", None, ">= 45%", None, why)]
     best = min(others, key=lambda r: r["step_s"])
     speedup = best["step_s"] / engine["step_s"]
+    # the best row may be the engine's own compiled step (a torch.compile row, which users cannot run): the ratio to
+    # the best plain or transformers row is said beside it
+    loops = [r for r in others if r["loop"] != "engine"]
+    theirs = min(loops, key=lambda r: r["step_s"]) if loops and best["loop"] == "engine" else None
+    beside = f"{theirs['step_s'] / engine['step_s']:.2f}x the best plain or transformers row ({theirs['loop']} " \
+             f"{theirs['mode']})" if theirs else ""
     return [goal("engine 1.3B step vs best baseline", f"{speedup:.2f}x ({best['loop']} {best['mode']})", ">= 1.1x",
-                 speedup >= 1.1, left_out.lstrip("; ")),
+                 speedup >= 1.1, "; ".join(t for t in (beside, left_out.lstrip("; ")) if t)),
             goal("engine 1.3B MFU", f"{100 * engine['mfu_989']:.1f}%", ">= 45%", engine["mfu_989"] >= 0.45)]
 
 
