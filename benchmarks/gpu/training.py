@@ -8,7 +8,8 @@ compiled steps are the warm-up and their time is reported as the compile cost. P
 TFLOP/s (engine.flops: the Megatron count, no recomputation), MFU over the 989 TFLOP/s datasheet peak and over
 the bf16 matmul rate the card section measured, peak memory, the planner's prediction for the same layout
 (engine.planner.memory.memory_per_gpu) and the largest loss difference from the plain loop on the same
-batches. The 1.3B model goes first: it is what the goals are about.
+batches; each compiled row also says whether its gradients are its eager ones (grad_check), and each profiled
+step's products are summed against the model's. The 1.3B model goes first: it is what the goals are about.
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def train(opts, record, family: str, matmul) -> None:
             bench.rounds(iters, True, "compile")
             checked = check_gradients(opts, record, bench)
             report(record, bench, "compile", matmul, backend, checked)
-            for name in ("engine", "plain"):  # why the compiled loops differ (H200: plain 1.11x the engine)
+            for name in ("engine", "plain"):  # why the compiled loops differ (H200 11-27: plain 1.08x, fewer products)
                 if name in bench.loops and record.has_time(f"{family} {name} compiled profile", opts.pick(10, 10, 2)):
                     profile(record, bench, family, matmul, name, "compile")
     finally:
