@@ -265,7 +265,8 @@ def test_grad_check_finds_a_gradient_a_compiled_step_drops_or_changes():
 
 def test_product_flops_from_the_profilers_input_shapes():
     from benchmarks.gpu.bench import product_tflop
-    assert product_tflop("aten::mm", [[16384, 2048], [2048, 8192], [16384, 8192]], 2) == 2 * 2 * 16384 * 2048 * 8192 / 1e12
+    mm = [[16384, 2048], [2048, 8192], [16384, 8192]]  # a compiled graph's mm.out: its output's shape last
+    assert product_tflop("aten::mm", mm, 2) == 2 * 2 * 16384 * 2048 * 8192 / 1e12
     assert product_tflop("aten::addmm", [[10], [4, 5], [5, 10]], 3) == 3 * 2 * 4 * 5 * 10 / 1e12
     assert product_tflop("aten::bmm", [[3, 4, 5], [3, 5, 6]], 1) == 2 * 3 * 4 * 5 * 6 / 1e12
     assert product_tflop("aten::matmul", [[4, 5], [5, 6]], 1) is None  # its aten::mm is listed too
