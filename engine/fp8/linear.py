@@ -131,9 +131,11 @@ class Fp8Linear:
         weight gradient takes them transposed); W when it is held for the schedule, whose backwards take Q(W)^T
         (the input gradient's operand): the pass writes it for one byte an element more, where a transpose of the
         codes apart reads and writes them again (on the H200 a strided copy: 64 a step for the 1.24B model, 5.7 ms
-        in all). An evaluation schedule holds W too and leaves that transpose unused, once a schedule. A W quantized
-        per microbatch (not held: ZeRO-3) keeps its transpose apart, made in backward: not kept from forward to
-        backward for every microbatch in flight."""
+        in all). The price: the transpose exists from the first forward, where the first backward made it, so a
+        pipeline's warm-up peak holds one byte per weight element more (Transformer Engine likewise makes an FP8
+        weight's transpose with its codes at the first microbatch). An evaluation schedule holds W too and leaves
+        that transpose unused, once a schedule. A W quantized per microbatch (not held: ZeRO-3) keeps its transpose
+        apart, made in backward: not kept from forward to backward for every microbatch in flight."""
         return role != "weight" or self.holding
 
     def gathers(self) -> Optional[object]:
