@@ -498,8 +498,15 @@ def test_step_profile_splits_a_steps_time_into_device_and_host(tmp_path, capsys)
     assert {s: signal.getsignal(s) for s in handlers} == handlers
     results = json.loads((tmp_path / "step_profile.json").read_text())
     assert [r["precision"] for r in results] == ["bf16", "delayed"]
+    from benchmarks.gpu import models
+    from engine import flops
+    cfg = models.config("llama", "tiny", 2, 2, 1, bf16=False)
+    f = flops.forward_flops_per_sequence(cfg.model, cfg.model.seq_length)
+    model_tflop = 3 * (f["linear"] + f["logits"]) * cfg.training.global_batch_size / 1e12
     for r in results:
         assert r["step_ms"] > 0 and r["host_self_ms"] > 0 and len(r["by_host"]) == 4 and r["by_host"][0]["calls"] > 0
+        # every product of the step, bf16's and FP8's (dequantized on the CPU), once: the model's FLOPs
+        assert r["products"]["tflop"] == pytest.approx(model_tflop, rel=1e-3), (r["products"], model_tflop)
     out = capsys.readouterr().out
     assert "## delayed: step" in out and "| delayed by host | ms | calls |" in out
 

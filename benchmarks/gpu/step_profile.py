@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu import models
-from benchmarks.gpu.bench import MICROBATCHES, finish, release, timed_iterations
+from benchmarks.gpu.bench import GEMM_OPS, MICROBATCHES, finish, product_tflop, release, timed_iterations
+from benchmarks.kernel_speed import significant
 from benchmarks.train import engine_trainer, process_group
 
 
@@ -49,23 +50,35 @@ def profile_step(precision: str, size: str, micro: int, warm: int, top: int) -> 
             return [{"op": e.key[:90], "ms": round(key(e) / 1e3, 3), "calls": e.count}
                     for e in sorted(events, key=key, reverse=True)[:top]]
         from torch._dynamo.utils import counters
+        shaped = prof.key_averages(group_by_input_shape=True)
         return {"precision": precision, "step_ms": round(1e3 * statistics.median(walls[1:] or walls), 2),
                 "profiled_step_ms": round(1e3 * profiled, 2), "device_ms": round(device, 2),
                 "host_self_ms": round(host, 2), "kernels": kernels,
                 "dynamo": {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles")},
                 "by_device": rows(lambda e: e.self_device_time_total),
                 "by_host": rows(lambda e: e.self_cpu_time_total),
+                "products": products(shaped),
                 # operators by input shapes: which tensors the copies and casts move (the FP8 steps ran 256 more
-                # aten::copy_ than bf16's on the H200, 5.7 ms more device time, from code not yet pinned down)
+                # aten::copy_ than bf16's on the H200, 5.7 ms more device time: 64 of them, nearly all that time,
+                # the held weights' transposes, now made with their codes)
                 "by_shape": [{"op": e.key[:60], "shapes": str(e.input_shapes)[:100],
                               "ms": round(e.self_device_time_total / 1e3, 3), "calls": e.count}
-                             for e in sorted(prof.key_averages(group_by_input_shape=True),
-                                             key=lambda e: e.self_device_time_total, reverse=True)[:top]
+                             for e in sorted(shaped, key=lambda e: e.self_device_time_total, reverse=True)[:top]
                              if e.device_type != torch.autograd.DeviceType.CUDA]}
     finally:
         finish(ctx, trainer)
         del trainer
         release(cuda)
+
+
+def products(shaped) -> dict:
+    """The step's matrix products (bf16 aten::mm and FP8 aten::_scaled_mm alike) summed: calls, TFLOP, device ms and
+    their rate, from the profiler's input shapes (benchmarks.gpu.bench.product_tflop)."""
+    counted = [(e, product_tflop(e.key, e.input_shapes, e.count)) for e in shaped if e.key in GEMM_OPS]
+    counted = [(e, t) for e, t in counted if t is not None]
+    tflop, ms = sum(t for _, t in counted), sum(e.self_device_time_total for e, _ in counted) / 1e3
+    return {"calls": sum(e.count for e, _ in counted), "tflop": significant(tflop, 6), "device_ms": round(ms, 3),
+            "tflops_rate": round(tflop / (ms / 1e3), 1) if ms else None}
 
 
 def main(argv=None) -> None:
@@ -84,7 +97,7 @@ def main(argv=None) -> None:
         results.append(r)
         print(f"\n## {precision}: step {r['step_ms']} ms (profiled {r['profiled_step_ms']}), "
               f"device {r['device_ms']} ms, host self {r['host_self_ms']} ms, {r['kernels']} kernels; "
-              f"dynamo {r['dynamo']}", flush=True)
+              f"products {r['products']}; dynamo {r['dynamo']}", flush=True)
         for title, key in (("device", "by_device"), ("host", "by_host")):
             print(f"| {precision} by {title} | ms | calls |\n|---|---|---|")
             for row in r[key]:

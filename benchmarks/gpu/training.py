@@ -18,6 +18,7 @@ import torch
 from benchmarks.gpu import grad_check, models
 from benchmarks.gpu.bench import MICROBATCHES, Bench, release
 from benchmarks.gpu.context import NEEDS_CUDA
+from benchmarks.kernel_speed import significant
 from benchmarks.train import process_group
 from engine import flops
 from engine.layout import Layout
@@ -123,13 +124,9 @@ def product_totals(bench, gemms: list, matmul) -> dict:
     cfg = bench.cfg
     f = flops.forward_flops_per_sequence(cfg.model, cfg.model.seq_length)  # each product once forward, twice back
     model = 3 * (f["linear"] + f["logits"]) * cfg.training.global_batch_size / 1e12
-    return {"calls": sum(g["calls"] for g in counted), "tflop": _digits(tflop), "device_ms": round(ms, 3),
-            "tflops_rate": round(rate, 1) if rate else None, "model_tflop": _digits(model),
+    return {"calls": sum(g["calls"] for g in counted), "tflop": significant(tflop, 6), "device_ms": round(ms, 3),
+            "tflops_rate": round(rate, 1) if rate else None, "model_tflop": significant(model, 6),
             "rate_over_matmul": round(rate / matmul, 3) if rate and matmul else None}
-
-
-def _digits(x: float) -> float:
-    return float(f"{x:.6g}")
 
 
 def fit(opts, record, family: str):
