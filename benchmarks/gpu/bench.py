@@ -16,6 +16,7 @@ import time
 import torch
 
 from benchmarks.gpu import loops, models
+from benchmarks.kernel_speed import significant
 from benchmarks.train import engine_trainer
 
 MICROBATCHES = 2   # per step: the gradient accumulation every real run does, so the optimizer step is amortised
@@ -157,6 +158,15 @@ def product_tflop(op: str, shapes: list, calls: int):
     a, b = shapes[1:3] if op in ("aten::addmm", "aten::baddbmm") else shapes[:2]  # addmm's first is what it adds
     batch = a[0] if len(a) == 3 else 1
     return 2.0 * batch * a[-2] * a[-1] * b[-1] * calls / 1e12
+
+
+def products_summed(rows: list) -> dict:
+    """Matrix products summed from rows of {tflop, device_ms, calls} (a wrapper's row, tflop None, left out):
+    {calls, tflop, device_ms, tflops_rate}."""
+    counted = [r for r in rows if r["tflop"] is not None]
+    tflop, ms = sum(r["tflop"] for r in counted), sum(r["device_ms"] for r in counted)
+    return {"calls": sum(r["calls"] for r in counted), "tflop": significant(tflop, 6), "device_ms": round(ms, 3),
+            "tflops_rate": significant(tflop / (ms / 1e3)) if ms else None}
 
 
 def timed_iterations(trainer, n: int, cuda: bool) -> tuple:

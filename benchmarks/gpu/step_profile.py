@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu import models
-from benchmarks.gpu.bench import GEMM_OPS, MICROBATCHES, finish, product_tflop, release, timed_iterations
-from benchmarks.kernel_speed import significant
+from benchmarks.gpu.bench import (GEMM_OPS, MICROBATCHES, finish, product_tflop, products_summed, release,
+                                  timed_iterations)
 from benchmarks.train import engine_trainer, process_group
 
 
@@ -74,11 +74,8 @@ def profile_step(precision: str, size: str, micro: int, warm: int, top: int) -> 
 def products(shaped) -> dict:
     """The step's matrix products (bf16 aten::mm and FP8 aten::_scaled_mm alike) summed: calls, TFLOP, device ms and
     their rate, from the profiler's input shapes (benchmarks.gpu.bench.product_tflop)."""
-    counted = [(e, product_tflop(e.key, e.input_shapes, e.count)) for e in shaped if e.key in GEMM_OPS]
-    counted = [(e, t) for e, t in counted if t is not None]
-    tflop, ms = sum(t for _, t in counted), sum(e.self_device_time_total for e, _ in counted) / 1e3
-    return {"calls": sum(e.count for e, _ in counted), "tflop": significant(tflop, 6), "device_ms": round(ms, 3),
-            "tflops_rate": round(tflop / (ms / 1e3), 1) if ms else None}
+    return products_summed([{"tflop": product_tflop(e.key, e.input_shapes, e.count), "calls": e.count,
+                             "device_ms": e.self_device_time_total / 1e3} for e in shaped if e.key in GEMM_OPS])
 
 
 def main(argv=None) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.gpu import grad_check, models
-from benchmarks.gpu.bench import MICROBATCHES, Bench, release
+from benchmarks.gpu.bench import MICROBATCHES, Bench, products_summed, release
 from benchmarks.gpu.context import NEEDS_CUDA
 from benchmarks.kernel_speed import significant
 from benchmarks.train import process_group
@@ -118,14 +118,12 @@ def product_totals(bench, gemms: list, matmul) -> dict:
     matmul rate, and the TFLOP the model's products need (engine.flops: the linears' and the output layer's;
     attention's own products run inside its kernels). A step whose products carry fewer TFLOP than the model's, or
     run above the card's rate, skipped some (H200, 2026-11-27: the compiled plain loop's ran at 1.15x)."""
-    counted = [g for g in gemms if g["tflop"] is not None]
-    tflop, ms = sum(g["tflop"] for g in counted), sum(g["device_ms"] for g in counted)
-    rate = tflop / (ms / 1e3) if ms else None
+    summed = products_summed(gemms)
     cfg = bench.cfg
     f = flops.forward_flops_per_sequence(cfg.model, cfg.model.seq_length)  # each product once forward, twice back
     model = 3 * (f["linear"] + f["logits"]) * cfg.training.global_batch_size / 1e12
-    return {"calls": sum(g["calls"] for g in counted), "tflop": significant(tflop, 6), "device_ms": round(ms, 3),
-            "tflops_rate": round(rate, 1) if rate else None, "model_tflop": significant(model, 6),
+    rate = summed["tflops_rate"]
+    return {**summed, "model_tflop": significant(model, 6),
             "rate_over_matmul": round(rate / matmul, 3) if rate and matmul else None}
 
 
