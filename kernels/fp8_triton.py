@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import FromAmax, encode_scale
+from kernels.reference import FromAmax, check_into, encode_scale
 
 BLOCK_ROWS, BLOCK_COLS = 64, 64
 # Warps per program; the block shape and this are what benchmarks/gpu/tuning.py sweeps. ptxas's report for sm_90
@@ -194,8 +194,7 @@ def _launch(kernel, tensors, width, scale, dtype, want_amax, into=None):
     `scale` a 0-d tensor, None (the amax alone) or a FromAmax (the kernel derives the scale and writes its
     reciprocal); with `into` (a 0-d fp32 tensor) the amax is max-ed into it in place and `into` is the amax
     returned."""
-    if into is not None and not want_amax:
-        raise ValueError("an amax to accumulate `into` needs want_amax")
+    check_into(into, want_amax)
     n, f = tensors[0].shape
     grid = (triton.cdiv(n, BLOCK_ROWS), triton.cdiv(f, BLOCK_COLS))
     dev = tensors[0].device

@@ -180,6 +180,12 @@ def encode_scale(scale, dtype) -> torch.Tensor:
     return derived
 
 
+def check_into(into: Optional[torch.Tensor], want_amax: bool) -> None:
+    """The codes functions' rule (here and kernels.fp8_triton's): a running amax to max into needs the amax taken."""
+    if into is not None and not want_amax:
+        raise ValueError("an amax to accumulate `into` needs want_amax")
+
+
 def fp8_cast(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
     """x's FP8 codes under encode `scale`: fp32(x) * scale, saturated to the format's range, rounded to nearest
     (ties to even); a NaN stays NaN."""
@@ -190,10 +196,9 @@ def fp8_cast(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
 def fp8_codes(y: torch.Tensor, scale, dtype, want_amax: bool, into: Optional[torch.Tensor] = None) -> tuple:
     """y [M, N] for a GEMM and, transposed, for another: (its codes under encode `scale` (fp8_cast; a tensor, or a
     FromAmax) or None without one, their transpose [N, M] contiguous or None, max |y| in fp32 (0 for no elements) or
-    None). `into`: a 0-d
-    fp32 tensor the amax is max-ed into in place (NaN kept), returned as the amax (a step's running amax)."""
-    if into is not None and not want_amax:
-        raise ValueError("an amax to accumulate `into` needs want_amax")
+    None). `into`: a 0-d fp32 tensor the amax is max-ed into in place (NaN kept), returned as the amax (a step's
+    running amax)."""
+    check_into(into, want_amax)
     top = (y.abs().amax().float() if y.numel() else y.new_zeros((), dtype=torch.float32)) if want_amax else None
     if into is not None:
         top = torch.maximum(into, top, out=into)

@@ -147,7 +147,7 @@ def compile_all():
         assert "div.rn.f32" in ptx, kernel.__name__
         assert kernel is not fp8_triton._codes_fwd or ("div.full" not in ptx and "div.approx" not in ptx)
     from benchmarks.gpu.tuning import CODES_LAUNCHES
-    for rows, cols, warps in CODES_LAUNCHES[1:]:  # the block shapes and warps the GPU sweep times
+    for rows, cols, warps in CODES_LAUNCHES[1:]:  # the others the GPU sweep times (the first, 4 warps: above)
         _compile(fp8_triton._swiglu_fp8_fwd, dt, dict(HW=True, CODES=True, AMAX=True, INTO=True, FROM_AMAX=False,
                                                        SHRINK=1.0, M=3, BIAS=7, TOP=448.0, BR=rows, BC=cols), warps, 3,
                  {"PEAKS": "*i32"})

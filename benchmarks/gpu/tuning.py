@@ -6,8 +6,9 @@ SwiGLU's (4096 x 8192), bf16, at each block shape and warp count of CODES_LAUNCH
 8192 (bf16) at the launches of NORM_LAUNCHES: the default the H200 sweep of 2026-11-27 chose (16 warps a row, 8
 backward programs per multiprocessor, 2 rows a backward loop iteration), its neighbours, and the earlier default.
 (That sweep ran the full grid: warps 4-32 x programs 2-8 at one row, then rows 2 and 4 at the best programs; two
-rows at 4 warps spilled.) Then RoPE at [4096, 4, 32, 128]: warps per program (rope_triton.MAX_WARPS) at one row a
-program, then 2 and 4 (position, sample) rows a program (ROWS_PER_PROGRAM) at 4 and 8 warps. Each variant: median
+rows at 4 warps spilled.) Then add + RMSNorm and LayerNorm at the launches of NORM_OTHERS. Then RoPE at
+[4096, 4, 32, 128]: warps per program (rope_triton.MAX_WARPS) at one row a program, then 2 and 4 (position, sample)
+rows a program (ROWS_PER_PROGRAM) at 4 and 8 warps. Each variant: median
 of device-event timings, TB/s of the fewest bytes (FP8 codes: 2 bytes in, 2 out an element; SwiGLU's 6; norm
 forward 2 passes, backward 3; RoPE 2 each way). The module constants are set for each variant with unittest.mock
 and restored after it.
@@ -30,8 +31,9 @@ NORM_OTHERS = (("add_rms_norm", 16, 8, 2), ("add_rms_norm", 16, 8, 1), ("layer_n
                ("layer_norm", 16, 8, 2), ("layer_norm", 4, 2, 1))
 ROPE_WARPS = (2, 4, 8, 16)
 ROPE_ROWS, ROPE_ROWS_WARPS = (2, 4), (4, 8)  # RoPE's rows per program beyond 1, at the two best warp counts so far
-# the FP8 codes kernels (fp8_triton): block rows x columns and warps; the first is the default. On the H200 of
-# 2026-11-27 the defaults ran at 1.64 TB/s (a cast's codes, 4096 x 2048) and 2.56 (SwiGLU's, 4096 x 8192)
+# the FP8 codes kernels (fp8_triton): block rows x columns and warps. The first is the launch the H200 of 2026-11-27
+# timed (1.64 TB/s for a cast's codes, 4096 x 2048; 2.56 for SwiGLU's, 4096 x 8192), the second today's default
+# (fp8_triton.WARPS = 8, chosen by ptxas's register report)
 CODES_LAUNCHES = ((64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 128, 8), (32, 128, 4), (128, 128, 8))
 
 

@@ -30,11 +30,11 @@ moved); forward then takes them instead of quantizing the weight, the same codes
 
 Without the flag, within one step's forward/backward schedule of several microbatches the weight does not change,
 so the linear quantizes it once: `held` keeps forward's Q(W) and its transpose (the input gradient's operand,
-made in the same pass under tensor scaling, by the first backward under blockwise), for the later microbatches; engine.fp8.weights_held turns this on for the schedule
-and drops them after it. That is one pass over W a step (its codes, their transpose and its amax, `both_ways`)
-instead of one per microbatch (Transformer Engine caches its FP8 weights across microbatches likewise), the same
-codes and scale bit for bit, and one copy of Q(W) however many microbatches are in flight. Not under ZeRO-3,
-whose point is not to keep whole weights.
+made in the same pass under tensor scaling, by the first backward under blockwise), for the later microbatches;
+engine.fp8.weights_held turns this on for the schedule and drops them after it. That is one pass over W a step
+(its codes, their transpose and its amax, `both_ways`) instead of one per microbatch (Transformer Engine caches its
+FP8 weights across microbatches likewise), the same codes and scale bit for bit, and one copy of Q(W) however many
+microbatches are in flight. Not under ZeRO-3, whose point is not to keep whole weights.
 """
 from __future__ import annotations
 
