@@ -149,7 +149,6 @@ FLAGS = (
     Flag("--no-bias-dropout-fusion", IMPLEMENTATION, _FUSION),
     Flag("--no-rope-fusion", IMPLEMENTATION, _FUSION),
     Flag("--no-persist-layer-norm", IMPLEMENTATION, _FUSION),
-    Flag("--no-gradient-accumulation-fusion", IMPLEMENTATION, _FUSION),
     Flag("--cross-entropy-loss-fusion", IMPLEMENTATION, _FUSION),
     Flag("--ckpt-format", IMPLEMENTATION, _CKPT, str, ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor", "zarr")),
     Flag("--use-dist-ckpt", IMPLEMENTATION, _CKPT),

@@ -17,7 +17,7 @@ import torch
 from engine.metrics import arguments_path
 from engine.optim.muon import classify, summary
 from engine.optim.newton_schulz import MuonSettings
-from engine.parallel import comm
+from engine.parallel import comm, grad_accumulation
 from engine.parallel.layers import spec_of
 from engine.planner.memory import GIB, memory_per_gpu
 from engine.precision import model_dtype, precision_name
@@ -134,6 +134,8 @@ def banner(cfg, ctx, chunks, device, layout: str) -> str:
     kernels = dispatch.kernel_report(torch.device(device), cfg.model.attention_backend, cfg.model.attention_dropout,
                                      model_dtype(cfg))
     mem = memory_estimate(cfg, ctx, gbs, kernels["attention"])
+    kernels["gradient_accumulation_fusion"] = grad_accumulation.describe(tr.gradient_accumulation_fusion,
+                                                                         torch.device(device), model_dtype(cfg))
     if ctx.cp_size > 1:  # the blocks ring attention merges by their log-sum-exp (engine.parallel.ring_attention)
         kernels["context_parallel_attention_blocks"] = dispatch.attention_block_backend(kernels["attention"], device)
     ramp = f" (ramp-up: {' '.join(map(str, tr.rampup_batch_size))})" if tr.rampup_batch_size else ""

@@ -486,11 +486,15 @@ def test_device_timing_queues_each_call_behind_a_device_sleep(monkeypatch):
     assert timed[0][1] == kernel_speed.QUEUE_AHEAD_CYCLES >= 1_000_000
 
 
-def test_step_profile_splits_a_steps_time_into_device_and_host(tmp_path, capsys):
+def test_step_profile_splits_a_steps_time_into_device_and_host(tmp_path, capsys, monkeypatch):
     """benchmarks/gpu/step_profile.py (the H200's FP8 steps were host-bound: it said so) runs on the CPU at tiny
-    size: each precision's step time, host time and top operators, in its printed tables and its JSON."""
+    size: each precision's step time, host time and top operators, in its printed tables and its JSON. The
+    gradient-accumulation fusion is switched on as on CUDA (fp32 here): its fused products (aten::addmm) are counted
+    with the others, and the step is timed without it too."""
     import signal
     from benchmarks.gpu import step_profile
+    from engine.parallel import grad_accumulation
+    monkeypatch.setattr(grad_accumulation, "supported", lambda device, dtype: dtype == torch.float32)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     step_profile.main(["--size", "tiny", "--warm", "2", "--top", "4", "--precisions", "bf16,delayed",
                        "--out", str(tmp_path)])
@@ -507,6 +511,8 @@ def test_step_profile_splits_a_steps_time_into_device_and_host(tmp_path, capsys)
         assert r["step_ms"] > 0 and r["host_self_ms"] > 0 and len(r["by_host"]) == 4 and r["by_host"][0]["calls"] > 0
         # every product of the step, bf16's and FP8's (dequantized on the CPU), once: the model's FLOPs
         assert r["products"]["tflop"] == pytest.approx(model_tflop, rel=1e-3), (r["products"], model_tflop)
+        assert r["fusion_gain"] > 0 and r["unfused_step_ms"] > 0  # FP8's output layer is a fused bf16 linear too
     out = capsys.readouterr().out
     assert "## delayed: step" in out and "| delayed by host | ms | calls |" in out
+    assert "; gradient-accumulation fusion " in out
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.parallel import grad_accumulation
+
 # The largest relative difference accepted. The same bf16 step summed in another order differs by ~1e-3 (the CPU's
 # inductor against eager on the tiny model: 8e-4 at worst), more through 16 layers; a gradient that lost or doubled
 # one of its terms differs by tens of percent or more.
@@ -30,9 +32,12 @@ def gradients(loop, batch) -> list:
     """Every trainable parameter's gradient of `loop`'s mean loss on `batch` (None where nothing reaches it),
     through torch.autograd.grad, so nothing is accumulated into the loop's own gradients or buffers."""
     params = [p for _, p in trainable(loop)]
-    with torch.autocast(batch["tokens"].device.type, dtype=loop.autocast, enabled=loop.autocast is not None):
+    # unfused: the engine's linears would add their weights' gradients into its grad buffer instead of returning
+    # them (engine.parallel.grad_accumulation); compiled layers never fuse, so the two sides compare like with like
+    with grad_accumulation.unfused(), torch.autocast(batch["tokens"].device.type, dtype=loop.autocast,
+                                                      enabled=loop.autocast is not None):
         loss = loop.loss(batch)
-    return list(torch.autograd.grad(loss, params, allow_unused=True))
+        return list(torch.autograd.grad(loss, params, allow_unused=True))
 
 
 def compiled_vs_eager(loop, batch) -> dict:

@@ -5,6 +5,9 @@ A step whose wall time is far above its device time is host-bound (launches, Pyt
 time is high has slow kernels. Issue 34's FP8 steps ran at 0.47-0.65x bf16 on the H200 (2026-11-27) while their
 GEMMs and casts were each faster in isolation: this says which.
 
+Where the step fuses its weight gradients into the fp32 ones (gradient-accumulation fusion, on CUDA), the same
+trainer's step is timed without the fusion and with it again: `fusion_gain`, the unfused step over the fused.
+
     PYTHONPATH=. python3 -m benchmarks.gpu.step_profile --precisions bf16,delayed,tensorwise --out DIR
 """
 from __future__ import annotations
@@ -21,13 +24,14 @@ from benchmarks.gpu import models
 from benchmarks.gpu.bench import (GEMM_OPS, MICROBATCHES, finish, product_tflop, products_summed, release,
                                   timed_iterations)
 from benchmarks.train import engine_trainer, process_group
+from engine.parallel import grad_accumulation
 
 
 def profile_step(precision: str, size: str, micro: int, warm: int, top: int) -> dict:
     """Warm `warm` steps, time them, then profile one: a dict of figures and operator rows."""
     cuda = torch.cuda.is_available()
     extra = [] if precision == "bf16" else ["--fp8-format", "hybrid", "--fp8-recipe", precision]
-    cfg = models.config("llama", size, micro, MICROBATCHES, warm + 1, bf16=cuda, extra=extra)
+    cfg = models.config("llama", size, micro, MICROBATCHES, 3 * warm + 1, bf16=cuda, extra=extra)
     ctx, trainer = engine_trainer(cfg, "cuda:0" if cuda else "cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     try:
@@ -64,11 +68,25 @@ def profile_step(precision: str, size: str, micro: int, warm: int, top: int) -> 
                 "by_shape": [{"op": e.key[:60], "shapes": str(e.input_shapes)[:100],
                               "ms": round(e.self_device_time_total / 1e3, 3), "calls": e.count}
                              for e in sorted(shaped, key=lambda e: e.self_device_time_total, reverse=True)[:top]
-                             if e.device_type != torch.autograd.DeviceType.CUDA]}
+                             if e.device_type != torch.autograd.DeviceType.CUDA],
+                **fusion_gain(trainer, warm, cuda)}
     finally:
         finish(ctx, trainer)
         del trainer
         release(cuda)
+
+
+def fusion_gain(trainer, steps: int, cuda: bool) -> dict:
+    """Where the step fuses its weight gradients into the fp32 ones (engine.parallel.grad_accumulation; CUDA), the
+    same trainer's step without, then with it again: {unfused_step_ms, fused_step_ms, fusion_gain (unfused over
+    fused)}, measured in one process on one model. Empty where nothing is fused."""
+    if not any(grad_accumulation.fusing(p) for chunk in trainer.chunks for p in chunk.parameters()):
+        return {}
+    with grad_accumulation.unfused():
+        unfused = timed_iterations(trainer, steps, cuda)[0]
+    fused = timed_iterations(trainer, steps, cuda)[0]
+    u, f = (statistics.median(t[1:] or t) for t in (unfused, fused))
+    return {"unfused_step_ms": round(1e3 * u, 2), "fused_step_ms": round(1e3 * f, 2), "fusion_gain": round(u / f, 4)}
 
 
 def products(shaped) -> dict:
@@ -94,7 +112,9 @@ def main(argv=None) -> None:
         results.append(r)
         print(f"\n## {precision}: step {r['step_ms']} ms (profiled {r['profiled_step_ms']}), "
               f"device {r['device_ms']} ms, host self {r['host_self_ms']} ms, {r['kernels']} kernels; "
-              f"products {r['products']}; dynamo {r['dynamo']}", flush=True)
+              f"products {r['products']}; dynamo {r['dynamo']}"
+              + (f"; gradient-accumulation fusion {r['fusion_gain']}x (unfused {r['unfused_step_ms']} ms, fused "
+                 f"{r['fused_step_ms']} ms)" if "fusion_gain" in r else ""), flush=True)
         for title, key in (("device", "by_device"), ("host", "by_host")):
             print(f"| {precision} by {title} | ms | calls |\n|---|---|---|")
             for row in r[key]:

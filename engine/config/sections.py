@@ -86,6 +86,9 @@ class TrainingConfig:
     fp8_param_gather: bool = _f(False, "FP8: the sharded weights' all-gathers move the FP8 linears' and routed "
                                        "experts' weights as their FP8 codes (tensorwise, delayed; optim, "
                                        "optim_grads, optim_grads_params)")
+    gradient_accumulation_fusion: bool = _f(True, "on CUDA, add each linear's weight gradient into its fp32 gradient "
+                                                  "by the matrix product itself (bf16/fp16 weight gradients are then "
+                                                  "summed unrounded); the CPU never fuses")
     hysteresis: int = _f(2, "fp16: overflowing steps before the dynamic scale halves")
     seed: int = _f(1234, "random seed for weights, data order and dropout")
     device: str = _f("auto", "auto: cuda when GPUs are visible, else cpu (nccl and gloo by default; see "

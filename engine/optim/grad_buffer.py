@@ -27,6 +27,11 @@ staging. A round ends when every parameter of the bucket has had one more gradie
 every replica: they run the same schedule); at most one round's reduce-scatter is in flight. `units`
 (ZeRO-3) cuts buckets at the boundaries of the units whose weights are gathered together.
 `local_grad(p)` is the view of p's reduced slice in every mode.
+
+With `fuse` (gradient-accumulation fusion, engine.parallel.grad_accumulation) each parameter whose device and
+dtype allow it gets a sink: a linear's backward adds its weight gradient straight into the parameter's fp32
+gradient (`main_grad`, or under shard_grads the round's staging), and the hook, which autograd still runs,
+counts it and adds whatever else reached `.grad`.
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ import torch
 from engine.loss import replica_divisor
 from engine.optim.buckets import cut_buckets
 from engine.optim.param_shard import forward_order
-from engine.parallel import comm
+from engine.parallel import comm, grad_accumulation
 from engine.parallel.layers import spec_of
 
 DEFAULT_BUCKET_NUMEL = 40_000_000
@@ -65,13 +70,29 @@ class Bucket:
         return self.end - self.start
 
 
+class _Sink:
+    """Parameter i's sink for fused weight gradients (engine.parallel.grad_accumulation.attach). It holds the buffer
+    weakly, as the hook does: a buffer gone leaves the gradient to the linear (target None)."""
+
+    def __init__(self, buffer_ref, i: int):
+        self._buffer, self.i = buffer_ref, i
+
+    def target(self):
+        buffer = self._buffer()
+        return None if buffer is None else buffer.target(self.i)
+
+    def arrived(self) -> None:
+        self._buffer().arrived(self.i)
+
+
 class GradBuffer:
     def __init__(self, model_chunks: list, ctx, *, distributed: bool, overlap: bool,
                  bucket_numel: int = DEFAULT_BUCKET_NUMEL, experts: bool = False, shard_grads: bool = False,
-                 units: Optional[list] = None):
+                 units: Optional[list] = None, fuse: bool = False):
         """`experts`: hold the MoE experts' parameters (ParamSpec.ep_axis set) instead of all the others.
         `shard_grads`: keep this rank's slices only (needs `distributed`); `units`: lists of parameters no
-        bucket may mix (a bucket then holds at most one unit's parameters, whatever `bucket_numel`)."""
+        bucket may mix (a bucket then holds at most one unit's parameters, whatever `bucket_numel`); `fuse`:
+        weight gradients added into the fp32 gradients by their products, where the device allows it."""
         self.ctx = ctx
         self.distributed = distributed
         self.shard_grads = shard_grads and distributed
@@ -108,8 +129,11 @@ class GradBuffer:
                 p.main_grad = self._flat(p, b.data).view_as(p)
         self._counts = [0] * len(self.params)
         self._num_microbatches = None
+        ref = weakref.ref(self)  # see _hook
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(self._hook(i))
+            fused = fuse and grad_accumulation.supported(p.device, p.dtype)
+            grad_accumulation.attach(p, _Sink(ref, i) if fused else None)
 
     def _layout(self, model_chunks: list, bucket_numel: int, pad: int, unit_of: dict) -> None:
         """Lay this buffer's parameters out in buckets (engine.optim.buckets.cut_buckets), each padded to `pad`."""
@@ -161,32 +185,44 @@ class GradBuffer:
             self = ref()
             if self is None:  # the buffer is gone: the gradient stays in p.grad
                 return
-            if self._num_microbatches is None:
-                raise RuntimeError("a gradient arrived outside a step: call optimizer.start_step(num_microbatches) "
-                                   "before the first backward of the step")
-            bucket = self.buckets[self._bucket_of[i]]
-            if self.shard_grads:
-                if bucket.staging is None:
-                    bucket.staging = torch.zeros(bucket.size, dtype=torch.float32, device=self.device)
-                    self._note_staging()
-                self._flat(p, bucket.staging).add_(p.grad.view(-1))
-            else:
-                p.main_grad.add_(p.grad)
-            p.grad = None
-            self._counts[i] += 1
-            if self._counts[i] > self._num_microbatches:
-                raise RuntimeError(f"parameter {tuple(p.shape)} received more gradients than the "
-                                   f"{self._num_microbatches} microbatches announced to start_step")
-            if self.shard_grads:
-                if self._counts[i] == bucket.rounds + 1:
-                    bucket.pending -= 1
-                    if bucket.pending == 0:
-                        self._end_round(bucket)
-            elif self._counts[i] == self._num_microbatches:
-                bucket.pending -= 1
-                if bucket.pending == 0 and self.overlap:
-                    self._launch(bucket)
+            if p.grad is not None:  # None: all of it went into the target already (a fused product)
+                self.target(i).add_(p.grad)
+                p.grad = None
+            self.arrived(i)
         return on_grad
+
+    def target(self, i: int) -> torch.Tensor:
+        """The fp32 tensor shaped like parameter i that its gradient is summed into now: its main_grad, or under
+        shard_grads its part of the bucket's staging (made at the round's first gradient)."""
+        if self._num_microbatches is None:
+            raise RuntimeError("a gradient arrived outside a step: call optimizer.start_step(num_microbatches) "
+                               "before the first backward of the step")
+        p = self.params[i]
+        if not self.shard_grads:
+            return p.main_grad
+        bucket = self.buckets[self._bucket_of[i]]
+        if bucket.staging is None:
+            bucket.staging = torch.zeros(bucket.size, dtype=torch.float32, device=self.device)
+            self._note_staging()
+        return self._flat(p, bucket.staging).view_as(p)
+
+    def arrived(self, i: int) -> None:
+        """Parameter i's gradient of one more microbatch is in its target: count it, and start its bucket's
+        reduction (or end its round) when that was the bucket's last."""
+        p, bucket = self.params[i], self.buckets[self._bucket_of[i]]
+        self._counts[i] += 1
+        if self._counts[i] > self._num_microbatches:
+            raise RuntimeError(f"parameter {tuple(p.shape)} received more gradients than the "
+                               f"{self._num_microbatches} microbatches announced to start_step")
+        if self.shard_grads:
+            if self._counts[i] == bucket.rounds + 1:
+                bucket.pending -= 1
+                if bucket.pending == 0:
+                    self._end_round(bucket)
+        elif self._counts[i] == self._num_microbatches:
+            bucket.pending -= 1
+            if bucket.pending == 0 and self.overlap:
+                self._launch(bucket)
 
     def start_step(self, num_microbatches: int) -> None:
         self._complete_inflight()

@@ -97,7 +97,8 @@ class Optimizer:
         # Dense parameters reduce (and shard) over dp x cp; MoE experts over their own replicas (engine.moe).
         kw = dict(distributed=self.distributed, overlap=par.overlap_grad_reduce, bucket_numel=bucket_numel,
                   shard_grads=sharding.grads,
-                  units=[u.params for chunk in units for u in chunk] if units else None)
+                  units=[u.params for chunk in units for u in chunk] if units else None,
+                  fuse=cfg.training.gradient_accumulation_fusion)
         self.buffer = GradBuffer(model_chunks, ctx, **kw)
         self.expert_buffer = GradBuffer(model_chunks, ctx, experts=True, **kw)
         self.buffers = [b for b in (self.buffer, self.expert_buffer) if b.params or b is self.buffer]

@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.parallel import comm
-from engine.parallel.weight_grad_store import bias_grad, defer, deferral_of, linear, rows, weight_grad
+from engine.parallel import comm, grad_accumulation
+from engine.parallel.weight_grad_store import bias_grad, defer, deferral_of, linear, rows, weight_grad_or_fused
 
 
 def _size(group) -> int:
@@ -119,11 +119,13 @@ class _GatherLinear(torch.autograd.Function):
     """y = all_gather_seq(x) W^T + b, saving the shard x rather than the gathered input.
 
     W [..., out, in] has its leading dims taken as output rows (a stacked SwiGLU weight); `deferral`
-    (param, store) leaves W's gradient to the store."""
+    (param, store) leaves W's gradient to the store; else it is added into W's fp32 gradient where that is fused
+    (engine.parallel.grad_accumulation)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, deferral=None):
         ctx.group, ctx.deferral = group, deferral
+        ctx.sink = grad_accumulation.fusing(weight) if deferral is None else None
         ctx.bias_shape = None if bias is None else bias.shape
         ctx.save_for_backward(x, weight)
         return F.linear(_gather_seq(x, group), rows(weight), None if bias is None else bias.reshape(-1))
@@ -144,7 +146,7 @@ class _GatherLinear(torch.autograd.Function):
                 gathering.wait()
             dx = torch.empty(x.shape, dtype=dx_full.dtype, device=x.device)
             scattering = comm.reduce_scatter_into(dx, dx_full, group, async_op=True)
-        dw = weight_grad(full, dy, weight.shape) if want_dw else None
+        dw = weight_grad_or_fused(ctx.sink, full, dy, weight.shape) if want_dw else None
         db = bias_grad(dy, ctx.bias_shape) if ctx.bias_shape is not None and ctx.needs_input_grad[2] else None
         if ctx.deferral is not None:
             defer(ctx.deferral, lambda: _gather_seq(x, group), dy)
