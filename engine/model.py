@@ -51,6 +51,7 @@ from engine.parallel.layers import (
     mark_tied,
 )
 from engine.parallel.recompute import recompute
+from engine.qkv import split_qkv
 from engine.rope import inverse_frequencies
 from kernels import dispatch
 
@@ -78,12 +79,7 @@ class Attention(nn.Module):
 
     def forward(self, x, freqs, documents=None):
         """`documents`: the microbatch's packed documents (engine/documents.py), or None."""
-        qkv = self.qkv(x)
-        s, b = qkv.shape[:2]
-        per_group = self.heads // self.groups
-        qkv = qkv.view(s, b, self.groups // self.ctx.tp_size, per_group + 2, self.head_dim)
-        q = qkv[..., :per_group, :].reshape(s, b, -1, self.head_dim)
-        k, v = qkv[..., per_group, :], qkv[..., per_group + 1, :]
+        q, k, v = split_qkv(self.qkv(x), self.groups // self.ctx.tp_size, self.heads // self.groups, self.head_dim)
         if self.qk_norm is not None:
             q, k = self.qk_norm(q, k)
         if freqs is not None:

@@ -244,3 +244,30 @@ def test_cuda_adds_bf16_products_into_fp32():
     unfused = start + (dy.t() @ x).float()
     err = lambda t: float((t.double() - want).abs().max() / want.abs().max())  # noqa: E731
     assert err(fused) < 1e-5 and err(fused) < err(unfused)
+
+
+def _zero3_ranks(rank, world):
+    import torch
+
+    from engine.parallel import grad_accumulation
+    from test_sharded_dp import _cfg, _train
+    grad_accumulation.supported = lambda device, dtype: dtype == torch.float32
+    calls, accumulate = [], grad_accumulation.accumulate
+    grad_accumulation.accumulate = lambda *a: (calls.append(1), accumulate(*a))
+    curves = {}
+    for fuse in (False, True):
+        cfg = _cfg("optim_grads_params", overlap=True)
+        cfg.training.train_iters, cfg.training.gradient_accumulation_fusion = 4, fuse
+        curves[fuse] = _train(rank, world, cfg, steps=range(4))
+        curves[fuse, "fused products"] = len(calls)
+    return curves
+
+
+def test_zero3_gathered_weights_fuse_into_their_staged_rounds():
+    """ZeRO-3 on two ranks (weights gathered per unit, gradients staged per round and reduce-scattered, both
+    overlapped): the fused run's losses and gradient norms are the unfused run's."""
+    for curves in run_ranks(_zero3_ranks, 2):
+        assert curves[False, "fused products"] == 0 and curves[True, "fused products"] > 0
+        for (loss, norm, updated, _), (want_loss, want_norm, want_updated, _) in zip(curves[True], curves[False]):
+            assert updated == want_updated and loss == pytest.approx(want_loss, rel=1e-6)
+            assert norm == pytest.approx(want_norm, rel=1e-5)
