@@ -107,11 +107,7 @@ class MLP(nn.Module):
         if self.fp8 is not None:  # the linears' own entry into and exit from the tensor-parallel region
             return self.fp8(x, self.fc1.weight, self.fc2.weight)
         y = self.fc1(x)
-        if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            y = dispatch.swiglu(gate, up)
-        else:
-            y = F.gelu(y, approximate=self.gelu_form)
+        y = dispatch.swiglu_stacked(y) if self.swiglu else F.gelu(y, approximate=self.gelu_form)
         return self.fc2(y)
 
 

@@ -85,6 +85,14 @@ def swiglu(gate, up):
     return reference.swiglu(gate, up)
 
 
+def swiglu_stacked(y):
+    """SwiGLU of a fused gate/up projection's output y = [gate | up] (last dim), whose gradient comes back as one
+    tensor like y (no concatenation of the halves' gradients)."""
+    if _on_triton(y):
+        return _triton_module("swiglu_triton").swiglu_stacked(y)
+    return reference.swiglu(*y.chunk(2, dim=-1))
+
+
 def _fp8(t: torch.Tensor):
     """Where the FP8 code functions for `t` live (the same names and meaning in both)."""
     return _triton_module("fp8_triton") if _on_triton(t) else reference

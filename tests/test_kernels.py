@@ -240,6 +240,26 @@ def test_swiglu_matches_reference_on_chunked_input():
     _compare(_tk("swiglu_triton").swiglu, reference.swiglu, [gate, up])
 
 
+@needs_triton
+def test_swiglu_stacked_gives_the_halves_values_and_writes_their_gradient_as_one_tensor():
+    """swiglu_stacked(y) equals swiglu on y's halves bit for bit, values and gradient; the gradient comes out of the
+    kernel as one tensor shaped like y, where the halves' gradients are joined by a concatenation (autograd's)."""
+    tk = _tk("swiglu_triton")
+    g = torch.Generator().manual_seed(3)
+    fused = torch.randn(3, 4, 80, generator=g).to(DEVICE) * 3
+    dy = torch.randn(3, 4, 40, generator=g).to(DEVICE)
+    a, b = _leaf(fused), _leaf(fused)
+    ya, yb = tk.swiglu_stacked(a), tk.swiglu(*b.chunk(2, dim=-1))
+    assert torch.equal(ya, yb)
+    ya.backward(dy)
+    yb.backward(dy)
+    assert torch.equal(a.grad, b.grad)
+    assert ya.grad_fn.name().endswith("_StackedSwiGLUBackward")  # nothing between it and the input: no concatenation
+    assert ya.grad_fn.next_functions[0][0].name() == "torch::autograd::AccumulateGrad"
+    with pytest.raises(ValueError, match="even last dimension"):
+        tk.swiglu_stacked(fused[..., :79])
+
+
 def _ce_case(n, v, valid, vocab_start, device, dtype=torch.float32):
     g = torch.Generator().manual_seed(4)
     logits = (torch.randn(n, v, generator=g) * 4).to(device, dtype)
@@ -479,8 +499,9 @@ def test_gpu_rope_and_swiglu():
     x = torch.randn(2048, 2, 32, 128, generator=g).to("cuda", torch.bfloat16)
     freqs = torch.outer(torch.arange(2048.0), 10000.0 ** (-torch.arange(0, 128, 2) / 128)).cuda()
     _compare(dispatch.apply_rope, reference.apply_rope, [x, freqs], tol=1e-2, constant=(1,))
-    gate, up = torch.randn(2, 4096, 2 * 11008, generator=g).to("cuda", torch.bfloat16).chunk(2, dim=-1)
-    _compare(dispatch.swiglu, reference.swiglu, [gate, up], tol=1e-2)
+    fused = torch.randn(2, 4096, 2 * 11008, generator=g).to("cuda", torch.bfloat16)
+    _compare(dispatch.swiglu, reference.swiglu, list(fused.chunk(2, dim=-1)), tol=1e-2)
+    _compare(dispatch.swiglu_stacked, lambda y: reference.swiglu(*y.chunk(2, dim=-1)), [fused], tol=1e-2)
 
 
 @gpu_test

@@ -59,7 +59,7 @@ class Experts(nn.Module):
         mm = self.fp8 or (lambda a, w, n: grouped_matmul(a, w, n, self.grouped))
         y = mm(x, self.fc1, sizes)
         if self.swiglu:
-            y = dispatch.swiglu(y[:, :self.ffn], y[:, self.ffn:])
+            y = dispatch.swiglu_stacked(y)
         else:
             y = F.gelu(y, approximate=self.gelu_form)
         return mm(y, self.fc2, sizes)
