@@ -3,9 +3,9 @@ fp32 gradients by their products give what autograd's products and the grad buff
 
 The fusion is CUDA-only in a run; here `supported` is switched on for fp32 weights on the CPU, so the fused code
 runs for real: the same step with and without it, each model family's linears (a tied embedding, the stacked SwiGLU
-weight, MLA's replicated projections, MTP's heads sharing the output layer), ZeRO-2's staging, a split backward's W
-pass, sequence parallelism's gathering linear on two ranks and a compiled layer. fp32 products summed by addmm
-(beta 1) differ from a product then an add by rounding only: 1e-6 relative.
+weight, MLA's replicated projections, MTP's heads sharing the output layer, full recomputation), ZeRO-2's staging
+and ZeRO-3's, a split backward's W pass, sequence parallelism's gathering linear on two ranks and a compiled
+layer. fp32 products summed by addmm (beta 1) differ from a product then an add by rounding only: 1e-6 relative.
 """
 import pytest
 import torch
@@ -39,7 +39,9 @@ def _config(family: str) -> Config:
     cfg = Config()
     kw = dict(**NO_DROPOUT, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB,
               make_vocab_size_divisible_by=16)
-    if family == "llama":
+    if family == "llama-recompute":  # full recomputation: the linears run again inside backward, fused there
+        kw.update(recompute_granularity="full")
+    if family.startswith("llama"):
         kw.update(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, disable_bias_linear=True,
                   untie_embeddings_and_output_weights=True, num_query_groups=2)
     cfg.model = ModelConfig(**kw)
@@ -89,7 +91,7 @@ def _linear_weights(model) -> int:
     return sum(isinstance(m, kinds) for m in model.modules()) + 1
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama", "deepseek"])
+@pytest.mark.parametrize("family", ["gpt", "llama", "llama-recompute", "deepseek"])
 def test_a_fused_step_gives_the_unfused_gradients(fused_on_cpu, family):
     cfg = _config(family)
     unfused, _, pending = _step(cfg, fuse=False)
