@@ -152,7 +152,9 @@ def test_decoupled_lr_gives_each_parameter_megatron_cores_lr_and_weight_decay(me
 NOT_CORES = {"muon_momentum": (0.9, 0.95),  # arguments.py's --muon-momentum 0.9; OptimizerConfig 0.95
              "min_lr": (0.0, None),  # --min-lr 0.0; OptimizerConfig leaves it to the scheduler's caller
              "cp_comm_type": ("p2p", None),  # --cp-comm-type p2p; TransformerConfig None (p2p)
-             "data_parallel_sharding_strategy": (None, "no_shard")}  # None: optim with the distributed optimizer
+             "data_parallel_sharding_strategy": (None, "no_shard"),  # None: optim with the distributed optimizer
+             # --no-gradient-accumulation-fusion is a store_false switch: on unless given; ModelParallelConfig False
+             "gradient_accumulation_fusion": (True, False)}
 
 
 def test_megatron_named_flags_default_to_megatron_values(megatron):
