@@ -273,3 +273,21 @@ def test_zero3_gathered_weights_fuse_into_their_staged_rounds():
         for (loss, norm, updated, _), (want_loss, want_norm, want_updated, _) in zip(curves[True], curves[False]):
             assert updated == want_updated and loss == pytest.approx(want_loss, rel=1e-6)
             assert norm == pytest.approx(want_norm, rel=1e-5)
+
+
+def test_gpu_checks_gradient_comparison_asks_for_unfused_gradients(fused_on_cpu):
+    """benchmarks/gpu/grad_check.py compares a loop's compiled gradients with its eager ones through
+    torch.autograd.grad: with the engine's buffer fusing, its eager side still gets every weight's gradient, and the
+    buffer is left as it was."""
+    import types
+
+    from benchmarks.gpu import grad_check
+    cfg = _config("llama")
+    model = GPTModel(cfg.model, ParallelContext(), seed=5, vocab_size=VOCAB)
+    buffer = GradBuffer([model], ParallelContext(), distributed=False, overlap=False, fuse=True)
+    t = _batches(1)[0]
+    batch = {"tokens": t[:, :-1], "labels": t[:, 1:]}
+    loop = types.SimpleNamespace(model=model, autocast=None,
+                                 loss=lambda b: model(tokens=b["tokens"], labels=b["labels"]).mean())
+    grads = grad_check.gradients(loop, batch)
+    assert all(g is not None for g in grads) and not fused_on_cpu and not buffer.data.any()
