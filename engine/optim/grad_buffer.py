@@ -194,9 +194,7 @@ class GradBuffer:
     def target(self, i: int) -> torch.Tensor:
         """The fp32 tensor shaped like parameter i that its gradient is summed into now: its main_grad, or under
         shard_grads its part of the bucket's staging (made at the round's first gradient)."""
-        if self._num_microbatches is None:
-            raise RuntimeError("a gradient arrived outside a step: call optimizer.start_step(num_microbatches) "
-                               "before the first backward of the step")
+        self._check_in_step()
         p = self.params[i]
         if not self.shard_grads:
             return p.main_grad
@@ -209,6 +207,7 @@ class GradBuffer:
     def arrived(self, i: int) -> None:
         """Parameter i's gradient of one more microbatch is in its target: count it, and start its bucket's
         reduction (or end its round) when that was the bucket's last."""
+        self._check_in_step()
         p, bucket = self.params[i], self.buckets[self._bucket_of[i]]
         self._counts[i] += 1
         if self._counts[i] > self._num_microbatches:
@@ -223,6 +222,11 @@ class GradBuffer:
             bucket.pending -= 1
             if bucket.pending == 0 and self.overlap:
                 self._launch(bucket)
+
+    def _check_in_step(self) -> None:
+        if self._num_microbatches is None:
+            raise RuntimeError("a gradient arrived outside a step: call optimizer.start_step(num_microbatches) "
+                               "before the first backward of the step")
 
     def start_step(self, num_microbatches: int) -> None:
         self._complete_inflight()

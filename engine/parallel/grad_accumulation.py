@@ -95,7 +95,7 @@ def probe(dtype: torch.dtype):
     except (RuntimeError, TypeError) as e:
         return f"torch {torch.__version__}'s CUDA addmm cannot add {dtype} products into fp32 ({e})".splitlines()[0]
     if not torch.equal(target, torch.full_like(target, 3.5)):
-        return f"torch {torch.__version__}'s CUDA addmm gave {target.flatten().tolist()} for 3.5 adding {dtype} products"
+        return f"torch {torch.__version__}'s CUDA addmm gave {target.flatten().tolist()} for 3.5 ({dtype} products)"
     return None
 
 

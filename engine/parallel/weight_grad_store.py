@@ -5,10 +5,10 @@ backward) give backward only the input and bias gradients to compute; each weigh
 `store` as what it needs (this rank's input, or under sequence parallelism the re-gather of its shard,
 which the gathering linear of engine.parallel.mappings hands in as a callable, and the output gradient)
 and computed by `weight_grads(store)` in a later W pass, which hands it to autograd as the weight's
-gradient (or, under gradient-accumulation fusion, adds it into the weight's fp32 gradient and counts it there:
-engine.parallel.grad_accumulation). The autograd graph is never edited: the weight enters the linear detached, so backward has no
-edge to it, and the W pass is the weight's only gradient in that microbatch, which is what the grad
-buffer's accumulate hooks count. The pipeline runner keeps one store per (model chunk, microbatch).
+gradient (or, under gradient-accumulation fusion, adds it into the weight's fp32 gradient and counts it
+there: engine.parallel.grad_accumulation). The autograd graph is never edited: the weight enters the
+linear detached, so backward has no edge to it, and the W pass is the weight's only gradient in that
+microbatch, which is what the grad buffer's accumulate hooks count. The pipeline runner keeps one store per (model chunk, microbatch).
 """
 from __future__ import annotations
 
