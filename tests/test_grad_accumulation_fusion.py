@@ -291,3 +291,12 @@ def test_gpu_checks_gradient_comparison_asks_for_unfused_gradients(fused_on_cpu)
                                  loss=lambda b: model(tokens=b["tokens"], labels=b["labels"]).mean())
     grads = grad_check.gradients(loop, batch)
     assert all(g is not None for g in grads) and not fused_on_cpu and not buffer.data.any()
+
+
+def test_the_probe_sums_right_and_says_why_not(monkeypatch):
+    """The check `supported` runs once on CUDA: the right sum passes; an operator this torch lacks (bf16 products
+    into fp32 on the CPU build) or a wrong sum is a reason, not a fused run."""
+    assert grad_accumulation.sum_check("cpu", torch.float32) is None
+    assert "cannot add torch.bfloat16 products into fp32" in grad_accumulation.sum_check("cpu", torch.bfloat16)
+    monkeypatch.setattr(grad_accumulation, "accumulate", lambda target, x, dy: target.copy_(dy.t() @ x))
+    assert "gave [3.0, 3.0, 3.0, 3.0] for 3.5" in grad_accumulation.sum_check("cpu", torch.float32)

@@ -86,16 +86,20 @@ def supported(device: torch.device, dtype: torch.dtype) -> bool:
 def probe(dtype: torch.dtype):
     """None when CUDA's addmm adds a product of `dtype` operands into an fp32 tensor in place and right, else why
     not (this torch's error, or the wrong number it gave)."""
-    if dtype == torch.float32:
-        return None
-    target = torch.full((2, 2), 0.5, device="cuda")
-    a = torch.ones((2, 3), dtype=dtype, device="cuda")
+    return None if dtype == torch.float32 else sum_check("cuda", dtype)
+
+
+def sum_check(device: str, dtype: torch.dtype):
+    """`accumulate` of a tiny product of `dtype` operands into an fp32 tensor on `device`: None if it gave the right
+    sum, else why not."""
+    target = torch.full((2, 2), 0.5, device=device)
+    ones = torch.ones((3, 2), dtype=dtype, device=device)  # three tokens: every element of dy^T x is 3
     try:
-        accumulate(target, a, a)  # 0.5 + three products of 1
+        accumulate(target, ones, ones)
     except (RuntimeError, TypeError) as e:
-        return f"torch {torch.__version__}'s CUDA addmm cannot add {dtype} products into fp32 ({e})".splitlines()[0]
+        return f"torch {torch.__version__}'s {device} addmm cannot add {dtype} products into fp32 ({e})".splitlines()[0]
     if not torch.equal(target, torch.full_like(target, 3.5)):
-        return f"torch {torch.__version__}'s CUDA addmm gave {target.flatten().tolist()} for 3.5 ({dtype} products)"
+        return f"torch {torch.__version__}'s {device} addmm gave {target.flatten().tolist()} for 3.5 ({dtype} products)"
     return None
 
 
