@@ -87,10 +87,12 @@ def swiglu(gate, up):
 
 def swiglu_stacked(y):
     """SwiGLU of a fused gate/up projection's output y = [gate | up] (last dim), whose gradient comes back as one
-    tensor like y (no concatenation of the halves' gradients)."""
-    if _on_triton(y):
+    tensor like y (no concatenation of the halves' gradients). A compiled graph takes the halves (`swiglu`), as it
+    did before this existed (the H200 ran it so): there a kernel writing two views of one tensor would be a mutation
+    of aliased arguments for the compiler to track, untried on a GPU."""
+    if _on_triton(y) and not torch.compiler.is_compiling():
         return _triton_module("swiglu_triton").swiglu_stacked(y)
-    return reference.swiglu(*y.chunk(2, dim=-1))
+    return swiglu(*y.chunk(2, dim=-1))
 
 
 def _fp8(t: torch.Tensor):
