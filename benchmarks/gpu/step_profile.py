@@ -5,7 +5,7 @@ A step whose wall time is far above its device time is host-bound (launches, Pyt
 time is high has slow kernels. Issue 34's FP8 steps ran at 0.47-0.65x bf16 on the H200 (2026-11-27) while their
 GEMMs and casts were each faster in isolation: this says which.
 
-Where the step fuses its weight gradients into the fp32 ones (gradient-accumulation fusion, on CUDA), the same
+Where the bf16 step fuses its weight gradients into the fp32 ones (gradient-accumulation fusion, on CUDA), the same
 trainer's step is timed without the fusion and with it again: `fusion_gain`, the unfused step over the fused.
 
     PYTHONPATH=. python3 -m benchmarks.gpu.step_profile --precisions bf16,delayed,tensorwise --out DIR
@@ -69,7 +69,7 @@ def profile_step(precision: str, size: str, micro: int, warm: int, top: int) -> 
                               "ms": round(e.self_device_time_total / 1e3, 3), "calls": e.count}
                              for e in sorted(shaped, key=lambda e: e.self_device_time_total, reverse=True)[:top]
                              if e.device_type != torch.autograd.DeviceType.CUDA],
-                **fusion_gain(trainer, warm, cuda)}
+                **(fusion_gain(trainer, warm, cuda) if precision == "bf16" else {})}
     finally:
         finish(ctx, trainer)
         del trainer
