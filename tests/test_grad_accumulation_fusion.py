@@ -300,3 +300,48 @@ def test_the_probe_sums_right_and_says_why_not(monkeypatch):
     assert "cannot add torch.bfloat16 products into fp32" in grad_accumulation.sum_check("cpu", torch.bfloat16)
     monkeypatch.setattr(grad_accumulation, "accumulate", lambda target, x, dy: target.copy_(dy.t() @ x))
     assert "gave [3.0, 3.0, 3.0, 3.0] for 3.5" in grad_accumulation.sum_check("cpu", torch.float32)
+
+
+def test_gpu_checks_training_section_checks_the_fused_gradients_first_and_falls_back(fused_on_cpu, tmp_path):
+    """Before its rounds, gpu-check's training section compares the engine's fused gradients on one microbatch with
+    its unfused ones (a `fused_grads` row). A fused step that fails or differs leaves the rest of the model's rows
+    unfused, with a note, instead of costing them."""
+    import contextlib
+    import time
+    import types
+
+    from benchmarks.gpu import grad_check, models, training
+    from benchmarks.gpu.context import Options, Record
+    from benchmarks.gpu.loops import EngineLoop
+    from benchmarks.train import engine_trainer, process_group
+    from engine.data import make_batch
+    from engine.parallel.grad_accumulation import fusing
+    cfg = models.config("llama", "tiny", 2, 2, 4, bf16=False)
+    with process_group(False):
+        ctx, trainer = engine_trainer(cfg, "cpu")
+        try:
+            loop = EngineLoop(trainer)
+            bench = types.SimpleNamespace(loops={"engine": loop}, family="llama", cuda=False,
+                                          batch=lambda: make_batch(trainer.train_ds, [0, 1], device="cpu"))
+            record = Record("training", str(tmp_path / "r.json"), Options("cpu", False, True, str(tmp_path),
+                                                                         time.time()), time.time() + 60)
+            with contextlib.ExitStack() as unfused:
+                training.check_fusion(record, bench, unfused)
+                (row,) = record.data["tables"]["fused_grads"]
+                assert row["match"] and row["fused"] > 0 and row["worst_rel_diff"] <= 1e-5, row
+                assert fusing(loop.model.layers["0"].mlp.fc1.weight) is not None and not record.data["notes"]
+                trainer.iterate()  # the loop's next step starts afresh after the check's
+            with contextlib.ExitStack() as unfused:  # a failing fused step: the rows run unfused, said in a note
+                def broken(loop, batch):
+                    raise RuntimeError("no such kernel")
+                grad_check.fused_vs_unfused, original = broken, grad_check.fused_vs_unfused
+                try:
+                    training.check_fusion(record, bench, unfused)
+                finally:
+                    grad_check.fused_vs_unfused = original
+                assert fusing(loop.model.layers["0"].mlp.fc1.weight) is None
+                assert "run without gradient-accumulation fusion" in record.data["notes"][-1]
+            assert fusing(loop.model.layers["0"].mlp.fc1.weight) is not None  # given back after the section
+        finally:
+            from benchmarks.gpu.bench import finish
+            finish(ctx, trainer)

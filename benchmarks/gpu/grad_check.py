@@ -61,3 +61,28 @@ def compiled_vs_eager(loop, batch) -> dict:
             worst, worst_name = diff, name
     return {"params": len(names), "missing": len(missing), "missing_first": missing[:8],
             "worst_rel_diff": worst, "worst_param": worst_name, "match": not missing and worst <= TOLERANCE}
+
+
+def fused_vs_unfused(loop, batch) -> dict:
+    """The engine loop's gradients on `batch` with gradient-accumulation fusion (each linear's weight gradient added
+    into the fp32 buffer by its product: engine.parallel.grad_accumulation) against autograd's without it:
+    {params, fused (how many parameters fuse), worst_rel_diff, worst_param, match}. The fused sums skip the bf16
+    rounding of each microbatch's weight gradient, so the two differ by bf16's precision, not by lost terms. The
+    buffer is left mid-step; the loop's next step starts its own."""
+    named = trainable(loop)
+    fused = sum(grad_accumulation.fusing(p) is not None for _, p in named)
+    unfused = [None if g is None else g.to("cpu") for g in gradients(loop, batch)]
+    loop.trainer.optimizer.start_step(1)
+    with torch.autocast(batch["tokens"].device.type, dtype=loop.autocast, enabled=loop.autocast is not None):
+        loss = loop.loss(batch)
+    loss.backward()
+    worst, worst_name = 0.0, None
+    for (name, p), want in zip(named, unfused):
+        if want is None:
+            continue
+        want = want.to(p.device).float()
+        diff = float((p.main_grad.float() - want).norm() / want.norm().clamp_min(1e-30))
+        if diff > worst:
+            worst, worst_name = diff, name
+    return {"params": len(named), "fused": fused, "worst_rel_diff": worst, "worst_param": worst_name,
+            "match": worst <= TOLERANCE}

@@ -9,9 +9,12 @@ TFLOP/s (engine.flops: the Megatron count, no recomputation), MFU over the 989 T
 the bf16 matmul rate the card section measured, peak memory, the planner's prediction for the same layout
 (engine.planner.memory.memory_per_gpu) and the largest loss difference from the plain loop on the same
 batches; each compiled row also says whether its gradients are its eager ones (grad_check), and each profiled
-step's products are summed against the model's. The 1.3B model goes first: it is what the goals are about.
+step's products are summed against the model's. Before the rounds, where the engine fuses its weight gradients
+into the fp32 ones (CUDA), its fused gradients on one microbatch are checked against its unfused ones. The 1.3B model goes first: it is what the goals are about.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -22,6 +25,7 @@ from benchmarks.kernel_speed import significant
 from benchmarks.train import process_group
 from engine import flops
 from engine.layout import Layout
+from engine.parallel import grad_accumulation
 from engine.planner.memory import memory_per_gpu
 from engine.precision import precision_name
 
@@ -47,7 +51,9 @@ def train(opts, record, family: str, matmul) -> None:
     bench = fit(opts, record, family)
     if bench is None:
         return
+    unfused = contextlib.ExitStack()
     try:
+        check_fusion(record, bench, unfused)
         warm, iters = opts.pick((2, 5), (1, 4), (1, 2))
         bench.rounds(warm, False, "eager")
         bench.rounds(iters, True, "eager")
@@ -70,7 +76,30 @@ def train(opts, record, family: str, matmul) -> None:
                 if name in bench.loops and record.has_time(f"{family} {name} compiled profile", opts.pick(10, 10, 2)):
                     profile(record, bench, family, matmul, name, "compile")
     finally:
+        unfused.close()
         bench.close()
+
+
+def check_fusion(record, bench, unfused: contextlib.ExitStack) -> None:
+    """Where the engine fuses its weight gradients (CUDA; engine.parallel.grad_accumulation), its fused gradients on one
+    microbatch against its unfused ones first: a row of the `fused_grads` table. If they differ or the fused step
+    fails, the rest of this model's rows run unfused (`unfused` holds that until they are done), and a note says so:
+    the rows are not lost to it."""
+    loop = bench.loops.get("engine")
+    if loop is None or not any(grad_accumulation.fusing(p) for _, p in grad_check.trainable(loop)):
+        return
+    try:
+        result = grad_check.fused_vs_unfused(loop, bench.batch())
+    except Exception as exc:  # noqa: BLE001 - the fused step failing is this check's finding
+        result = {"error": f"{type(exc).__name__}: {exc}"[:300], "match": False}
+    release(bench.cuda)
+    record.row("fused_grads", {"family": bench.family, **result})
+    if not result["match"]:
+        unfused.enter_context(grad_accumulation.unfused())
+        why = result.get("error") or (f"worst relative difference {result['worst_rel_diff']:.2e} in "
+                                      f"{result['worst_param']}")
+        record.note(f"{bench.family} engine: its fused weight gradients are not its unfused ones ({why}); its rows "
+                    "run without gradient-accumulation fusion")
 
 
 def check_gradients(opts, record, bench) -> dict:
