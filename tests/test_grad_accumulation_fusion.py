@@ -342,6 +342,16 @@ def test_gpu_checks_training_section_checks_the_fused_gradients_first_and_falls_
                 assert fusing(loop.model.layers["0"].mlp.fc1.weight) is None
                 assert "run without gradient-accumulation fusion" in record.data["notes"][-1]
             assert fusing(loop.model.layers["0"].mlp.fc1.weight) is not None  # given back after the section
+            with contextlib.ExitStack() as unfused:  # out of memory for the check: no finding, the rows stay fused
+                def too_big(loop, batch):
+                    raise torch.OutOfMemoryError("CUDA out of memory")
+                grad_check.fused_vs_unfused, original = too_big, grad_check.fused_vs_unfused
+                try:
+                    training.check_fusion(record, bench, unfused)
+                finally:
+                    grad_check.fused_vs_unfused = original
+                assert fusing(loop.model.layers["0"].mlp.fc1.weight) is not None
+                assert record.data["tables"]["fused_grads"][-1]["match"] is None
         finally:
             from benchmarks.gpu.bench import finish
             finish(ctx, trainer)
