@@ -201,12 +201,19 @@ def test_a_compiled_layer_takes_autograds_products(fused_on_cpu):
 def _sp_ranks(rank, world):
     import torch
 
+    from engine.parallel import grad_accumulation
+    supported, grad_accumulation.supported = grad_accumulation.supported, lambda device, dtype: dtype == torch.float32
+    try:  # the rank pool outlives this test: what it switched on is switched off again
+        return _sp_steps(rank, world)
+    finally:
+        grad_accumulation.supported = supported
+
+
+def _sp_steps(rank, world):
     from engine.config import Config
     from engine.optim import build_optimizer
-    from engine.parallel import grad_accumulation
     from engine.parallel.topology import build_context
     from engine.pipeline.partition import build_model_chunks
-    grad_accumulation.supported = lambda device, dtype: dtype == torch.float32
     out = {}
     for fuse in (False, True):
         cfg = Config()
@@ -225,9 +232,17 @@ def _sp_ranks(rank, world):
     return out
 
 
+def _cpu_fuses(rank, world):
+    import torch
+
+    from engine.parallel import grad_accumulation
+    return grad_accumulation.supported(torch.device("cpu"), torch.float32)
+
+
 def test_sequence_parallel_gathering_linears_fuse_on_two_ranks():
     for out in run_ranks(_sp_ranks, 2):
         _assert_same(out[True], out[False])
+    assert run_ranks(_cpu_fuses, 2) == [False, False]  # the shared rank pool's later tests run as a real CPU run
 
 
 @pytest.mark.gpu
@@ -253,16 +268,19 @@ def _zero3_ranks(rank, world):
 
     from engine.parallel import grad_accumulation
     from test_sharded_dp import _cfg, _train
+    supported, accumulate, calls = grad_accumulation.supported, grad_accumulation.accumulate, []
     grad_accumulation.supported = lambda device, dtype: dtype == torch.float32
-    calls, accumulate = [], grad_accumulation.accumulate
     grad_accumulation.accumulate = lambda *a: (calls.append(1), accumulate(*a))
-    curves = {}
-    for fuse in (False, True):
-        cfg = _cfg("optim_grads_params", overlap=True)
-        cfg.training.train_iters, cfg.training.gradient_accumulation_fusion = 4, fuse
-        curves[fuse] = _train(rank, world, cfg, steps=range(4))
-        curves[fuse, "fused products"] = len(calls)
-    return curves
+    try:  # the rank pool outlives this test: what it switched on is switched off again
+        curves = {}
+        for fuse in (False, True):
+            cfg = _cfg("optim_grads_params", overlap=True)
+            cfg.training.train_iters, cfg.training.gradient_accumulation_fusion = 4, fuse
+            curves[fuse] = _train(rank, world, cfg, steps=range(4))
+            curves[fuse, "fused products"] = len(calls)
+        return curves
+    finally:
+        grad_accumulation.supported, grad_accumulation.accumulate = supported, accumulate
 
 
 def test_zero3_gathered_weights_fuse_into_their_staged_rounds():
