@@ -7,6 +7,9 @@ weight, MLA's replicated projections, MTP's heads sharing the output layer, full
 and ZeRO-3's, a split backward's W pass, sequence parallelism's gathering linear on two ranks and a compiled
 layer. fp32 products summed by addmm (beta 1) differ from a product then an add by rounding only: 1e-6 relative.
 """
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 
@@ -21,18 +24,24 @@ from harness import NO_DROPOUT, full_grad, run_ranks
 VOCAB, SEQ = 100, 16
 
 
-@pytest.fixture
-def fused_on_cpu(monkeypatch):
-    """The fusion on for fp32 weights on the CPU; the products it makes, counted."""
-    calls = []
-    accumulate = grad_accumulation.accumulate
+@contextlib.contextmanager
+def fusing_on_cpu():
+    """The fusion on for fp32 weights on the CPU, and given back after (a pooled rank outlives its test); yields the
+    shapes of the products it makes."""
+    calls, accumulate = [], grad_accumulation.accumulate
 
     def counted(target, x, dy):
         calls.append(tuple(target.shape))
         accumulate(target, x, dy)
-    monkeypatch.setattr(grad_accumulation, "supported", lambda device, dtype: dtype == torch.float32)
-    monkeypatch.setattr(grad_accumulation, "accumulate", counted)
-    return calls
+    with mock.patch.object(grad_accumulation, "supported", lambda device, dtype: dtype == torch.float32), \
+            mock.patch.object(grad_accumulation, "accumulate", counted):
+        yield calls
+
+
+@pytest.fixture
+def fused_on_cpu():
+    with fusing_on_cpu() as calls:
+        yield calls
 
 
 def _config(family: str) -> Config:
@@ -199,14 +208,8 @@ def test_a_compiled_layer_takes_autograds_products(fused_on_cpu):
 
 
 def _sp_ranks(rank, world):
-    import torch
-
-    from engine.parallel import grad_accumulation
-    supported, grad_accumulation.supported = grad_accumulation.supported, lambda device, dtype: dtype == torch.float32
-    try:  # the rank pool outlives this test: what it switched on is switched off again
+    with fusing_on_cpu():
         return _sp_steps(rank, world)
-    finally:
-        grad_accumulation.supported = supported
 
 
 def _sp_steps(rank, world):
@@ -264,14 +267,8 @@ def test_cuda_adds_bf16_products_into_fp32():
 
 
 def _zero3_ranks(rank, world):
-    import torch
-
-    from engine.parallel import grad_accumulation
     from test_sharded_dp import _cfg, _train
-    supported, accumulate, calls = grad_accumulation.supported, grad_accumulation.accumulate, []
-    grad_accumulation.supported = lambda device, dtype: dtype == torch.float32
-    grad_accumulation.accumulate = lambda *a: (calls.append(1), accumulate(*a))
-    try:  # the rank pool outlives this test: what it switched on is switched off again
+    with fusing_on_cpu() as calls:
         curves = {}
         for fuse in (False, True):
             cfg = _cfg("optim_grads_params", overlap=True)
@@ -279,8 +276,6 @@ def _zero3_ranks(rank, world):
             curves[fuse] = _train(rank, world, cfg, steps=range(4))
             curves[fuse, "fused products"] = len(calls)
         return curves
-    finally:
-        grad_accumulation.supported, grad_accumulation.accumulate = supported, accumulate
 
 
 def test_zero3_gathered_weights_fuse_into_their_staged_rounds():
@@ -324,7 +319,6 @@ def test_gpu_checks_training_section_checks_the_fused_gradients_first_and_falls_
     """Before its rounds, gpu-check's training section compares the engine's fused gradients on one microbatch with
     its unfused ones (a `fused_grads` row). A fused step that fails or differs leaves the rest of the model's rows
     unfused, with a note, instead of costing them."""
-    import contextlib
     import time
     import types
 

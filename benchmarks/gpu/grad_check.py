@@ -28,16 +28,26 @@ def trainable(loop) -> list:
     return [(n, p) for n, p in loop.model.named_parameters() if p.requires_grad]
 
 
+def loss(loop, batch):
+    """`loop`'s mean loss on `batch`, under its autocast."""
+    with torch.autocast(batch["tokens"].device.type, dtype=loop.autocast, enabled=loop.autocast is not None):
+        return loop.loss(batch)
+
+
 def gradients(loop, batch) -> list:
     """Every trainable parameter's gradient of `loop`'s mean loss on `batch` (None where nothing reaches it),
     through torch.autograd.grad, so nothing is accumulated into the loop's own gradients or buffers."""
     params = [p for _, p in trainable(loop)]
     # unfused: the engine's linears would add their weights' gradients into its grad buffer instead of returning
     # them (engine.parallel.grad_accumulation); compiled layers never fuse, so the two sides compare like with like
-    with grad_accumulation.unfused(), torch.autocast(batch["tokens"].device.type, dtype=loop.autocast,
-                                                      enabled=loop.autocast is not None):
-        loss = loop.loss(batch)
-        return list(torch.autograd.grad(loss, params, allow_unused=True))
+    with grad_accumulation.unfused():
+        return list(torch.autograd.grad(loss(loop, batch), params, allow_unused=True))
+
+
+def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    """|got - want| / |want| (Frobenius), in fp32 on got's device."""
+    want = want.to(got.device).float()
+    return float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
 
 
 def compiled_vs_eager(loop, batch) -> dict:
@@ -48,19 +58,17 @@ def compiled_vs_eager(loop, batch) -> dict:
     with torch.compiler.set_stance("force_eager"):
         eager = [None if g is None else g.to("cpu") for g in gradients(loop, batch)]
     compiled = gradients(loop, batch)
-    missing, worst, worst_name = [], 0.0, None
+    missing, diffs = [], {}
     for name, e, c in zip(names, eager, compiled):
         if e is None:
             continue
-        e = e.to(c.device if c is not None else "cpu").float()
         if c is None or (not torch.count_nonzero(c) and torch.count_nonzero(e)):
             missing.append(name)
             continue
-        diff = float((c.float() - e).norm() / e.norm().clamp_min(1e-30))
-        if diff > worst:
-            worst, worst_name = diff, name
-    return {"params": len(names), "missing": len(missing), "missing_first": missing[:8],
-            "worst_rel_diff": worst, "worst_param": worst_name, "match": not missing and worst <= TOLERANCE}
+        diffs[name] = relative_difference(c, e)
+    worst = _worst(diffs)
+    return {"params": len(names), "missing": len(missing), "missing_first": missing[:8], **worst,
+            "match": not missing and worst["worst_rel_diff"] <= TOLERANCE}
 
 
 def fused_vs_unfused(loop, batch) -> dict:
@@ -70,19 +78,16 @@ def fused_vs_unfused(loop, batch) -> dict:
     rounding of each microbatch's weight gradient, so the two differ by bf16's precision, not by lost terms. The
     buffer is left mid-step; the loop's next step starts its own."""
     named = trainable(loop)
-    fused = sum(grad_accumulation.fusing(p) is not None for _, p in named)
     unfused = [None if g is None else g.to("cpu") for g in gradients(loop, batch)]
     loop.trainer.optimizer.start_step(1)
-    with torch.autocast(batch["tokens"].device.type, dtype=loop.autocast, enabled=loop.autocast is not None):
-        loss = loop.loss(batch)
-    loss.backward()
-    worst, worst_name = 0.0, None
-    for (name, p), want in zip(named, unfused):
-        if want is None:
-            continue
-        want = want.to(p.device).float()
-        diff = float((p.main_grad.float() - want).norm() / want.norm().clamp_min(1e-30))
-        if diff > worst:
-            worst, worst_name = diff, name
-    return {"params": len(named), "fused": fused, "worst_rel_diff": worst, "worst_param": worst_name,
-            "match": worst <= TOLERANCE}
+    loss(loop, batch).backward()
+    worst = _worst({name: relative_difference(p.main_grad, want) for (name, p), want in zip(named, unfused)
+                    if want is not None})
+    return {"params": len(named), "fused": grad_accumulation.fused_count(p for _, p in named), **worst,
+            "match": worst["worst_rel_diff"] <= TOLERANCE}
+
+
+def _worst(diffs: dict) -> dict:
+    """{worst_rel_diff, worst_param} of {name: relative difference} (0.0 and None when empty)."""
+    name = max(diffs, key=diffs.get, default=None)
+    return {"worst_rel_diff": diffs[name] if name is not None else 0.0, "worst_param": name}

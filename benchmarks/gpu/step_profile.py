@@ -80,7 +80,7 @@ def fusion_gain(trainer, steps: int, cuda: bool) -> dict:
     """Where the step fuses its weight gradients into the fp32 ones (engine.parallel.grad_accumulation; CUDA), the
     same trainer's step without, then with it again: {unfused_step_ms, fused_step_ms, fusion_gain (unfused over
     fused)}, measured in one process on one model. Empty where nothing is fused."""
-    if not any(grad_accumulation.fusing(p) for chunk in trainer.chunks for p in chunk.parameters()):
+    if not grad_accumulation.fused_count(p for chunk in trainer.chunks for p in chunk.parameters()):
         return {}
     with grad_accumulation.unfused():
         unfused = timed_iterations(trainer, steps, cuda)[0]

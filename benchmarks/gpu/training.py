@@ -86,7 +86,7 @@ def check_fusion(record, bench, unfused: contextlib.ExitStack) -> None:
     fails, the rest of this model's rows run unfused (`unfused` holds that until they are done), and a note says so:
     the rows are not lost to it."""
     loop = bench.loops.get("engine")
-    if loop is None or not any(grad_accumulation.fusing(p) for _, p in grad_check.trainable(loop)):
+    if loop is None or not grad_accumulation.fused_count(p for _, p in grad_check.trainable(loop)):
         return
     try:
         result = grad_check.fused_vs_unfused(loop, bench.batch())

@@ -54,6 +54,11 @@ def fusing(weight):
     return sink
 
 
+def fused_count(params) -> int:
+    """How many of `params` have their gradients fused now."""
+    return sum(fusing(p) is not None for p in params)
+
+
 @contextlib.contextmanager
 def unfused():
     """Within: every linear returns its weight's gradient to autograd (for torch.autograd.grad and its callers)."""
