@@ -445,6 +445,29 @@ def test_only_runs_the_sections_named_and_refuses_unknown_ones(tmp_path, capsys)
         assert "--models" in capsys.readouterr().err
 
 
+def test_the_default_run_fits_eight_minutes_and_quick_four():
+    """Issue 31's bounds for an unattended `make gpu-check`: the default sections' budgets and graces fit 8 minutes
+    (--quick: 4), leaving a 15-minute lease room for a rerun; the launch sweep runs only when named, a dry run
+    runs every section, and sections given --budgets may take a lease's whole call (10 minutes), no more."""
+    from benchmarks import gpu_check
+    from benchmarks.gpu.runner import GRACE
+
+    def need(argv):
+        args = gpu_check.parse(["--device", "cpu"] + argv)
+        mode = gpu_check.options(args).mode
+        return sum(s.budget[mode] + GRACE for s in gpu_check.planned(args, mode)), gpu_check.chosen(args)
+
+    assert need([]) == (480, ["card", "correctness", "kernels", "training", "memory", "fp8"])
+    assert need(["--quick"]) == (240, need([])[1])
+    assert need(["--dry-run"])[1] == SECTIONS and need(["--only", "tuning"])[1] == ["tuning"]
+    fits = gpu_check.parse(["--only", "training,fp8", "--budgets", "training=220,fp8=280"])
+    too_long = gpu_check.parse(["--only", "training,fp8", "--budgets", "training=300,fp8=290"])
+    assert gpu_check.ceiling(fits, "full") == 600 and need(["--only", "training,fp8", "--budgets",
+                                                            "training=220,fp8=280"])[0] == 520
+    assert "over the 600 s a full run may take" in gpu_check.problem(too_long)
+    assert gpu_check.ceiling(gpu_check.parse([]), "full") == 480
+
+
 def test_models_picks_the_training_sections_models_in_order(monkeypatch):
     """--models gpt2 reruns only GPT-2's training rows (what a budget left out), without the Llama ones again."""
     from benchmarks import gpu_check

@@ -33,6 +33,7 @@ class Section:
     name: str
     run: Callable            # run(opts, record, earlier): earlier = the sections before, as gathered here
     budget: dict             # mode ("full", "quick", "dry-run") -> seconds
+    default: bool = True     # run when no section is named (--only); a dry run runs every section
 
 
 def cuda_visible() -> bool:
