@@ -437,3 +437,15 @@ def test_fp8_param_gather_prices_the_experts_gathers():
     got, base = run(True), run(False)
     assert base.breakdown["dp_comm"] - got.breakdown["dp_comm"] == pytest.approx(saved, rel=1e-9)
     assert got.memory.fp8_gather == b.codes + b.payloads
+
+
+def test_one_replica_publishes_without_a_gather_target():
+    """With one data-parallel replica (the distributed optimizer on one GPU, as gpu-check's training runs) every
+    master is this rank's and goes straight into its weight: no all-gather target is allocated, and the planner
+    counts none; the MoE experts' buffer at ep 2 on 2 ranks (one replica each) is covered by the cases above."""
+    results = run_ranks(_all, 1, [("rms", "optim", False, False, 10_000), ("tied", "optim_grads", False, False, 3000)],
+                        timeout=120)[0]
+    for (_, gathered, _), (kind, strategy) in zip(results, (("rms", "optim"), ("tied", "optim_grads"))):
+        cfg = _model(kind, strategy)
+        layout = Layout(1, 1, 1, sharding_strategy=strategy)
+        assert gathered == 0 == rank_transient_bytes(cfg.model, layout, "bf16", 0)[1]

@@ -28,7 +28,8 @@ Transients (`rank_transient_bytes`), full-size buffers on top of that:
     gathered    optim_grads_params: the largest unit's buckets in the training dtype (param_shard.py gathers
                 one unit at a time), the largest two neighbouring units' with --overlap-param-gather (the next
                 unit prefetched); optim, optim_grads: the all-gather target of the step's publish
-                (Optimizer._gather_buffer), as large as the largest bucket, kept once allocated; with
+                (Optimizer._gather_buffer), as large as the largest bucket with other replicas (without,
+                the masters go straight into the weights), kept once allocated; with
                 --overlap-param-gather none (param_gather.py gathers into the weights, made views of flat
                 buckets), only those buckets' padding
 
@@ -279,8 +280,9 @@ def rank_transient_bytes(model: ModelConfig, layout: Layout, precision: str, ran
                          overlap_param_gather: bool = False) -> tuple:
     """(staging, gathered) bytes pipeline rank `rank` holds at most on top of rank_state_bytes: ZeRO-2/3's fp32
     gradient staging (the dense and expert buffers' peaks added), and full-size weights in the training dtype:
-    ZeRO-3's gathered units (two with `overlap_param_gather`), ZeRO-1/2's all-gather target of the step (with
-    `overlap_param_gather` the padding of the flat buckets the weights are gathered into in place)."""
+    ZeRO-3's gathered units (two with `overlap_param_gather`), ZeRO-1/2's all-gather target of the step (none
+    without other replicas; with `overlap_param_gather` the padding of the flat buckets the weights are gathered
+    into in place)."""
     sharding = layout.sharding
     if not sharding.optimizer:
         return 0, 0
@@ -294,7 +296,7 @@ def rank_transient_bytes(model: ModelConfig, layout: Layout, precision: str, ran
     elif overlap_param_gather:
         gathered = sum(padded - used for _, chunks in buffers for c in chunks for used, padded in c.buckets)
     else:
-        gathered = max([p for _, chunks in buffers for c in chunks for _, p in c.buckets] or [0])
+        gathered = max([p for n, chunks in buffers if n > 1 for c in chunks for _, p in c.buckets] or [0])
     return staging * GRAD_BYTES, gathered * PARAM_BYTES[precision]
 
 
