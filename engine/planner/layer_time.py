@@ -68,11 +68,14 @@ HBM_EFFICIENCY = 0.8          # achievable fraction of HBM bandwidth for streami
 # 1/16 (A100: 19.5 of 312 TFLOP/s) to 1/15 (H100 SXM: 67 of 989) of the dense bf16 peak (NVIDIA data sheets).
 FP32_SLOWDOWN = 15.0
 # FP8 (engine/fp8): the dense FP8 tensor-core peak is twice the bf16 one on Hopper (H100 SXM: 1,979 vs 989
-# TFLOP/s, NVIDIA data sheet), and FP8 GEMMs reach a smaller share of theirs: assumed 0.8 of the bf16 GEMM
-# efficiency (torchao's float8 GEMM benchmarks on H100: 1.5-1.8x over bf16 at large shapes), so tensor-scaled
-# hidden GEMMs (tensorwise, delayed) run 1.6x faster. Blockwise and the experts' GEMMs run dequantized at the
-# bf16 rate in this engine (engine/fp8/gemm.py); the output layer and the attention core stay in bf16.
-FP8_GEMM_SPEEDUP = 2.0 * 0.8
+# TFLOP/s, NVIDIA data sheet), and FP8 GEMMs reach a smaller share of theirs. Measured by gpu-check: at 8192^3
+# 1.78x bf16's rate on an H100 (1,378 against 772 TFLOP/s, 2026-11-26) and 1.87x on an H200 (1,489 against 798,
+# 2026-11-27); inside the 1.24B Llama's step on that H200 (`step_profile`, micro batch 2), the hidden linears'
+# 384 torch._scaled_mm took 35.3 ms where their bf16 products took 61.3: 1.74x. So tensor-scaled hidden GEMMs
+# (tensorwise, delayed) run 1.75x faster (torchao reports 1.5-1.8x at large shapes). Blockwise and the experts'
+# GEMMs run dequantized at the bf16 rate in this engine (engine/fp8/gemm.py); the output layer and the attention
+# core stay in bf16.
+FP8_GEMM_SPEEDUP = 1.75
 # Quantizing, per element of each FP8 operand but the weights (the GEMMs' inputs and output gradients; a weight is
 # quantized once a step, engine.fp8.weights_held), as engine/fp8 does it on CUDA. Tensor scaling reads the bf16
 # operand once and writes its codes and their transpose (the weight gradient's operand) in one pass
