@@ -12,8 +12,8 @@ Needs only torch (a CUDA build), triton and transformers, and installs nothing: 
 registry. Full: within 8 minutes; --quick: within 4 (issue 31's bounds, which leave a 15-minute lease room for a
 rerun); the launch-setting sweep (`tuning`) runs only when --only names it. --only runs the sections named, and
 --budgets gives them other seconds: such a run may take up to 10 minutes (a lease's limit for one command). Each
-section runs in its own process under a time budget (benchmarks/gpu/runner.py); one that fails, crashes or runs out of time is recorded with its error and the
-rest go on. Writes gpu_check.json and gpu_check.md into --out (default $OUT, else ./gpu_check_out) and prints
+section runs in its own process under a time budget (benchmarks/gpu/runner.py); one that fails, crashes or runs
+out of time is recorded with its error and the rest go on. Writes gpu_check.json and gpu_check.md into --out (default $OUT, else ./gpu_check_out) and prints
 the Markdown table last, since a lease returns only the output's tail. The JSON names the file it is to be
 committed as, benchmarks/results/gpu-<card>-<date>.json.
 

@@ -265,7 +265,7 @@ class Optimizer:
         if not self.distributed or self.sharder is not None:
             for e in self._entries:
                 if e.owns_master:
-                    self._values(e.param, (e.start, e.end)).copy_(e.master)
+                    self._publish_own(e)
             if self.sharder is not None:
                 self.sharder.changed()
             return
@@ -273,7 +273,7 @@ class Optimizer:
             return self.gather.start(self._entries)
         if self.fp8 is not None:  # this rank's shards first: the FP8 codes are made from them
             for e in self._entries:
-                e.param.detach().view(-1)[e.start:e.end].copy_(e.master)
+                self._publish_own(e)
             self.fp8.prepare()
         for i, buffer in enumerate(self.buffers):
             for bucket in buffer.buckets:
@@ -292,6 +292,10 @@ class Optimizer:
             out.setdefault((id(e.buffer), bucket.index), []).append((e, off))
         return out
 
+    def _publish_own(self, e) -> None:
+        """Entry e's updated master into its weight's elements on this rank."""
+        self._values(e.param, (e.start, e.end)).copy_(e.master)
+
     def _gather_whole(self, buffer: GradBuffer, bucket) -> None:
         """All-gather one bucket's updated masters, in the parameters' dtype, into its parameters. Without other
         replicas this rank holds every master of the bucket, and each goes straight into its parameter: through the
@@ -299,7 +303,7 @@ class Optimizer:
         entries = self._in_bucket.get((id(buffer), bucket.index), [])
         if buffer.replicas == 1:
             for e, _ in entries:
-                e.param.detach().view(-1)[e.start:e.end].copy_(e.master)
+                self._publish_own(e)
             return
         out = self._gather_buffer(bucket)
         lo, hi = buffer.shard_bounds(bucket)
