@@ -426,6 +426,47 @@ def test_each_committed_gpu_result_has_its_generated_table_in_the_docs():
             f"{os.path.basename(path)}: the README shows the newest result of each card, and only those"
 
 
+def test_publish_puts_a_results_table_where_the_docs_test_looks(tmp_path, capsys):
+    """benchmarks/gpu/publish.py: a newer run of a card replaces that card's README table and goes first in
+    docs/evidence.md, beside the older runs; a new card's table is added; an older run or a second call changes
+    nothing in the README; what the previous test asks of the real docs then holds for the copies."""
+    import copy
+    import glob
+    from benchmarks.gpu import publish, report
+    root = os.path.join(os.path.dirname(__file__), "..")
+    docs = {name: tmp_path / name.replace("/", "-") for name in ("README.md", "docs/evidence.md")}
+    for name, path in docs.items():
+        path.write_text(open(os.path.join(root, *name.split("/"))).read())
+    committed = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(root, "benchmarks/results/gpu-*.json")))]
+    h200 = max((r for r in committed if r["card"] == "NVIDIA H200"), key=lambda r: r["date"])
+    newer, other = copy.deepcopy(h200), copy.deepcopy(h200)
+    newer["date"], newer["runs"][0]["commit"] = "2099-01-01", "abc1234"
+    other["card"], other["sections"]["card"]["figures"]["name"]["value"] = "NVIDIA B200", "NVIDIA B200"
+
+    def run(result, name):
+        path = tmp_path / name
+        path.write_text(json.dumps(result))
+        assert publish.main([str(path), "--readme", str(docs["README.md"]),
+                             "--evidence", str(docs["docs/evidence.md"])]) == 0
+        return capsys.readouterr().out
+
+    assert "replaced by 2099-01-01's" in run(newer, "newer.json")
+    readme, evidence = (docs[n].read_text() for n in ("README.md", "docs/evidence.md"))
+    assert report.readme_table(newer) in readme and report.readme_table(h200) not in readme
+    h100 = max((r for r in committed if r["card"].startswith("NVIDIA H100")), key=lambda r: r["date"])
+    assert report.readme_table(h100) in readme  # the other card's stays
+    assert all(report.readme_table(r) in evidence for r in committed + [newer])
+    assert evidence.index(report.readme_table(newer)) < evidence.index(report.readme_table(h200))
+    assert "**NVIDIA H200, 2099-01-01** (driver" in evidence and "commit abc1234" in evidence
+    assert run(newer, "newer.json").count("already shows it") == 2  # a second call changes nothing
+    run(h200, "older.json")  # older than the one shown: the README keeps the newer table
+    assert docs["README.md"].read_text() == readme
+    assert "table added" in run(other, "b200.json")
+    readme = docs["README.md"].read_text()
+    assert readme.index(report.readme_table(other)) > readme.index(report.readme_table(newer))
+    assert publish.main([str(tmp_path / "missing.json")]) == 2 and "publish.py: " in capsys.readouterr().err
+
+
 def test_only_runs_the_sections_named_and_refuses_unknown_ones(tmp_path, capsys):
     from benchmarks import gpu_check
     assert gpu_check.main(["--device", "cpu", "--dry-run", "--only", "card", "--out", str(tmp_path)]) == 0
