@@ -27,6 +27,16 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+def cast_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype`: t itself when it is already, with no `.to` call. Every autograd.Function's forward returns
+    through this. Under torch 2.11's dynamo, a forward whose result is a `.to()` to the dtype it already has
+    gives wrong gradients, silently: a compiled fp32 layer's norm weights and fc1 lost theirs on the CPU, and
+    the H200's compiled plain loop (fp32 weights under autocast) ran 64 fewer products than its model needs
+    (benchmarks/results/NOTES.md sections 11 and 13). torch 2.13 and 2.14 were right either way.
+    tests/test_compiled_layer.py compares compiled fp32 gradients with eager ones."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 class _RMSNorm(torch.autograd.Function):
     """y = x / rms(x) * weight, keeping only x and 1/rms for backward (not the normalised copy)."""
 
@@ -35,7 +45,7 @@ class _RMSNorm(torch.autograd.Function):
         xf = _wide(x)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
-        return (xf * rstd * _wide(weight)).to(x.dtype)
+        return cast_to(xf * rstd * _wide(weight), x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
@@ -44,7 +54,7 @@ class _RMSNorm(torch.autograd.Function):
         g = dyf * _wide(weight)
         dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
         dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return dx.to(x.dtype), dw, None
+        return cast_to(dx, x.dtype), dw, None
 
 
 class _LayerNorm(torch.autograd.Function):
@@ -58,7 +68,7 @@ class _LayerNorm(torch.autograd.Function):
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.has_bias = bias is not None
         y = (xf - mean) * rstd * _wide(weight)
-        return (y + _wide(bias) if bias is not None else y).to(x.dtype)
+        return cast_to(y + _wide(bias) if bias is not None else y, x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
@@ -69,7 +79,7 @@ class _LayerNorm(torch.autograd.Function):
         rows = dyf.reshape(-1, x.shape[-1])
         dw = (rows * xhat.reshape(rows.shape)).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         db = rows.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx.to(x.dtype), dw, db, None
+        return cast_to(dx, x.dtype), dw, db, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -93,8 +103,9 @@ def add_layer_norm(x, residual, weight, bias, eps):
 def _rotate(x: torch.Tensor, freqs: torch.Tensor, sign: float) -> torch.Tensor:
     """Rotate the pairs (i, i + d/2) of x [s, b, n, d] by sign * freqs ([s, d/2], or [s, b, d/2] per sample), in
     fp32."""
-    angles = _wide(torch.cat((freqs, freqs), dim=-1))
-    angles = angles.view(angles.shape[0], -1, 1, angles.shape[-1])  # [s, 1 or b, 1, d]
+    angles = _wide(torch.cat((freqs, freqs), dim=-1)).unsqueeze(-2)  # [s, 1, d] or [s, b, 1, d]
+    if angles.dim() == 3:  # one table for every sample: [s, 1, 1, d] (unsqueezed, not viewed with a -1 size,
+        angles = angles.unsqueeze(1)  # which torch 2.11's dynamo fails on in an autograd.Function with dynamic shapes)
     xf = _wide(x)
     x1, x2 = xf.chunk(2, dim=-1)
     return xf * angles.cos() + torch.cat((-x2, x1), dim=-1) * (sign * angles.sin())
@@ -106,12 +117,12 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, freqs):
         ctx.save_for_backward(freqs)
-        return _rotate(x, freqs, 1.0).to(x.dtype)
+        return cast_to(_rotate(x, freqs, 1.0), x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         (freqs,) = ctx.saved_tensors
-        return _rotate(dy, freqs, -1.0).to(dy.dtype), None
+        return cast_to(_rotate(dy, freqs, -1.0), dy.dtype), None
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -122,7 +133,7 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 def swiglu_values(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, computed in fp32, in gate's dtype."""
-    return (F.silu(_wide(gate)) * _wide(up)).to(gate.dtype)
+    return cast_to(F.silu(_wide(gate)) * _wide(up), gate.dtype)
 
 
 def swiglu_grads(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> tuple:
@@ -130,7 +141,7 @@ def swiglu_grads(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> tupl
     gf, dyf = _wide(gate), _wide(dy)
     sig = torch.sigmoid(gf)
     dgate = dyf * _wide(up) * sig * (1.0 + gf * (1.0 - sig))
-    return dgate.to(gate.dtype), (dyf * gf * sig).to(up.dtype)
+    return cast_to(dgate, gate.dtype), cast_to(dyf * gf * sig, up.dtype)
 
 
 class _SwiGLU(torch.autograd.Function):

@@ -26,6 +26,7 @@ import torch
 from engine.fp8.gemm import mm_kn, operand
 from engine.fp8.quantize import Quantized, fp8_dtype, quantize_tiles, scale_of
 from engine.fp8.scaling import ACTIVATION_TILE, WEIGHT_TILE, Recipe
+from kernels.reference import cast_to
 
 
 @dataclass
@@ -97,7 +98,7 @@ class _GroupedFn(torch.autograd.Function):
         wq = fp8.weights(w, len(sizes))
         ctx.saved, ctx.fp8, ctx.sizes, ctx.w_dtype = (xq, wq), fp8, sizes, w.dtype
         out = [mm_kn(a, b, x.dtype) for a, b in zip(xq, wq)]
-        return torch.cat(out).to(x.dtype) if out else x.new_empty((0, w.shape[-1]))
+        return cast_to(torch.cat(out), x.dtype) if out else x.new_empty((0, w.shape[-1]))
 
     @staticmethod
     def backward(ctx, dy):

@@ -21,6 +21,7 @@ from torch import nn
 
 from engine.parallel import comm
 from engine.parallel.layers import Norm, make_param
+from kernels.reference import cast_to
 
 
 def _summed(t: torch.Tensor, group) -> torch.Tensor:
@@ -41,7 +42,7 @@ class _ProjectionRMSNorm(torch.autograd.Function):
         rstd = torch.rsqrt(squares / squares.new_tensor(sizes) + eps)
         ctx.save_for_backward(q, k, wq, wk, rstd)
         ctx.sizes, ctx.group = sizes, group
-        return tuple((x * rstd[..., i, None, None] * w.float().view(x.shape[-2:])).to(t.dtype)
+        return tuple(cast_to(x * rstd[..., i, None, None] * w.float().view(x.shape[-2:]), t.dtype)
                      for i, (x, w, t) in enumerate(zip(xs, (wq, wk), (q, k))))
 
     @staticmethod
