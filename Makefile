@@ -2,7 +2,7 @@
 PYTHON ?= python3
 STAMP := .cache/deps-installed
 
-.PHONY: deps demo test test-fast test-triton gpu-check clean
+.PHONY: deps demo test test-fast test-triton test-torch gpu-check clean
 
 # Torch is never replaced when one is importable (a GPU machine keeps its CUDA build); a machine
 # without one gets the CPU build 2.13.0, never the multi-GB CUDA wheels. Triton is pinned to the
@@ -39,6 +39,18 @@ test-triton: deps
 	@for v in $(TRITON_VERSIONS); do \
 		[ -d .cache/triton-$$v ] || $(PYTHON) -m pip install -q --no-deps --target .cache/triton-$$v triton==$$v || exit 1; \
 		echo "triton $$v:"; PYTHONPATH=.cache/triton-$$v:. $(PYTHON) -m pytest -q tests/test_kernels.py || exit 1; \
+	done
+
+# The whole suite under the oldest torch setup.py allows (2.11, the GPU machines' version) and the newest ones, each
+# in a venv of its own made once under .cache (a CUDA build from PyPI: ~6 GB each; PIP_CONSTRAINT=/dev/null lifts a
+# machine-wide cap on torch's version, where there is one). Not part of `make test`: run it when torch moves.
+TORCH_VERSIONS := 2.11.0 2.14.1 2.15.0
+test-torch:
+	@for v in $(TORCH_VERSIONS); do \
+		[ -x .cache/torch-$$v/bin/python ] || { $(PYTHON) -m venv .cache/torch-$$v && \
+			PIP_CONSTRAINT=/dev/null .cache/torch-$$v/bin/pip install -q torch==$$v wheel && \
+			PIP_CONSTRAINT=/dev/null .cache/torch-$$v/bin/pip install -q --no-build-isolation -e ".[dev]"; } || exit 1; \
+		echo "torch $$v:"; .cache/torch-$$v/bin/python -m pytest -q -n 2 --dist loadfile tests || exit 1; \
 	done
 
 # The prepared GPU check (issue 31): installs nothing, since a lent GPU machine reaches no registry; needs torch
