@@ -159,6 +159,8 @@ class Unit(NamedTuple):
 
 
 class GPTModel(nn.Module):
+    head_fp8 = None  # the output layer's FP8 GEMMs under --fp8-output-layer (engine.fp8.attach), else None
+
     def __init__(self, cfg: ModelConfig, ctx, *, layers: Optional[Sequence[int]] = None, pre_process: bool = True,
                  post_process: bool = True, vocab_size: Optional[int] = None, z_loss_weight: float = 0.0,
                  seed: int = 1234, device=None, dtype=None):
@@ -315,8 +317,12 @@ class GPTModel(nn.Module):
                              self.aux_loss_scale)
 
     def head(self, x, labels):
-        """This rank's vocabulary slice of the logits [b, s, V/tp], or with labels every token's loss [b, s]."""
-        logits = mappings.enter_tp_linear(x, self.output_weight(), None, self.ctx)  # [s, b, V/tp]
+        """This rank's vocabulary slice of the logits [b, s, V/tp], or with labels every token's loss [b, s]. Its
+        GEMMs run in FP8 under --fp8-output-layer (`head_fp8`, engine.fp8.attach gives it)."""
+        if self.head_fp8 is not None:
+            logits = self.head_fp8.enter(x, self.output_weight())
+        else:
+            logits = mappings.enter_tp_linear(x, self.output_weight(), None, self.ctx)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)
         s, b, v = logits.shape

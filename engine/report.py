@@ -115,8 +115,10 @@ def fp8_lines(cfg) -> list:
     scaling = {"tensorwise": "each tensor's current amax", "blockwise": "1x128 activation / 128x128 weight tiles",
                "delayed": f"amax history of {tr.fp8_amax_history_len} steps ({tr.fp8_amax_compute_algo})"}
     return [f"fp8: {tr.fp8_format} ({'e4m3 forward, e5m2 gradients' if tr.fp8_format == 'hybrid' else 'e4m3'}), "
-            f"{tr.fp8_recipe} scaling ({scaling[tr.fp8_recipe]}, margin {tr.fp8_margin}) in the QKV, projection, MLP "
-            f"and expert GEMMs; the output layer, attention core and the rest in {precision_name(cfg)}; MFU is "
+            f"{tr.fp8_recipe} scaling ({scaling[tr.fp8_recipe]}, margin {tr.fp8_margin}) in the QKV, projection, MLP"
+            + (", expert and output layer GEMMs (--fp8-output-layer); the attention core" if tr.fp8_output_layer
+               else " and expert GEMMs; the output layer, attention core")
+            + f" and the rest in {precision_name(cfg)}; MFU is "
             "against the dense bf16 peak (--peak-tflops), the FP8 peak being twice it"
             + ("; the sharded weights' all-gathers move the FP8 linears' and routed experts' weights as FP8 codes "
                "(--fp8-param-gather)" if tr.fp8_param_gather else "")]

@@ -265,6 +265,9 @@ def _check_training(tr: TrainingConfig, dp: int, pp: int, vpp: int) -> None:
         _err("--bf16", "with --fp16", "choose one precision")
     if tr.fp8_recipe in FP8_BLACKWELL_RECIPES:
         _err("--fp8-recipe", tr.fp8_recipe, "needs Blackwell tensor cores; use tensorwise, delayed or blockwise")
+    if tr.fp8_output_layer and tr.fp8_format is None:
+        _err("--fp8-output-layer", True, "puts the output layer's GEMMs in FP8, and nothing runs in FP8; add "
+                                         "--fp8-format or drop it")
 
 
 def _check_optim(opt: OptimizerConfig, tr: Optional[TrainingConfig] = None) -> None:

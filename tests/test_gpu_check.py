@@ -75,8 +75,13 @@ def test_dry_run_figures(dry_run):
     compiled = [r for r in s["training"]["tables"]["training"] if r["mode"] == "compile"]
     assert compiled and all(r["grads_match_eager"] is True for r in compiled)
     assert result["goals"] and {g["verdict"] for g in result["goals"]} == {"not measured"}
-    delayed = {r["precision"]: r["final_loss"] for r in s["fp8"]["tables"]["fp8_step"] if "delayed" in r["precision"]}
-    assert len(set(delayed.values())) == 1, delayed  # the one-pass codes change no number
+    steps = {r["precision"]: r for r in s["fp8"]["tables"]["fp8_step"]}
+    delayed = {name: r["final_loss"] for name, r in steps.items() if "delayed" in name and "output" not in name}
+    assert len(delayed) == 2 and len(set(delayed.values())) == 1, delayed  # the one-pass codes change no number
+    # delayed with the output layer in FP8 too (--fp8-output-layer): another run, with the planner's prediction
+    # (its pricing: tests/test_fp8_output_layer.py)
+    head = steps["fp8 hybrid delayed, output layer"]
+    assert head["final_loss"] != steps["fp8 hybrid delayed"]["final_loss"] and head["planner_speedup"] > 0
     codes = s["fp8"]["tables"]["fp8_codes"]
     assert [r["pass"] for r in codes] == ["cast", "swiglu forward", "swiglu backward"]
     assert all(r[f"{k}_ms"] > 0 for r in codes for k in ("apart", "delayed", "tensorwise"))

@@ -341,7 +341,8 @@ def main(argv=None) -> int:
     sw = Software(precision=precision, document_length=args.mean_document_length, muon=muon,
                   fp8=cfg.training.fp8_recipe if cfg.training.fp8_format else None,
                   fp8_format=cfg.training.fp8_format or "hybrid",
-                  fp8_param_gather=cfg.training.fp8_param_gather)
+                  fp8_param_gather=cfg.training.fp8_param_gather,
+                  fp8_output_layer=cfg.training.fp8_output_layer)
     if args.tp is not None:
         rows = [estimate_given(args, cfg, batch, seq, gpu, sw)]
     else:

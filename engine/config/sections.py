@@ -86,6 +86,10 @@ class TrainingConfig:
     fp8_param_gather: bool = _f(False, "FP8: the sharded weights' all-gathers move the FP8 linears' and routed "
                                        "experts' weights as their FP8 codes (tensorwise, delayed; optim, "
                                        "optim_grads, optim_grads_params)")
+    fp8_output_layer: bool = _f(False, "FP8: the output layer's GEMMs in FP8 too, with the hidden linears' recipe "
+                                       "(off by default, as in Megatron-LM and torchtitan: it is a fifth of a 1B "
+                                       "Llama's GEMM work at a 128k vocabulary; its gradient in FP8 is coarser)",
+                                megatron=OWN)
     gradient_accumulation_fusion: bool = _f(True, "on CUDA, add each linear's weight gradient into its fp32 gradient "
                                                   "by the matrix product itself (bf16/fp16 weight gradients are then "
                                                   "summed unrounded); the CPU never fuses")

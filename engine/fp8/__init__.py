@@ -2,8 +2,11 @@
 
 `attach` gives every column- and row-parallel linear of a model chunk (QKV, projection, MLP) an
 `Fp8Linear`, the routed experts an `Fp8Experts`, and a SwiGLU MLP without biases under tensor scaling an
-`Fp8SwiGLU` over its two linears (engine.fp8.mlp: SwiGLU's tensors made as FP8 codes); the output layer and
-the router stay in the run's precision, as in Megatron-LM. `finish_step` ends a step of delayed scaling: every
+`Fp8SwiGLU` over its two linears (engine.fp8.mlp: SwiGLU's tensors made as FP8 codes); the router stays in the
+run's precision, and so does the output layer, as in Megatron-LM, unless `--fp8-output-layer` gives it an
+`Fp8Linear` too (`head_fp8`, a column-parallel linear over the vocabulary: named `output_layer` in checkpoints,
+held for the schedule like the others; its weight, the tied embedding's where tied, is gathered in the run's
+precision, which the embedding's lookup reads). `finish_step` ends a step of delayed scaling: every
 tensor's amax of the step is reduced over the pipeline stage's ranks (tp x cp, then dp x cp) in one all-reduce
 each and pushed into its history. `state_dict`/`load_state_dict` carry the histories in checkpoints, keyed by
 layer name (global layer numbers), so they reshard to any layout. `weights_held` spans a step's forward/backward
@@ -28,10 +31,16 @@ from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
 ROLES = ("input", "weight", "grad")
 
 
-def attach(chunk, recipe: Optional[Recipe], ctx) -> None:
-    """Give the chunk's hidden linears and experts their FP8 GEMMs (nothing when `recipe` is None)."""
+OUTPUT_LAYER = "output_layer"  # the output layer's Fp8Linear's name (checkpoints; Megatron-LM's module name)
+
+
+def attach(chunk, recipe: Optional[Recipe], ctx, output_layer: bool = False) -> None:
+    """Give the chunk's hidden linears and experts their FP8 GEMMs (nothing when `recipe` is None); `output_layer`
+    (--fp8-output-layer): the output layer's too, where the chunk has it."""
     if recipe is None:
         return
+    if output_layer and chunk.post_process:
+        chunk.head_fp8 = Fp8Linear(recipe, chunk.output_weight(), ctx)
     for module in chunk.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             module.fp8 = Fp8Linear(recipe, module.weight, ctx)
@@ -48,9 +57,13 @@ def experts(chunks) -> list:
 
 
 def linears(chunks) -> dict:
-    """name -> Fp8Linear over this rank's chunks, in one order on every rank of a stage."""
-    return {name: m.fp8 for chunk in chunks for name, m in chunk.named_modules()
-            if isinstance(getattr(m, "fp8", None), Fp8Linear)}
+    """name -> Fp8Linear over this rank's chunks, in one order on every rank of a stage (the output layer's last)."""
+    out = {name: m.fp8 for chunk in chunks for name, m in chunk.named_modules()
+           if isinstance(getattr(m, "fp8", None), Fp8Linear)}
+    for chunk in chunks:
+        if getattr(chunk, "head_fp8", None) is not None:
+            out[OUTPUT_LAYER] = chunk.head_fp8
+    return out
 
 
 def keepers(chunks) -> list:

@@ -26,6 +26,6 @@ def build_model_chunks(cfg, ctx, *, vocab_size: Optional[int] = None, device=Non
                                post_process=stage == layout.schedule.stages - 1, vocab_size=vocab_size,
                                z_loss_weight=cfg.optim.z_loss_weight, seed=cfg.training.seed, device=device,
                                dtype=dtype))
-        fp8.attach(chunks[-1], Recipe.of(cfg.training), ctx)
+        fp8.attach(chunks[-1], Recipe.of(cfg.training), ctx, output_layer=cfg.training.fp8_output_layer)
     return chunks
 

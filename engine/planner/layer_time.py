@@ -73,8 +73,8 @@ FP32_SLOWDOWN = 15.0
 # 2026-11-27); inside the 1.24B Llama's step on that H200 (`step_profile`, micro batch 2), the hidden linears'
 # 384 torch._scaled_mm took 35.3 ms where their bf16 products took 61.3: 1.74x. So tensor-scaled hidden GEMMs
 # (tensorwise, delayed) run 1.75x faster (torchao reports 1.5-1.8x at large shapes). Blockwise and the experts'
-# GEMMs run dequantized at the bf16 rate in this engine (engine/fp8/gemm.py); the output layer and the attention
-# core stay in bf16.
+# GEMMs run dequantized at the bf16 rate in this engine (engine/fp8/gemm.py); the attention core stays in bf16,
+# and so does the output layer unless --fp8-output-layer (Software.fp8_output_layer) puts it in FP8 too.
 FP8_GEMM_SPEEDUP = 1.75
 # Quantizing, per element of each FP8 operand but the weights (the GEMMs' inputs and output gradients; a weight is
 # quantized once a step, engine.fp8.weights_held), as engine/fp8 does it on CUDA. Tensor scaling reads the bf16
@@ -151,6 +151,15 @@ def _fp8_casts(model: ModelConfig, tokens: float, t: int, gpu: GPUSpec, sw: Soft
     return (tokens * per_token + routed) / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
 
 
+def _head_casts(model: ModelConfig, tokens: float, t: int, gpu: GPUSpec, sw: Software) -> float:
+    """Seconds of the output layer's FP8 casts under --fp8-output-layer, forward and backward: its input (the whole
+    hidden width, as a column-parallel linear's) and its output gradient (this rank's vocabulary share)."""
+    if sw.fp8 is None or not sw.fp8_output_layer:
+        return 0.0
+    width = model.hidden_size + model.padded_vocab_size(t) / t
+    return FP8_CAST_TRAFFIC[sw.fp8] * tokens * width / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
+
+
 def _attention_seconds(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: Software) -> tuple:
     """(forward, backward) seconds of one layer's attention core for one microbatch on one GPU. Under cp
     each rank computes 1/cp of the (load-balanced) score blocks."""
@@ -222,7 +231,8 @@ def layer_costs(model: ModelConfig, layout: Layout, seq: int, gpu: GPUSpec, sw: 
     recompute = {"full": fwd, "selective": attn_fwd}.get(layout.recompute, 0.0)
     vocab = model.padded_vocab_size(t)
     logits_traffic = CROSS_ENTROPY_TRAFFIC * tokens * vocab / t / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
-    head = 3 * gemm_seconds(tokens, vocab / t, h, gpu) + logits_traffic + 2 * all_reduce(2 * tokens * h, t, links.tp)
+    head = 3 * gemm_seconds(tokens, vocab / t, h, gpu, fast if sw.fp8_output_layer else 1.0) + logits_traffic + \
+        _head_casts(model, tokens, t, gpu, sw) + 2 * all_reduce(2 * tokens * h, t, links.tp)
     embed = 2 * all_reduce(2 * tokens * h, t, links.tp)
     # Megatron's scatter-gather optimisation (or sequence parallelism) sends 1/t of the activations.
     p2p = links.pp.seconds(2 * tokens * h / t) if layout.pp > 1 else 0.0

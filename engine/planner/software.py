@@ -22,7 +22,8 @@ class Software:
     the FP8 recipe of the hidden linears (layer_time prices their GEMMs and the casts); fp8_format: e4m3 or
     hybrid (whether the experts' input gradient runs on FP8 tensor cores too). fp8_param_gather: the
     distributed optimizer gathers the FP8 linears' and routed experts' weights as FP8 codes
-    (engine/planner/fp8_gather.py), where the engine takes the flag: see `gathers_fp8`.
+    (engine/planner/fp8_gather.py), where the engine takes the flag: see `gathers_fp8`. fp8_output_layer: the
+    output layer's GEMMs in FP8 too (--fp8-output-layer), at the hidden linears' rate with their casts.
     """
     flash_attention: bool = True
     overlap_grad_reduce: bool = True
@@ -37,6 +38,7 @@ class Software:
     fp8: Optional[str] = None             # --fp8-recipe when --fp8-format is given (None: no FP8)
     fp8_format: str = "hybrid"            # --fp8-format (with fp8)
     fp8_param_gather: bool = False        # --fp8-param-gather
+    fp8_output_layer: bool = False        # --fp8-output-layer
 
     def gathers_fp8(self, sharding) -> bool:
         """Whether the step's priced gathers move FP8 codes under `sharding` (a layout's): --fp8-param-gather
