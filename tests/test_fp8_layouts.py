@@ -210,11 +210,16 @@ def test_the_output_layer_in_fp8_follows_one_rank(references):
     """--fp8-output-layer over a tied embedding: the output layer's GEMMs in FP8 (vocabulary-parallel at tp 2, its
     input's codes all-gathered under SP; at pp 2 the last stage's copy of the embedding; the distributed optimizer
     at dp 2) quantize with one rank's scales, the output layer's among them; the first loss within 1e-4 of one
-    rank's, the curve within 3e-3."""
+    rank's, the curve within 3e-3. Also under ZeRO-3 (the weight quantized at each unit gather, not held), zb-h1's
+    split backward (its weight gradient deferred) and with MLA and an MTP module (which reads the same output layer
+    again each microbatch)."""
     problems = _check([("delayed", _cfg("delayed", tp=2, head=True)),
                        ("tensorwise", _cfg("tensorwise", pp=2, head=True)),
                        ("blockwise", _cfg("blockwise", tp=2, head=True)),
-                       ("delayed", _cfg("delayed", strategy="optim", head=True))], references)
+                       ("delayed", _cfg("delayed", strategy="optim", head=True)),
+                       ("tensorwise", _cfg("tensorwise", strategy="optim_grads_params", head=True)),
+                       ("delayed", _cfg("delayed", pp=2, schedule="zb-h1", head=True)),
+                       ("delayed", _cfg("delayed", tp=2, mla=True, head=True))], references)
     assert not problems, "\n".join(problems)
     for recipe in ("delayed", "tensorwise", "blockwise"):
         scaled = references[(recipe, (False, False, True))]["scales"]
