@@ -43,7 +43,8 @@ def memory_estimate(cfg, ctx, global_batch: int, attention: str):
     return memory_per_gpu(m, layout, m.seq_length, microbatches, precision_name(cfg),
                           flash_attention=attention != "local", overlap_grad_reduce=par.overlap_grad_reduce,
                           overlap_param_gather=par.overlap_param_gather, optimizer=cfg.optim.optimizer,
-                          fp8_param_gather=cfg.training.fp8_param_gather)
+                          fp8_param_gather=cfg.training.fp8_param_gather, fp8=cfg.training.fp8_format is not None,
+                          fp8_output_layer=cfg.training.fp8_output_layer)
 
 
 def _size(nbytes: float) -> str:
@@ -65,7 +66,8 @@ def _memory_line(mem, precision: str, cuda: bool) -> str:
     """The planner's estimate; a CPU process has no CUDA context to reserve for."""
     parts = (f"{_size(mem.allocated)} allocated (weights {_size(mem.weights)}, grads {_size(mem.grads)}, optimizer "
              f"{_size(mem.optimizer)}, activations {_size(mem.activations)}, logits {_size(mem.logits)}"
-             + (f", FP8 gather codes and payloads {_size(mem.fp8_gather)}" if mem.fp8_gather else "") + ")")
+             + (f", FP8 gather codes and payloads {_size(mem.fp8_gather)}" if mem.fp8_gather else "")
+             + (f", FP8 weights held for the step {_size(mem.fp8_held)}" if mem.fp8_held else "") + ")")
     if cuda:
         return (f"memory per GPU (estimate, busiest stage {mem.rank}, {precision}): {_size(mem.total)} = {parts} "
                 "+ allocator slack and the CUDA-context reserve")

@@ -105,3 +105,40 @@ def test_the_planner_prices_the_output_layer_in_fp8():
         assert 0.9 * hidden < both < 0.97 * hidden, (recipe, hidden, both)
     assert step(fp8="blockwise", fp8_output_layer=True) > step(fp8="blockwise")
     assert step(fp8_output_layer=True) == step()  # no FP8 recipe: nothing changes
+
+
+def _held_bytes(keepers) -> int:
+    """The bytes of the FP8 weights the keepers hold now: each linear's codes and their transpose, each routed
+    expert's codes."""
+    total = 0
+    for k in keepers:
+        if isinstance(k.held, dict):  # Fp8Experts: id(weight) -> its codes
+            total += sum(q.data.numel() for g in k.held.values() for q in g.q)
+        elif k.held is not None:
+            total += k.held.q.data.numel() + (k.held.t.data.numel() if k.held.t is not None else 0)
+    return total
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_planner_counts_the_fp8_weights_a_step_holds(moe):
+    """Within a schedule of 2 microbatches the engine keeps each FP8 weight quantized (engine.fp8.weights_held):
+    after the first microbatch's forward and backward, the bytes it holds are the planner's (fp8_held_bytes), the
+    output layer's included; none with one microbatch or under ZeRO-3; and the banner's estimate adds them."""
+    from engine.planner.memory import fp8_held_bytes, memory_per_gpu
+    cfg = tiny_llama(2, SEQ, VOCAB, moe)
+    cfg.model.untie_embeddings_and_output_weights = False
+    ctx = ParallelContext()
+    model = GPTModel(cfg.model, ctx, seed=3, vocab_size=VOCAB)
+    fp8.attach(model, fp8.Recipe("hybrid", "delayed"), ctx, output_layer=True)
+    keepers = fp8.keepers([model])
+    tokens = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(9))
+    with fp8.weights_held(keepers, 2):
+        model(tokens, labels=tokens).mean().backward()
+        held = _held_bytes(keepers)
+    layout = Layout(micro_batch_size=1)
+    assert held > 0 and held == fp8_held_bytes(cfg.model, layout, 0, 2, output_layer=True)
+    assert fp8_held_bytes(cfg.model, layout, 0, 1, output_layer=True) == 0
+    assert fp8_held_bytes(cfg.model, Layout(dp=2, sharding_strategy="optim_grads_params"), 0, 2, True) == 0
+    plain, fp8_run = (memory_per_gpu(cfg.model, layout, SEQ, 2, "fp32", fp8=on, fp8_output_layer=on)
+                      for on in (False, True))
+    assert fp8_run.allocated - plain.allocated == held == fp8_run.fp8_held

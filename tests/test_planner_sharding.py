@@ -387,7 +387,9 @@ def test_fp8_param_gather_prices_llama3_8b():
     saved = 7 / 8 * (link.seconds(2 * P - b.gathered) - link.latency)
     assert base.breakdown["dp_comm"] - got.breakdown["dp_comm"] == pytest.approx(saved, rel=1e-2)
     assert got.memory.fp8_gather == b.codes + b.payloads == pytest.approx(2 * b.codes, rel=1e-3)
-    assert got.memory.allocated - base.memory.allocated == got.memory.fp8_gather
+    # without the flag the weights are held quantized for the step instead (fp8_held_bytes): 2 bytes an element
+    assert base.memory.fp8_held == 2 * b.codes and got.memory.fp8_held == 0
+    assert got.memory.allocated - base.memory.allocated == got.memory.fp8_gather - base.memory.fp8_held
     for layout, recipe in ((lay, "blockwise"), (Layout(dp=8), "delayed")):
         assert run(layout, recipe) == run(layout, recipe, flag=False), (layout.sharding_strategy, recipe)
     from engine.planner.step_time import FSDP_HIDDEN_FRACTION
@@ -401,7 +403,8 @@ def test_fp8_param_gather_prices_llama3_8b():
     layer = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336  # QKV, projection, MLP: a layer's codes
     assert b3.transient == pytest.approx(2 * layer, rel=1e-3)
     assert got.memory.fp8_gather == b3.payloads + b3.transient
-    assert got.memory.allocated - base.memory.allocated == got.memory.fp8_gather
+    assert got.memory.allocated - base.memory.allocated == got.memory.fp8_gather  # ZeRO-3 holds no weight
+    assert base.memory.fp8_held == got.memory.fp8_held == 0
 
 
 def test_fp8_param_gather_prices_the_experts_gathers():

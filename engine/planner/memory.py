@@ -6,7 +6,8 @@ in flight engine/planner/activations.py's; weights, gradients and optimizer stat
 strategy are `state_bytes` (the ZeRO formulas) and engine/planner/sharding.py (the engine's exact bucket
 layout, with the staging and gathering each strategy adds; --fp8-param-gather's codes and payloads are
 engine/planner/fp8_gather.py's: under ZeRO-1/2 the codes and gathered payloads kept, under ZeRO-3 each rank's
-own payloads kept and the unit gathers' code tensors and in-flight payloads at their most). On top come the
+own payloads kept and the unit gathers' code tensors and in-flight payloads at their most; without that flag
+the FP8 weights a step's schedule keeps quantized, `fp8_held_bytes`). On top come the
 logits on the last stage, the largest weight's own gradient before the hook adds it to the fp32 buffer, full
 recomputation's workspace, and (`Memory.total`) the allocator's fragmentation and the fixed CUDA/NCCL reserve.
 """
@@ -22,7 +23,7 @@ from engine.planner.fp8_gather import fp8_gather_bytes
 from engine.layout import Layout
 from engine.planner.activations import in_flight_bytes, layer_activation_bytes, w_store_bytes
 from engine.planner.params import ADAM_MOMENT_BYTES, GRAD_BYTES, MASTER_BYTES, MUON_MOMENTUM_BYTES, PARAM_BYTES
-from engine.planner.sharding import rank_state_bytes, rank_transient_bytes
+from engine.planner.sharding import rank_chunks, rank_state_bytes, rank_transient_bytes
 from engine.planner.stages import end_ranks, moe_layers_per_rank, stage_layer_counts
 
 # Output layer and cross entropy on the last stage, per logit: the 2-byte logits are the only
@@ -54,12 +55,13 @@ class Memory:
     gathered: float = 0.0  # full-size weights: ZeRO-3's gathered units, ZeRO-1/2's all-gather target (or padding)
     fp8_gather: float = 0.0  # --fp8-param-gather: the FP8 codes and the gathers' payloads (planner/fp8_gather.py;
     # ZeRO-3: its own payloads kept, and the most code tensors and gathered payloads its unit gathers hold)
+    fp8_held: float = 0.0  # FP8 weights quantized once for a step's microbatches (fp8_held_bytes)
 
     @property
     def allocated(self) -> float:
         """What torch.cuda.max_memory_allocated should report."""
         return (self.weights + self.grads + self.optimizer + self.activations + self.logits + self.transient
-                + self.staging + self.gathered + self.fp8_gather)
+                + self.staging + self.gathered + self.fp8_gather + self.fp8_held)
 
     @property
     def total(self) -> float:
@@ -120,17 +122,40 @@ def _rank_state(model: ModelConfig, layout: Layout, precision: str, rank: int, b
                                  overlap_param_gather), 0 if fp8 is None else fp8.codes + fp8.payloads + fp8.transient)
 
 
+def fp8_held_bytes(model: ModelConfig, layout: Layout, rank: int, microbatches: int, output_layer: bool = False,
+                   param_gather: bool = False) -> int:
+    """What pipeline rank `rank` keeps of its FP8 weights quantized within a step's schedule of `microbatches`
+    (engine.fp8.weights_held): each FP8 linear's codes and their transpose (2 bytes an element), each routed
+    expert's codes (1), and under --fp8-output-layer the output layer's on the last stage (2). Nothing with one
+    microbatch, or under ZeRO-3, which quantizes at each unit gather. Under --fp8-param-gather the linears and
+    experts take the gathered codes (counted by fp8_gather_bytes) and hold none; the output layer's weight is not
+    gathered as codes and is held still."""
+    if microbatches < 2 or layout.sharding.params:
+        return 0
+
+    def elements(experts: bool) -> int:
+        return sum(end - start for chunk in rank_chunks(model, layout, rank, experts) for spans in chunk.fp8
+                   for start, end in spans)
+    held = 0 if param_gather else 2 * elements(False) + (elements(True) if model.num_experts else 0)
+    if output_layer and rank == end_ranks(layout)[1]:
+        held += 2 * model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size
+    return held
+
+
 def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_microbatches: int,
                    precision: str = "bf16", flash_attention: bool = True, bucket_numel: Optional[int] = None,
                    overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                   optimizer: str = "adam", fp8_param_gather: bool = False) -> Memory:
+                   optimizer: str = "adam", fp8_param_gather: bool = False, fp8: bool = False,
+                   fp8_output_layer: bool = False) -> Memory:
     """Peak memory of the pipeline rank that needs the most; weights, gradients and optimizer state (of
     `optimizer`, --optimizer's) as the engine allocates them (engine/planner/sharding.py, buckets of
     `bucket_numel`: the engine's default), and the sharding strategies' staging and gathering
     (--overlap-grad-reduce keeps one more bucket staged under ZeRO-2/3, --overlap-param-gather one more unit
     gathered under ZeRO-3; both off by default, as in the engine). `fp8_param_gather`: --fp8-param-gather
     (tensor-scaled, a sharded optimizer), which keeps the FP8 codes and the gathers' payloads besides (under
-    ZeRO-3 this rank's payloads, and the code tensors and payloads of the units in flight)."""
+    ZeRO-3 this rank's payloads, and the code tensors and payloads of the units in flight). `fp8`: the hidden linears
+    train in FP8 (--fp8-format), `fp8_output_layer` the output layer too: the weights held quantized for the step
+    (fp8_held_bytes)."""
     counts = stage_layer_counts(model.num_layers, layout)
     n_moe = moe_layers_per_rank(model, layout)
     splits = param_split_per_rank(model, layout)
@@ -171,9 +196,11 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
         acts += (workspace if sum(chunks) else 0.0) + (mtp if r == last else 0.0)
         ends = r in (first, last)
         largest = max(largest_layer_weight if sum(chunks) else 0, vocab_shard * model.hidden_size if ends else 0)
-        state, (staging, gathered), fp8 = classes[cls]
+        state, (staging, gathered), fp8_gather = classes[cls]
+        held = fp8_held_bytes(model, degrees(layout), r, num_microbatches, fp8_output_layer, fp8_param_gather) \
+            if fp8 else 0
         mem = Memory(r, sum(splits[r]), *state, acts, logits if r == last else 0.0, largest * PARAM_BYTES[precision],
-                     staging, gathered, fp8)
+                     staging, gathered, fp8_gather, held)
         if best is None or mem.allocated > best.allocated:
             best = mem
     return best
