@@ -557,7 +557,8 @@ def test_device_timing_queues_each_call_behind_a_device_sleep(monkeypatch):
 
 def test_step_profile_splits_a_steps_time_into_device_and_host(tmp_path, capsys, monkeypatch):
     """benchmarks/gpu/step_profile.py (the H200's FP8 steps were host-bound: it said so) runs on the CPU at tiny
-    size: each precision's step time, host time and top operators, in its printed tables and its JSON. The
+    size: each precision's step time, host time and top operators, in its printed tables and its JSON (delayed
+    scaling with the output layer in FP8 too, `delayed+head`: its products counted as the others). The
     gradient-accumulation fusion is switched on as on CUDA (fp32 here): its fused products (aten::addmm) are counted
     with the others, and the step is timed without it too."""
     import signal
@@ -565,12 +566,12 @@ def test_step_profile_splits_a_steps_time_into_device_and_host(tmp_path, capsys,
     from engine.parallel import grad_accumulation
     monkeypatch.setattr(grad_accumulation, "supported", lambda device, dtype: dtype == torch.float32)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-    step_profile.main(["--size", "tiny", "--warm", "2", "--top", "4", "--precisions", "bf16,delayed",
+    step_profile.main(["--size", "tiny", "--warm", "2", "--top", "4", "--precisions", "bf16,delayed+head",
                        "--out", str(tmp_path)])
     # the trainers it drove gave this process's stop-signal handlers back (left behind, they once hung the suite)
     assert {s: signal.getsignal(s) for s in handlers} == handlers
     results = json.loads((tmp_path / "step_profile.json").read_text())
-    assert [r["precision"] for r in results] == ["bf16", "delayed"]
+    assert [r["precision"] for r in results] == ["bf16", "delayed+head"]  # +head: --fp8-output-layer
     from benchmarks.gpu import models
     from engine import flops
     cfg = models.config("llama", "tiny", 2, 2, 1, bf16=False)
@@ -582,6 +583,6 @@ def test_step_profile_splits_a_steps_time_into_device_and_host(tmp_path, capsys,
         assert r["products"]["tflop"] == pytest.approx(model_tflop, rel=1e-3), (r["products"], model_tflop)
         assert (r.get("fusion_gain", 0) > 0 and r.get("unfused_step_ms", 0) > 0) == (r["precision"] == "bf16")
     out = capsys.readouterr().out
-    assert "## delayed: step" in out and "| delayed by host | ms | calls |" in out
+    assert "## delayed+head: step" in out and "| delayed+head by host | ms | calls |" in out
     assert "; gradient-accumulation fusion " in out
 

@@ -9,6 +9,8 @@ Where the bf16 step fuses its weight gradients into the fp32 ones (gradient-accu
 trainer's step is timed without the fusion and with it again: `fusion_gain`, the unfused step over the fused.
 
     PYTHONPATH=. python3 -m benchmarks.gpu.step_profile --precisions bf16,delayed,tensorwise --out DIR
+
+A precision `RECIPE+head` (delayed+head) is that FP8 recipe with the output layer in FP8 too (--fp8-output-layer).
 """
 from __future__ import annotations
 
@@ -30,7 +32,9 @@ from engine.parallel import grad_accumulation
 def profile_step(precision: str, size: str, micro: int, warm: int, top: int) -> dict:
     """Warm `warm` steps, time them, then profile one: a dict of figures and operator rows."""
     cuda = torch.cuda.is_available()
-    extra = [] if precision == "bf16" else ["--fp8-format", "hybrid", "--fp8-recipe", precision]
+    recipe, _, head = precision.partition("+")  # e.g. delayed+head: with --fp8-output-layer
+    extra = [] if precision == "bf16" else ["--fp8-format", "hybrid", "--fp8-recipe", recipe,
+                                            *(["--fp8-output-layer"] if head else [])]
     cfg = models.config("llama", size, micro, MICROBATCHES, 3 * warm + 1, bf16=cuda, extra=extra)
     ctx, trainer = engine_trainer(cfg, "cuda:0" if cuda else "cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -147,15 +147,13 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
                    overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                    optimizer: str = "adam", fp8_param_gather: bool = False, fp8: bool = False,
                    fp8_output_layer: bool = False) -> Memory:
-    """Peak memory of the pipeline rank that needs the most; weights, gradients and optimizer state (of
-    `optimizer`, --optimizer's) as the engine allocates them (engine/planner/sharding.py, buckets of
-    `bucket_numel`: the engine's default), and the sharding strategies' staging and gathering
-    (--overlap-grad-reduce keeps one more bucket staged under ZeRO-2/3, --overlap-param-gather one more unit
-    gathered under ZeRO-3; both off by default, as in the engine). `fp8_param_gather`: --fp8-param-gather
-    (tensor-scaled, a sharded optimizer), which keeps the FP8 codes and the gathers' payloads besides (under
-    ZeRO-3 this rank's payloads, and the code tensors and payloads of the units in flight). `fp8`: the hidden linears
-    train in FP8 (--fp8-format), `fp8_output_layer` the output layer too: the weights held quantized for the step
-    (fp8_held_bytes)."""
+    """Peak memory of the pipeline rank that needs the most; weights, gradients and optimizer state (of `optimizer`)
+    as the engine allocates them (engine/planner/sharding.py, buckets of `bucket_numel`: the engine's default), and
+    the sharding strategies' staging and gathering (--overlap-grad-reduce keeps one more bucket staged under
+    ZeRO-2/3, --overlap-param-gather one more unit gathered under ZeRO-3; both off by default, as in the engine).
+    `fp8_param_gather`: --fp8-param-gather (tensor-scaled, a sharded optimizer), which keeps the FP8 codes and the
+    gathers' payloads besides (ZeRO-3: this rank's payloads, and the units' in flight with their codes). `fp8`
+    (--fp8-format) and `fp8_output_layer`: the FP8 weights held for the step (fp8_held_bytes)."""
     counts = stage_layer_counts(model.num_layers, layout)
     n_moe = moe_layers_per_rank(model, layout)
     splits = param_split_per_rank(model, layout)
@@ -187,8 +185,10 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
         if cls in classes and not layout.schedule.split_backward:
             continue
         if cls not in classes:
-            classes[cls] = _rank_state(model, degrees(layout), precision, r, bucket_numel, optimizer,
-                                       overlap_grad_reduce, overlap_param_gather, fp8_param_gather)
+            classes[cls] = (*_rank_state(model, degrees(layout), precision, r, bucket_numel, optimizer,
+                                         overlap_grad_reduce, overlap_param_gather, fp8_param_gather),
+                            fp8_held_bytes(model, degrees(layout), r, num_microbatches, fp8_output_layer,
+                                           fp8_param_gather) if fp8 else 0)
         dense_layers = sum(chunks) - n_moe[r]
         per_chunk = (dense_layers * act_dense + n_moe[r] * act_moe) / len(chunks)
         store_chunk = (dense_layers * store + n_moe[r] * store_moe) / len(chunks)
@@ -196,9 +196,7 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
         acts += (workspace if sum(chunks) else 0.0) + (mtp if r == last else 0.0)
         ends = r in (first, last)
         largest = max(largest_layer_weight if sum(chunks) else 0, vocab_shard * model.hidden_size if ends else 0)
-        state, (staging, gathered), fp8_gather = classes[cls]
-        held = fp8_held_bytes(model, degrees(layout), r, num_microbatches, fp8_output_layer, fp8_param_gather) \
-            if fp8 else 0
+        state, (staging, gathered), fp8_gather, held = classes[cls]
         mem = Memory(r, sum(splits[r]), *state, acts, logits if r == last else 0.0, largest * PARAM_BYTES[precision],
                      staging, gathered, fp8_gather, held)
         if best is None or mem.allocated > best.allocated:
