@@ -40,11 +40,12 @@ def memory_estimate(cfg, ctx, global_batch: int, attention: str):
     """engine.planner.memory's estimate for this run's layout (the busiest pipeline stage)."""
     par, m, layout = cfg.parallel, cfg.model, ctx.layout
     microbatches = global_batch // (layout.micro_batch_size * layout.dp)
+    tr = cfg.training
     return memory_per_gpu(m, layout, m.seq_length, microbatches, precision_name(cfg),
                           flash_attention=attention != "local", overlap_grad_reduce=par.overlap_grad_reduce,
                           overlap_param_gather=par.overlap_param_gather, optimizer=cfg.optim.optimizer,
-                          fp8_param_gather=cfg.training.fp8_param_gather, fp8=cfg.training.fp8_format is not None,
-                          fp8_output_layer=cfg.training.fp8_output_layer)
+                          fp8_param_gather=tr.fp8_param_gather, fp8=tr.fp8_recipe if tr.fp8_format else None,
+                          fp8_output_layer=tr.fp8_output_layer)
 
 
 def _size(nbytes: float) -> str:

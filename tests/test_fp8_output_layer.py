@@ -123,7 +123,8 @@ def _held_bytes(keepers) -> int:
 def test_the_planner_counts_the_fp8_weights_a_step_holds(moe):
     """Within a schedule of 2 microbatches the engine keeps each FP8 weight quantized (engine.fp8.weights_held):
     after the first microbatch's forward and backward, the bytes it holds are the planner's (fp8_held_bytes), the
-    output layer's included; none with one microbatch or under ZeRO-3; and the banner's estimate adds them."""
+    output layer's included; none with one microbatch or under ZeRO-3; and the banner's estimate adds them, and the
+    logits' gradient's codes."""
     from engine.planner.memory import fp8_held_bytes, memory_per_gpu
     cfg = tiny_llama(2, SEQ, VOCAB, moe)
     cfg.model.untie_embeddings_and_output_weights = False
@@ -139,6 +140,8 @@ def test_the_planner_counts_the_fp8_weights_a_step_holds(moe):
     assert held > 0 and held == fp8_held_bytes(cfg.model, layout, 0, 2, output_layer=True)
     assert fp8_held_bytes(cfg.model, layout, 0, 1, output_layer=True) == 0
     assert fp8_held_bytes(cfg.model, Layout(dp=2, sharding_strategy="optim_grads_params"), 0, 2, True) == 0
-    plain, fp8_run = (memory_per_gpu(cfg.model, layout, SEQ, 2, "fp32", fp8=on, fp8_output_layer=on)
-                      for on in (False, True))
-    assert fp8_run.allocated - plain.allocated == held == fp8_run.fp8_held
+    plain, fp8_run = (memory_per_gpu(cfg.model, layout, SEQ, 2, "fp32", fp8=recipe, fp8_output_layer=True)
+                      for recipe in (None, "delayed"))
+    # and at the output layer's backward the logits' gradient as codes and their transpose: 2 bytes a logit
+    assert fp8_run.fp8_held == held and fp8_run.logits - plain.logits == 2 * SEQ * VOCAB
+    assert fp8_run.allocated - plain.allocated == held + 2 * SEQ * VOCAB

@@ -35,6 +35,11 @@ LOGIT_BYTES = 2
 # allocated; PyTorch's caching allocator typically reserves 5-15% more than it allocates), and a fixed
 # reserve for the CUDA context, cuBLAS workspaces and NCCL buffers (~1.5-2.5 GiB per process).
 MEMORY_FRAGMENTATION = 0.10
+# Under --fp8-output-layer the output layer's backward quantizes the logits' gradient (written over the logits by the
+# loss) for its two GEMMs, per logit of one head: tensor scaling writes its codes and their transpose (2 bytes);
+# blockwise makes an fp32 |x| for its tiles' amaxes (4), the codes (1), then the same along the tokens for the
+# weight gradient (1 more kept): about 6 at once.
+FP8_LOGIT_GRAD_BYTES = {"tensorwise": 2, "delayed": 2, "blockwise": 6}
 MEMORY_RESERVED_GIB = 2.0
 
 GIB = 2.0 ** 30
@@ -142,10 +147,18 @@ def fp8_held_bytes(model: ModelConfig, layout: Layout, rank: int, microbatches: 
     return held
 
 
+def _logit_bytes(model: ModelConfig, layout: Layout, seq_length: int, fp8_head: Optional[str]) -> float:
+    """The last stage's logits (this rank's vocabulary share), the output layer's and again each MTP module's; with
+    the output layer in FP8 under recipe `fp8_head`, one head's logits' gradient quantized besides."""
+    one = seq_length // layout.cp * layout.micro_batch_size * (model.padded_vocab_size(layout.tp) // layout.tp)
+    heads = 1 + (model.mtp_num_layers or 0)
+    return LOGIT_BYTES * one * heads + (FP8_LOGIT_GRAD_BYTES[fp8_head] * one if fp8_head else 0)
+
+
 def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_microbatches: int,
                    precision: str = "bf16", flash_attention: bool = True, bucket_numel: Optional[int] = None,
                    overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                   optimizer: str = "adam", fp8_param_gather: bool = False, fp8: bool = False,
+                   optimizer: str = "adam", fp8_param_gather: bool = False, fp8: Optional[str] = None,
                    fp8_output_layer: bool = False) -> Memory:
     """Peak memory of the pipeline rank that needs the most; weights, gradients and optimizer state (of `optimizer`)
     as the engine allocates them (engine/planner/sharding.py, buckets of `bucket_numel`: the engine's default), and
@@ -153,7 +166,8 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
     ZeRO-2/3, --overlap-param-gather one more unit gathered under ZeRO-3; both off by default, as in the engine).
     `fp8_param_gather`: --fp8-param-gather (tensor-scaled, a sharded optimizer), which keeps the FP8 codes and the
     gathers' payloads besides (ZeRO-3: this rank's payloads, and the units' in flight with their codes). `fp8`
-    (--fp8-format) and `fp8_output_layer`: the FP8 weights held for the step (fp8_held_bytes)."""
+    (the recipe, None without FP8) and `fp8_output_layer`: the FP8 weights held for the step (fp8_held_bytes), and
+    the logits' gradient quantized (FP8_LOGIT_GRAD_BYTES)."""
     counts = stage_layer_counts(model.num_layers, layout)
     n_moe = moe_layers_per_rank(model, layout)
     splits = param_split_per_rank(model, layout)
@@ -171,8 +185,7 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, seq_length: int, num_micr
     if layout.recompute == "full":
         workspace = max(act("none", False), act("none", True) if any(n_moe) else 0.0)
     vocab_shard = model.padded_vocab_size(layout.tp) // layout.tp
-    heads = 1 + (model.mtp_num_layers or 0)  # the output layer's logits, and again for each MTP module
-    logits = LOGIT_BYTES * seq_length // layout.cp * layout.micro_batch_size * vocab_shard * heads
+    logits = _logit_bytes(model, layout, seq_length, fp8 if fp8_output_layer else None)
     # MTP's layers run once a microbatch on the last stage, with its backward right after (never recomputed)
     mtp = (model.mtp_num_layers or 0) * act("none", model.num_layers - 1 in model.moe_layers())
     largest_layer_weight = _largest_weight(model, layout)

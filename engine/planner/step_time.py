@@ -199,7 +199,7 @@ def estimate(model: ModelConfig, layout: Layout, gpu: GPUSpec, global_batch: int
     mem = memory_per_gpu(model, layout, seq, m, software.precision, software.flash_attention,
                          overlap_grad_reduce=software.overlap_grad_reduce,
                          overlap_param_gather=software.overlap_param_gather,
-                         fp8_param_gather=software.gathers_fp8(layout.sharding), fp8=software.fp8 is not None,
+                         fp8_param_gather=software.gathers_fp8(layout.sharding), fp8=software.fp8,
                          fp8_output_layer=software.fp8_output_layer,
                          optimizer="adam" if software.muon is None else "muon")
     n_gpus = layout.num_gpus
