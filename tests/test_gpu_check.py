@@ -82,6 +82,10 @@ def test_dry_run_figures(dry_run):
     # (its pricing: tests/test_fp8_output_layer.py)
     head = steps["fp8 hybrid delayed, output layer"]
     assert head["final_loss"] != steps["fp8 hybrid delayed"]["final_loss"] and head["planner_speedup"] > 0
+    # each run's memory beside the planner's (no peak without CUDA): the output layer's held codes and its quantized
+    # logits' gradient on top of delayed's, the held weights on top of bf16's
+    assert all(r["peak_gib"] is None and r["planner_gib"] > 0 for r in steps.values())
+    assert head["planner_gib"] > steps["fp8 hybrid delayed"]["planner_gib"] > steps["fp32 (CPU)"]["planner_gib"]
     codes = s["fp8"]["tables"]["fp8_codes"]
     assert [r["pass"] for r in codes] == ["cast", "swiglu forward", "swiglu backward"]
     assert all(r[f"{k}_ms"] > 0 for r in codes for k in ("apart", "delayed", "tensorwise"))

@@ -33,6 +33,7 @@ from engine.parallel.layers import make_param
 from engine.parallel.topology import ParallelContext
 from engine.planner.software import Software
 from engine.planner.step_time import estimate
+from engine.report import memory_estimate
 from kernels import dispatch
 
 GEMM_ANCHOR = "FP8 peak 2x bf16's (H100 SXM 1,979 vs 989 TFLOP/s); torchao measures 1.5-1.8x at large shapes"
@@ -182,11 +183,13 @@ def steps(opts, record) -> None:
                "microbatches": MICROBATCHES, "steps": iters, "step_s": r["step_s"], "tokens_per_s": r["tokens_per_s"],
                "speedup_vs_bf16": round(base["step_s"] / r["step_s"], 3), "final_loss": r["final_loss"],
                "loss_rel_diff_vs_bf16": round(abs(r["final_loss"] - base["final_loss"]) / base["final_loss"], 5),
-               "planner_speedup": None if name in ("bf16", APART) else round(planned_speedup(size, micro, name), 3)}
+               "planner_speedup": None if name in ("bf16", APART) else round(planned_speedup(size, micro, name), 3),
+               **{k: r[k] for k in ("peak_gib", "planner_gib", "planner_over_measured")}}
         planned = "" if row["planner_speedup"] is None else f", planner {row['planner_speedup']:.2f}x"
+        peak = "" if r["peak_gib"] is None else f"; peak {r['peak_gib']:.2f} GiB, planner {r['planner_gib']:.2f}"
         record.row("fp8_step", row, f"llama {size} {row['precision']}: {r['step_s'] * 1e3:.1f} ms/step "
                    f"({row['speedup_vs_bf16']:.2f}x bf16{planned}), loss after {iters} steps {r['final_loss']:.4f} "
-                   f"({100 * row['loss_rel_diff_vs_bf16']:.2f}% from bf16) (anchor {STEP_ANCHOR})")
+                   f"({100 * row['loss_rel_diff_vs_bf16']:.2f}% from bf16){peak} (anchor {STEP_ANCHOR})")
 
 
 def planned_speedup(size: str, micro: int, name: str) -> float:
@@ -202,15 +205,26 @@ def planned_speedup(size: str, micro: int, name: str) -> float:
 
 
 def _train(size, micro, iters, cuda, device, warm, extra) -> dict:
+    """One run alone: its median step, the mean loss of its last 10 steps, and its peak memory (CUDA: what it
+    allocated above what was allocated before it) beside the planner's (the banner's estimate, FP8's held weights
+    and the quantized logits' gradient included)."""
     cfg = models.config("llama", size, micro, MICROBATCHES, iters, bf16=cuda, extra=extra)
     started = time.time()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if cuda else 0
     ctx, trainer = engine_trainer(cfg, device)
     try:
         times, losses = timed_iterations(trainer, iters, cuda)
         step = statistics.median(times[warm:] or times)
         tokens = micro * MICROBATCHES * cfg.model.seq_length
+        planned = memory_estimate(cfg, ctx, cfg.training.global_batch_size, "flash").allocated
+        peak = torch.cuda.max_memory_allocated() - before if cuda else None
         return {"step_s": round(step, 5), "tokens_per_s": round(tokens / step, 1),
-                "final_loss": round(statistics.mean(losses[-10:]), 5), "seconds": time.time() - started}
+                "final_loss": round(statistics.mean(losses[-10:]), 5), "seconds": time.time() - started,
+                "peak_gib": None if peak is None else float(f"{peak / 2**30:.4g}"),
+                "planner_gib": float(f"{planned / 2**30:.4g}"),
+                "planner_over_measured": None if peak is None else round(planned / peak, 4)}
     finally:
         finish(ctx, trainer)
         del trainer
