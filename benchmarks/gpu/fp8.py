@@ -38,11 +38,15 @@ from kernels import dispatch
 
 GEMM_ANCHOR = "FP8 peak 2x bf16's (H100 SXM 1,979 vs 989 TFLOP/s); torchao measures 1.5-1.8x at large shapes"
 STEP_ANCHOR = "torchtitan Llama 3 8B: 6,667 -> 8,532 tokens/s/GPU (1.28x) with FP8"
-STEP_RECIPES = ("delayed", "tensorwise")  # delayed first: the recipe with the fewer launches a step
 # seconds three 100-step runs of the 1.3B model at micro batch 8 take (the H200: ~0.5 s a step, and a build)
 HUNDRED_STEPS_S = 200
 HEAD = "delayed, output layer"  # delayed with --fp8-output-layer: the output layer's GEMMs in FP8 too
 APART = "delayed, casts apart"  # the delayed step without the one-pass codes (engine.fp8.quantize.ONE_PASS_CODES)
+# The FP8 runs in order, each (recipe, extra flags): delayed first (the recipe with the fewer launches a step), then
+# with the output layer in FP8 too (a fifth of the 1.24B model's GEMM work, its 128k vocabulary), tensorwise, and
+# last, if there is time, delayed with every cast apart, as before the one-pass codes (the fusion's own gain)
+STEP_RUNS = {"delayed": ("delayed", []), HEAD: ("delayed", ["--fp8-output-layer"]), "tensorwise": ("tensorwise", []),
+             APART: ("delayed", [])}
 # bytes an element apart against delayed (SwiGLU backward: a column of the gradient): a cast 2 (amax) + 3 (cast) +
 # 2 (transpose) = 7 against 4; SwiGLU forward 6 (its kernel: gate and up read, the output written) + 7 = 13 against
 # 6; SwiGLU backward 10 + 8 (chunk's copy into one gradient) + 2 x 7 = 32 against 10
@@ -165,12 +169,7 @@ def steps(opts, record) -> None:
                     f"{record.left():.0f} s left (--only fp8 --budgets fp8=300 gives the issue's loss after 100)")
     device, warm = ("cuda:0" if opts.cuda else "cpu"), opts.pick(5, 5, 1)
     runs = {"bf16": _train(size, micro, iters, opts.cuda, device, warm, [])}
-    recipes = {name: (name, []) for name in STEP_RECIPES}
-    # then delayed with the output layer in FP8 too (a fifth of the 1.24B model's GEMM work, its 128k vocabulary);
-    # last, if there is time, delayed with every cast apart, as before the one-pass codes (the fusion's own gain)
-    recipes = {"delayed": recipes.pop("delayed"), HEAD: ("delayed", ["--fp8-output-layer"]), **recipes,
-               APART: ("delayed", [])}
-    for name, (recipe, more) in recipes.items():
+    for name, (recipe, more) in STEP_RUNS.items():
         if record.has_time(f"fp8 {name} step", runs["bf16"]["seconds"] * 1.2):
             with mock.patch.object(quantization, "ONE_PASS_CODES", name != APART):
                 runs[name] = _train(size, micro, iters, opts.cuda, device, warm,
@@ -193,12 +192,13 @@ def steps(opts, record) -> None:
 
 
 def planned_speedup(size: str, micro: int, name: str) -> float:
-    """The planner's bf16 step over its FP8 step (`name`: a recipe, or HEAD) for the same model and micro batches
+    """The planner's bf16 step over its FP8 step (`name`: a recipe, or one of STEP_RUNS) for the same model and micro batches
     on an H100 SXM (the prediction the measured ratio is held against: engine/planner/layer_time.py prices the FP8
     GEMMs and casts)."""
     cfg = models.config("llama", size, micro, MICROBATCHES, 1, bf16=True)
     gpu, layout, seq = GPU_PRESETS["h100-sxm"], Layout(micro_batch_size=micro), cfg.model.seq_length
-    fp8 = Software(fp8="delayed", fp8_output_layer=True) if name == HEAD else Software(fp8=name)
+    recipe, more = STEP_RUNS.get(name, (name, []))
+    fp8 = Software(fp8=recipe, fp8_output_layer="--fp8-output-layer" in more)
     base, fast = (estimate(cfg.model, layout, gpu, micro * MICROBATCHES, seq, software=sw).step_time_s
                   for sw in (Software(), fp8))
     return base / fast

@@ -33,6 +33,8 @@ def profile_step(precision: str, size: str, micro: int, warm: int, top: int) -> 
     """Warm `warm` steps, time them, then profile one: a dict of figures and operator rows."""
     cuda = torch.cuda.is_available()
     recipe, _, head = precision.partition("+")  # e.g. delayed+head: with --fp8-output-layer
+    if head not in ("", "head"):
+        raise SystemExit(f"step_profile: --precisions {precision!r}: the one suffix is +head (--fp8-output-layer)")
     extra = [] if precision == "bf16" else ["--fp8-format", "hybrid", "--fp8-recipe", recipe,
                                             *(["--fp8-output-layer"] if head else [])]
     cfg = models.config("llama", size, micro, MICROBATCHES, 3 * warm + 1, bf16=cuda, extra=extra)
